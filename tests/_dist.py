@@ -1,0 +1,116 @@
+"""Run a function on N real gloo ranks (no mocked process group) and collect what each returns.
+
+Each rank is a fresh `spawn`ed interpreter with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set exactly
+as torchrun would set them, and a gloo process group already initialised. A rank that raises
+reports its traceback; a rank that hangs is killed after `timeout` seconds and the test fails
+naming it, so a broken collective can never wedge the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: dict[str, str],
+    local_world_size: int,
+    queue: Any,
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % local_world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_RANK": str(rank // local_world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+    local_world_size: int | None = None,
+    expect_errors: bool = False,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
+
+    With `expect_errors=True` a rank's traceback string is returned in its slot instead of
+    failing the test (for failure-propagation tests); a hang still fails.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, dict(env or {}), local_world_size or world_size, queue),
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and time.monotonic() < deadline:
+        if not queue.empty():
+            rank, status, payload = queue.get()
+            results[rank] = (status, payload)
+            continue
+        if all(not p.is_alive() for p in procs) and queue.empty():
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()) if len(results) == world_size else 0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise AssertionError(
+            f"ranks {missing} did not report within {timeout:.0f}s (hung or crashed; exit codes "
+            f"{[procs[r].exitcode for r in missing]}); reported: "
+            + "; ".join(f"rank {r}: {s}" for r, (s, _) in sorted(results.items()))
+            + "".join(f"\n--- rank {r} ---\n{p}" for r, (s, p) in sorted(results.items()) if s == "error")
+        )
+    errors = {r: p for r, (s, p) in results.items() if s == "error"}
+    if errors and not expect_errors:
+        raise AssertionError("".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [results[r][1] for r in range(world_size)]

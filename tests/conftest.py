@@ -1,0 +1,8 @@
+import os
+import sys
+
+# Worker processes spawned by tests/_dist.py import test modules by name: keep tests/ importable.
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
