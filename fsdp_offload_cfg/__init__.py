@@ -1,6 +1,44 @@
-"""fsdp_offload_cfg: config-driven FSDP2 memory savers for accelerate and transformers."""
+"""fsdp_offload_cfg: config-driven FSDP2 memory savers for accelerate and transformers.
 
-from fsdp_offload_cfg.config import ActivationOffloadConfig, ConfigError, FSDPOffloadConfig
+    import fsdp_offload_cfg
+    fsdp_offload_cfg.patch()          # first line of the training script
 
-__all__ = ["ActivationOffloadConfig", "ConfigError", "FSDPOffloadConfig"]
+Rank-0 meta loading (`cpu_ram_efficient_loading`) and activation CPU offload
+(`activation_cpu_offload`) are switched on by the same config file `accelerate launch` reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_offload_cfg.config import ActivationOffloadConfig, ConfigError, FSDPOffloadConfig, load_config
+from fsdp_offload_cfg.patching import PatchSession, UnsupportedVersionError, active_config, patch, unpatch
+
+__all__ = [
+    "ActivationOffloadConfig",
+    "ConfigError",
+    "FSDPOffloadConfig",
+    "PatchSession",
+    "UnsupportedVersionError",
+    "active_config",
+    "enable_activation_offload",
+    "load_config",
+    "offload_stats",
+    "patch",
+    "unpatch",
+]
 __version__ = "0.1.0"
+
+
+def enable_activation_offload(model: Any, config: ActivationOffloadConfig | None = None, **kwargs: Any) -> Any:
+    """Offload saved activations of `model`'s layers to host memory; usable without accelerate."""
+    from fsdp_offload_cfg.offload import enable_activation_offload as _enable
+
+    return _enable(model, config, **kwargs)
+
+
+def offload_stats() -> dict[str, int]:
+    """Cumulative offload counters: offloaded/reloaded bytes, peak resident bytes, pinned pool."""
+    from fsdp_offload_cfg.offload import offload_stats as _stats
+
+    return _stats()

@@ -1,0 +1,379 @@
+"""The patches themselves: what each replacement does to accelerate and transformers.
+
+Each builder takes the original callable and the validated config and returns the replacement.
+`patching.PATCHES` order is application order. Replacements stay thin: the real work lives in
+`fsdp_offload_cfg.loading` and `fsdp_offload_cfg.offload`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg.config import FSDPOffloadConfig
+
+logger = get_logger("fsdp_offload_cfg.integrations")
+
+# --------------------------------------------------------------------------------------------
+# What the config asks for
+# --------------------------------------------------------------------------------------------
+
+
+def fsdp_requested(cfg: FSDPOffloadConfig) -> bool:
+    """accelerate's `distributed_type: FSDP` (or a Trainer `fsdp` setting) in the config."""
+    return (cfg.distributed_type or "").upper() == "FSDP"
+
+
+def has_accelerator_device() -> bool:
+    """Any device accelerate would pick over the CPU (CUDA, XPU, NPU, MPS excluded on purpose)."""
+    if torch.cuda.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return True
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def launched_distributed() -> bool:
+    """A launcher (torchrun / accelerate launch) started more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("LOCAL_RANK") is not None
+
+
+def cpu_fsdp_needed(cfg: FSDPOffloadConfig) -> bool:
+    """FSDP asked for, several processes, no GPU: stock accelerate would silently drop FSDP."""
+    return fsdp_requested(cfg) and not has_accelerator_device() and launched_distributed()
+
+
+def loader_enabled(cfg: FSDPOffloadConfig) -> bool:
+    return fsdp_requested(cfg) and cfg.cpu_ram_efficient_loading and cfg.version == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Environment accelerate and transformers read
+# --------------------------------------------------------------------------------------------
+
+_ENV_FROM_CONFIG: dict[str, str] = {
+    "version": "FSDP_VERSION",
+    "reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "offload_params": "FSDP_OFFLOAD_PARAMS",
+    "min_num_params": "FSDP_MIN_NUM_PARAMS",
+    "auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+    "transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "backward_prefetch": "FSDP_BACKWARD_PREFETCH",
+    "state_dict_type": "FSDP_STATE_DICT_TYPE",
+    "forward_prefetch": "FSDP_FORWARD_PREFETCH",
+    "use_orig_params": "FSDP_USE_ORIG_PARAMS",
+    "cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
+    "sync_module_states": "FSDP_SYNC_MODULE_STATES",
+    "activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+    "ignored_modules": "FSDP_IGNORED_MODULES",
+    "sharding_strategy": "FSDP_SHARDING_STRATEGY",
+}
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return ",".join(value)
+    return str(value)
+
+
+def accelerate_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
+    """The variables `accelerate launch` would export for this config (what transformers gates on)."""
+    if not fsdp_requested(cfg):
+        return {}
+    env = {"ACCELERATE_USE_FSDP": "true"}
+    for field, var in _ENV_FROM_CONFIG.items():
+        value = getattr(cfg, field)
+        if value is not None:
+            env[var] = _env_value(value)
+    if cfg.mixed_precision is not None:
+        env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
+    if cpu_fsdp_needed(cfg):
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+def export_accelerate_env(cfg: FSDPOffloadConfig) -> dict[str, str | None]:
+    """Set the config's accelerate variables; return the previous values so unpatch restores them.
+
+    Under `accelerate launch` they already hold the same values; under `torchrun` or the Trainer
+    this is what makes `Accelerator()` and transformers' loading gate see the config.
+    """
+    wanted = accelerate_env(cfg)
+    before = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    return before
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2 on a CPU-only machine (gloo)
+# --------------------------------------------------------------------------------------------
+
+
+def build_partial_state_init(original: Callable[..., None], cfg: FSDPOffloadConfig) -> Callable[..., None]:
+    """Force `cpu=True` so the process group comes up on gloo instead of `distributed_type NO`."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:
+        original(self, cpu or cpu_fsdp_needed(cfg), **kwargs)
+
+    return __init__
+
+
+def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffloadConfig) -> Callable[..., None]:
+    """Promote `MULTI_CPU` to `FSDP` with the plugin, exactly as accelerate does for GPUs."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+
+        was_initialized = self.initialized if hasattr(self, "_shared_state") and self._shared_state else False
+        original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        plugin = bound.arguments.get("fsdp_plugin")
+        if was_initialized or plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if not cpu_fsdp_needed(cfg):
+            return
+        self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        logger.debug("promoted MULTI_CPU to FSDP (gloo) for a CPU-only run")
+
+    return __init__
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: rank 0 reads, the others build on meta
+# --------------------------------------------------------------------------------------------
+
+_REENTRY = threading.local()
+
+
+@contextmanager
+def _inside_loader() -> Iterator[bool]:
+    """True when already inside a patched loader call (nested from_pretrained/_from_config)."""
+    nested = getattr(_REENTRY, "active", False)
+    _REENTRY.active = True
+    try:
+        yield nested
+    finally:
+        _REENTRY.active = nested
+
+
+def ensure_process_group() -> None:
+    """Bring the process group up through accelerate (gloo on CPU) if the script has not yet."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        from accelerate.state import PartialState
+
+        PartialState()
+
+
+def _rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
+    return loader_enabled(cfg) and launched_distributed()
+
+
+def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        with _inside_loader() as nested:
+            if nested or not _rank0_loading_active(cfg):
+                return original(cls, *args, **kwargs)
+            from fsdp_offload_cfg.loading import rank0_from_pretrained
+
+            ensure_process_group()
+            return rank0_from_pretrained(original, cls, *args, **kwargs)
+
+    return from_pretrained
+
+
+def build_from_config(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
+        with _inside_loader() as nested:
+            if nested or not _rank0_loading_active(cfg):
+                return original(cls, config, **kwargs)
+            from fsdp_offload_cfg.loading import rank0_from_config
+
+            ensure_process_group()
+            return rank0_from_config(original, cls, config, **kwargs)
+
+    return _from_config
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate's prepare: sharded load from rank 0, then activation offload
+# --------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _stock_loading_off(plugin: Any) -> Iterator[None]:
+    """accelerate's own meta path crashes on persistent buffers; ours replaces it for the call."""
+    saved = plugin.cpu_ram_efficient_loading
+    plugin.cpu_ram_efficient_loading = False
+    try:
+        yield
+    finally:
+        plugin.cpu_ram_efficient_loading = saved
+
+
+def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+        plugin = accelerator.state.fsdp_plugin
+        if isinstance(model, FSDPModule):
+            return original(accelerator, model)
+        if plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading:
+            from fsdp_offload_cfg.loading import load_into_sharded
+
+            def shard(m: torch.nn.Module) -> torch.nn.Module:
+                with _stock_loading_off(plugin):
+                    return original(accelerator, m)
+
+            model = load_into_sharded(
+                model,
+                shard,
+                strategy=cfg.load_strategy,
+                cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+            )
+        else:
+            model = original(accelerator, model)
+        if cfg.activation_cpu_offload.enabled:
+            _enable_offload(model, cfg)
+        return model
+
+    return fsdp2_prepare_model
+
+
+def _enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
+    from fsdp_offload_cfg.offload import enable_activation_offload
+
+    enable_activation_offload(model, cfg.activation_cpu_offload)
+
+
+def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """FSDP1: accelerate wraps the model inside `prepare_model`; hook the offload after it."""
+
+    @functools.wraps(original)
+    def prepare_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        from accelerate.utils import DistributedType
+
+        prepared = original(self, model, *args, **kwargs)
+        if self.distributed_type == DistributedType.FSDP and self.state.fsdp_plugin.fsdp_version == 1:
+            _enable_offload(prepared, cfg)
+        return prepared
+
+    return prepare_model
+
+
+def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """Keep accelerate's optimizer remapping correct when parameters are still on `meta`.
+
+    accelerate maps each old parameter to its sharded replacement by `data_ptr()`; every meta
+    tensor reports 0, so all optimizer slots would collapse onto one parameter on ranks != 0.
+    Give meta parameters a distinct negative id for the duration of the call.
+    """
+
+    @functools.wraps(original)
+    def _prepare_fsdp2(self: Any, *args: Any) -> Any:
+        tagged = [p for obj in args if isinstance(obj, torch.nn.Module) for p in obj.parameters() if p.is_meta]
+        for p in tagged:
+            p.data_ptr = functools.partial(int, -id(p))  # type: ignore[method-assign]
+        try:
+            return original(self, *args)
+        finally:
+            for p in tagged:
+                p.__dict__.pop("data_ptr", None)
+
+    return _prepare_fsdp2
+
+
+# --------------------------------------------------------------------------------------------
+# transformers Trainer: its `fsdp_config` is a config source too
+# --------------------------------------------------------------------------------------------
+
+
+def build_process_fsdp_args(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """Validate `TrainingArguments.fsdp_config` with our schema and make it the active config."""
+
+    @functools.wraps(original)
+    def _process_fsdp_args(self: Any) -> Any:
+        if self.fsdp:
+            from fsdp_offload_cfg.config import load_config
+            from fsdp_offload_cfg.patching import replace_config
+
+            fsdp_config = self.fsdp_config
+            source: Any = fsdp_config if isinstance(fsdp_config, str) else {
+                "fsdp": self.fsdp,
+                "fsdp_config": dict(fsdp_config or {}),
+            }
+            trainer_cfg = load_config(source)
+            replace_config(trainer_cfg, "TrainingArguments.fsdp_config")
+        return original(self)
+
+    return _process_fsdp_args
+
+
+def _always(cfg: FSDPOffloadConfig) -> bool:
+    return True
+
+
+def _offload_fsdp1(cfg: FSDPOffloadConfig) -> bool:
+    return fsdp_requested(cfg) and cfg.activation_cpu_offload.enabled and cfg.version == 1
+
+
+def _fsdp2_prepare_needed(cfg: FSDPOffloadConfig) -> bool:
+    return fsdp_requested(cfg) and cfg.version == 2 and (
+        cfg.cpu_ram_efficient_loading or cfg.activation_cpu_offload.enabled
+    )
+
+
+def _patches() -> list[Any]:
+    from fsdp_offload_cfg.patching import Patch
+
+    acc = ("torch", "accelerate")
+    tf = ("torch", "transformers")
+    return [
+        Patch("cpu-fsdp-state", "accelerate.state", "PartialState.__init__", build_partial_state_init,
+              cpu_fsdp_needed, acc, "bring the process group up on gloo when FSDP is asked for without a GPU"),
+        Patch("cpu-fsdp-accelerator-state", "accelerate.state", "AcceleratorState.__init__",
+              build_accelerator_state_init, cpu_fsdp_needed, acc,
+              "promote MULTI_CPU to FSDP so accelerate runs FSDP2 on the CPU"),
+        Patch("rank0-from-pretrained", "transformers.modeling_utils", "PreTrainedModel.from_pretrained",
+              build_from_pretrained, loader_enabled, tf,
+              "rank 0 reads the checkpoint; other ranks build the model on meta"),
+        Patch("rank0-from-config", "transformers.modeling_utils", "PreTrainedModel._from_config",
+              build_from_config, loader_enabled, tf, "rank 0 initialises from config; other ranks build on meta"),
+        Patch("meta-optimizer-mapping", "accelerate.accelerator", "Accelerator._prepare_fsdp2",
+              build_prepare_fsdp2, loader_enabled, acc, "keep optimizer remapping right for meta parameters"),
+        Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
+              _fsdp2_prepare_needed, acc,
+              "shard on meta and load params + all buffers from rank 0; enable activation offload"),
+        Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
+              build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
+        Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments._process_fsdp_args",
+              build_process_fsdp_args, _always, tf, "validate the Trainer's fsdp_config and apply its plugin keys"),
+    ]
+
+
+PATCHES = _patches()
