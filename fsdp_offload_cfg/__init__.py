@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_offload_cfg.config import ActivationOffloadConfig, ConfigError, FSDPOffloadConfig, load_config
+from fsdp_offload_cfg.config import ActivationOffloadConfig, ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.patching import PatchSession, UnsupportedVersionError, active_config, patch, unpatch
 
 __all__ = [
@@ -28,6 +28,13 @@ __all__ = [
     "unpatch",
 ]
 __version__ = "0.1.0"
+
+
+def load_config(source: Any, overrides: Any = None) -> FSDPOffloadConfig:
+    """Load, normalise and validate a config file or mapping (see `fsdp_offload_cfg.config`)."""
+    from fsdp_offload_cfg.config import load_config as _load
+
+    return _load(source, overrides)
 
 
 def enable_activation_offload(model: Any, config: ActivationOffloadConfig | None = None, **kwargs: Any) -> Any:
