@@ -1,0 +1,198 @@
+"""Tiny Hugging Face models built from configs and saved locally (nothing is downloaded).
+
+Each builder returns the directory it saved to. Sizes are kept to a few hundred KB so that a
+multi-rank test can load every one of them in a couple of seconds. Other test modules may
+import this file; keep the builders deterministic (fixed seeds) and side-effect free.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from transformers import (
+    CLIPVisionConfig,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+_SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+
+
+def _save(model: PreTrainedModel, path: str, dtype: torch.dtype | None = None) -> str:
+    if dtype is not None:
+        model = model.to(dtype)
+        model.config.dtype = dtype
+    model.save_pretrained(path)
+    return path
+
+
+def llama_config(**overrides) -> LlamaConfig:
+    """Untied Llama with an odd vocab (97 rows: uneven FSDP shards, one rank gets fewer rows)."""
+    kwargs = dict(_SMALL, num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def save_llama(path: str, dtype: torch.dtype | None = None, **overrides) -> str:
+    torch.manual_seed(0)
+    return _save(LlamaForCausalLM(llama_config(**overrides)), path, dtype)
+
+
+def save_qwen2_tied(path: str) -> str:
+    """Qwen2 with `tie_word_embeddings`: lm_head.weight is embed_tokens.weight."""
+    torch.manual_seed(1)
+    config = Qwen2Config(**_SMALL, num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=True)
+    return _save(Qwen2ForCausalLM(config), path)
+
+
+def save_deepseek_v3(path: str, dtype: torch.dtype | None = torch.bfloat16) -> str:
+    """Tiny DeepseekV3: MoE router with a persistent `e_score_correction_bias` holding stored
+    non-zero values (`_init_weights` would zero it), yarn rope scaling, and the router bias in
+    `_keep_in_fp32_modules_strict` (it stays fp32 when the rest is saved/loaded in bf16)."""
+    torch.manual_seed(2)
+    config = DeepseekV3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=256,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        tie_word_embeddings=False,
+    )
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.linspace(0.1, 0.9, buf.numel()))
+    return _save(model, path, dtype)
+
+
+def save_llava(path: str) -> str:
+    """Tiny Llava: CLIP vision tower + projector + Llama text model."""
+    torch.manual_seed(3)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8
+    )
+    text = llama_config()
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=96)
+    return _save(LlavaForConditionalGeneration(config), path)
+
+
+class TinyBufferConfig(PreTrainedConfig):
+    model_type = "tiny_buffer_test"
+
+    def __init__(self, hidden_size: int = 24, vocab_size: int = 31, **kwargs):
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        super().__init__(**kwargs)
+
+
+class TinyBufferModel(PreTrainedModel):
+    """A model whose buffers are int64 and bool, persistent and not, with stored values that no
+    `_init_weights` could recompute; `norm` is kept in fp32 (`_keep_in_fp32_modules_strict`)."""
+
+    config_class = TinyBufferConfig
+    base_model_prefix = "tiny"
+    _keep_in_fp32_modules_strict = ["norm"]
+
+    def __init__(self, config: TinyBufferConfig):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size)
+        self.register_buffer("token_map", torch.arange(config.vocab_size, dtype=torch.int64))
+        self.register_buffer("mask", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("scale", torch.full((config.hidden_size,), 0.5), persistent=False)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if module is self:
+            # Not what was saved: a loader that re-initialises instead of loading is caught.
+            nn.init.zeros_(self.token_map)
+            nn.init.zeros_(self.mask)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = self.token_map[input_ids]
+        h = self.embed(ids) * self.mask[input_ids].unsqueeze(-1) * self.scale
+        return self.norm(self.proj(h))
+
+
+def save_tiny_buffers(path: str) -> str:
+    torch.manual_seed(4)
+    model = TinyBufferModel(TinyBufferConfig())
+    with torch.no_grad():
+        model.token_map.copy_(torch.randperm(model.config.vocab_size))
+        model.mask.copy_(torch.arange(model.config.vocab_size) % 3 != 0)
+    return _save(model, path)
+
+
+def save_llama_300m(path: str) -> str:
+    """~320M-parameter fp32 Llama for the loading benchmark (1.2 GiB of safetensors)."""
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=20,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+        model.model.rotary_emb.__init__(config)  # recompute inv_freq after to_empty
+    return _save(model, path, torch.float32)
+
+
+BUILDERS = {
+    "llama": save_llama,
+    "qwen2_tied": save_qwen2_tied,
+    "deepseek_v3": save_deepseek_v3,
+    "llava": save_llava,
+    "tiny_buffers": save_tiny_buffers,
+    "llama_bf16": lambda p: save_llama(p, dtype=torch.bfloat16),
+}
+
+
+def build_all(root: str, names: list[str] | None = None) -> dict[str, str]:
+    """Save every tiny model under `root/<name>`; returns {name: path}."""
+    return {n: BUILDERS[n](os.path.join(root, n)) for n in (names or list(BUILDERS))}
