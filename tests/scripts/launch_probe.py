@@ -1,0 +1,68 @@
+"""Launched by tests (accelerate launch / torchrun): patch, load, prepare, train, report JSON.
+
+Usage: launch_probe.py CHECKPOINT_DIR [--config PATH] [--steps N]
+Prints one line per rank: `PROBE {json}` with what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import fsdp_offload_cfg
+
+parser = argparse.ArgumentParser()
+parser.add_argument("checkpoint")
+parser.add_argument("--config", default=None)
+parser.add_argument("--steps", type=int, default=2)
+args = parser.parse_args()
+
+session = fsdp_offload_cfg.patch(args.config)
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+accelerator = Accelerator()
+model = AutoModelForCausalLM.from_pretrained(args.checkpoint)
+meta_after_load = sum(p.numel() for p in model.parameters() if p.is_meta)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+
+params = list(model.parameters())
+opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+losses = []
+for step in range(args.steps):
+    g = torch.Generator().manual_seed(step * 10 + accelerator.process_index)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+
+report = {
+    "rank": accelerator.process_index,
+    "source": session.source,
+    "patches": session.patch_names,
+    "distributed_type": accelerator.distributed_type.value,
+    "backend": torch.distributed.get_backend(),
+    "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+    "num_params": len(params),
+    "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
+    "full_numel": sum(p.numel() for p in params),
+    "meta_numel_after_from_pretrained": meta_after_load,
+    "optimizer_holds_model_params": len(opt_params) == len(params)
+    and all(a is b for a, b in zip(opt_params, params)),
+    "losses": losses,
+    "losses_finite": all(math.isfinite(x) for x in losses),
+    "offload_enabled": session.config.activation_cpu_offload.enabled,
+}
+if session.config.activation_cpu_offload.enabled:
+    report["offload_stats"] = fsdp_offload_cfg.offload_stats()
+print("PROBE " + json.dumps(report), flush=True)
+accelerator.end_training()
+sys.exit(0)

@@ -1,0 +1,144 @@
+"""End to end through the real launchers: `accelerate launch` and `torchrun`, 2 gloo ranks on the CPU.
+
+These are the user's paths: a config file they already launch with, `patch()` with no argument,
+stock `Accelerator()` / `from_pretrained` / `prepare`. Every run is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _dist import free_port
+from _models import save_llama
+
+pytestmark = pytest.mark.distributed
+
+HERE = Path(__file__).parent
+PROBE = HERE / "scripts" / "launch_probe.py"
+TRAINER_PROBE = HERE / "scripts" / "trainer_probe.py"
+BIN = Path(sys.executable).parent
+
+CPU_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+machine_rank: 0
+num_processes: 2
+mixed_precision: 'no'
+use_cpu: {use_cpu}
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_cpu_ram_efficient_loading: {loading}
+{extra}"""
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _run(cmd: list[str], timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=HERE.parent)
+    return proc, time.monotonic() - start
+
+
+def _reports(proc: subprocess.CompletedProcess[str]) -> list[dict]:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    lines = [line[len("PROBE "):] for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    reports = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1], proc.stdout[-4000:]
+    return reports
+
+
+def _accelerate_launch(config: Path, *script_args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config),
+                 "--main_process_port", str(free_port()), str(PROBE), *script_args])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+def _write(tmp_path: Path, name: str, **fields: str) -> Path:
+    values = {"use_cpu": "true", "loading": "false", "extra": ""}
+    values.update(fields)
+    path = tmp_path / name
+    path.write_text(CPU_YAML.format(**values))
+    return path
+
+
+def _assert_fsdp2_sharded(reports: list[dict]) -> None:
+    for r in reports:
+        assert r["distributed_type"] == "FSDP" and r["backend"] == "gloo", r
+        assert r["dtensor_params"] == r["num_params"] > 0, r
+        assert r["local_numel"] < 0.75 * r["full_numel"], r  # each rank holds about half
+        assert r["optimizer_holds_model_params"], r
+        assert r["losses_finite"], r
+    assert reports[0]["losses"] == reports[1]["losses"]
+
+
+@pytest.mark.parametrize("use_cpu", ["true", "false"])
+def test_accelerate_launch_finds_its_config_and_runs_fsdp2_on_cpu(tmp_path: Path, checkpoint: str, use_cpu: str):
+    config = _write(tmp_path, "fsdp2_cpu.yaml", use_cpu=use_cpu)
+    reports = _reports(_accelerate_launch(config, checkpoint)[0])
+    _assert_fsdp2_sharded(reports)
+    for r in reports:
+        assert str(config) in r["source"], r["source"]
+        assert "cpu-fsdp-accelerator-state" in r["patches"]
+
+
+def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoint: str):
+    config = _write(tmp_path, "full.yaml", loading="true",
+                    extra="  activation_cpu_offload: true\n  load_strategy: broadcast\n")
+    reports = _reports(_accelerate_launch(config, checkpoint)[0])
+    _assert_fsdp2_sharded(reports)
+    rank0, rank1 = reports
+    assert rank0["meta_numel_after_from_pretrained"] == 0
+    assert rank1["meta_numel_after_from_pretrained"] == rank1["full_numel"]  # zero parameter bytes
+    for r in reports:
+        assert r["offload_enabled"] and r["offload_stats"]["offloaded_bytes"] > 0, r
+
+
+def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoint: str):
+    config = _write(tmp_path, "typo.yaml", extra="  fsdp_activaton_cpu_offload: true\n")
+    proc, elapsed = _accelerate_launch(config, checkpoint)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "activaton_cpu_offload" in output and "activation_cpu_offload" in output, output[-3000:]
+    assert "PROBE" not in proc.stdout  # stopped before any model was built
+    assert elapsed < 60, elapsed
+
+
+def test_torchrun_with_explicit_config_path(tmp_path: Path, checkpoint: str):
+    config = _write(tmp_path, "torchrun.yaml", loading="true")
+    proc, _ = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    "--master_port", str(free_port()), str(PROBE), checkpoint, "--config", str(config)])
+    reports = _reports(proc)
+    _assert_fsdp2_sharded(reports)
+    assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]
+
+
+def test_trainer_fsdp_config_with_plugin_keys(tmp_path: Path, checkpoint: str):
+    proc, _ = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    "--master_port", str(free_port()), str(TRAINER_PROBE), checkpoint, str(tmp_path / "out")])
+    reports = _reports(proc)
+    for r in reports:
+        assert r["distributed_type"] == "FSDP" and r["dtensor_params"] == r["num_params"], r
+        assert r["source"] == "TrainingArguments.fsdp_config", r
+        assert r["offload_enabled"] and r["offload_stats"]["offloaded_bytes"] > 0, r
+        assert r["train_loss_finite"], r
+    assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]

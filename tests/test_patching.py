@@ -1,0 +1,209 @@
+"""patch() / unpatch(): registry, reversibility, idempotence, version guard, discovery (in-process)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import pytest
+
+import fsdp_offload_cfg
+from fsdp_offload_cfg import ConfigError, FSDPOffloadConfig, patching
+from fsdp_offload_cfg import integrations
+from fsdp_offload_cfg.config import ActivationOffloadConfig
+from fsdp_offload_cfg.discovery import _config_file_arg, _is_accelerate_launch, discover_config
+
+EVERYTHING_ON = FSDPOffloadConfig(
+    distributed_type="FSDP",
+    version=2,
+    cpu_ram_efficient_loading=True,
+    activation_cpu_offload=ActivationOffloadConfig(enabled=True),
+    source="<test>",
+)
+FSDP1_OFFLOAD = FSDPOffloadConfig(
+    distributed_type="FSDP", version=1, activation_cpu_offload=ActivationOffloadConfig(enabled=True)
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch):
+    # A launcher's variables make `cpu_fsdp_needed` true, as under torchrun on a CPU machine.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for key in list(os.environ):
+        if key.startswith("FSDP_") or key.startswith("ACCELERATE_"):
+            monkeypatch.delenv(key)
+    fsdp_offload_cfg.unpatch()
+    yield
+    fsdp_offload_cfg.unpatch()
+
+
+def _raw(p: patching.Patch) -> Any:
+    owner, attr, raw = patching._resolve(p)
+    return raw
+
+
+def _snapshot() -> dict[str, Any]:
+    return {p.name: _raw(p) for p in integrations.PATCHES}
+
+
+def test_registry_targets_where_symbols_are_looked_up():
+    targets = {(p.module, p.attribute) for p in integrations.PATCHES}
+    # accelerate.accelerator imports fsdp2_prepare_model by name: the patch must go there.
+    assert ("accelerate.accelerator", "fsdp2_prepare_model") in targets
+    assert all(p.requires for p in integrations.PATCHES)
+
+
+def test_unpatch_restores_every_original_object_and_env():
+    before = _snapshot()
+    env_before = dict(os.environ)
+    session = fsdp_offload_cfg.patch(EVERYTHING_ON)
+    applied = set(session.patch_names)
+    assert {"fsdp2-prepare-model", "rank0-from-pretrained", "cpu-fsdp-state"} <= applied
+    for p in integrations.PATCHES:
+        if p.name in applied:
+            assert _raw(p) is not before[p.name], p.name
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"
+    fsdp_offload_cfg.unpatch()
+    after = _snapshot()
+    for name, original in before.items():
+        assert after[name] is original, name
+    assert dict(os.environ) == env_before
+    import accelerate.accelerator as acc
+
+    assert acc.fsdp2_prepare_model is importlib.import_module("accelerate.utils.fsdp_utils").fsdp2_prepare_model
+
+
+def test_classmethods_stay_classmethods_and_restore_exactly():
+    from transformers.modeling_utils import PreTrainedModel
+
+    raw = PreTrainedModel.__dict__["from_pretrained"]
+    fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert isinstance(PreTrainedModel.__dict__["from_pretrained"], classmethod)
+    assert PreTrainedModel.__dict__["from_pretrained"] is not raw
+    fsdp_offload_cfg.unpatch()
+    assert PreTrainedModel.__dict__["from_pretrained"] is raw
+
+
+def test_double_patch_is_a_noop():
+    first = fsdp_offload_cfg.patch(EVERYTHING_ON)
+    import accelerate.accelerator as acc
+
+    installed = acc.fsdp2_prepare_model
+    second = fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert second is first
+    assert acc.fsdp2_prepare_model is installed  # not wrapped twice
+
+
+def test_patch_with_another_config_reapplies_cleanly():
+    before = _snapshot()
+    fsdp_offload_cfg.patch(EVERYTHING_ON)
+    session = fsdp_offload_cfg.patch(FSDP1_OFFLOAD)
+    assert "fsdp1-activation-offload" in session.patch_names
+    assert "rank0-from-pretrained" not in session.patch_names
+    from transformers.modeling_utils import PreTrainedModel
+
+    assert PreTrainedModel.__dict__["from_pretrained"] is before["rank0-from-pretrained"]
+    fsdp_offload_cfg.unpatch()
+    assert _snapshot() == before
+
+
+def test_context_manager_unpatches():
+    before = _snapshot()
+    with fsdp_offload_cfg.patch(EVERYTHING_ON) as session:
+        assert fsdp_offload_cfg.active_config() is session.config
+    assert fsdp_offload_cfg.active_config() is None
+    assert _snapshot() == before
+
+
+def test_unsupported_version_raises_before_anything_changes(monkeypatch: pytest.MonkeyPatch):
+    before = _snapshot()
+    env_before = dict(os.environ)
+    monkeypatch.setitem(patching.SUPPORTED_VERSIONS, "accelerate", ("99.0", "100"))
+    with pytest.raises(patching.UnsupportedVersionError, match=r"accelerate==.* outside the supported range >=99.0"):
+        fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert _snapshot() == before
+    assert dict(os.environ) == env_before
+    assert fsdp_offload_cfg.active_config() is None
+
+
+def test_missing_target_raises_without_half_patch(monkeypatch: pytest.MonkeyPatch):
+    before = _snapshot()
+    bogus = patching.Patch(
+        "bogus", "accelerate.accelerator", "Accelerator.no_such_method", lambda o, c: o,
+        lambda c: True, ("accelerate",), "target removed upstream",
+    )
+    monkeypatch.setattr(integrations, "PATCHES", [*integrations.PATCHES, bogus])
+    with pytest.raises(patching.UnsupportedVersionError, match="Accelerator.no_such_method"):
+        fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert {k: v for k, v in _snapshot().items()} == before
+    assert fsdp_offload_cfg.active_config() is None
+
+
+def test_bad_config_raises_config_error_naming_key_and_patches_nothing():
+    before = _snapshot()
+    with pytest.raises(ConfigError, match="activaton_cpu_offload"):
+        fsdp_offload_cfg.patch({"activaton_cpu_offload": True})
+    assert _snapshot() == before
+
+
+def test_cpu_fsdp_patches_only_for_fsdp_without_gpu(monkeypatch: pytest.MonkeyPatch):
+    assert integrations.cpu_fsdp_needed(EVERYTHING_ON)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert not integrations.cpu_fsdp_needed(EVERYTHING_ON)  # single process: nothing to shard
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not integrations.cpu_fsdp_needed(FSDPOffloadConfig(distributed_type="MULTI_GPU"))
+
+
+def test_describe_patches_lists_what_patch_applies():
+    described = patching.describe_patches(EVERYTHING_ON)
+    session = fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert [d.split(":")[0] for d in described] == session.patch_names
+
+
+@pytest.mark.parametrize(
+    "cmdline, is_launch, config_file",
+    [
+        (["/v/bin/python", "/v/bin/accelerate", "launch", "--config_file", "a.yaml", "t.py"], True, "a.yaml"),
+        (["accelerate", "launch", "--config-file=b.yaml", "t.py"], True, "b.yaml"),
+        (["python", "-m", "accelerate.commands.launch", "--num_processes", "2", "t.py"], True, None),
+        (["/usr/bin/accelerate-launch", "t.py"], True, None),
+        (["torchrun", "--nproc_per_node", "2", "t.py", "--config_file", "x"], False, "x"),
+        (["python", "train.py", "launch"], False, None),
+    ],
+)
+def test_accelerate_launch_command_lines(cmdline: list[str], is_launch: bool, config_file: str | None):
+    assert _is_accelerate_launch(cmdline) is is_launch
+    assert _config_file_arg(cmdline) == config_file
+
+
+def test_discovery_order_argument_then_env_path_then_fsdp_env(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    env_file = tmp_path / "env.yaml"
+    env_file.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  load_strategy: broadcast\n"
+                        "  fsdp_cpu_ram_efficient_loading: true\n")
+    arg_cfg, arg_source = discover_config({"version": 1}, {})
+    assert arg_cfg.version == 1 and arg_source.startswith("argument")
+
+    monkeypatch.setenv("FSDP_OFFLOAD_CFG", str(env_file))
+    cfg, source = discover_config(None, {})
+    assert cfg.cpu_ram_efficient_loading and str(env_file) in source
+
+    monkeypatch.delenv("FSDP_OFFLOAD_CFG")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    cfg, source = discover_config(None, {})
+    assert cfg.offload_params and "FSDP_*" in source
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    cfg, source = discover_config(None, {})
+    assert "no config found" in source and not integrations.fsdp_requested(cfg)
+
+
+def test_keyword_overrides_reach_the_config():
+    session = fsdp_offload_cfg.patch(EVERYTHING_ON, activation_cpu_offload=False)
+    assert session.config.activation_cpu_offload.enabled is False
+    assert session.config.cpu_ram_efficient_loading is True
