@@ -9,6 +9,7 @@ never leaves a half-patched process; `unpatch()` puts back the exact original ob
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -204,12 +205,11 @@ def unpatch() -> None:
 
 def replace_config(cfg: FSDPOffloadConfig, source: str) -> None:
     """Re-apply with a config found later (the Trainer's `fsdp_config`), keeping it active."""
+    cfg = dataclasses.replace(cfg, source=source)
     if _SESSION is not None and _SESSION.config == cfg:
         return
     unpatch()
     patch(cfg)
-    assert _SESSION is not None
-    _SESSION.source = source
 
 
 def _log_once(session: PatchSession) -> None:

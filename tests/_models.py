@@ -144,6 +144,16 @@ class TinyBufferModel(PreTrainedModel):
             # Not what was saved: a loader that re-initialises instead of loading is caught.
             nn.init.zeros_(self.token_map)
             nn.init.zeros_(self.mask)
+            # transformers 5 leaves non-persistent buffers as uninitialised memory on load unless
+            # `_init_weights` sets them (it recomputes RoPE's inv_freq the same way).
+            nn.init.constant_(self.step, 7)
+            nn.init.constant_(self.scale, 0.5)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> None:
+        return None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = self.token_map[input_ids]

@@ -1,0 +1,123 @@
+"""`fsdp-offload-cfg`: validate config files, print the schema, explain what a config turns on.
+
+Exit codes: 0 all valid; 1 some config is invalid; 2 a file cannot be read or parsed, or the
+command line is wrong (argparse's usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, load_config, normalized_dict
+from fsdp_offload_cfg.schema import schema_text
+
+EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb; return the exit code instead of exiting (the console script exits with it)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_UNREADABLE
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-offload-cfg", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{validate,schema,explain}")
+
+    validate = verbs.add_parser("validate", help="check config files; exit 0 valid, 1 invalid, 2 unreadable")
+    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.add_argument("--format", choices=("text", "json"), default="text")
+    _add_set(validate)
+    validate.set_defaults(run=_validate)
+
+    schema = verbs.add_parser("schema", help="print the JSON Schema of fsdp_config")
+    schema.set_defaults(run=lambda args: _print(schema_text(), end=""))
+
+    explain = verbs.add_parser("explain", help="print the effective config and the patches it turns on")
+    explain.add_argument("file", metavar="FILE")
+    explain.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    _add_set(explain)
+    explain.set_defaults(run=_explain)
+    return parser
+
+
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_override, metavar="KEY=VALUE",
+                        help="override a key, e.g. fsdp_config.activation_cpu_offload=true (repeatable)")
+
+
+def _override(text: str) -> str:
+    if "=" not in text or not text.partition("=")[0].strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return text
+
+
+def _print(text: str, end: str = "\n", file: Any = None) -> int:
+    print(text, end=end, file=file or sys.stdout)
+    return EXIT_OK
+
+
+def _exit_code(error: ConfigError) -> int:
+    return EXIT_UNREADABLE if error.unreadable else EXIT_INVALID
+
+
+def _validate(args: argparse.Namespace) -> int:
+    results, code = [], EXIT_OK
+    for file in args.files:
+        try:
+            load_config(file, args.overrides)
+            results.append({"file": file, "valid": True, "unreadable": False, "problems": []})
+        except ConfigError as error:
+            code = max(code, _exit_code(error))
+            results.append({"file": file, "valid": False, "unreadable": error.unreadable,
+                            "problems": [{"path": p.path, "message": p.message} for p in error.problems]})
+    if args.format == "json":
+        _print(json.dumps({"files": results}, indent=2))
+    for result in results if args.format == "text" else []:
+        if result["valid"]:
+            _print(f"{result['file']}: OK")
+        for problem in result["problems"]:
+            _print(": ".join(part for part in (result["file"], problem["path"], problem["message"]) if part))
+    return code
+
+
+def _explain(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file, args.overrides)
+    except ConfigError as error:
+        _print(str(error), file=sys.stderr)
+        return _exit_code(error)
+    data = {"config": normalized_dict(config), "patches": _describe_patches(config)}
+    if args.format == "json":
+        return _print(json.dumps(data, indent=2))
+    import yaml
+
+    return _print(yaml.safe_dump(data, sort_keys=False), end="")
+
+
+def _describe_patches(config: FSDPOffloadConfig) -> list[str]:
+    """The patch registry's own description; a summary from the config while it is absent."""
+    try:
+        from fsdp_offload_cfg.patching import describe_patches
+    except ImportError:
+        return _fallback_patches(config)
+    return describe_patches(config)
+
+
+def _fallback_patches(config: FSDPOffloadConfig) -> list[str]:
+    patches = []
+    if (config.distributed_type or "").upper() == "FSDP":
+        patches.append("cpu/gloo FSDP enablement")
+    if config.cpu_ram_efficient_loading:
+        patches.append(f"rank-0 meta loading ({config.load_strategy})")
+    if config.activation_cpu_offload.enabled:
+        patches.append(f"activation CPU offload ({config.activation_cpu_offload.mode})")
+    return patches

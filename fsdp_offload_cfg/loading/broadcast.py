@@ -1,0 +1,110 @@
+"""Strategy "broadcast": rank 0 sends every rank its own part of each tensor, in byte buckets.
+
+Why scatter, not broadcast: a rank receives only the rows it keeps (plus the small replicated
+tensors: buffers, unsharded params), so no rank ever holds a full copy of a sharded tensor, and
+rank 0 sends each byte once. Why bytes: a bucket mixes dtypes (bf16 weights, fp32 norms, int64
+and bool buffers); packing raw bytes keeps every value bit-exact, never float-casts an integer,
+and avoids backend dtype gaps (gloo and bf16/bool). The receiver casts floats to the sharded
+parameter's dtype while copying (bf16 checkpoint -> fp32 master weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_offload_cfg.loading.layout import Target
+
+logger = logging.getLogger("fsdp_offload_cfg.loading")
+
+ALIGN = 16  # byte offset of every tensor in a bucket: viewing bytes as any dtype needs alignment
+
+
+@dataclass
+class TransferStats:
+    tensors: int = 0
+    bytes_sent: int = 0  # by rank 0, summed over destination ranks
+    buckets: int = 0
+    seconds: float = 0.0
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def buckets(targets: list[Target], bucket_bytes: int) -> list[list[Target]]:
+    """Consecutive targets whose full source size adds up to at most `bucket_bytes` (a tensor
+    larger than that travels alone)."""
+    out: list[list[Target]] = []
+    size = 0
+    for t in targets:
+        if out and size + t.spec.nbytes <= bucket_bytes:
+            out[-1].append(t)
+            size += t.spec.nbytes
+        else:
+            out.append([t])
+            size = t.spec.nbytes
+    return out
+
+
+def _offsets(bucket: list[Target], rank: int) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for t in bucket:
+        offsets.append(pos)
+        pos += _aligned(t.nbytes_on(rank))
+    return offsets, pos
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _pack(bucket: list[Target], source: dict[str, torch.Tensor], size: int, world: int, device: torch.device):
+    """Rank 0: one byte buffer per destination rank; each source tensor is released once packed."""
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
+    offsets = [_offsets(bucket, rank)[0] for rank in range(world)]
+    for i, t in enumerate(bucket):
+        full = source.pop(t.spec.name)  # drop rank 0's last reference once this bucket is sent
+        if full.dtype != t.spec.dtype or tuple(full.shape) != t.spec.shape:
+            raise RuntimeError(f"{t.spec.name}: source changed since it was described ({full.dtype}, {tuple(full.shape)})")
+        for rank in range(world):
+            piece = _as_bytes(full[t.regions[rank]])
+            buffers[rank][offsets[rank][i] : offsets[rank][i] + piece.numel()].copy_(piece)
+        del full
+    return buffers
+
+
+@torch.no_grad()
+def scatter_from_rank0(
+    targets: list[Target], source: dict[str, torch.Tensor] | None, *, device: torch.device, bucket_bytes: int
+) -> TransferStats:
+    """Fill every target from rank 0's `source` (full tensors by name; None on other ranks).
+
+    `source` is emptied as it goes, so rank 0's copy of the model shrinks while it is sent. Peak
+    transient memory per rank: one bucket (rank 0: its packed buffers, about one bucket in all;
+    others: their part of one bucket).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stats = TransferStats()
+    start = time.perf_counter()
+    for bucket in buckets(targets, bucket_bytes):
+        size = max(_offsets(bucket, r)[1] for r in range(world))
+        received = torch.empty(size, dtype=torch.uint8, device=device)
+        packed = _pack(bucket, source, size, world, device) if rank == 0 else None
+        dist.scatter(received, packed, src=0)
+        del packed
+        own_offsets, _ = _offsets(bucket, rank)
+        for t, offset in zip(bucket, own_offsets):
+            raw = received[offset : offset + t.nbytes_on(rank)]
+            t.dest.copy_(raw.view(t.spec.dtype).view(t.dest.shape))
+        stats.tensors += len(bucket)
+        stats.bytes_sent += sum(t.nbytes_on(r) for t in bucket for r in range(1, world))
+        stats.buckets += 1
+        if rank == 0:
+            logger.debug("rank-0 loading: bucket %d, %d tensors, %.1f MiB", stats.buckets, len(bucket), size / 2**20)
+    stats.seconds = time.perf_counter() - start
+    return stats

@@ -1,0 +1,78 @@
+"""Which part of each full tensor every rank holds after sharding.
+
+A `Target` pairs a tensor's spec (as rank 0 holds it) with this rank's destination and, for every
+global rank, the region of the full tensor that rank owns. Every rank computes the same plan
+from the DTensor layouts alone (no communication). The broadcast strategy uses all regions
+(rank 0 cuts the full tensor per rank); a per-rank reader (strategy "sharded") only needs its
+own region, e.g. `safe_open(...).get_slice(name)[region]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
+
+Region = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Target:
+    spec: TensorSpec  # name, dtype and shape of the source tensor (rank 0's)
+    dest: torch.Tensor  # this rank's storage to fill: a DTensor's local shard, or the full tensor
+    regions: tuple[Region, ...]  # regions[r]: the part of the full tensor global rank r holds
+
+    def nbytes_on(self, rank: int) -> int:
+        """Bytes of rank `rank`'s part, in the source dtype."""
+        numel = 1
+        for s in self.regions[rank]:
+            numel *= s.stop - s.start
+        return numel * self.spec.dtype.itemsize
+
+
+def _full(shape: tuple[int, ...]) -> Region:
+    return tuple(slice(0, s) for s in shape)
+
+
+def dtensor_regions(t: DTensor, world_size: int) -> tuple[Region, ...]:
+    """Region of `t`'s full tensor held by each global rank (torch.chunk semantics of `Shard`)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    unsupported = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if unsupported or any(type(p) is not Shard and isinstance(p, Shard) for p in t.placements):
+        raise NotImplementedError(f"placements {t.placements} are not supported (only Shard and Replicate)")
+    mesh = t.device_mesh
+    regions = []
+    for rank in range(world_size):
+        coordinate = (mesh.mesh == rank).nonzero()
+        if coordinate.numel() == 0:
+            raise NotImplementedError(f"rank {rank} is not in the device mesh {mesh}: the mesh must span all ranks")
+        shape, offset = _compute_local_shape_and_global_offset(
+            tuple(t.shape), tuple(mesh.shape), coordinate[0].tolist(), t.placements
+        )
+        regions.append(tuple(slice(o, o + s) for o, s in zip(offset, shape)))
+    return tuple(regions)
+
+
+def plan(model: nn.Module, spec: ModelSpec, rank: int, world_size: int) -> list[Target]:
+    """One `Target` per tensor of `spec`, in `spec` order (sorted by name: the send order)."""
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    targets = []
+    for s in spec.tensors:
+        tensor = named[s.name]
+        if isinstance(tensor, DTensor):
+            regions = dtensor_regions(tensor, world_size)
+            dest = tensor.to_local()
+        else:
+            regions = (_full(s.shape),) * world_size
+            dest = tensor
+        own = tuple(r.stop - r.start for r in regions[rank])
+        if own != tuple(dest.shape):
+            raise RuntimeError(f"{s.name}: local shard has shape {tuple(dest.shape)}, layout says {own}")
+        targets.append(Target(s, dest, regions))
+    return targets

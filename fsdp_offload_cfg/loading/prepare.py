@@ -1,0 +1,144 @@
+"""Shard a model whose weights only rank 0 holds, keeping every parameter AND buffer.
+
+`load_into_sharded(model, shard_fn)` is the prepare step that follows `rank0_from_pretrained`
+(or any model that is real on rank 0 and anything, typically meta, elsewhere):
+
+  1. rank 0 describes its model (`ModelSpec`: names, dtypes, shapes, ties) and keeps references
+     to its tensors; every rank checks its names/shapes against that spec (clear error, no hang);
+  2. every rank replaces all tensors by meta ones, tied exactly as on rank 0 (rank 0's model no
+     longer references its real tensors: only the captured dict does);
+  3. `shard_fn(model)` applies `fully_shard` on meta (e.g. accelerate's `fsdp2_prepare_model`,
+     which may also upcast trainable params to fp32);
+  4. storage is allocated (params on the mesh device, or the CPU with `cpu_offload`; buffers on
+     the mesh device) and rank 0 scatters each tensor's bytes, bucket by bucket, in name order,
+     each rank receiving only its own shard, rank 0 freeing each source tensor once sent;
+  5. every rank checks nothing is left on meta and ties still hold.
+Each step that can fail on some ranks ends with an all-rank agreement, so failures raise
+everywhere at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_offload_cfg.loading import sharded
+from fsdp_offload_cfg.loading._sync import (
+    attempt,
+    broadcast_from_rank0,
+    describe_error,
+    distributed_ready,
+    raise_if_any_failed,
+)
+from fsdp_offload_cfg.loading.broadcast import scatter_from_rank0
+from fsdp_offload_cfg.loading.layout import plan
+from fsdp_offload_cfg.loading.spec import ModelSpec, describe, meta_tensor_names, mismatch, rebuild_on_meta, retie
+
+logger = logging.getLogger("fsdp_offload_cfg.loading")
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+def load_into_sharded(
+    model: nn.Module,
+    shard_fn: Callable[[nn.Module], nn.Module | None],
+    *,
+    strategy: Literal["broadcast", "sharded"] = "broadcast",
+    cpu_offload: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> nn.Module:
+    """Shard `model` with `shard_fn` and fill it with rank 0's parameters and buffers.
+
+    Returns what `shard_fn` returned (or `model` if it returned None). Bit-exact for every tensor
+    whose dtype is unchanged; floats are cast to the sharded dtype; other dtypes must match.
+    Without a multi-rank process group this is just `shard_fn(model)`.
+    """
+    if strategy == "sharded":
+        raise NotImplementedError(sharded.NOT_IMPLEMENTED)
+    if strategy != "broadcast":
+        raise ValueError(f"unknown load strategy {strategy!r}; expected 'broadcast' or 'sharded'")
+    if not distributed_ready():
+        return shard_fn(model) or model
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    spec, source = _share_rank0_spec(model)
+    problem = mismatch(spec, describe(model), what=f"rank {rank}'s model does not match rank 0's")
+    raise_if_any_failed(_error(problem), "matching parameter and buffer names with rank 0")
+
+    rebuild_on_meta(model, spec)
+    sharded_model, error = attempt(lambda: shard_fn(model) or model)
+    raise_if_any_failed(error, "sharding the model (shard_fn)")
+
+    def materialize() -> list:
+        problem = mismatch(spec, describe(sharded_model), what="sharded model", check_dtype=True)
+        if problem is not None:
+            raise RuntimeError(problem)
+        _materialize(sharded_model, *_devices(sharded_model, cpu_offload))
+        retie(sharded_model, spec)
+        return plan(sharded_model, spec, rank, world)
+
+    targets, error = attempt(materialize)
+    raise_if_any_failed(error, "allocating the sharded model")
+
+    device = _devices(sharded_model, cpu_offload)[1]
+    stats = scatter_from_rank0(targets, source, device=device, bucket_bytes=bucket_bytes)
+    del targets, source
+    if rank == 0:
+        logger.info(
+            "rank-0 loading: sent %d tensors (%.2f GiB to %d ranks) in %d buckets in %.2fs",
+            stats.tensors, stats.bytes_sent / 2**30, world - 1, stats.buckets, stats.seconds,
+        )  # fmt: skip
+
+    left = meta_tensor_names(sharded_model)
+    problem = f"still on meta after loading: {left}" if left else None
+    problem = problem or mismatch(spec, describe(sharded_model), what="after loading", check_dtype=True)
+    raise_if_any_failed(_error(problem), "checking the loaded model")
+    return sharded_model
+
+
+def _error(problem: str | None) -> BaseException | None:
+    return RuntimeError(problem) if problem is not None else None
+
+
+def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, dict[str, torch.Tensor] | None]:
+    """Rank 0's spec on every rank, and on rank 0 its tensors by name (references, not copies)."""
+    spec, source, error = None, None, None
+    if dist.get_rank() == 0:
+        spec, error = attempt(lambda: describe(model))
+        if error is None:
+            source = {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            left = [n for n in source if source[n].is_meta]
+            if left:
+                error = RuntimeError(f"rank 0's model has meta tensors, nothing to send: {left[:20]}")
+    message, spec = broadcast_from_rank0((describe_error(error) if error is not None else None, spec))
+    if message is not None:
+        raise RuntimeError(f"rank 0 cannot provide the weights: {message}") from error
+    return spec, source
+
+
+def _devices(model: nn.Module, cpu_offload: bool) -> tuple[torch.device, torch.device]:
+    """(parameter device, buffer/communication device), from the DTensor mesh fully_shard used."""
+    device_type = next((p.device_mesh.device_type for p in model.parameters() if isinstance(p, DTensor)), None)
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(device_type, torch.get_device_module(device_type).current_device())
+    return (torch.device("cpu") if cpu_offload else device), device
+
+
+def _materialize(model: nn.Module, param_device: torch.device, buffer_device: torch.device) -> None:
+    """Allocate uninitialised storage for every meta tensor (FSDP2 re-pads its shards in its own
+    `_apply`, so `to_empty` keeps Parameter objects and ties)."""
+    model.to_empty(device=param_device)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != buffer_device:
+                module._buffers[name] = torch.empty_like(buf, device=buffer_device)

@@ -1,0 +1,165 @@
+"""`enable_activation_offload`: the one call that turns the offload on for a model.
+
+Works on a plain model, after `fully_shard` (FSDP2), on an FSDP1-wrapped model, and after
+`checkpoint_wrapper` (as accelerate's `fsdp2_apply_ac` applies it); nothing here needs
+accelerate. The root's `forward` is wrapped (an instance attribute, like accelerate's own
+autocast wrapper) so that every forward runs inside the saved-tensor hooks and a `finally`
+clears all per-forward state, whatever the forward raises.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_offload_cfg.config import ActivationOffloadConfig
+from fsdp_offload_cfg.offload.groups import LayerClasses, find_units, hook_groups, lift_to_boundaries
+from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
+from fsdp_offload_cfg.offload.pool import HostPool
+
+_ATTR = "_fsdp_offload_cfg_activation_offload"  # the active handle, kept on the model itself
+
+
+class OffloadHandle:
+    """What `enable_activation_offload` installed; `remove()` undoes all of it."""
+
+    def __init__(self, model: nn.Module, config: ActivationOffloadConfig, groups: list[nn.Module],
+                 handler: OffloadHandler | None) -> None:
+        self.model = model
+        self.config = config
+        self.groups = groups
+        self.handler = handler
+        self.mode = "off" if handler is None else ("async" if isinstance(handler, AsyncHandler) else "sync")
+        self._hooks: list[Any] = []
+        self._forward: Callable[..., Any] | None = None
+        self._previous_forward: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self.handler is not None
+
+    def remove(self) -> None:
+        """Unhook the groups, restore the root's forward, free the idle pool (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._forward is not None:
+            if self.model.__dict__.get("forward") is self._forward:
+                if self._previous_forward is None:
+                    del self.model.forward
+                else:
+                    self.model.forward = self._previous_forward
+            # else: someone wrapped our wrapper; it stays in their chain but passes straight through
+            self._forward = None
+        if self.handler is not None:
+            self.handler.pool.close()
+            self.handler = None
+        if self.model.__dict__.get(_ATTR) is self:
+            del self.model.__dict__[_ATTR]
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _compute_device(model: nn.Module) -> torch.device:
+    """The device the model computes on: where its (local) parameters live."""
+    for p in model.parameters():
+        device = p.device
+        break
+    else:
+        device = torch.device("cpu")
+    if device.type == "meta":
+        raise ValueError("enable_activation_offload: the model is still on the meta device; materialise it first")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _resolve_mode(mode: str, device: torch.device) -> str:
+    if mode not in ("auto", "async", "sync"):
+        raise ValueError(f"activation offload mode must be auto|async|sync, got {mode!r}")
+    if mode == "auto":
+        return "async" if device.type == "cuda" else "sync"
+    if mode == "async" and device.type not in ("cuda", "cpu"):
+        warnings.warn(f"async activation offload needs CUDA streams; using sync on {device.type}", stacklevel=3)
+        return "sync"
+    return mode  # async on CPU: the CPU proxy of the async path (no streams, same prefetch order)
+
+
+def _validate(config: ActivationOffloadConfig) -> None:
+    if config.min_tensor_bytes < 0 or config.prefetch_groups < 0:
+        raise ValueError("min_tensor_bytes and prefetch_groups must be >= 0")
+    if config.max_pinned_bytes is not None and config.max_pinned_bytes < 0:
+        raise ValueError("max_pinned_bytes must be >= 0 or None")
+
+
+def enable_activation_offload(
+    model: nn.Module,
+    config: ActivationOffloadConfig | None = None,
+    *,
+    layer_classes: LayerClasses | None = None,
+    groups: Sequence[nn.Module] | None = None,
+) -> OffloadHandle:
+    """Offload the activations saved by `model`'s groups to host memory during forward.
+
+    `config=None` means the defaults with `enabled=True`; a config with `enabled=False` returns an
+    inactive handle (so callers may call this unconditionally). Groups: explicit `groups` (in
+    forward order), else modules of `layer_classes` (types or class names), else detected (FSDP2
+    units, FSDP1 units, transformers `_no_split_modules`). Raises if no group is found, or if
+    offload is already enabled on `model`.
+    """
+    config = config if config is not None else ActivationOffloadConfig(enabled=True)
+    _validate(config)
+    if get_offload_handle(model) is not None:
+        raise RuntimeError("activation offload is already enabled on this model; call handle.remove() first")
+    if not config.enabled:
+        return OffloadHandle(model, config, [], None)
+    units = list(groups) if groups is not None else find_units(model, layer_classes)
+    boundaries = lift_to_boundaries(model, units) if groups is None else units
+    if not boundaries:
+        raise ValueError(
+            "enable_activation_offload found no groups: pass layer_classes=[YourDecoderLayer] or groups=[...]"
+        )
+    device = _compute_device(model)
+    mode = _resolve_mode(config.mode, device)
+    pool = HostPool(pinned=device.type == "cuda", max_bytes=config.max_pinned_bytes)
+    common: dict[str, Any] = {"min_tensor_bytes": config.min_tensor_bytes, "offload_last_group": config.offload_last_group}
+    handler = (
+        AsyncHandler(model, device, len(boundaries), pool, prefetch_groups=config.prefetch_groups, **common)
+        if mode == "async"
+        else OffloadHandler(model, device, len(boundaries), pool, **common)
+    )
+    handle = OffloadHandle(model, config, boundaries, handler)
+    handle._hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group, handler.refresh_params)
+    _wrap_forward(handle, handler)
+    model.__dict__[_ATTR] = handle
+    return handle
+
+
+def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
+    model = handle.model
+    handle._previous_forward = model.__dict__.get("forward")
+    inner = model.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if handle.handler is None:  # removed while someone else's wrapper still calls us
+            return inner(*args, **kwargs)
+        with handler.forward_pass():
+            return inner(*args, **kwargs)
+
+    bound = types.MethodType(forward, model)
+    model.forward = bound
+    handle._forward = bound
+
+
+def get_offload_handle(model: nn.Module) -> OffloadHandle | None:
+    """The active handle of `model`, if offload is enabled on it."""
+    return model.__dict__.get(_ATTR)

@@ -1,0 +1,141 @@
+"""Finding the offload groups of a model and hooking them.
+
+A group is one unit of the forward (an FSDP unit, a decoder layer). Automatic choice, first that
+yields anything: FSDP2 units (`FSDPModule` below the root), FSDP1 units (`FullyShardedDataParallel`
+below the root), then modules whose class is named in transformers' `_no_split_modules`. Among
+FSDP units, if the model declares `_no_split_modules` and some units match it, only those are
+kept: accelerate also shards the embedding and the `[norm, lm_head]` tail as units of their own,
+and those are not layers.
+
+Each group is lifted through the wrappers around it (`CheckpointWrapper`, `OffloadWrapper`,
+FSDP1's wrapper) so that the group's hooks see the checkpoint's saved inputs, which are saved
+*outside* the wrapped layer; with the outermost wrapper as the boundary, checkpoint
+recomputation (which calls the inner module) does not even fire the group hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+_WRAPPED_ATTRS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+LayerClasses = Iterable[type[nn.Module] | str]
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside any chain of checkpoint/FSDP1 wrappers."""
+    for attr in _WRAPPED_ATTRS:
+        inner = getattr(module, attr, None)
+        if isinstance(inner, nn.Module):
+            return unwrap(inner)
+    return module
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    """Names along the MRO: FSDP2 renames classes (`FSDPLlamaDecoderLayer`) but keeps the base."""
+    return {c.__name__ for c in type(unwrap(module)).__mro__}
+
+
+def _matches(module: nn.Module, classes: Sequence[type[nn.Module] | str]) -> bool:
+    names = _class_names(module)
+    inner = unwrap(module)
+    return any(c in names if isinstance(c, str) else isinstance(inner, c) for c in classes)
+
+
+def _no_split_names(model: nn.Module) -> list[str]:
+    for m in (model, unwrap(model), *model.modules()):
+        names = getattr(m, "_no_split_modules", None)
+        if names:
+            return list(names)
+    return []
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return []
+    for kind in (FSDPModule, FullyShardedDataParallel):
+        units = [m for m in model.modules() if isinstance(m, kind) and m is not model]
+        if units:
+            return units
+    return []
+
+
+def find_units(model: nn.Module, layer_classes: LayerClasses | None = None) -> list[nn.Module]:
+    """The group modules before lifting; explicit `layer_classes` win over detection."""
+    if layer_classes is not None:
+        classes = list(layer_classes)
+        return [m for m in model.modules() if m is not model and unwrap(m) is m and _matches(m, classes)]
+    no_split = _no_split_names(model)
+    units = _fsdp_units(model)
+    if units:
+        layers = [m for m in units if no_split and _matches(m, no_split)]
+        return layers or units
+    if no_split:
+        return [m for m in model.modules() if m is not model and unwrap(m) is m and _matches(m, no_split)]
+    return []
+
+
+def lift_to_boundaries(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Module]:
+    """Outermost wrapper of each unit, nested ones dropped, in registration (= forward) order."""
+    parent: dict[int, nn.Module] = {}
+    for m in model.modules():
+        for child in m.children():
+            parent.setdefault(id(child), m)
+    lifted: dict[int, nn.Module] = {}
+    for unit in units:
+        b = unit
+        while (p := parent.get(id(b))) is not None and p is not model and any(
+            getattr(p, a, None) is b for a in _WRAPPED_ATTRS
+        ):
+            b = p
+        lifted[id(b)] = b
+    ids = set(lifted)
+
+    def nested(m: nn.Module) -> bool:
+        p = parent.get(id(m))
+        while p is not None:
+            if id(p) in ids:
+                return True
+            p = parent.get(id(p))
+        return False
+
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted((m for m in lifted.values() if not nested(m)), key=lambda m: order.get(id(m), 0))
+
+
+def wrapper_chain(boundary: nn.Module) -> list[nn.Module]:
+    """The boundary and every module it wraps, outermost first."""
+    chain = [boundary]
+    while True:
+        inner = next((getattr(chain[-1], a) for a in _WRAPPED_ATTRS if isinstance(getattr(chain[-1], a, None), nn.Module)), None)
+        if inner is None:
+            return chain
+        chain.append(inner)
+
+
+def hook_groups(
+    boundaries: Sequence[nn.Module],
+    enter: Callable[[int, nn.Module], None],
+    exit_: Callable[[int], None],
+    refresh: Callable[[nn.Module], None],
+) -> list[RemovableHandle]:
+    """Register group entry/exit on each boundary and a parameter refresh on the modules inside.
+
+    Registered after FSDP's own hooks (FSDP2 prepends its pre-forward unshard), so at entry the
+    unsharded parameters exist; FSDP1 unshards inside its forward, hence the inner refresh.
+    """
+    handles = []
+    for index, boundary in enumerate(boundaries):
+        handles.append(boundary.register_forward_pre_hook(lambda m, _a, i=index: enter(i, m)))
+        handles.append(boundary.register_forward_hook(lambda _m, _a, _o, i=index: exit_(i)))
+        for inner in wrapper_chain(boundary)[1:]:
+            handles.append(inner.register_forward_pre_hook(lambda m, _a: refresh(m)))
+    return handles
+
+
+__all__ = ["find_units", "hook_groups", "lift_to_boundaries", "unwrap", "wrapper_chain"]

@@ -1,0 +1,329 @@
+"""The saved-tensor hooks: offload in forward, restore in backward (sync and async handlers).
+
+Bookkeeping, and why it is shaped this way:
+- A forward call is a `_Pass`; each group (decoder layer, FSDP unit) in it a `_Frame` indexed by
+  the group's position. Tensors saved between groups belong to the *next* group (they are the
+  next group's inputs, e.g. what transformers' own checkpointing saves before the layer runs);
+  tensors saved after the last group belong to no group and stay on the device.
+- An offloaded storage is an `_Entry`: one host block, copied once however many views of it are
+  saved (`x` and `x.t()`, q/k/v slices of one projection). Views are restored from it with their
+  exact dtype, size, stride and storage offset, all sharing one restored storage.
+- Lifetimes follow the autograd graph, not a step counter: handles hold entries, entries hold
+  nothing but their block, frames and passes are held by handles. When autograd frees a saved
+  tensor (after its node ran, or when a graph is dropped without backward, or on an exception
+  mid-forward) the host block goes back to the pool. So gradient accumulation, two forwards then
+  two backwards, and aborted forwards need no special casing and leave nothing behind.
+- Checkpoint recomputation runs inside the autograd engine; every entry point checks
+  `in_backward()` so recomputation neither saves through us nor moves group state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fsdp_offload_cfg.offload.filter import keep_reason
+from fsdp_offload_cfg.offload.pool import HostBlock, HostPool
+from fsdp_offload_cfg.offload.stats import COUNTS, KEPT, RESIDENT, param_storage_ptrs
+
+# kept tensors that are activations on the compute device (counted as resident)
+_RESIDENT_REASONS = frozenset({"small", "non_float", "last_group", "outside_groups", "pool_full"})
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (where checkpoint recomputation happens)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Entry:
+    """One offloaded storage: a host block, plus a device copy while backward needs it."""
+
+    __slots__ = ("release", "block", "nbytes", "sref", "handles", "unpacked", "device_buf", "ready", "__weakref__")
+
+    def __init__(self, release: object, block: HostBlock, nbytes: int, sref: StorageWeakRef) -> None:
+        self.release = release  # handler method called when the last handle dies
+        self.block = block
+        self.nbytes = nbytes
+        self.sref = sref  # tells a live alias from a new tensor at a recycled address
+        self.handles = 0
+        self.unpacked = 0
+        self.device_buf: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None  # reload done (CUDA)
+
+    def __del__(self) -> None:
+        try:
+            self.release(self)  # type: ignore[operator]
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Kept:
+    """One storage kept on the device, counted resident until its last saved view dies."""
+
+    __slots__ = ("nbytes", "__weakref__")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        RESIDENT.add(nbytes)
+
+    def __del__(self) -> None:
+        try:
+            RESIDENT.sub(self.nbytes)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Frame:
+    """The tensors one group saved in one pass; `entries` are all it references (weakly)."""
+
+    __slots__ = ("index", "pass_", "entries", "loaded", "__weakref__")
+
+    def __init__(self, index: int, pass_: _Pass) -> None:
+        self.index = index
+        self.pass_ = pass_
+        self.entries: weakref.WeakSet[_Entry] = weakref.WeakSet()
+        self.loaded = False
+
+
+class _Pass:
+    """One forward call. Frames and entries are looked up weakly: handles own them."""
+
+    __slots__ = ("frames", "entries", "kept", "root_ptrs", "group_ptrs", "current", "__weakref__")
+
+    def __init__(self, root_ptrs: set[int]) -> None:
+        self.frames: weakref.WeakValueDictionary[int, _Frame] = weakref.WeakValueDictionary()
+        self.entries: weakref.WeakValueDictionary[tuple[int, int], _Entry] = weakref.WeakValueDictionary()
+        self.kept: weakref.WeakValueDictionary[int, _Kept] = weakref.WeakValueDictionary()
+        self.root_ptrs = root_ptrs
+        self.group_ptrs: set[int] = set()
+        self.current = self.frame(0)
+
+    def frame(self, index: int) -> _Frame:
+        frame = self.frames.get(index)
+        if frame is None:
+            frame = self.frames[index] = _Frame(index, self)
+        return frame
+
+    def __contains__(self, ptr: object) -> bool:
+        """Storage address of a parameter or buffer alive now (root's, or the current group's)."""
+        return ptr in self.root_ptrs or ptr in self.group_ptrs
+
+
+class _KeptHandle:
+    __slots__ = ("tensor", "kept", "frame")
+
+    def __init__(self, tensor: torch.Tensor, kept: _Kept | None, frame: _Frame | None) -> None:
+        self.tensor, self.kept, self.frame = tensor, kept, frame
+
+
+class _OffloadedHandle:
+    __slots__ = ("entry", "frame", "dtype", "size", "stride", "offset")
+
+    def __init__(self, entry: _Entry, frame: _Frame, t: torch.Tensor) -> None:
+        self.entry, self.frame = entry, frame
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+class OffloadHandler:
+    """Sync handler: blocking copies, no streams, reload on demand.
+
+    Works on any device with `Tensor.copy_` (NPU and other devices without CUDA stream semantics)
+    and is the reference the async handler is tested against.
+    """
+
+    def __init__(self, root: nn.Module, device: torch.device, n_groups: int, pool: HostPool,
+                 *, min_tensor_bytes: int, offload_last_group: bool) -> None:
+        self.root = root
+        self.device = device
+        self.n_groups = n_groups
+        self.n_offloadable = n_groups if offload_last_group else n_groups - 1
+        self.min_bytes = min_tensor_bytes
+        self.pool = pool
+        self._pass: _Pass | None = None
+
+    # ---- forward life cycle, driven by the hooks in groups.py ----
+    @contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """Run one root forward with our hooks; whatever happens inside, no state is left."""
+        if self._pass is not None or not torch.is_grad_enabled() or in_backward():
+            yield  # nested call, no_grad/eval, or recomputation: nothing to do
+            return
+        self._pass = _Pass(param_storage_ptrs(self.root))
+        try:
+            with saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._pass = None
+
+    def enter_group(self, index: int, module: nn.Module) -> None:
+        p = self._pass
+        if p is None or in_backward():
+            return
+        COUNTS["groups_entered"] += 1
+        p.current = p.frame(index)
+        p.group_ptrs = param_storage_ptrs(module)
+
+    def exit_group(self, index: int) -> None:
+        p = self._pass
+        if p is not None and not in_backward():
+            p.current = p.frame(index + 1)  # what follows feeds the next group
+
+    def refresh_params(self, module: nn.Module) -> None:
+        """Add parameters that FSDP1 unshards only inside its own forward (inner module hook)."""
+        p = self._pass
+        if p is not None and not in_backward():
+            p.group_ptrs |= param_storage_ptrs(module)
+
+    # ---- saved tensor hooks ----
+    def pack(self, t: torch.Tensor) -> _KeptHandle | _OffloadedHandle:
+        p = self._pass
+        if p is None or in_backward():
+            return _KeptHandle(t.detach(), None, None)
+        COUNTS["packed_tensors"] += 1
+        frame = p.current
+        reason = keep_reason(t, self.device, self.min_bytes, p)
+        if reason is None and frame.index >= self.n_offloadable:
+            reason = "last_group" if frame.index < self.n_groups else "outside_groups"
+        entry = self._entry_for(t, p) if reason is None else None
+        if entry is None:
+            reason = reason or "pool_full"
+            KEPT[reason] += 1
+            return _KeptHandle(t.detach(), self._count_kept(t, p) if reason in _RESIDENT_REASONS else None, frame)
+        entry.handles += 1
+        frame.entries.add(entry)
+        COUNTS["offloaded_tensors"] += 1
+        return _OffloadedHandle(entry, frame, t)
+
+    def unpack(self, h: _KeptHandle | _OffloadedHandle) -> torch.Tensor:
+        if h.frame is not None:
+            self._on_frame(h.frame)
+        if isinstance(h, _KeptHandle):
+            return h.tensor
+        entry = h.entry
+        if entry.device_buf is None:
+            self._load(entry)
+        buf = entry.device_buf
+        assert buf is not None
+        self._before_use(entry)
+        out = torch.empty(0, dtype=h.dtype, device=buf.device).set_(buf.untyped_storage(), h.offset, h.size, h.stride)
+        entry.unpacked += 1
+        if entry.unpacked % entry.handles == 0:  # every view restored: drop our reference
+            entry.device_buf = None
+            RESIDENT.sub(entry.nbytes)
+        return out
+
+    # ---- storage bookkeeping ----
+    def _count_kept(self, t: torch.Tensor, p: _Pass) -> _Kept:
+        storage = t.untyped_storage()
+        kept = p.kept.get(storage.data_ptr())
+        if kept is None:
+            kept = p.kept[storage.data_ptr()] = _Kept(storage.nbytes())
+        return kept
+
+    def _entry_for(self, t: torch.Tensor, p: _Pass) -> _Entry | None:
+        """The entry holding `t`'s storage, copying it out on first sight; None if the pool is full."""
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t._version)
+        entry = p.entries.get(key)
+        if entry is not None and not entry.sref.expired():
+            return entry
+        nbytes = storage.nbytes()
+        block = self.pool.acquire(nbytes)
+        if block is None:
+            return None
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (nbytes,), (1,))
+        self._copy_out(src, block)
+        entry = p.entries[key] = _Entry(self._release, block, nbytes, StorageWeakRef(storage))
+        COUNTS["offloaded_storages"] += 1
+        COUNTS["offloaded_bytes"] += nbytes
+        return entry
+
+    def _loaded(self, entry: _Entry, buf: torch.Tensor) -> None:
+        entry.device_buf = buf
+        COUNTS["reloaded_bytes"] += entry.nbytes
+        RESIDENT.add(entry.nbytes)
+
+    def _release(self, entry: _Entry) -> None:
+        if entry.device_buf is not None:
+            RESIDENT.sub(entry.nbytes)
+        entry.block.ready = entry.ready
+        self.pool.release(entry.block)
+
+    # ---- transport: blocking copies here, streams in AsyncHandler ----
+    def _copy_out(self, src: torch.Tensor, block: HostBlock) -> None:
+        block.tensor[: src.numel()].copy_(src)
+
+    def _load(self, entry: _Entry) -> None:
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+        buf.copy_(entry.block.tensor[: entry.nbytes])
+        self._loaded(entry, buf)
+
+    def _before_use(self, entry: _Entry) -> None:
+        """Blocking copies are complete when they return."""
+
+    def _on_frame(self, frame: _Frame) -> None:
+        """Sync reloads on demand only."""
+
+
+class AsyncHandler(OffloadHandler):
+    """Copies on side streams, and backward reloads `prefetch` groups ahead (double buffer).
+
+    Ordering on CUDA: the D2H copy waits on the stream that produced the tensor; the source is
+    kept from reuse by `record_stream` until that copy ends; a reload waits on the D2H stream and
+    records an event; compute waits on that event before touching the tensor, and the restored
+    buffer is `record_stream`ed to compute so the H2D stream cannot recycle it early. Without
+    CUDA (CPU proxy) the copies are immediate and only the prefetch order remains, which CI runs.
+    """
+
+    def __init__(self, *args: object, prefetch_groups: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.prefetch = prefetch_groups
+        self.streams = self.device.type == "cuda"
+        if self.streams:
+            self.d2h = torch.cuda.Stream(self.device)
+            self.h2d = torch.cuda.Stream(self.device)
+
+    def _copy_out(self, src: torch.Tensor, block: HostBlock) -> None:
+        if not self.streams:
+            return super()._copy_out(src, block)
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # after the producer
+        if block.ready is not None:
+            self.d2h.wait_event(block.ready)  # after the last reload that read this block
+        with torch.cuda.stream(self.d2h):
+            block.tensor[: src.numel()].copy_(src, non_blocking=True)
+        src.record_stream(self.d2h)  # the allocator keeps the source until the copy ends
+
+    def _load(self, entry: _Entry) -> None:
+        if not self.streams:
+            return super()._load(entry)
+        with torch.cuda.stream(self.h2d):
+            self.h2d.wait_stream(self.d2h)  # after its own offload copy
+            buf = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+            buf.copy_(entry.block.tensor[: entry.nbytes], non_blocking=True)
+            entry.ready = torch.cuda.Event()
+            entry.ready.record(self.h2d)
+        self._loaded(entry, buf)
+
+    def _before_use(self, entry: _Entry) -> None:
+        if self.streams:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(entry.ready)
+            entry.device_buf.record_stream(compute)  # type: ignore[union-attr]
+
+    def _on_frame(self, frame: _Frame) -> None:
+        """Load this group whole, then the next `prefetch` groups of backward (lower indices)."""
+        frames = frame.pass_.frames
+        for index in range(frame.index, frame.index - 1 - self.prefetch, -1):
+            ahead = frames.get(index)
+            if ahead is None or ahead.loaded:
+                continue
+            ahead.loaded = True
+            for entry in list(ahead.entries):
+                if entry.device_buf is None:
+                    self._load(entry)

@@ -1,0 +1,157 @@
+"""Process-wide counters of the activation offload, shared by every handle.
+
+Why module-level: a training script may enable offload on several models (policy and reference,
+say) and wants one number for "how much left the device". Gauges (`resident_bytes`,
+`pinned_pool_bytes`) track what is alive now and are never reset; counters are cumulative until
+`reset_offload_stats()`, which also restarts the peak from the current resident value.
+
+"Resident" means bytes of saved activations that sit on the compute device: the saved tensors we
+kept in place (not offloaded) plus reloaded copies held during backward. Parameters and buffers
+are not activations and are never counted. On a CPU-only run this is the proxy for device memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+
+class ByteGauge:
+    """A current/peak pair of byte counts."""
+
+    __slots__ = ("current", "peak")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def sub(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+RESIDENT = ByteGauge()
+POOL = ByteGauge()
+COUNTS: Counter[str] = Counter()  # offloaded_bytes, reloaded_bytes, packed_tensors, ...
+KEPT: Counter[str] = Counter()  # reason -> saved tensors kept in place
+
+
+def offload_stats() -> dict[str, Any]:
+    """Snapshot of all counters (bytes unless named *_tensors / *_storages / groups_entered)."""
+    return {
+        "offloaded_bytes": COUNTS["offloaded_bytes"],
+        "reloaded_bytes": COUNTS["reloaded_bytes"],
+        "offloaded_storages": COUNTS["offloaded_storages"],
+        "offloaded_tensors": COUNTS["offloaded_tensors"],
+        "packed_tensors": COUNTS["packed_tensors"],
+        "groups_entered": COUNTS["groups_entered"],
+        "resident_bytes": RESIDENT.current,
+        "peak_resident_bytes": RESIDENT.peak,
+        "pinned_pool_bytes": POOL.current,
+        "kept_tensors": dict(KEPT),
+    }
+
+
+def reset_offload_stats() -> None:
+    """Zero the cumulative counters; the peak restarts from what is resident now."""
+    COUNTS.clear()
+    KEPT.clear()
+    RESIDENT.peak = RESIDENT.current
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the whole storage behind `t` (what stays alive while any view of it is saved)."""
+    return t.untyped_storage().nbytes()
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def param_storage_ptrs(module: nn.Module) -> set[int]:
+    """Storage addresses of `module`'s parameters and buffers (local shards for DTensors).
+
+    Read at call time on purpose: FSDP re-allocates unsharded parameters at every unshard, so a
+    set gathered once at setup would miss them.
+    """
+    ptrs: set[int] = set()
+    for t in (*module.parameters(), *module.buffers()):
+        local = getattr(t, "_local_tensor", t)
+        try:
+            ptr = local.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr:
+            ptrs.add(ptr)
+    return ptrs
+
+
+class _Counted:
+    """One kept storage in a meter; subtracts itself when the last saved view dies."""
+
+    __slots__ = ("gauge", "nbytes", "__weakref__")
+
+    def __init__(self, gauge: ByteGauge, nbytes: int) -> None:
+        self.gauge, self.nbytes = gauge, nbytes
+        gauge.add(nbytes)
+
+    def __del__(self) -> None:
+        self.gauge.sub(self.nbytes)
+
+
+class SavedBytesMeter(saved_tensors_hooks):
+    """Measure saved-activation bytes left in place by a forward (the CPU stand-in for device memory).
+
+    Used for the baselines the offload is compared against: with no `inner` hooks it counts every
+    saved tensor (no offload); with `inner` (e.g. `torch.autograd.graph.save_on_cpu`) it counts
+    only what `inner`'s pack left sharing storage with the original. Parameters and buffers of
+    `model` are excluded, as in `offload_stats()["resident_bytes"]`. Storages are counted once.
+    """
+
+    def __init__(self, model: nn.Module, inner: saved_tensors_hooks | None = None) -> None:
+        self.gauge = ByteGauge()
+        self._model = model
+        self._params: set[int] = set()
+        inner_pack: Callable[[torch.Tensor], Any] = inner.pack_hook if inner else (lambda t: t.detach())
+        inner_unpack: Callable[[Any], torch.Tensor] = inner.unpack_hook if inner else (lambda p: p)
+        # a kept storage stays alive while counted, so its address cannot be reused meanwhile
+        self._counted: weakref.WeakValueDictionary[int, _Counted] = weakref.WeakValueDictionary()
+
+        def pack(t: torch.Tensor) -> Any:
+            packed = inner_pack(t)
+            ptr = storage_ptr(t)
+            same = isinstance(packed, torch.Tensor) and storage_ptr(packed) == ptr
+            if not same or ptr in self._params or isinstance(t, nn.Parameter):
+                return (None, packed)
+            counted = self._counted.get(ptr)
+            if counted is None:
+                counted = self._counted[ptr] = _Counted(self.gauge, storage_bytes(t))
+            return (counted, packed)
+
+        def unpack(p: Any) -> torch.Tensor:
+            return inner_unpack(p[1])
+
+        super().__init__(pack, unpack)
+
+    def __enter__(self) -> SavedBytesMeter:
+        self._params = param_storage_ptrs(self._model)
+        super().__enter__()
+        return self
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.gauge.peak
+
+    @property
+    def current_bytes(self) -> int:
+        return self.gauge.current

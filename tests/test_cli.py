@@ -1,0 +1,128 @@
+"""`fsdp-offload-cfg` verbs and exit codes (in-process), plus one run of the installed console script."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp_offload_cfg import cli, schema
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = [str(ROOT / "examples" / name) for name in ("fsdp2.yaml", "fsdp2.json", "fsdp2_cpu.yaml")]
+
+
+@pytest.fixture
+def invalid(tmp_path: Path) -> str:
+    path = tmp_path / "invalid.yaml"
+    path.write_text("fsdp_version: 2\nactivaton_cpu_offload: true\nload_strategy: scatter\n")
+    return str(path)
+
+
+@pytest.fixture
+def unparsable(tmp_path: Path) -> str:
+    path = tmp_path / "broken.yaml"
+    path.write_text("fsdp_config: [unclosed\n")
+    return str(path)
+
+
+def test_validate_examples_exit_0(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["validate", *EXAMPLES]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{f}: OK" for f in EXAMPLES]
+
+
+def test_validate_invalid_exit_1_with_one_line_per_problem(invalid: str, capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["validate", EXAMPLES[0], invalid]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"{EXAMPLES[0]}: OK",
+        f"{invalid}: activaton_cpu_offload: unknown key; did you mean 'activation_cpu_offload'?",
+        f'{invalid}: load_strategy: expected one of broadcast, sharded; got "scatter"',
+    ]
+
+
+def test_validate_unreadable_exit_2_even_beside_invalid(invalid: str, unparsable: str, capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["validate", invalid, unparsable]) == 2
+    assert f"{unparsable}: cannot read or parse the file" in capsys.readouterr().out
+    assert cli.main(["validate", "/nonexistent/accelerate.yaml"]) == 2
+
+
+def test_validate_json_format(invalid: str, unparsable: str, capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["validate", "--format", "json", EXAMPLES[1], invalid, unparsable]) == 2
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert [(f["file"], f["valid"]) for f in files] == [(EXAMPLES[1], True), (invalid, False), (unparsable, False)]
+    assert files[0]["problems"] == []
+    assert files[1]["problems"] == [
+        {"path": "activaton_cpu_offload", "message": "unknown key; did you mean 'activation_cpu_offload'?"},
+        {"path": "load_strategy", "message": 'expected one of broadcast, sharded; got "scatter"'},
+    ]
+    assert [f["unreadable"] for f in files] == [False, False, True]
+
+
+def test_validate_set_overrides(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["validate", EXAMPLES[0], "--set", "fsdp_config.activation_cpu_offload.mode=fast"]) == 1
+    assert "fsdp_config.fsdp_activation_cpu_offload.mode: expected one of auto, async, sync" in capsys.readouterr().out
+    assert cli.main(["validate", EXAMPLES[0], "--set", "load_strategy=sharded", "--set", "num_processes=16"]) == 0
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["validate"], ["validate", "x.yaml", "--set", "novalue"],
+                                  ["validate", "x.yaml", "--format", "xml"], ["explain"]])
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]):
+    assert cli.main(argv) == 2
+    assert "usage: fsdp-offload-cfg" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["--help"]) == 0
+    assert "validate" in capsys.readouterr().out
+
+
+def test_schema_prints_the_schema(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["schema"]) == 0
+    assert json.loads(capsys.readouterr().out) == schema.load_schema()
+
+
+def test_explain_yaml_and_json(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["explain", EXAMPLES[0], "--set", "load_strategy=sharded"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert data["config"]["source"] == EXAMPLES[0]
+    assert data["config"]["load_strategy"] == "sharded"
+    assert data["config"]["activation_cpu_offload"]["enabled"] is True
+    assert data["patches"] and all(isinstance(p, str) for p in data["patches"])
+    assert cli.main(["explain", "--format", "json", EXAMPLES[2]]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["num_processes"] == 2
+
+
+def test_explain_falls_back_when_the_patch_registry_is_missing(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]):
+    monkeypatch.setitem(sys.modules, "fsdp_offload_cfg.patching", None)  # makes the import raise ImportError
+    assert cli.main(["explain", "--format", "json", EXAMPLES[0]]) == 0
+    assert json.loads(capsys.readouterr().out)["patches"] == [
+        "cpu/gloo FSDP enablement", "rank-0 meta loading (broadcast)", "activation CPU offload (auto)"]
+
+
+def test_explain_errors_go_to_stderr(invalid: str, capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["explain", invalid]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"{invalid}: load_strategy:" in captured.err
+    assert cli.main(["explain", "/nonexistent/accelerate.yaml"]) == 2
+
+
+def test_python_dash_m(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    monkeypatch.setattr(sys, "argv", ["fsdp_offload_cfg", "validate", EXAMPLES[2]])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("fsdp_offload_cfg", run_name="__main__")
+    assert info.value.code == 0 and capsys.readouterr().out == f"{EXAMPLES[2]}: OK\n"
+
+
+def test_installed_console_script(invalid: str):
+    script = Path(sys.executable).parent / "fsdp-offload-cfg"
+    proc = subprocess.run([str(script), "validate", "--format", "json", *EXAMPLES, invalid],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert [f["valid"] for f in json.loads(proc.stdout)["files"]] == [True, True, True, False]

@@ -1,0 +1,667 @@
+"""load_config / config_from_env / the schema: every key, every source, every rule, every error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsdp_offload_cfg import schema
+from fsdp_offload_cfg.config import (
+    ActivationOffloadConfig,
+    ConfigError,
+    FSDPOffloadConfig,
+    Problem,
+    config_from_env,
+    load_config,
+    normalized_dict,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def problems_of(source: Any, overrides: Any = None) -> list[Problem]:
+    with pytest.raises(ConfigError) as info:
+        load_config(source, overrides)
+    return info.value.problems
+
+
+def only_problem(source: Any, overrides: Any = None) -> Problem:
+    problems = problems_of(source, overrides)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+ACCELERATE_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+gpu_ids: all
+machine_rank: 0
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+use_cpu: false
+fsdp_config:
+{fsdp}"""
+
+
+# -------------------------------------------------------------------------------------------
+# every key: good values
+# -------------------------------------------------------------------------------------------
+
+GOOD = [
+    ({"version": 1}, "version", 1),
+    ({"version": "2"}, "version", 2),
+    ({"reshard_after_forward": "false"}, "reshard_after_forward", False),
+    ({"reshard_after_forward": True}, "reshard_after_forward", True),
+    ({"version": 1, "reshard_after_forward": "shard_grad_op"}, "reshard_after_forward", "SHARD_GRAD_OP"),
+    ({"version": 1, "reshard_after_forward": 4}, "reshard_after_forward", "HYBRID_SHARD"),
+    ({"version": 1}, "reshard_after_forward", "FULL_SHARD"),  # FSDP1 default
+    ({"version": 1, "sharding_strategy": "HYBRID_SHARD"}, "sharding_strategy", "HYBRID_SHARD"),
+    ({"version": 1, "sharding_strategy": 5}, "sharding_strategy", "HYBRID_SHARD_ZERO2"),
+    ({"version": 1, "sharding_strategy": "3"}, "sharding_strategy", "NO_SHARD"),
+    ({"offload_params": True}, "offload_params", True),
+    ({"offload_params": "TRUE"}, "offload_params", True),
+    ({"auto_wrap_policy": "size_based_wrap"}, "auto_wrap_policy", "SIZE_BASED_WRAP"),
+    ({"auto_wrap_policy": "NO_WRAP"}, "auto_wrap_policy", "NO_WRAP"),
+    ({"transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}, "transformer_layer_cls_to_wrap", ("LlamaDecoderLayer",)),
+    ({"transformer_layer_cls_to_wrap": "BertLayer,BertEmbeddings"}, "transformer_layer_cls_to_wrap", ("BertLayer", "BertEmbeddings")),
+    ({"transformer_layer_cls_to_wrap": ["T5Block", "T5Stack"]}, "transformer_layer_cls_to_wrap", ("T5Block", "T5Stack")),
+    ({"min_num_params": 0}, "min_num_params", 0),
+    ({"min_num_params": "100000000"}, "min_num_params", 100_000_000),
+    ({"min_num_params": 1e8}, "min_num_params", 100_000_000),  # omegaconf reads `1e8` as a float
+    ({"version": 1, "backward_prefetch": "backward_pre"}, "backward_prefetch", "BACKWARD_PRE"),
+    ({"version": 1, "backward_prefetch": 2}, "backward_prefetch", "BACKWARD_POST"),
+    ({"version": 1, "backward_prefetch": "NO_PREFETCH"}, "backward_prefetch", "NO_PREFETCH"),
+    ({"version": 1, "forward_prefetch": "true"}, "forward_prefetch", True),
+    ({"state_dict_type": "sharded_state_dict"}, "state_dict_type", "SHARDED_STATE_DICT"),
+    ({"state_dict_type": 1}, "state_dict_type", "FULL_STATE_DICT"),
+    ({"version": 1, "state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type", "LOCAL_STATE_DICT"),
+    ({"use_orig_params": "False"}, "use_orig_params", False),
+    ({"cpu_ram_efficient_loading": True}, "cpu_ram_efficient_loading", True),
+    ({"sync_module_states": False}, "sync_module_states", False),
+    ({"activation_checkpointing": "true"}, "activation_checkpointing", True),
+    ({"activation_checkpointing": True, "activation_checkpointing_offload": True}, "activation_checkpointing_offload", True),
+    ({"ignored_modules": r"model\.vision_tower\..*"}, "ignored_modules", r"model\.vision_tower\..*"),
+    ({"activation_cpu_offload": True}, "activation_cpu_offload", ActivationOffloadConfig(enabled=True)),
+    ({"activation_cpu_offload": "false"}, "activation_cpu_offload", ActivationOffloadConfig(enabled=False)),
+    ({"activation_cpu_offload": {"mode": "SYNC"}}, "activation_cpu_offload", ActivationOffloadConfig(enabled=True, mode="sync")),
+    ({"activation_cpu_offload": {"enabled": "false", "prefetch_groups": 2}}, "activation_cpu_offload",
+     ActivationOffloadConfig(enabled=False, prefetch_groups=2)),
+    ({"activation_cpu_offload": {"min_tensor_bytes": 0, "max_pinned_bytes": 1 << 30, "offload_last_group": True}},
+     "activation_cpu_offload",
+     ActivationOffloadConfig(enabled=True, min_tensor_bytes=0, max_pinned_bytes=1 << 30, offload_last_group=True)),
+    ({"activation_cpu_offload": {"max_pinned_bytes": None}}, "activation_cpu_offload", ActivationOffloadConfig(enabled=True)),
+    ({"cpu_ram_efficient_loading": True, "load_strategy": "sharded"}, "load_strategy", "sharded"),
+    ({"cpu_ram_efficient_loading": True, "load_strategy": "BROADCAST"}, "load_strategy", "broadcast"),
+    ({"cpu_offload": True}, "offload_params", True),  # transformers' spelling
+    ({"xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": "false", "limit_all_gathers": True,
+      "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}, "version", 2),  # Trainer keys: accepted, not used
+]
+
+
+@pytest.mark.parametrize(("mapping", "field", "expected"), GOOD, ids=[f"{f}={m}" for m, f, _ in GOOD])
+def test_good_value(mapping: dict, field: str, expected: Any):
+    config = load_config(mapping)
+    assert getattr(config, field) == expected
+    assert type(getattr(config, field)) is type(expected)
+
+
+# -------------------------------------------------------------------------------------------
+# every key: bad values (path and what was expected)
+# -------------------------------------------------------------------------------------------
+
+BAD = [
+    ({"version": 3}, "version", "expected 1 or 2; got 3"),
+    ({"version": "two"}, "version", 'expected 1 or 2; got "two"'),
+    ({"reshard_after_forward": "sometimes"}, "reshard_after_forward", "expected true or false (FSDP2)"),
+    ({"version": 1, "sharding_strategy": "FULL"}, "sharding_strategy", "one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD"),
+    ({"version": 1, "sharding_strategy": 6}, "sharding_strategy", "or its number 1-5"),
+    ({"offload_params": "maybe"}, "offload_params", 'expected true or false (a boolean, or the string "true"/"false"); got "maybe"'),
+    ({"offload_params": 1}, "offload_params", "expected true or false"),
+    ({"auto_wrap_policy": "LAYER_WRAP"}, "auto_wrap_policy", "one of TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"),
+    ({"transformer_layer_cls_to_wrap": "BertLayer, BertEmbeddings"}, "transformer_layer_cls_to_wrap", "without spaces"),
+    ({"transformer_layer_cls_to_wrap": []}, "transformer_layer_cls_to_wrap", "a list of class names"),
+    ({"transformer_layer_cls_to_wrap": 3}, "transformer_layer_cls_to_wrap", "got 3"),
+    ({"min_num_params": -1}, "min_num_params", "expected an integer >= 0; got -1"),
+    ({"min_num_params": "many"}, "min_num_params", "an integer >= 0"),
+    ({"min_num_params": True}, "min_num_params", "an integer >= 0; got true"),
+    ({"version": 1, "backward_prefetch": "BACKWARD_BOTH"}, "backward_prefetch", "BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH"),
+    ({"state_dict_type": "FULL"}, "state_dict_type", "FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT"),
+    ({"use_orig_params": "yes please"}, "use_orig_params", "expected true or false"),
+    ({"ignored_modules": "vision_tower("}, "ignored_modules", "expected a valid regular expression"),
+    ({"ignored_modules": ""}, "ignored_modules", "a non-empty regular expression"),
+    ({"activation_cpu_offload": "sometimes"}, "activation_cpu_offload", "true, false, or a mapping with enabled, mode"),
+    ({"activation_cpu_offload": {"mode": "fast"}}, "activation_cpu_offload.mode", 'one of auto, async, sync; got "fast"'),
+    ({"activation_cpu_offload": {"min_tensor_bytes": -1}}, "activation_cpu_offload.min_tensor_bytes", "an integer >= 0"),
+    ({"activation_cpu_offload": {"max_pinned_bytes": -5}}, "activation_cpu_offload.max_pinned_bytes", "or null for no cap"),
+    ({"activation_cpu_offload": {"prefetch_groups": 0}}, "activation_cpu_offload.prefetch_groups", "an integer >= 1; got 0"),
+    ({"activation_cpu_offload": {"offload_last_group": "no way"}}, "activation_cpu_offload.offload_last_group", "true or false"),
+    ({"activation_cpu_offload": {"enabeld": True}}, "activation_cpu_offload.enabeld", "did you mean 'enabled'?"),
+    ({"cpu_ram_efficient_loading": True, "load_strategy": "scatter"}, "load_strategy", "one of broadcast, sharded"),
+    ({"xla_fsdp_settings": "fast"}, "xla_fsdp_settings", "expected a mapping"),
+]
+
+
+@pytest.mark.parametrize(("mapping", "path", "fragment"), BAD, ids=[f"{p}={m}" for m, p, _ in BAD])
+def test_bad_value(mapping: dict, path: str, fragment: str):
+    problem = only_problem(mapping)
+    assert (problem.file, problem.path) == ("<dict>", path)
+    assert fragment in problem.message
+    assert str(problem).startswith(f"<dict>: {path}: ")
+
+
+def test_schema_keys_are_dataclass_fields_or_documented_trainer_keys():
+    fields = {f.name for f in dataclasses.fields(FSDPOffloadConfig)}
+    trainer_only = {"cpu_offload", "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"}
+    assert set(schema.canonical_keys()) - fields == trainer_only
+    assert {k for k in GOOD_KEYS} <= set(schema.canonical_keys())
+
+
+GOOD_KEYS = {key for mapping, _, _ in GOOD for key in mapping}
+
+
+def test_every_schema_key_has_a_good_and_a_bad_case():
+    bad_keys = {path.split(".")[0] for _, path, _ in BAD}
+    keys = set(schema.canonical_keys()) - {"cpu_offload", "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt"}
+    assert keys <= GOOD_KEYS
+    assert keys - {"load_strategy", "activation_checkpointing_offload", "cpu_ram_efficient_loading",
+                   "sync_module_states", "activation_checkpointing", "forward_prefetch"} <= bad_keys
+
+
+# -------------------------------------------------------------------------------------------
+# spellings
+# -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mapping", "field", "expected"), GOOD[::3])
+def test_fsdp_prefix_is_optional(mapping: dict, field: str, expected: Any):
+    prefixed = {f"fsdp_{k}": v for k, v in mapping.items()}
+    assert getattr(load_config(prefixed), field) == expected
+    assert load_config(prefixed) == load_config(mapping)
+
+
+def test_both_spellings_with_equal_values_are_fine():
+    config = load_config({"fsdp_version": 1, "version": "1", "offload_params": "true", "fsdp_offload_params": True,
+                          "transformer_layer_cls_to_wrap": "A,B", "fsdp_transformer_layer_cls_to_wrap": ["A", "B"]})
+    assert (config.version, config.offload_params, config.transformer_layer_cls_to_wrap) == (1, True, ("A", "B"))
+
+
+@pytest.mark.parametrize(("mapping", "path", "other"), [
+    ({"version": 1, "fsdp_version": 2}, "fsdp_version", "version"),
+    ({"fsdp_offload_params": False, "offload_params": True}, "offload_params", "fsdp_offload_params"),
+    ({"offload_params": False, "cpu_offload": True}, "cpu_offload", "offload_params"),
+    ({"fsdp_load_strategy": "sharded", "load_strategy": "broadcast", "cpu_ram_efficient_loading": True},
+     "load_strategy", "fsdp_load_strategy"),
+])
+def test_conflicting_spellings_are_an_error(mapping: dict, path: str, other: str):
+    problem = only_problem(mapping)
+    assert problem.path == path
+    assert f"conflicts with {other}" in problem.message and "keep one spelling" in problem.message
+
+
+def test_conflict_inside_an_accelerate_file_names_the_nested_paths(tmp_path: Path):
+    path = write(tmp_path, "c.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n  version: 1\n"))
+    problem = only_problem(path)
+    assert str(problem) == f"{path}: fsdp_config.version: conflicts with fsdp_config.fsdp_version (1 vs 2); keep one spelling"
+
+
+# -------------------------------------------------------------------------------------------
+# sources
+# -------------------------------------------------------------------------------------------
+
+
+def test_accelerate_yaml_file_reads_fsdp_config_and_launch_keys():
+    config = load_config(EXAMPLES / "fsdp2.yaml")
+    assert config.source == str(EXAMPLES / "fsdp2.yaml")
+    assert (config.distributed_type, config.mixed_precision, config.num_processes, config.use_cpu) == ("FSDP", "bf16", 8, False)
+    assert (config.version, config.reshard_after_forward, config.auto_wrap_policy) == (2, True, "TRANSFORMER_BASED_WRAP")
+    assert config.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
+    assert config.state_dict_type == "SHARDED_STATE_DICT"
+    assert config.cpu_ram_efficient_loading and config.load_strategy == "broadcast"
+    assert config.activation_cpu_offload == ActivationOffloadConfig(enabled=True, max_pinned_bytes=16 << 30)
+
+
+def test_cpu_example_is_two_cpu_processes_with_offload():
+    config = load_config(str(EXAMPLES / "fsdp2_cpu.yaml"))
+    assert (config.num_processes, config.use_cpu, config.mixed_precision, config.version) == (2, True, "no", 2)
+    assert config.activation_cpu_offload.enabled and config.cpu_ram_efficient_loading
+
+
+def test_trainer_json_file():
+    config = load_config(str(EXAMPLES / "fsdp2.json"))
+    assert config.distributed_type == "FSDP"  # a Trainer `fsdp` setting turns FSDP on
+    assert (config.version, config.reshard_after_forward, config.load_strategy) == (2, True, "sharded")
+    assert config.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
+    assert config.activation_cpu_offload == ActivationOffloadConfig(enabled=True, mode="async")
+    assert config.num_processes is None and config.mixed_precision is None
+
+
+def test_ms_swift_json_with_doc_keys(tmp_path: Path):
+    text = json.dumps({"_description": "FSDP2", "_param_docs": {"fsdp": "..."}, "fsdp": "full_shard auto_wrap",
+                       "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True, "activation_cpu_offload": True}})
+    config = load_config(write(tmp_path, "swift.json", text))
+    assert config.activation_cpu_offload.enabled and config.auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+    assert config.state_dict_type == "FULL_STATE_DICT"  # transformers' default
+
+
+@pytest.mark.parametrize("name", ["bare.yaml", "bare.json"])
+def test_bare_fsdp_config_file(tmp_path: Path, name: str):
+    text = json.dumps({"fsdp_version": 2, "fsdp_offload_params": True, "activation_cpu_offload": {"mode": "sync"}})
+    config = load_config(write(tmp_path, name, text))
+    assert config.offload_params and config.activation_cpu_offload.mode == "sync"
+    assert config.distributed_type is None and config.source.endswith(name)
+
+
+def test_dict_source_and_defaults():
+    config = load_config({})
+    assert config == FSDPOffloadConfig(source="<dict>")
+    assert load_config({"fsdp_config": {"version": 2}, "fsdp": True}).distributed_type == "FSDP"
+
+
+def test_config_source_is_returned_as_is():
+    config = load_config({"activation_cpu_offload": True})
+    assert load_config(config) is config
+    assert load_config(config, []) is config
+
+
+def test_accelerate_file_without_fsdp_version_is_fsdp1_like_accelerate(tmp_path: Path):
+    config = load_config(write(tmp_path, "v1.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_sharding_strategy: SHARD_GRAD_OP\n")))
+    assert (config.version, config.sharding_strategy, config.reshard_after_forward) == (1, "SHARD_GRAD_OP", "FULL_SHARD")
+
+
+def test_accelerate_top_level_keys_allowed_but_typos_are_not(tmp_path: Path):
+    path = write(tmp_path, "t.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n") + "fsdp_confg:\n  x: 1\n")
+    problem = only_problem(path)
+    assert (problem.path, problem.message) == ("fsdp_confg", "unknown top-level key (accelerate refuses it); did you mean 'fsdp_config'?")
+
+
+def test_trainer_only_key_in_accelerate_file_points_to_accelerate_spelling(tmp_path: Path):
+    path = write(tmp_path, "t.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n  fsdp_cpu_offload: true\n"))
+    problem = only_problem(path)
+    assert problem.path == "fsdp_config.fsdp_cpu_offload"
+    assert "transformers Trainer key" in problem.message and "did you mean 'fsdp_offload_params'?" in problem.message
+
+
+@pytest.mark.parametrize(("fsdp", "version", "field", "expected"), [
+    ("shard_grad_op auto_wrap", 2, "reshard_after_forward", False),
+    ("full_shard offload", 2, "offload_params", True),
+    (["hybrid_shard", "auto_wrap"], 1, "reshard_after_forward", "HYBRID_SHARD"),
+    ("", 2, "distributed_type", None),
+    (False, 2, "distributed_type", None),
+    (True, 2, "distributed_type", "FSDP"),
+])
+def test_trainer_fsdp_option_string(fsdp: Any, version: int, field: str, expected: Any):
+    assert getattr(load_config({"fsdp": fsdp, "fsdp_config": {"version": version}}), field) == expected
+
+
+def test_trainer_explicit_fsdp_config_wins_over_option_string():
+    assert load_config({"fsdp": "shard_grad_op", "fsdp_config": {"reshard_after_forward": True}}).reshard_after_forward is True
+
+
+@pytest.mark.parametrize(("top", "path", "fragment"), [
+    ({"fsdp": "hybrid_shard", "fsdp_config": {}}, "fsdp", "only available with FSDP1"),
+    ({"fsdp": "full_shard turbo"}, "fsdp", 'got "turbo"'),
+    ({"fsdp": 3}, "fsdp", "expected true, an option string or a list"),
+    ({"fsdp": True, "fsdp_config": "fsdp_config.json"}, "fsdp_config", "expected a mapping of fsdp_config keys"),
+])
+def test_trainer_bad_fsdp_values(top: dict, path: str, fragment: str):
+    problem = only_problem(top)
+    assert problem.path == path and fragment in problem.message
+
+
+def test_enum_members_in_a_dict_become_their_names():
+    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+
+    config = load_config({"version": 1, "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP,
+                          "state_dict_type": StateDictType.SHARDED_STATE_DICT})
+    assert (config.sharding_strategy, config.state_dict_type) == ("SHARD_GRAD_OP", "SHARDED_STATE_DICT")
+
+
+def test_wrong_source_type_is_a_type_error():
+    with pytest.raises(TypeError):
+        load_config(42)  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------------------------------
+# overrides
+# -------------------------------------------------------------------------------------------
+
+
+def test_dotlist_overrides_on_an_accelerate_file():
+    config = load_config(EXAMPLES / "fsdp2_cpu.yaml", ["fsdp_config.activation_cpu_offload=false",
+                                                       "load_strategy=sharded", "num_processes=4"])
+    assert not config.activation_cpu_offload.enabled
+    assert config.load_strategy == "sharded" and config.num_processes == 4
+
+
+def test_override_merges_into_a_nested_object_and_keeps_the_file_spelling():
+    config = load_config(EXAMPLES / "fsdp2.yaml", ["fsdp_config.activation_cpu_offload.mode=sync", "offload_params=true"])
+    assert config.activation_cpu_offload.mode == "sync"
+    assert config.activation_cpu_offload.max_pinned_bytes == 16 << 30  # merged, not replaced
+    assert config.offload_params  # written to fsdp_offload_params: no spelling conflict
+
+
+def test_mapping_overrides_and_bare_mapping_key_paths():
+    source = {"fsdp_version": 2, "cpu_ram_efficient_loading": True}
+    assert load_config(source, {"load_strategy": "sharded"}).load_strategy == "sharded"
+    assert load_config(source, ["fsdp_config.load_strategy=sharded"]).load_strategy == "sharded"
+    assert load_config(source, {"activation_cpu_offload": {"mode": "async"}}).activation_cpu_offload.mode == "async"
+
+
+def test_overrides_on_a_config_object_keep_its_source():
+    base = load_config(EXAMPLES / "fsdp2.yaml")
+    config = load_config(base, {"activation_cpu_offload": False})
+    assert not config.activation_cpu_offload.enabled
+    assert config.source == base.source and config.num_processes == 8
+    assert dataclasses.replace(config, activation_cpu_offload=base.activation_cpu_offload) == base
+
+
+def test_override_problems_name_the_key(tmp_path: Path):
+    problems = problems_of(EXAMPLES / "fsdp2.yaml", ["fsdp_config.activation_cpu_offload.mode=fast", "novalue"])
+    assert [(p.path, p.message) for p in problems] == [
+        ("novalue", "override must look like KEY=VALUE")]
+    problem = only_problem(EXAMPLES / "fsdp2.yaml", ["fsdp_config.activation_cpu_offload.mode=fast"])
+    assert problem.path == "fsdp_config.fsdp_activation_cpu_offload.mode" and 'got "fast"' in problem.message
+
+
+# -------------------------------------------------------------------------------------------
+# rules between keys
+# -------------------------------------------------------------------------------------------
+
+RULES = [
+    ({"version": 2, "reshard_after_forward": "SHARD_GRAD_OP"}, "reshard_after_forward", "FSDP2 needs true or false"),
+    ({"version": 1, "reshard_after_forward": True}, "reshard_after_forward", "FSDP1 needs a sharding strategy"),
+    ({"version": 2, "sharding_strategy": "HYBRID_SHARD"}, "sharding_strategy", "use reshard_after_forward: true instead"),
+    ({"cpu_ram_efficient_loading": True, "sync_module_states": False}, "sync_module_states", "must be true when cpu_ram_efficient_loading"),
+    ({"version": 1, "cpu_ram_efficient_loading": True, "sync_module_states": "false"}, "sync_module_states", "must be true"),
+    ({"load_strategy": "broadcast"}, "load_strategy", "only applies with cpu_ram_efficient_loading: true"),
+    ({"cpu_ram_efficient_loading": False, "load_strategy": "sharded"}, "load_strategy", "would do nothing"),
+    ({"activation_checkpointing_offload": True}, "activation_checkpointing_offload", "needs activation_checkpointing: true"),
+    ({"version": 1, "activation_checkpointing": True, "activation_checkpointing_offload": True},
+     "activation_checkpointing_offload", "needs FSDP2"),
+    ({"forward_prefetch": True}, "forward_prefetch", "not implemented in FSDP2"),
+    ({"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type", "does not support LOCAL_STATE_DICT"),
+    ({"xla": True}, "xla", "XLA FSDP bypasses accelerate"),
+]
+
+
+@pytest.mark.parametrize(("mapping", "path", "fragment"), RULES, ids=[p for _, p, _ in RULES])
+def test_rule_between_keys(mapping: dict, path: str, fragment: str):
+    problem = only_problem(mapping)
+    assert problem.path == path and fragment in problem.message
+
+
+def test_rules_hold_for_the_fixed_configs():
+    load_config({"version": 1, "reshard_after_forward": "SHARD_GRAD_OP", "sharding_strategy": "HYBRID_SHARD"})
+    load_config({"cpu_ram_efficient_loading": True, "sync_module_states": True, "load_strategy": "sharded"})
+    load_config({"version": 2, "activation_checkpointing": True, "activation_checkpointing_offload": True})
+    load_config({"sync_module_states": False})
+
+
+def test_rule_mentions_accelerates_fsdp1_default(tmp_path: Path):
+    problem = only_problem(write(tmp_path, "v.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_reshard_after_forward: true\n")))
+    assert problem.path == "fsdp_config.fsdp_reshard_after_forward"
+    assert "fsdp_version is unset; accelerate defaults to 1" in problem.message
+
+
+def test_fsdp_config_under_another_distributed_type(tmp_path: Path):
+    text = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n").replace("distributed_type: FSDP", "distributed_type: MULTI_GPU")
+    problem = only_problem(write(tmp_path, "g.yaml", text))
+    assert problem.path == "distributed_type" and "accelerate ignores fsdp_config" in problem.message
+    assert load_config(write(tmp_path, "ok.yaml", text.replace("  fsdp_version: 2\n", "  {}\n"))).distributed_type == "MULTI_GPU"
+
+
+def test_rule_skipped_when_its_key_is_already_bad():
+    problem = only_problem({"version": 7, "reshard_after_forward": "FULL_SHARD"})
+    assert problem.path == "version"
+
+
+# -------------------------------------------------------------------------------------------
+# unknown keys, many problems, unreadable files, interpolation
+# -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "suggestion"), [
+    ("activaton_cpu_offload", "activation_cpu_offload"),
+    ("fsdp_activaton_cpu_offload", "fsdp_activation_cpu_offload"),
+    ("load_stratgy", "load_strategy"),
+    ("fsdp_reshard_after_foward", "fsdp_reshard_after_forward"),
+])
+def test_unknown_key_suggests_the_closest(key: str, suggestion: str):
+    problem = only_problem({key: True})
+    assert problem.path == key and problem.message == f"unknown key; did you mean {suggestion!r}?"
+
+
+def test_unknown_key_without_a_close_match_lists_the_keys():
+    assert "expected one of activation_checkpointing" in only_problem({"zzz": 1}).message
+
+
+def test_all_problems_reported_together(tmp_path: Path):
+    fsdp = ("  fsdp_version: 2\n  fsdp_activaton_cpu_offload: true\n  fsdp_auto_wrap_policy: LAYER_WRAP\n"
+            "  fsdp_activation_cpu_offload:\n    mode: fast\n  fsdp_load_strategy: sharded\n")
+    path = write(tmp_path, "many.yaml", ACCELERATE_YAML.format(fsdp=fsdp).replace("mixed_precision: bf16", "mixed_precision: fp64"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    paths = [p.path for p in info.value.problems]
+    assert sorted(paths) == sorted(["fsdp_config.fsdp_activaton_cpu_offload", "fsdp_config.fsdp_auto_wrap_policy",
+                                    "fsdp_config.fsdp_activation_cpu_offload.mode", "fsdp_config.fsdp_load_strategy",
+                                    "mixed_precision"])
+    lines = str(info.value).splitlines()
+    assert len(lines) == 5 and all(line.startswith(f"{path}: ") for line in lines)
+    assert not info.value.unreadable and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(("name", "content"), [
+    ("syntax.yaml", "fsdp_config:\n  fsdp_version: [2\n"),
+    ("dup.yaml", "fsdp_version: 2\nfsdp_version: 1\n"),
+    ("tag.yaml", "fsdp_version: !!python/object/apply:os.system ['echo pwned']\n"),
+    ("bad.json", '{"fsdp": "full_shard", "fsdp_config": {"version": 2,}'),
+    ("binary.yaml", b"\xff\xfe\x00garbage\x00"),
+])
+def test_unparsable_file_is_unreadable_and_named(tmp_path: Path, name: str, content: str | bytes):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.unreadable
+    assert str(info.value).startswith(f"{path}: cannot read or parse the file")
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/fsdp.yaml", "/"])
+def test_missing_file_or_directory_is_unreadable(path: str):
+    with pytest.raises(ConfigError, match=re.escape(path)) as info:
+        load_config(path)
+    assert info.value.unreadable and info.value.problems[0].file == path
+
+
+@pytest.mark.parametrize(("content", "fragment"), [("", "holds no settings"), ("- 1\n- 2\n", "expected a mapping at the top level")])
+def test_empty_or_list_file_is_invalid_not_unreadable(tmp_path: Path, content: str, fragment: str):
+    problem = only_problem(write(tmp_path, "x.yaml", content))
+    assert fragment in problem.message
+
+
+def test_interpolation_is_refused_and_no_resolver_runs(tmp_path: Path):
+    from omegaconf import OmegaConf
+
+    calls: list[str] = []
+    with warnings.catch_warnings():  # omegaconf 2.4 deprecates the name, 2.3 has no other
+        warnings.simplefilter("ignore")
+        OmegaConf.register_new_resolver("fsdp_test_side_effect", lambda: calls.append("ran") or "true")
+    try:
+        path = write(tmp_path, "i.yaml", "fsdp_offload_params: ${fsdp_test_side_effect:}\nignored_modules: ${oc.env:HOME}\n")
+        problems = problems_of(path)
+        assert [p.path for p in problems] == ["fsdp_offload_params", "ignored_modules"]
+        assert all("interpolation is not supported" in p.message for p in problems)
+        assert "interpolation" in only_problem({}, ["offload_params=${oc.env:HOME}"]).message
+    finally:
+        OmegaConf.clear_resolver("fsdp_test_side_effect")
+    assert calls == []
+
+
+# -------------------------------------------------------------------------------------------
+# environment
+# -------------------------------------------------------------------------------------------
+
+
+def test_env_is_none_without_accelerate_use_fsdp():
+    assert config_from_env({}) is None
+    assert config_from_env({"ACCELERATE_USE_FSDP": "false", "FSDP_VERSION": "2"}) is None
+
+
+def test_env_from_a_real_accelerate_launch_matches_the_file():
+    """Export the variables exactly as `accelerate launch` does, then rebuild the config."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = str(EXAMPLES / "fsdp2.yaml")
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, "train.py"]))
+    env = {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    from_env, from_file = config_from_env(env), load_config(path)
+    assert from_env is not None and from_env.source == "env FSDP_*"
+    same = ["version", "reshard_after_forward", "sharding_strategy", "offload_params", "auto_wrap_policy",
+            "transformer_layer_cls_to_wrap", "state_dict_type", "cpu_ram_efficient_loading", "activation_checkpointing",
+            "activation_checkpointing_offload", "distributed_type", "mixed_precision"]
+    assert {k: getattr(from_env, k) for k in same} == {k: getattr(from_file, k) for k in same}
+    assert not from_env.activation_cpu_offload.enabled  # accelerate does not export the plugin's keys
+
+
+def test_env_fsdp1_and_plugin_variables():
+    config = config_from_env({
+        "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_CPU": "True",
+        "WORLD_SIZE": "2", "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE", "FSDP_MIN_NUM_PARAMS": "1000", "FSDP_IGNORED_MODULES": "lm_head",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_SYNC_MODULE_STATES": "true",
+        "FSDP_ACTIVATION_CPU_OFFLOAD": '{"mode": "sync", "min_tensor_bytes": 0}', "FSDP_LOAD_STRATEGY": "sharded",
+    })
+    assert config is not None
+    assert (config.version, config.sharding_strategy, config.reshard_after_forward) == (1, "SHARD_GRAD_OP", "FULL_SHARD")
+    assert (config.backward_prefetch, config.min_num_params, config.ignored_modules) == ("BACKWARD_PRE", 1000, "lm_head")
+    assert (config.mixed_precision, config.use_cpu, config.num_processes) == ("bf16", True, 2)
+    assert config.activation_cpu_offload == ActivationOffloadConfig(enabled=True, mode="sync", min_tensor_bytes=0)
+    assert config.load_strategy == "sharded"
+
+
+def test_env_problems_name_the_variable():
+    with pytest.raises(ConfigError) as info:
+        config_from_env({"ACCELERATE_USE_FSDP": "1", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "maybe",
+                         "FSDP_ACTIVATION_CPU_OFFLOAD": "{oops"})
+    assert [(p.file, p.path) for p in info.value.problems] == [
+        ("env FSDP_*", "FSDP_ACTIVATION_CPU_OFFLOAD"), ("env FSDP_*", "FSDP_OFFLOAD_PARAMS")]
+
+
+# -------------------------------------------------------------------------------------------
+# result, schema file
+# -------------------------------------------------------------------------------------------
+
+
+def test_result_is_frozen_hashable_and_serialisable():
+    config = load_config(EXAMPLES / "fsdp2.yaml")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.version = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.activation_cpu_offload.enabled = False  # type: ignore[misc]
+    assert hash(config) == hash(load_config(EXAMPLES / "fsdp2.yaml"))
+    data = normalized_dict(config)
+    assert json.loads(json.dumps(data)) == yaml.safe_load(yaml.safe_dump(data)) == data
+    assert data["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    assert data["activation_cpu_offload"]["max_pinned_bytes"] == 16 << 30
+
+
+def test_schema_is_valid_and_matches_the_repository_copy():
+    from jsonschema import Draft202012Validator
+
+    Draft202012Validator.check_schema(schema.load_schema())
+    assert schema.load_schema() == json.loads((ROOT / "schemas" / "fsdp_config.schema.json").read_text())
+
+
+def test_schema_falls_back_to_the_repository_copy(monkeypatch: pytest.MonkeyPatch):
+    def missing(package: str) -> Any:
+        raise ModuleNotFoundError(package)
+
+    monkeypatch.setattr(schema.resources, "files", missing)
+    schema.load_schema.cache_clear()
+    try:
+        assert "patternProperties" in schema.load_schema()
+    finally:
+        schema.load_schema.cache_clear()
+
+
+def test_schema_enums_match_accelerate():
+    from accelerate.utils import constants
+    from accelerate.utils.dataclasses import DistributedType, PrecisionType
+
+    assert schema.enum_names("sharding_strategy") == constants.FSDP_SHARDING_STRATEGY
+    assert schema.enum_names("auto_wrap_policy") == constants.FSDP_AUTO_WRAP_POLICY
+    assert schema.enum_names("backward_prefetch") == constants.FSDP_BACKWARD_PREFETCH
+    assert schema.enum_names("state_dict_type") == constants.FSDP_STATE_DICT_TYPE
+    launch = schema.definition("launch")["properties"]
+    assert launch["distributed_type"]["enum"] == [t.value for t in DistributedType]
+    assert launch["mixed_precision"]["enum"] == [p.value for p in PrecisionType]
+
+
+def test_schema_covers_every_fsdp_key_accelerate_and_transformers_read():
+    import inspect
+
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import launch
+    from transformers import training_args
+
+    keys = set(schema.canonical_keys())
+    flags = {a.dest.removeprefix("fsdp_") for a in launch_command_parser()._actions if a.dest.startswith("fsdp_")}
+    assert flags <= keys
+    exported = set(re.findall(r'"FSDP_([A-Z_]+)"', inspect.getsource(launch.prepare_multi_gpu_env)))
+    from fsdp_offload_cfg.config import ENV_VARS
+
+    assert {f"FSDP_{name}" for name in exported} <= set(ENV_VARS)
+    trainer = inspect.getsource(training_args.TrainingArguments._process_fsdp_args)
+    read = set(re.findall(r'self\.fsdp_config(?:\.get\(|\[)"(\w+)"', trainer))
+    assert read and read <= keys
+
+
+# -------------------------------------------------------------------------------------------
+# property: only ConfigError or a config, whatever the input
+# -------------------------------------------------------------------------------------------
+
+NAMES = [*schema.canonical_keys(), *(f"fsdp_{k}" for k in schema.canonical_keys()), "fsdp_config", "fsdp",
+         "compute_environment", "distributed_type", "num_processes", "use_cpu", "mixed_precision", "enabled",
+         "mode", "min_tensor_bytes", "max_pinned_bytes", "prefetch_groups", "offload_last_group"]
+KEYS = st.one_of(st.sampled_from(NAMES), st.text(max_size=12), st.integers(-3, 3))
+SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=16),
+    st.sampled_from(["true", "False", "FULL_SHARD", "2", "1", "sharded", "async", "${oc.env:HOME}", "${",
+                     "TRANSFORMER_BASED_WRAP", "FSDP", "A,B", "(", "full_shard offload", "bf16"]),
+)
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4),
+                      max_leaves=12)
+OVERRIDES = st.none() | st.lists(st.builds("{}={}".format, st.sampled_from([*NAMES, "fsdp_config.mode", "a..b", ""]),
+                                           st.sampled_from(["true", "[1, 2]", "{a: 1}", "", "${x}", "FULL_SHARD"])),
+                                 max_size=3)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mapping=st.dictionaries(KEYS, VALUES, max_size=6), overrides=OVERRIDES)
+def test_any_mapping_gives_a_config_or_a_config_error(mapping: dict, overrides: list[str] | None):
+    try:
+        config = load_config(mapping, overrides)
+    except ConfigError as error:
+        assert error.problems and all(isinstance(p, Problem) and p.message for p in error.problems)
+    else:
+        assert isinstance(config, FSDPOffloadConfig)
+        json.dumps(normalized_dict(config))

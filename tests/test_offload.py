@@ -1,0 +1,386 @@
+"""Activation offload, single process on the CPU (proxy mode): what moves, what stays, composition.
+
+Every test compares against a run without offload or checks an observable that a broken
+behaviour would change (restored storage identity, exact strides, counters, grads to the bit).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint
+
+from fsdp_offload_cfg.config import ActivationOffloadConfig
+from fsdp_offload_cfg.offload import enable_activation_offload, get_offload_handle, offload_stats, reset_offload_stats
+from fsdp_offload_cfg.offload.filter import keep_reason
+from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
+from test_offload_helpers import Block, Net, Probe, batch, grads, llama_step, tiny_llama
+
+ON = ActivationOffloadConfig(enabled=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    Probe.sink.clear()
+    reset_offload_stats()
+
+
+def _run_net(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    net(x).backward()
+    return grads(net)
+
+
+def _by_block(n: int) -> list[list[torch.Tensor]]:
+    """Probe.sink is filled in backward order; return it in block order."""
+    assert len(Probe.sink) == n
+    return Probe.sink[::-1]
+
+
+# ---------------------------------------------------------------- what is never offloaded
+def test_parameters_views_of_parameters_and_buffers_are_not_copied() -> None:
+    def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        w = block.lin.weight
+        same_storage = torch.empty(0).set_(w.untyped_storage(), 0, w.shape, w.stride())  # no autograd view
+        return [w, w.t(), same_storage, block.scale, y * 2]
+
+    net = Net(n=3, extra=extra)
+    for b in net.blocks:
+        b.register_buffer("scale", torch.ones(512))
+    handle = enable_activation_offload(net, ON, layer_classes=[Block])
+    x = torch.randn(16, 32)
+    _run_net(net, x)
+    block0 = _by_block(3)[0]
+    w0 = net.blocks[0].lin.weight
+    for restored in block0[:3]:
+        assert restored.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+    assert block0[3].data_ptr() == net.blocks[0].scale.data_ptr()
+    kept = offload_stats()["kept_tensors"]
+    assert kept["parameter"] >= 3 * 4  # 3 blocks x (w, w.t(), alias, buffer), plus linear's own weight saves
+    assert offload_stats()["offloaded_tensors"] > 0  # and the activations did move
+    handle.remove()
+
+
+def test_small_integer_and_bool_tensors_stay_in_place() -> None:
+    keep: list[torch.Tensor] = []
+
+    def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        ts = [torch.arange(4096), y > 0, y[:2, :2].contiguous(), y * 3]
+        keep.extend(ts)
+        return ts
+
+    net = Net(n=3, extra=extra)
+    enable_activation_offload(net, ON, layer_classes=[Block])
+    _run_net(net, torch.randn(16, 32))
+    restored = _by_block(3)[0]
+    originals = keep[:4]
+    for r, o in zip(restored[:3], originals[:3]):
+        assert r.data_ptr() == o.data_ptr()  # int64, bool, 16-byte float: kept, not copied
+    assert restored[3].data_ptr() != originals[3].data_ptr()  # the large float one moved
+    assert torch.equal(restored[3], originals[3])
+    kept = offload_stats()["kept_tensors"]
+    assert kept["non_float"] >= 2 * 3 and kept["small"] >= 3
+
+
+def test_filter_keeps_host_tensors_on_a_cuda_run_and_subclasses() -> None:
+    """Rule check without a GPU: the compute device decides; CPU tensors are 'already on the host'."""
+    t = torch.randn(1024)
+    assert keep_reason(t, torch.device("cuda", 0), 1024, set()) == "other_device"
+    assert keep_reason(t, torch.device("cpu"), 1024, set()) is None  # CPU proxy: offloaded
+    assert keep_reason(t, torch.device("cpu"), 1024, {t.untyped_storage().data_ptr()}) == "parameter"
+    assert keep_reason(nn.Parameter(t), torch.device("cpu"), 0, set()) == "parameter"
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert keep_reason(t.as_subclass(Sub), torch.device("cpu"), 0, set()) == "subclass"
+
+
+def test_aliases_are_offloaded_once_and_restored_exactly() -> None:
+    keep: list[torch.Tensor] = []
+    views = lambda x: [x, x.t(), x[1:3], x[:, 2:9], x[:, 4:20], x.view(-1)[5:], x.as_strided((4, 4), (1, 8), 3)]  # noqa: E731
+
+    def only_base(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        x = y * 1.0
+        keep.append(x)
+        return [x]
+
+    def aliased(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        x = y * 1.0
+        keep.append(x)
+        return views(x)
+
+    stats = []
+    for extra in (only_base, aliased):
+        Probe.sink.clear()
+        keep.clear()
+        reset_offload_stats()
+        net = Net(n=3, extra=extra)
+        enable_activation_offload(net, ON, layer_classes=[Block])
+        _run_net(net, torch.randn(16, 32))
+        stats.append(offload_stats())
+    assert stats[1]["offloaded_storages"] == stats[0]["offloaded_storages"]
+    assert stats[1]["offloaded_bytes"] == stats[0]["offloaded_bytes"]
+    assert stats[1]["offloaded_tensors"] == stats[0]["offloaded_tensors"] + 2 * (len(views(keep[0])) - 1)
+    restored, originals = _by_block(3)[0], views(keep[0])
+    storage = restored[0].untyped_storage().data_ptr()
+    assert storage != keep[0].untyped_storage().data_ptr()
+    for r, o in zip(restored, originals):
+        assert (r.dtype, r.shape, r.stride(), r.storage_offset(), r.device) == (
+            o.dtype, o.shape, o.stride(), o.storage_offset(), o.device)
+        assert r.untyped_storage().data_ptr() == storage  # one restored storage for all views
+        assert torch.equal(r, o)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_dtype_and_values_are_preserved(dtype: torch.dtype) -> None:
+    keep: list[torch.Tensor] = []
+
+    def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        t = (y * 1.5).to(dtype)
+        keep.append(t)
+        return [t]
+
+    net = Net(n=3, extra=extra)
+    enable_activation_offload(net, ON, layer_classes=[Block])
+    _run_net(net, torch.randn(32, 32))
+    r = _by_block(3)[0][0]
+    assert r.dtype == dtype and r.data_ptr() != keep[0].data_ptr() and torch.equal(r, keep[0])
+
+
+def test_bf16_llama_grads_are_bit_identical() -> None:
+    ids = batch()
+    ref = tiny_llama(2, dtype=torch.bfloat16)
+    loss_ref = llama_step(ref, ids)
+    model = tiny_llama(2, dtype=torch.bfloat16)
+    enable_activation_offload(model, ActivationOffloadConfig(enabled=True, offload_last_group=True))
+    loss = llama_step(model, ids)
+    assert offload_stats()["offloaded_bytes"] > 0
+    assert torch.equal(loss, loss_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), grads(ref)))
+
+
+@pytest.mark.parametrize("offload_last", [False, True])
+def test_last_group_stays_unless_asked(offload_last: bool) -> None:
+    keep: list[torch.Tensor] = []
+
+    def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        keep.append(y * 1.0)
+        return [keep[-1]]
+
+    net = Net(n=3, extra=extra)
+    enable_activation_offload(net, ActivationOffloadConfig(enabled=True, offload_last_group=offload_last),
+                              layer_classes=[Block])
+    _run_net(net, torch.randn(16, 32))
+    moved = [r[0].data_ptr() != o.data_ptr() for r, o in zip(_by_block(3), keep)]
+    assert moved == [True, True, offload_last]
+    assert ("last_group" in offload_stats()["kept_tensors"]) is not offload_last
+
+
+def test_requires_grad_and_grad_fn_semantics_match() -> None:
+    seen: list[list[tuple]] = []
+
+    class Mul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+            out = a * b
+            ctx.save_for_backward(a, b, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+            a, b, out = ctx.saved_tensors
+            seen.append([(t.requires_grad, t.is_leaf, t.grad_fn is None, t.dtype, t.shape) for t in (a, b, out)])
+            return g * b, g * a
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Identity() for _ in range(3))
+
+        def forward(self, leaf: torch.Tensor, frozen: torch.Tensor) -> torch.Tensor:
+            mid = leaf.exp()
+            for b in self.blocks:
+                mid = Mul.apply(b(mid), leaf) + Mul.apply(frozen, mid)
+            return mid.sum()
+
+    leaf, frozen = torch.randn(64, 8, requires_grad=True), torch.randn(64, 8)
+    M()(leaf, frozen).backward()
+    ref_seen, ref_grad = list(seen), leaf.grad.clone()
+    seen.clear()
+    leaf.grad = None
+    m = M()
+    enable_activation_offload(m, ON, groups=list(m.blocks))
+    m(leaf, frozen).backward()
+    assert offload_stats()["offloaded_tensors"] > 0
+    assert seen == ref_seen and torch.equal(leaf.grad, ref_grad)
+
+
+# ---------------------------------------------------------------- composition
+def _hf_ckpt(m: nn.Module) -> nn.Module:
+    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return m
+
+
+def _wrap_ckpt(m: nn.Module) -> nn.Module:
+    for i, layer in enumerate(m.model.layers):
+        m.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    return m
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("ac", [None, _wrap_ckpt, _hf_ckpt], ids=["no_ac", "checkpoint_wrapper", "hf_gc"])
+def test_llama_bit_identical_with_and_without_checkpointing(mode: str, ac) -> None:  # noqa: ANN001
+    ids = batch()
+    prep = ac or (lambda m: m)
+    ref = prep(tiny_llama(3))
+    loss_ref = llama_step(ref, ids)
+    model = prep(tiny_llama(3))
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode=mode))
+    assert isinstance(handle.handler, AsyncHandler) is (mode == "async")
+    loss = llama_step(model, ids)
+    s = offload_stats()
+    assert s["offloaded_bytes"] > 0 and s["reloaded_bytes"] == s["offloaded_bytes"]
+    assert torch.equal(loss, loss_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), grads(ref), strict=True))
+    assert s["resident_bytes"] == 0
+
+
+class _Outer(nn.Module):
+    """Checkpoint applied *around* the group: recomputation re-enters the group module's hooks."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("layout", ["checkpoint_wrapper", "group_inside_checkpoint"])
+def test_recompute_pushes_nothing_and_only_checkpoint_inputs_move(layout: str) -> None:
+    x = torch.randn(16, 32)
+    if layout == "checkpoint_wrapper":
+        net = Net(n=4)
+        for i, b in enumerate(net.blocks):
+            net.blocks[i] = checkpoint_wrapper(b)
+        handle = enable_activation_offload(net, ON, layer_classes=[Block])
+        assert all(isinstance(g, CheckpointWrapper) for g in handle.groups)
+    else:
+        net = Net(n=4)
+        for i, b in enumerate(net.blocks):
+            net.blocks[i] = _Outer(b)
+        enable_activation_offload(net, ON, groups=[o.inner for o in net.blocks])
+    loss = net(x)
+    after_forward = offload_stats()
+    # only the checkpoint input of each offloaded group moved: one (16, 32) fp32 tensor each
+    assert after_forward["offloaded_storages"] == 3 and after_forward["offloaded_bytes"] == 3 * 16 * 32 * 4
+    assert after_forward["groups_entered"] == 4
+    loss.backward()
+    after_backward = offload_stats()
+    for key in ("packed_tensors", "groups_entered", "offloaded_tensors", "offloaded_storages", "offloaded_bytes"):
+        assert after_backward[key] == after_forward[key], key
+    assert after_backward["reloaded_bytes"] == after_forward["offloaded_bytes"]
+    ref = Net(n=4)
+    ref(x).backward()
+    assert all(torch.equal(a, b) for a, b in zip(grads(net), grads(ref), strict=True))
+
+
+def test_no_grad_and_inference_leave_no_state() -> None:
+    net = Net(n=3)
+    handle = enable_activation_offload(net, ON, layer_classes=[Block])
+    x = torch.randn(16, 32)
+    net.eval()
+    with torch.no_grad():
+        net(x)
+    with torch.inference_mode():
+        net(x)
+    s = offload_stats()
+    assert s["packed_tensors"] == 0 and s["groups_entered"] == 0 and s["resident_bytes"] == 0
+    assert handle.handler._pass is None
+    net.train()
+    ref = Net(n=3)
+    assert all(torch.equal(a, b) for a, b in zip(_run_net(net, x), _run_net(ref, x), strict=True))
+
+
+def test_exception_mid_forward_leaves_no_state() -> None:
+    net = Net(n=4)
+    handle = enable_activation_offload(net, ON, layer_classes=[Block])
+    x = torch.randn(16, 32)
+    net.blocks[2].fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        net(x)
+    s = offload_stats()
+    pool = handle.handler.pool
+    assert handle.handler._pass is None
+    assert s["offloaded_storages"] > 0  # it did offload before failing ...
+    assert s["resident_bytes"] == 0 and pool.idle_bytes() == pool.total_bytes  # ... and gave it all back
+    before = offload_stats()["packed_tensors"]
+    (torch.randn(64, 64, requires_grad=True) * 2).exp().sum().backward()  # our hooks are not left installed
+    assert offload_stats()["packed_tensors"] == before
+    net.blocks[2].fail = False
+    ref = Net(n=4)
+    assert all(torch.equal(a, b) for a, b in zip(_run_net(net, x), _run_net(ref, x), strict=True))
+    assert offload_stats()["resident_bytes"] == 0
+
+
+@pytest.mark.parametrize("order", ["fwd_bwd_x3", "fwd_fwd_bwd_bwd"])
+def test_gradient_accumulation(order: str) -> None:
+    mbs = [batch(seed=s) for s in range(3)]
+    ref = tiny_llama(3)
+    for ids in mbs:
+        llama_step(ref, ids)
+    model = tiny_llama(3)
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"))
+    if order == "fwd_bwd_x3":
+        for ids in mbs:
+            llama_step(model, ids)
+    else:  # two graphs alive at once, backwards in reverse order, then a third micro-batch
+        l0 = model(input_ids=mbs[0], labels=mbs[0]).loss
+        l1 = model(input_ids=mbs[1], labels=mbs[1]).loss
+        l1.backward()
+        l0.backward()
+        llama_step(model, mbs[2])
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), grads(ref), strict=True))
+    pool = handle.handler.pool
+    assert offload_stats()["resident_bytes"] == 0 and pool.idle_bytes() == pool.total_bytes
+
+
+# ---------------------------------------------------------------- public surface
+def test_group_detection() -> None:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    m = tiny_llama(2)
+    h = enable_activation_offload(m)  # config=None: defaults, enabled
+    assert [type(g) for g in h.groups] == [LlamaDecoderLayer] * 2 and h.mode == "sync"
+    h.remove()
+    m = _wrap_ckpt(tiny_llama(2))
+    h = enable_activation_offload(m)
+    assert all(isinstance(g, CheckpointWrapper) for g in h.groups) and len(h.groups) == 2
+    h.remove()
+    net = Net(n=3)
+    assert len(enable_activation_offload(net, ON, layer_classes=["Block"]).groups) == 3
+    with pytest.raises(RuntimeError, match="already enabled"):
+        enable_activation_offload(net, ON)
+    with pytest.raises(ValueError, match="no groups"):
+        enable_activation_offload(Net(n=2), ON)
+    with pytest.raises(ValueError, match="mode"):
+        enable_activation_offload(Net(n=2), ActivationOffloadConfig(enabled=True, mode="fast"), layer_classes=[Block])  # type: ignore[arg-type]
+    off = enable_activation_offload(Net(n=2), ActivationOffloadConfig(enabled=False))
+    assert not off.active and off.groups == []
+
+
+def test_remove_undoes_everything() -> None:
+    net = Net(n=3)
+    handle = enable_activation_offload(net, ActivationOffloadConfig(enabled=True, mode="async"), layer_classes=[Block])
+    assert isinstance(handle.handler, OffloadHandler) and "forward" in net.__dict__
+    _run_net(net, torch.randn(16, 32))
+    handle.remove()
+    assert "forward" not in net.__dict__ and get_offload_handle(net) is None
+    assert all(not b._forward_pre_hooks and not b._forward_hooks for b in net.blocks)
+    reset_offload_stats()
+    _run_net(net, torch.randn(16, 32))
+    assert offload_stats()["packed_tensors"] == 0
+    handle.remove()  # idempotent
+    enable_activation_offload(net, ON, layer_classes=[Block]).remove()  # can be enabled again

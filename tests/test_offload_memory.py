@@ -1,0 +1,96 @@
+"""Memory behaviour of the activation offload on the CPU proxy: the saving, the pool, no leaks."""
+
+from __future__ import annotations
+
+import gc
+
+import psutil
+import pytest
+import torch
+
+from fsdp_offload_cfg.config import ActivationOffloadConfig
+from fsdp_offload_cfg.offload import SavedBytesMeter, enable_activation_offload, offload_stats, reset_offload_stats
+from fsdp_offload_cfg.offload.pool import HostPool, round_size
+from test_offload_helpers import batch, grads, llama_step, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    reset_offload_stats()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_peak_resident_saved_bytes_8_layers(mode: str) -> None:
+    """Offloading all but the last of 8 layers keeps <= 0.3x of the saved bytes on the 'device'."""
+    ids = batch(bsz=2, seq=32)
+    base = tiny_llama(8)
+    with SavedBytesMeter(base) as meter:
+        llama_step(base, ids)
+    assert meter.current_bytes == 0 and meter.peak_bytes > 0
+    model = tiny_llama(8)
+    enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode=mode))
+    reset_offload_stats()
+    llama_step(model, ids)
+    s = offload_stats()
+    assert s["resident_bytes"] == 0
+    ratio = s["peak_resident_bytes"] / meter.peak_bytes
+    assert 0 < ratio <= 0.3, ratio
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), grads(base), strict=True))
+
+
+def test_no_growth_over_50_steps() -> None:
+    """Resident bytes return to zero after every backward; pool and RSS stop growing."""
+    model = tiny_llama(3)
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    proc = psutil.Process()
+    pool_sizes, rss = [], []
+    for step in range(50):
+        llama_step(model, batch(seed=step))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert offload_stats()["resident_bytes"] == 0
+        pool_sizes.append(handle.handler.pool.total_bytes)
+        if step in (10, 49):
+            gc.collect()
+            rss.append(proc.memory_info().rss)
+    assert pool_sizes[0] > 0 and len(set(pool_sizes)) == 1
+    assert handle.handler.pool.idle_bytes() == handle.handler.pool.total_bytes
+    assert rss[1] - rss[0] < 16 * 2**20, (rss[1] - rss[0]) / 2**20
+
+
+def test_pool_cap_falls_back_to_keeping_on_device() -> None:
+    ids = batch()
+    ref = tiny_llama(3)
+    llama_step(ref, ids)
+    for cap in (0, 64 * 1024):
+        reset_offload_stats()
+        model = tiny_llama(3)
+        handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, max_pinned_bytes=cap))
+        llama_step(model, ids)
+        s = offload_stats()
+        assert s["kept_tensors"]["pool_full"] > 0
+        assert handle.handler.pool.total_bytes <= cap
+        assert (s["offloaded_bytes"] > 0) is (cap > 0)
+        assert all(torch.equal(a, b) for a, b in zip(grads(model), grads(ref), strict=True))
+        handle.remove()
+
+
+def test_pool_reuses_blocks_and_evicts_idle_ones_under_the_cap() -> None:
+    pool = HostPool(pinned=False, max_bytes=4096)
+    a = pool.acquire(1000)
+    assert a is not None and a.size == round_size(1000) == 1024
+    pool.release(a)
+    assert pool.acquire(900) is a  # same rounded size: reused, no new allocation
+    b = pool.acquire(3000)
+    assert b is not None and pool.total_bytes == 4096
+    assert pool.acquire(100) is None  # full: caller keeps the tensor on the device
+    pool.release(b)
+    c = pool.acquire(2048)  # the idle 3072-byte block is dropped to make room
+    assert c is not None and pool.total_bytes == 1024 + 2048
+    before = offload_stats()["pinned_pool_bytes"]
+    pool.release(a)
+    pool.close()
+    assert pool.total_bytes == 2048 and offload_stats()["pinned_pool_bytes"] == before - 1024
+    pool.release(c)
+    assert pool.total_bytes == 0
