@@ -44,8 +44,8 @@ def _raw(p: patching.Patch) -> Any:
     return raw
 
 
-def _snapshot() -> dict[str, Any]:
-    return {p.name: _raw(p) for p in integrations.PATCHES}
+def _snapshot(patches: list[patching.Patch] | None = None) -> dict[str, Any]:
+    return {p.name: _raw(p) for p in (integrations.PATCHES if patches is None else patches)}
 
 
 def test_registry_targets_where_symbols_are_looked_up():
@@ -130,7 +130,8 @@ def test_unsupported_version_raises_before_anything_changes(monkeypatch: pytest.
 
 
 def test_missing_target_raises_without_half_patch(monkeypatch: pytest.MonkeyPatch):
-    before = _snapshot()
+    real = list(integrations.PATCHES)
+    before = _snapshot(real)
     bogus = patching.Patch(
         "bogus", "accelerate.accelerator", "Accelerator.no_such_method", lambda o, c: o,
         lambda c: True, ("accelerate",), "target removed upstream",
@@ -138,7 +139,7 @@ def test_missing_target_raises_without_half_patch(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(integrations, "PATCHES", [*integrations.PATCHES, bogus])
     with pytest.raises(patching.UnsupportedVersionError, match="Accelerator.no_such_method"):
         fsdp_offload_cfg.patch(EVERYTHING_ON)
-    assert {k: v for k, v in _snapshot().items()} == before
+    assert _snapshot(real) == before
     assert fsdp_offload_cfg.active_config() is None
 
 
