@@ -7,8 +7,8 @@ Pipeline (docs/config.md has the user-facing version):
 
     file | dict | FSDPOffloadConfig
       -> plain dict (omegaconf reads files; no interpolation, nothing executed)
-      -> overrides ("fsdp_config.key=value" dotlist or a mapping) merged in
       -> layout detected from the top-level keys (accelerate / trainer / bare mapping)
+      -> overrides ("fsdp_config.key=value" dotlist or a mapping) merged in
       -> keys canonicalised (`fsdp_` prefix optional, `cpu_offload` alias), values coerced
       -> JSON Schema (fsdp_offload_cfg.schema) -> rules between keys -> FSDPOffloadConfig
 
@@ -58,6 +58,9 @@ class ConfigError(ValueError):
         self.problems: list[Problem] = list(problems)
         self.unreadable = unreadable
         super().__init__("\n".join(str(p) for p in self.problems))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # survive pickling between processes, problems included
+        return (type(self), (self.problems,), {"unreadable": self.unreadable})
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ LAUNCH_KEYS = ("distributed_type", "mixed_precision", "num_processes", "use_cpu"
 # transformers' TrainingArguments spells offload_params `cpu_offload`.
 ALIASES = {"cpu_offload": "offload_params"}
 # Keys only transformers' Trainer reads: `accelerate launch` would drop them without a word.
-TRAINER_ONLY_KEYS = frozenset({"cpu_offload", "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
+TRAINER_ONLY_KEYS = frozenset(
+    {"cpu_offload", "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"}
+)
 # Top-level keys of an accelerate 1.15 config file (ClusterConfig and SageMakerConfig fields,
 # plus the legacy `fp16` / `dynamo_backend`). accelerate refuses any other top-level key.
 ACCELERATE_TOP_KEYS = frozenset({
@@ -127,14 +132,23 @@ ACCELERATE_TOP_KEYS = frozenset({
     "same_network", "tpu_env", "tpu_name", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone",
     "transformers_version", "use_cpu",
 })
+# `key: null` is "unset" where the field's default is None (accelerate skips None for those).
+NULL_MEANS_UNSET = frozenset(
+    {"sharding_strategy", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params",
+     "backward_prefetch", "state_dict_type", "ignored_modules"}
+)
 # What each consumer does when fsdp_config has no version.
 VERSION_DEFAULT: dict[Layout, int] = {"accelerate": 1, "env": 1, "trainer": 2, "mapping": 2}
 # transformers' Trainer fills these in; accelerate leaves them to the plugin.
 TRAINER_DEFAULTS = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "FULL_STATE_DICT"}
 # The Trainer's legacy `fsdp` option string ("full_shard auto_wrap offload").
-TRAINER_FSDP_OPTIONS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap")
+TRAINER_FSDP_OPTIONS = (
+    "full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap",
+)
 # accelerate to-fsdp2: FSDP1 sharding strategy -> FSDP2 reshard_after_forward.
-FSDP2_RESHARD_FOR = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False, "NO_SHARD": False}
+FSDP2_RESHARD_FOR = {
+    "FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False, "NO_SHARD": False,
+}
 
 ENV_VARS = {  # accelerate/utils/launch.py exports these; the last two are this plugin's own
     "FSDP_VERSION": "version",
@@ -158,8 +172,12 @@ ENV_VARS = {  # accelerate/utils/launch.py exports these; the last two are this 
 }
 # accelerate's plugin reads these from the environment under FSDP1 only (launch always exports
 # FSDP_SHARDING_STRATEGY, even for FSDP2).
-FSDP1_ONLY_ENV_KEYS = ("sharding_strategy", "backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states")
-LAUNCH_ENV_VARS = {"mixed_precision": "ACCELERATE_MIXED_PRECISION", "use_cpu": "ACCELERATE_USE_CPU", "num_processes": "WORLD_SIZE"}
+FSDP1_ONLY_ENV_KEYS = (
+    "sharding_strategy", "backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
+)
+LAUNCH_ENV_VARS = {
+    "mixed_precision": "ACCELERATE_MIXED_PRECISION", "use_cpu": "ACCELERATE_USE_CPU", "num_processes": "WORLD_SIZE",
+}
 ENV_SOURCE = "env FSDP_*"
 
 
@@ -219,7 +237,10 @@ def config_from_env(environ: Mapping[str, str] = os.environ) -> FSDPOffloadConfi
         values[key] = _schema.coerce_key(key, raw)
         where[key] = var
     version = values.get("version", VERSION_DEFAULT["env"])
-    dropped = FSDP1_ONLY_ENV_KEYS if version == 2 else ("reshard_after_forward",) if "sharding_strategy" in values else ()
+    if version == 2:
+        dropped: tuple[str, ...] = FSDP1_ONLY_ENV_KEYS
+    else:
+        dropped = ("reshard_after_forward",) if "sharding_strategy" in values else ()
     for key in dropped:
         values.pop(key, None)
         where.pop(key, None)
@@ -260,6 +281,11 @@ def _read_file(path: str) -> dict[Any, Any]:
     if not data:
         raise ConfigError([Problem(path, "", "the file holds no settings (empty)")])
     return data  # type: ignore[return-value]
+
+
+def read_config_file(path: str) -> dict[Any, Any]:
+    """A config file as a plain dict (safe YAML/JSON); `ConfigError` naming the file otherwise."""
+    return _read_file(path)
 
 
 def _plain(value: Any) -> Any:
@@ -469,6 +495,8 @@ def _canonicalize(raw: Mapping[Any, Any], layout: Layout, prefix: str, file: str
             problems.append(Problem(file, prefix + str(key), _unknown_key(key, name, layout)))
             continue
         name = ALIASES.get(name, name)
+        if value is None and name in NULL_MEANS_UNSET:
+            continue
         value = _schema.coerce_key(name, value)
         if name in values:
             if not _same(name, values[name], value):
@@ -506,7 +534,8 @@ def _apply_trainer_fsdp(option: Any, values: dict[str, Any], where: dict[str, st
     if option is True:
         return True
     if not isinstance(option, (str, list)):
-        problems.append(Problem(file, "fsdp", f"expected true, an option string or a list of options; got {_schema.show(option)}"))
+        problems.append(Problem(file, "fsdp", "expected true, an option string or a list of options; "
+                                f"got {_schema.show(option)}"))
         return True
     items = option.split() if isinstance(option, str) else option
     version = values.get("version") if values.get("version") in (1, 2) else VERSION_DEFAULT["trainer"]
@@ -647,6 +676,10 @@ def _rule_problems(cfg: dict[str, Any], explicit: set[str], bad: set[str], layou
     rule(("activation_checkpointing_offload", "version"),
          lambda: cfg["activation_checkpointing_offload"] and version == 1,
          "activation_checkpointing_offload", f"needs FSDP2 (version 2){why}")
+    rule(("activation_checkpointing_offload", "activation_cpu_offload"),
+         lambda: cfg["activation_checkpointing_offload"] and cfg["activation_cpu_offload"].enabled,
+         "activation_cpu_offload", "cannot be combined with activation_checkpointing_offload: both would move the "
+         "checkpoint inputs to the host; keep activation_cpu_offload (async, filtered) and drop the other")
     rule(("forward_prefetch", "version"), lambda: cfg["forward_prefetch"] and version == 2, "forward_prefetch",
          f"is not implemented in FSDP2{why} (accelerate raises); remove it")
     rule(("state_dict_type", "version"), lambda: cfg["state_dict_type"] == "LOCAL_STATE_DICT" and version == 2,

@@ -319,14 +319,13 @@ def build_process_fsdp_args(original: Callable[..., Any], cfg: FSDPOffloadConfig
     @functools.wraps(original)
     def _process_fsdp_args(self: Any) -> Any:
         if self.fsdp:
-            from fsdp_offload_cfg.config import load_config
+            from fsdp_offload_cfg.config import load_config, read_config_file
             from fsdp_offload_cfg.patching import replace_config
 
             fsdp_config = self.fsdp_config
-            source: Any = fsdp_config if isinstance(fsdp_config, str) else {
-                "fsdp": self.fsdp,
-                "fsdp_config": dict(fsdp_config or {}),
-            }
+            if isinstance(fsdp_config, (str, os.PathLike)):
+                fsdp_config = read_config_file(str(fsdp_config))
+            source = {"fsdp": self.fsdp, "fsdp_config": dict(fsdp_config or {})}
             trainer_cfg = load_config(source)
             replace_config(trainer_cfg, "TrainingArguments.fsdp_config")
         return original(self)

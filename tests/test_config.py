@@ -167,6 +167,13 @@ def test_bad_value(mapping: dict, path: str, fragment: str):
     assert str(problem).startswith(f"<dict>: {path}: ")
 
 
+def test_null_means_unset_for_exactly_the_optional_fields():
+    from fsdp_offload_cfg.config import LAUNCH_KEYS, NULL_MEANS_UNSET
+
+    optional = {f.name for f in dataclasses.fields(FSDPOffloadConfig) if f.default is None}
+    assert NULL_MEANS_UNSET == optional - set(LAUNCH_KEYS)
+
+
 def test_schema_keys_are_dataclass_fields_or_documented_trainer_keys():
     fields = {f.name for f in dataclasses.fields(FSDPOffloadConfig)}
     trainer_only = {"cpu_offload", "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"}
@@ -197,6 +204,12 @@ def test_fsdp_prefix_is_optional(mapping: dict, field: str, expected: Any):
     assert load_config(prefixed) == load_config(mapping)
 
 
+def test_null_means_unset_only_where_the_default_is_none():
+    config = load_config({"state_dict_type": None, "fsdp_transformer_layer_cls_to_wrap": None, "ignored_modules": None})
+    assert (config.state_dict_type, config.transformer_layer_cls_to_wrap, config.ignored_modules) == (None, None, None)
+    assert only_problem({"offload_params": None}).message.endswith("got null")
+
+
 def test_both_spellings_with_equal_values_are_fine():
     config = load_config({"fsdp_version": 1, "version": "1", "offload_params": "true", "fsdp_offload_params": True,
                           "transformer_layer_cls_to_wrap": "A,B", "fsdp_transformer_layer_cls_to_wrap": ["A", "B"]})
@@ -219,7 +232,8 @@ def test_conflicting_spellings_are_an_error(mapping: dict, path: str, other: str
 def test_conflict_inside_an_accelerate_file_names_the_nested_paths(tmp_path: Path):
     path = write(tmp_path, "c.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n  version: 1\n"))
     problem = only_problem(path)
-    assert str(problem) == f"{path}: fsdp_config.version: conflicts with fsdp_config.fsdp_version (1 vs 2); keep one spelling"
+    assert str(problem) == (f"{path}: fsdp_config.version: conflicts with fsdp_config.fsdp_version (1 vs 2); "
+                            "keep one spelling")
 
 
 # -------------------------------------------------------------------------------------------
@@ -230,7 +244,8 @@ def test_conflict_inside_an_accelerate_file_names_the_nested_paths(tmp_path: Pat
 def test_accelerate_yaml_file_reads_fsdp_config_and_launch_keys():
     config = load_config(EXAMPLES / "fsdp2.yaml")
     assert config.source == str(EXAMPLES / "fsdp2.yaml")
-    assert (config.distributed_type, config.mixed_precision, config.num_processes, config.use_cpu) == ("FSDP", "bf16", 8, False)
+    launch = (config.distributed_type, config.mixed_precision, config.num_processes, config.use_cpu)
+    assert launch == ("FSDP", "bf16", 8, False)
     assert (config.version, config.reshard_after_forward, config.auto_wrap_policy) == (2, True, "TRANSFORMER_BASED_WRAP")
     assert config.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
     assert config.state_dict_type == "SHARDED_STATE_DICT"
@@ -282,14 +297,16 @@ def test_config_source_is_returned_as_is():
 
 
 def test_accelerate_file_without_fsdp_version_is_fsdp1_like_accelerate(tmp_path: Path):
-    config = load_config(write(tmp_path, "v1.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_sharding_strategy: SHARD_GRAD_OP\n")))
+    text = ACCELERATE_YAML.format(fsdp="  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
+    config = load_config(write(tmp_path, "v1.yaml", text))
     assert (config.version, config.sharding_strategy, config.reshard_after_forward) == (1, "SHARD_GRAD_OP", "FULL_SHARD")
 
 
 def test_accelerate_top_level_keys_allowed_but_typos_are_not(tmp_path: Path):
     path = write(tmp_path, "t.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n") + "fsdp_confg:\n  x: 1\n")
     problem = only_problem(path)
-    assert (problem.path, problem.message) == ("fsdp_confg", "unknown top-level key (accelerate refuses it); did you mean 'fsdp_config'?")
+    assert problem.path == "fsdp_confg"
+    assert problem.message == "unknown top-level key (accelerate refuses it); did you mean 'fsdp_config'?"
 
 
 def test_trainer_only_key_in_accelerate_file_points_to_accelerate_spelling(tmp_path: Path):
@@ -312,7 +329,8 @@ def test_trainer_fsdp_option_string(fsdp: Any, version: int, field: str, expecte
 
 
 def test_trainer_explicit_fsdp_config_wins_over_option_string():
-    assert load_config({"fsdp": "shard_grad_op", "fsdp_config": {"reshard_after_forward": True}}).reshard_after_forward is True
+    config = load_config({"fsdp": "shard_grad_op", "fsdp_config": {"reshard_after_forward": True}})
+    assert config.reshard_after_forward is True
 
 
 @pytest.mark.parametrize(("top", "path", "fragment"), [
@@ -396,6 +414,8 @@ RULES = [
     ({"activation_checkpointing_offload": True}, "activation_checkpointing_offload", "needs activation_checkpointing: true"),
     ({"version": 1, "activation_checkpointing": True, "activation_checkpointing_offload": True},
      "activation_checkpointing_offload", "needs FSDP2"),
+    ({"activation_checkpointing": True, "activation_checkpointing_offload": True, "activation_cpu_offload": True},
+     "activation_cpu_offload", "cannot be combined with activation_checkpointing_offload"),
     ({"forward_prefetch": True}, "forward_prefetch", "not implemented in FSDP2"),
     ({"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type", "does not support LOCAL_STATE_DICT"),
     ({"xla": True}, "xla", "XLA FSDP bypasses accelerate"),
@@ -422,10 +442,11 @@ def test_rule_mentions_accelerates_fsdp1_default(tmp_path: Path):
 
 
 def test_fsdp_config_under_another_distributed_type(tmp_path: Path):
-    text = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n").replace("distributed_type: FSDP", "distributed_type: MULTI_GPU")
+    text = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n").replace("type: FSDP", "type: MULTI_GPU")
     problem = only_problem(write(tmp_path, "g.yaml", text))
     assert problem.path == "distributed_type" and "accelerate ignores fsdp_config" in problem.message
-    assert load_config(write(tmp_path, "ok.yaml", text.replace("  fsdp_version: 2\n", "  {}\n"))).distributed_type == "MULTI_GPU"
+    no_fsdp = write(tmp_path, "ok.yaml", text.replace("  fsdp_version: 2\n", "  {}\n"))
+    assert load_config(no_fsdp).distributed_type == "MULTI_GPU"
 
 
 def test_rule_skipped_when_its_key_is_already_bad():
@@ -456,7 +477,8 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
 def test_all_problems_reported_together(tmp_path: Path):
     fsdp = ("  fsdp_version: 2\n  fsdp_activaton_cpu_offload: true\n  fsdp_auto_wrap_policy: LAYER_WRAP\n"
             "  fsdp_activation_cpu_offload:\n    mode: fast\n  fsdp_load_strategy: sharded\n")
-    path = write(tmp_path, "many.yaml", ACCELERATE_YAML.format(fsdp=fsdp).replace("mixed_precision: bf16", "mixed_precision: fp64"))
+    text = ACCELERATE_YAML.format(fsdp=fsdp).replace("mixed_precision: bf16", "mixed_precision: fp64")
+    path = write(tmp_path, "many.yaml", text)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     paths = [p.path for p in info.value.problems]
@@ -491,7 +513,10 @@ def test_missing_file_or_directory_is_unreadable(path: str):
     assert info.value.unreadable and info.value.problems[0].file == path
 
 
-@pytest.mark.parametrize(("content", "fragment"), [("", "holds no settings"), ("- 1\n- 2\n", "expected a mapping at the top level")])
+@pytest.mark.parametrize(("content", "fragment"), [
+    ("", "holds no settings"),
+    ("- 1\n- 2\n", "expected a mapping at the top level"),
+])
 def test_empty_or_list_file_is_invalid_not_unreadable(tmp_path: Path, content: str, fragment: str):
     problem = only_problem(write(tmp_path, "x.yaml", content))
     assert fragment in problem.message
@@ -582,6 +607,14 @@ def test_result_is_frozen_hashable_and_serialisable():
     assert json.loads(json.dumps(data)) == yaml.safe_load(yaml.safe_dump(data)) == data
     assert data["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert data["activation_cpu_offload"]["max_pinned_bytes"] == 16 << 30
+
+
+def test_config_error_survives_pickling():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ConfigError([Problem("a.yaml", "x", "bad")], unreadable=True)))
+    assert error.problems == [Problem("a.yaml", "x", "bad")] and error.unreadable and str(error) == "a.yaml: x: bad"
+    assert ConfigError("plain message").problems == [Problem("", "", "plain message")]
 
 
 def test_schema_is_valid_and_matches_the_repository_copy():
