@@ -313,11 +313,15 @@ def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
 # --------------------------------------------------------------------------------------------
 
 
-def build_process_fsdp_args(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
-    """Validate `TrainingArguments.fsdp_config` with our schema and make it the active config."""
+def build_training_args_post_init(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """Validate `TrainingArguments.fsdp_config` with our schema and make it the active config.
+
+    Runs before the original `__post_init__`, which sets up the device (and so the process group)
+    before it even looks at `fsdp_config`: the CPU/gloo patches must already be in place then.
+    """
 
     @functools.wraps(original)
-    def _process_fsdp_args(self: Any) -> Any:
+    def __post_init__(self: Any) -> Any:
         if self.fsdp:
             from fsdp_offload_cfg.config import load_config, read_config_file
             from fsdp_offload_cfg.patching import replace_config
@@ -330,7 +334,7 @@ def build_process_fsdp_args(original: Callable[..., Any], cfg: FSDPOffloadConfig
             replace_config(trainer_cfg, "TrainingArguments.fsdp_config")
         return original(self)
 
-    return _process_fsdp_args
+    return __post_init__
 
 
 def _always(cfg: FSDPOffloadConfig) -> bool:
@@ -370,8 +374,8 @@ def _patches() -> list[Any]:
               "shard on meta and load params + all buffers from rank 0; enable activation offload"),
         Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
               build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
-        Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments._process_fsdp_args",
-              build_process_fsdp_args, _always, tf, "validate the Trainer's fsdp_config and apply its plugin keys"),
+        Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",
+              build_training_args_post_init, _always, tf, "validate the Trainer's fsdp_config and apply its plugin keys"),
     ]
 
 

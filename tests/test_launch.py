@@ -10,7 +10,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,27 +45,34 @@ fsdp_config:
 {extra}"""
 
 
-def _env() -> dict[str, str]:
+@dataclass
+class Launch:
+    proc: subprocess.CompletedProcess[str]
+    elapsed: float
+    out_dir: Path
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+
+def _run(cmd: list[str], timeout: float = 240) -> Launch:
+    out_dir = Path(tempfile.mkdtemp(prefix="probe_"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _run(cmd: list[str], timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], float]:
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PROBE_DIR=str(out_dir))
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=HERE.parent)
-    return proc, time.monotonic() - start
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE.parent)
+    return Launch(proc, time.monotonic() - start, out_dir)
 
 
-def _reports(proc: subprocess.CompletedProcess[str]) -> list[dict]:
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    lines = [line[len("PROBE "):] for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    reports = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
-    assert [r["rank"] for r in reports] == [0, 1], proc.stdout[-4000:]
+def _reports(launch: Launch) -> list[dict]:
+    assert launch.proc.returncode == 0, launch.output[-10000:]
+    reports = [json.loads((launch.out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in reports] == [0, 1]
     return reports
 
 
-def _accelerate_launch(config: Path, *script_args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def _accelerate_launch(config: Path, *script_args: str) -> Launch:
     return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config),
                  "--main_process_port", str(free_port()), str(PROBE), *script_args])
 
@@ -94,7 +103,7 @@ def _assert_fsdp2_sharded(reports: list[dict]) -> None:
 @pytest.mark.parametrize("use_cpu", ["true", "false"])
 def test_accelerate_launch_finds_its_config_and_runs_fsdp2_on_cpu(tmp_path: Path, checkpoint: str, use_cpu: str):
     config = _write(tmp_path, "fsdp2_cpu.yaml", use_cpu=use_cpu)
-    reports = _reports(_accelerate_launch(config, checkpoint)[0])
+    reports = _reports(_accelerate_launch(config, checkpoint))
     _assert_fsdp2_sharded(reports)
     for r in reports:
         assert str(config) in r["source"], r["source"]
@@ -104,7 +113,7 @@ def test_accelerate_launch_finds_its_config_and_runs_fsdp2_on_cpu(tmp_path: Path
 def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "full.yaml", loading="true",
                     extra="  activation_cpu_offload: true\n  load_strategy: broadcast\n")
-    reports = _reports(_accelerate_launch(config, checkpoint)[0])
+    reports = _reports(_accelerate_launch(config, checkpoint))
     _assert_fsdp2_sharded(reports)
     rank0, rank1 = reports
     assert rank0["meta_numel_after_from_pretrained"] == 0
@@ -115,27 +124,27 @@ def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoi
 
 def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "typo.yaml", extra="  fsdp_activaton_cpu_offload: true\n")
-    proc, elapsed = _accelerate_launch(config, checkpoint)
-    assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
-    assert "activaton_cpu_offload" in output and "activation_cpu_offload" in output, output[-3000:]
-    assert "PROBE" not in proc.stdout  # stopped before any model was built
-    assert elapsed < 60, elapsed
+    launch = _accelerate_launch(config, checkpoint)
+    assert launch.proc.returncode != 0
+    output = launch.output
+    assert "activaton_cpu_offload" in output and "did you mean" in output, output[-3000:]
+    assert "activation_cpu_offload" in output
+    assert "PROBE" not in launch.proc.stdout  # stopped before any model was built
+    assert launch.elapsed < 60, launch.elapsed
 
 
 def test_torchrun_with_explicit_config_path(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "torchrun.yaml", loading="true")
-    proc, _ = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "--master_port", str(free_port()), str(PROBE), checkpoint, "--config", str(config)])
-    reports = _reports(proc)
+    reports = _reports(_run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(free_port()), str(PROBE), checkpoint, "--config", str(config)]))
     _assert_fsdp2_sharded(reports)
     assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]
 
 
 def test_trainer_fsdp_config_with_plugin_keys(tmp_path: Path, checkpoint: str):
-    proc, _ = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "--master_port", str(free_port()), str(TRAINER_PROBE), checkpoint, str(tmp_path / "out")])
-    reports = _reports(proc)
+    reports = _reports(_run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(free_port()), str(TRAINER_PROBE), checkpoint,
+                             str(tmp_path / "out")]))
     for r in reports:
         assert r["distributed_type"] == "FSDP" and r["dtensor_params"] == r["num_params"], r
         assert r["source"] == "TrainingArguments.fsdp_config", r

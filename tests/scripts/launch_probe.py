@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import sys
 
@@ -63,6 +64,10 @@ report = {
 }
 if session.config.activation_cpu_offload.enabled:
     report["offload_stats"] = fsdp_offload_cfg.offload_stats()
+out_dir = os.environ.get("PROBE_DIR")
+if out_dir:  # one file per rank: launchers interleave the ranks' stdout
+    with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
 print("PROBE " + json.dumps(report), flush=True)
 accelerator.end_training()
 sys.exit(0)

@@ -6,6 +6,7 @@ Usage: trainer_probe.py CHECKPOINT_DIR OUTPUT_DIR — prints `PROBE {json}` per 
 from __future__ import annotations
 
 import json
+import os
 import math
 import sys
 
@@ -56,4 +57,8 @@ report = {
     "offload_enabled": bool(cfg and cfg.activation_cpu_offload.enabled),
     "offload_stats": fsdp_offload_cfg.offload_stats(),
 }
+out_dir = os.environ.get("PROBE_DIR")
+if out_dir:  # one file per rank: launchers interleave the ranks' stdout
+    with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
 print("PROBE " + json.dumps(report), flush=True)
