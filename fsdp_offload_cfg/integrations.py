@@ -53,6 +53,18 @@ def cpu_fsdp_needed(cfg: FSDPOffloadConfig) -> bool:
     return fsdp_requested(cfg) and not has_accelerator_device() and launched_distributed()
 
 
+def environment_problems(cfg: FSDPOffloadConfig) -> list[str]:
+    """Config valid on paper but not runnable on this machine: say so before anything starts."""
+    problems = []
+    if cpu_fsdp_needed(cfg) and cfg.version == 1 and cfg.sync_module_states:
+        problems.append(
+            f"{cfg.source}: fsdp_config.sync_module_states: FSDP1 on a CPU-only machine cannot sync module "
+            "states (accelerate needs a GPU for it); set fsdp_sync_module_states: false (and "
+            "fsdp_cpu_ram_efficient_loading: false), or use fsdp_version: 2"
+        )
+    return problems
+
+
 def loader_enabled(cfg: FSDPOffloadConfig) -> bool:
     return fsdp_requested(cfg) and cfg.cpu_ram_efficient_loading and cfg.version == 2
 
@@ -153,7 +165,11 @@ def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffload
         if self._mixed_precision != "no":
             plugin.set_mixed_precision(self._mixed_precision)
         self.fsdp_plugin = plugin
+        # MULTI_CPU reports `cpu:<local rank>`; FSDP1 rejects a device_id that differs from the
+        # parameters' plain `cpu`, and there is only one CPU device anyway.
+        self.device = torch.device("cpu")
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        PartialState._shared_state["device"] = self.device
         logger.debug("promoted MULTI_CPU to FSDP (gloo) for a CPU-only run")
 
     return __init__

@@ -21,7 +21,7 @@ from typing import Any
 from packaging.version import Version
 
 from fsdp_offload_cfg._logging import get_logger, is_rank0
-from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 
 logger = get_logger("fsdp_offload_cfg.patching")
 
@@ -164,11 +164,14 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
         if _SESSION.config == cfg:
             return _SESSION
         unpatch()
+    from fsdp_offload_cfg.integrations import environment_problems, export_accelerate_env
+
+    problems = environment_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
     wanted = [p for p in _registry() if p.enabled(cfg)]
     check_versions({dist for p in wanted for dist in p.requires})
     resolved = [(p, *_resolve(p)) for p in wanted]  # every target exists before anything changes
-
-    from fsdp_offload_cfg.integrations import export_accelerate_env
 
     env_before = export_accelerate_env(cfg)
     applied: list[_Applied] = []

@@ -151,3 +151,33 @@ def test_trainer_fsdp_config_with_plugin_keys(tmp_path: Path, checkpoint: str):
         assert r["offload_enabled"] and r["offload_stats"]["offloaded_bytes"] > 0, r
         assert r["train_loss_finite"], r
     assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]
+
+
+FSDP1_YAML = """\
+distributed_type: FSDP
+num_machines: 1
+machine_rank: 0
+num_processes: 2
+mixed_precision: 'no'
+use_cpu: true
+fsdp_config:
+  fsdp_version: 1
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_use_orig_params: true
+  fsdp_sync_module_states: false
+  fsdp_cpu_ram_efficient_loading: false
+  activation_cpu_offload: true
+"""
+
+
+def test_accelerate_launch_fsdp1_with_activation_offload(tmp_path: Path, checkpoint: str):
+    config = tmp_path / "fsdp1.yaml"
+    config.write_text(FSDP1_YAML)
+    reports = _reports(_accelerate_launch(config, checkpoint))
+    for r in reports:
+        assert r["distributed_type"] == "FSDP" and "fsdp1-activation-offload" in r["patches"], r
+        assert r["optimizer_holds_model_params"] and r["losses_finite"], r
+        assert r["offload_stats"]["offloaded_bytes"] > 0, r
+    assert reports[0]["losses"] == reports[1]["losses"]

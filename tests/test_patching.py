@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from typing import Any
@@ -208,3 +209,13 @@ def test_keyword_overrides_reach_the_config():
     session = fsdp_offload_cfg.patch(EVERYTHING_ON, activation_cpu_offload=False)
     assert session.config.activation_cpu_offload.enabled is False
     assert session.config.cpu_ram_efficient_loading is True
+
+
+def test_fsdp1_sync_module_states_on_cpu_is_refused_before_patching():
+    before = _snapshot()
+    cfg = FSDPOffloadConfig(distributed_type="FSDP", version=1, reshard_after_forward="FULL_SHARD",
+                            sync_module_states=True, source="x.yaml")
+    with pytest.raises(ConfigError, match=r"x.yaml: fsdp_config.sync_module_states: FSDP1 on a CPU-only"):
+        fsdp_offload_cfg.patch(cfg)
+    assert _snapshot() == before
+    fsdp_offload_cfg.patch(dataclasses.replace(cfg, sync_module_states=False))
