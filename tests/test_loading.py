@@ -412,7 +412,7 @@ def test_rank0_failure_raises_on_every_rank(checkpoints: dict[str, Any], tmp_pat
     shutil.copytree(good, no_weights)
     os.remove(no_weights / "model.safetensors")
     cases = {"truncated": str(truncated), "missing": str(tmp_path / "does_not_exist"), "no_weights": str(no_weights)}
-    causes = {"truncated": "SafetensorError", "missing": "does_not_exist", "no_weights": "no_weights"}
+    causes = {"truncated": "SafetensorError", "missing": "OSError", "no_weights": "no file named model.safetensors"}
 
     results = run_workers(_failure_worker, 2, cases, timeout=90)
     for rank, out in enumerate(results):

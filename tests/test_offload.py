@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
@@ -99,7 +101,9 @@ def test_filter_keeps_host_tensors_on_a_cuda_run_and_subclasses() -> None:
 
 def test_aliases_are_offloaded_once_and_restored_exactly() -> None:
     keep: list[torch.Tensor] = []
-    views = lambda x: [x, x.t(), x[1:3], x[:, 2:9], x[:, 4:20], x.view(-1)[5:], x.as_strided((4, 4), (1, 8), 3)]  # noqa: E731
+
+    def views(x: torch.Tensor) -> list[torch.Tensor]:  # transposed, slices, overlapping, flat, strided
+        return [x, x.t(), x[1:3], x[:, 2:9], x[:, 4:20], x.view(-1)[5:], x.as_strided((4, 4), (1, 8), 3)]
 
     def only_base(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
         x = y * 1.0
@@ -287,6 +291,39 @@ def test_recompute_pushes_nothing_and_only_checkpoint_inputs_move(layout: str) -
     assert all(torch.equal(a, b) for a, b in zip(grads(net), grads(ref), strict=True))
 
 
+def test_recompute_inside_an_active_forward_moves_no_group_state() -> None:
+    """A backward run *during* our forward (gradient penalty style) recomputes a checkpointed group
+    while the pass is live: the recomputation must not count as a group entry nor move the frame."""
+
+    class PenaltyNet(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            penalty = None
+            for i, b in enumerate(self.blocks):
+                x = b(x)
+                if i == 1:
+                    probe = x.detach().requires_grad_()
+                    (g,) = torch.autograd.grad(self.blocks[3](probe).sum(), probe)  # recomputes group 3
+                    penalty = g.pow(2).sum()
+            return self.head(x).pow(2).sum() + penalty
+
+    def build() -> Net:
+        net = PenaltyNet(n=4)
+        for i, b in enumerate(net.blocks):
+            net.blocks[i] = _Outer(b)
+        return net
+
+    x = torch.randn(16, 32)
+    ref = build()
+    net = build()
+    enable_activation_offload(net, ON, groups=[o.inner for o in net.blocks])
+    loss = net(x)
+    assert offload_stats()["groups_entered"] == 5  # 4 groups + the penalty's forward of group 3
+    loss.backward()
+    ref(x).backward()
+    assert offload_stats()["groups_entered"] == 5
+    assert all(torch.equal(a, b) for a, b in zip(grads(net), grads(ref), strict=True))
+
+
 def test_no_grad_and_inference_leave_no_state() -> None:
     net = Net(n=3)
     handle = enable_activation_offload(net, ON, layer_classes=[Block])
@@ -366,7 +403,8 @@ def test_group_detection() -> None:
     with pytest.raises(ValueError, match="no groups"):
         enable_activation_offload(Net(n=2), ON)
     with pytest.raises(ValueError, match="mode"):
-        enable_activation_offload(Net(n=2), ActivationOffloadConfig(enabled=True, mode="fast"), layer_classes=[Block])  # type: ignore[arg-type]
+        bad = ActivationOffloadConfig(enabled=True, mode="fast")  # type: ignore[arg-type]
+        enable_activation_offload(Net(n=2), bad, layer_classes=[Block])
     off = enable_activation_offload(Net(n=2), ActivationOffloadConfig(enabled=False))
     assert not off.active and off.groups == []
 
@@ -384,3 +422,42 @@ def test_remove_undoes_everything() -> None:
     assert offload_stats()["packed_tensors"] == 0
     handle.remove()  # idempotent
     enable_activation_offload(net, ON, layer_classes=[Block]).remove()  # can be enabled again
+
+
+# ---------------------------------------------------------------- property: any view restores exactly
+@st.composite
+def _strided_views(draw: st.DrawFn) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    views = []
+    for _ in range(draw(st.integers(1, 4))):
+        ndim = draw(st.integers(1, 3))
+        size = tuple(draw(st.integers(1, 6)) for _ in range(ndim))
+        stride = tuple(draw(st.integers(0, 20)) for _ in range(ndim))
+        extent = sum((n - 1) * s for n, s in zip(size, stride))
+        offset = draw(st.integers(0, 16 * 32 - 1 - extent))
+        views.append((size, stride, offset))
+    return views
+
+
+@settings(max_examples=25, deadline=None)
+@given(_strided_views(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_any_strided_views_of_one_storage_restore_exactly(views: list, dtype: torch.dtype) -> None:
+    Probe.sink.clear()
+    keep: list[torch.Tensor] = []
+
+    def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        base = (y * 1.0).to(dtype)
+        keep.append(base)
+        return [base.as_strided(*v) for v in views]
+
+    net = Net(n=2, extra=extra)
+    handle = enable_activation_offload(net, ActivationOffloadConfig(enabled=True, min_tensor_bytes=0),
+                                       layer_classes=[Block])
+    reset_offload_stats()
+    _run_net(net, torch.randn(16, 32))
+    assert offload_stats()["offloaded_storages"] >= 1
+    restored = _by_block(2)[0]
+    for r, v in zip(restored, views, strict=True):
+        o = keep[0].as_strided(*v)
+        assert (r.shape, r.stride(), r.storage_offset(), r.dtype) == (o.shape, o.stride(), o.storage_offset(), o.dtype)
+        assert torch.equal(r, o) and r.data_ptr() != o.data_ptr()
+    handle.remove()

@@ -23,7 +23,8 @@ EVERYTHING_ON = FSDPOffloadConfig(
     source="<test>",
 )
 FSDP1_OFFLOAD = FSDPOffloadConfig(
-    distributed_type="FSDP", version=1, activation_cpu_offload=ActivationOffloadConfig(enabled=True)
+    distributed_type="FSDP", version=1, reshard_after_forward="FULL_SHARD", sync_module_states=False,
+    activation_cpu_offload=ActivationOffloadConfig(enabled=True),
 )
 
 

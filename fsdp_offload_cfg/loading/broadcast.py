@@ -36,18 +36,18 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def buckets(targets: list[Target], bucket_bytes: int) -> list[list[Target]]:
-    """Consecutive targets whose full source size adds up to at most `bucket_bytes` (a tensor
-    larger than that travels alone)."""
+def buckets(targets: list[Target], bucket_bytes: int, rank: int = 0) -> list[list[Target]]:
+    """Consecutive targets whose largest per-rank parts add up to at most `bucket_bytes` (what
+    one rank receives per scatter); a tensor larger than that is split into blocks first."""
     out: list[list[Target]] = []
     size = 0
-    for t in targets:
-        if out and size + t.spec.nbytes <= bucket_bytes:
+    for t in (block for target in targets for block in target.split(bucket_bytes, rank)):
+        if out and size + t.max_part_nbytes <= bucket_bytes:
             out[-1].append(t)
-            size += t.spec.nbytes
+            size += t.max_part_nbytes
         else:
             out.append([t])
-            size = t.spec.nbytes
+            size = t.max_part_nbytes
     return out
 
 
@@ -63,19 +63,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _pack(bucket: list[Target], source: dict[str, torch.Tensor], size: int, world: int, device: torch.device):
-    """Rank 0: one byte buffer per destination rank; each source tensor is released once packed."""
-    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
-    offsets = [_offsets(bucket, rank)[0] for rank in range(world)]
+def _pack(bucket: list[Target], source: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    """Rank 0: write each destination rank's parts into its byte buffer."""
+    offsets = [_offsets(bucket, rank)[0] for rank in range(len(buffers))]
     for i, t in enumerate(bucket):
-        full = source.pop(t.spec.name)  # drop rank 0's last reference once this bucket is sent
+        full = source[t.spec.name]
         if full.dtype != t.spec.dtype or tuple(full.shape) != t.spec.shape:
             raise RuntimeError(f"{t.spec.name}: source changed since it was described ({full.dtype}, {tuple(full.shape)})")
-        for rank in range(world):
+        for rank, buffer in enumerate(buffers):
             piece = _as_bytes(full[t.regions[rank]])
-            buffers[rank][offsets[rank][i] : offsets[rank][i] + piece.numel()].copy_(piece)
-        del full
-    return buffers
+            buffer[offsets[rank][i] : offsets[rank][i] + piece.numel()].copy_(piece)
 
 
 @torch.no_grad()
@@ -85,23 +82,33 @@ def scatter_from_rank0(
     """Fill every target from rank 0's `source` (full tensors by name; None on other ranks).
 
     `source` is emptied as it goes, so rank 0's copy of the model shrinks while it is sent. Peak
-    transient memory per rank: one bucket (rank 0: its packed buffers, about one bucket in all;
-    others: their part of one bucket).
+    transient memory per rank: one staging buffer of its part of a bucket (rank 0: one per
+    destination rank, about one bucket in all when tensors are sharded).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     stats = TransferStats()
     start = time.perf_counter()
-    for bucket in buckets(targets, bucket_bytes):
-        size = max(_offsets(bucket, r)[1] for r in range(world))
-        received = torch.empty(size, dtype=torch.uint8, device=device)
-        packed = _pack(bucket, source, size, world, device) if rank == 0 else None
+    plan = buckets(targets, bucket_bytes, rank)
+    sizes = [max(_offsets(bucket, r)[1] for r in range(world)) for bucket in plan]
+    # One staging buffer per rank (rank 0: one per destination), reused by every bucket: no
+    # allocation churn, so the allocator cannot keep freed bucket memory resident.
+    staging = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
+    outgoing = [torch.empty_like(staging) for _ in range(world)] if rank == 0 else None
+    for bucket, size in zip(plan, sizes):
+        received = staging[:size]
+        packed = None
+        if outgoing is not None:
+            packed = [buffer[:size] for buffer in outgoing]
+            _pack(bucket, source, packed)
+            for t in bucket:
+                if t.last:
+                    del source[t.spec.name]  # rank 0's last reference: its memory is freed now
         dist.scatter(received, packed, src=0)
-        del packed
         own_offsets, _ = _offsets(bucket, rank)
         for t, offset in zip(bucket, own_offsets):
             raw = received[offset : offset + t.nbytes_on(rank)]
             t.dest.copy_(raw.view(t.spec.dtype).view(t.dest.shape))
-        stats.tensors += len(bucket)
+        stats.tensors += sum(t.last for t in bucket)
         stats.bytes_sent += sum(t.nbytes_on(r) for t in bucket for r in range(1, world))
         stats.buckets += 1
         if rank == 0:

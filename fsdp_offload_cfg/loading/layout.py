@@ -20,18 +20,59 @@ from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
 Region = tuple[slice, ...]
 
 
+def _numel(region: Region) -> int:
+    numel = 1
+    for s in region:
+        numel *= s.stop - s.start
+    return numel
+
+
 @dataclass(frozen=True)
 class Target:
-    spec: TensorSpec  # name, dtype and shape of the source tensor (rank 0's)
-    dest: torch.Tensor  # this rank's storage to fill: a DTensor's local shard, or the full tensor
-    regions: tuple[Region, ...]  # regions[r]: the part of the full tensor global rank r holds
+    """One tensor, or one block of it (`block` of `blocks`), to fill on every rank."""
+
+    spec: TensorSpec  # name, dtype and shape of the whole source tensor (rank 0's)
+    dest: torch.Tensor  # this rank's storage to fill: (a block of) its shard, or the tensor
+    regions: tuple[Region, ...]  # regions[r]: the part of the full tensor global rank r gets
+    block: int = 0
+    blocks: int = 1
+
+    @property
+    def last(self) -> bool:
+        """The source tensor is no longer needed once this target is sent."""
+        return self.block == self.blocks - 1
 
     def nbytes_on(self, rank: int) -> int:
         """Bytes of rank `rank`'s part, in the source dtype."""
-        numel = 1
-        for s in self.regions[rank]:
-            numel *= s.stop - s.start
-        return numel * self.spec.dtype.itemsize
+        return _numel(self.regions[rank]) * self.spec.dtype.itemsize
+
+    @property
+    def max_part_nbytes(self) -> int:
+        return max(self.nbytes_on(r) for r in range(len(self.regions)))
+
+    def split(self, max_bytes: int, rank: int) -> list[Target]:
+        """Blocks whose part on every rank is at most about `max_bytes`, so no transfer buffer
+        ever needs a whole large tensor (an embedding can be GiBs). Block k holds the k-th
+        dim-0 chunk of *every* rank's region: all ranks' parts shrink together, which keeps
+        the equal-size scatter buffers free of padding."""
+        if not self.spec.shape:
+            return [self]
+        rows = max(r[0].stop - r[0].start for r in self.regions)
+        blocks = min(rows, -(-self.max_part_nbytes // max_bytes))
+        if blocks <= 1:
+            return [self]
+        return [self._block(k, blocks, rank) for k in range(blocks)]
+
+    def _block(self, k: int, blocks: int, rank: int) -> Target:
+        regions, dest = [], self.dest
+        for r, region in enumerate(self.regions):
+            first, n = region[0].start, region[0].stop - region[0].start
+            chunk = -(-n // blocks)
+            lo, hi = min(k * chunk, n), min((k + 1) * chunk, n)
+            regions.append((slice(first + lo, first + hi), *region[1:]))
+            if r == rank:
+                dest = self.dest.narrow(0, lo, hi - lo)
+        return Target(self.spec, dest, tuple(regions), k, blocks)
 
 
 def _full(shape: tuple[int, ...]) -> Region:

@@ -42,7 +42,7 @@ from fsdp_offload_cfg.loading.spec import ModelSpec, describe, meta_tensor_names
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
 
-DEFAULT_BUCKET_BYTES = 64 * 2**20
+DEFAULT_BUCKET_BYTES = 32 * 2**20  # per rank and scatter; rank 0 packs world_size times this
 
 
 def load_into_sharded(

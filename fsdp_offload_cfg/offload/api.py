@@ -122,26 +122,40 @@ def enable_activation_offload(
         raise RuntimeError("activation offload is already enabled on this model; call handle.remove() first")
     if not config.enabled:
         return OffloadHandle(model, config, [], None)
-    units = list(groups) if groups is not None else find_units(model, layer_classes)
-    boundaries = lift_to_boundaries(model, units) if groups is None else units
-    if not boundaries:
-        raise ValueError(
-            "enable_activation_offload found no groups: pass layer_classes=[YourDecoderLayer] or groups=[...]"
-        )
-    device = _compute_device(model)
-    mode = _resolve_mode(config.mode, device)
-    pool = HostPool(pinned=device.type == "cuda", max_bytes=config.max_pinned_bytes)
-    common: dict[str, Any] = {"min_tensor_bytes": config.min_tensor_bytes, "offload_last_group": config.offload_last_group}
-    handler = (
-        AsyncHandler(model, device, len(boundaries), pool, prefetch_groups=config.prefetch_groups, **common)
-        if mode == "async"
-        else OffloadHandler(model, device, len(boundaries), pool, **common)
-    )
+    boundaries = _pick_groups(model, layer_classes, groups)
+    handler = _make_handler(model, config, len(boundaries))
     handle = OffloadHandle(model, config, boundaries, handler)
     handle._hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group, handler.refresh_params)
     _wrap_forward(handle, handler)
     model.__dict__[_ATTR] = handle
     return handle
+
+
+def _pick_groups(model: nn.Module, layer_classes: LayerClasses | None,
+                 groups: Sequence[nn.Module] | None) -> list[nn.Module]:
+    if groups is not None:
+        inside = {id(m) for m in model.modules() if m is not model}
+        if any(id(g) not in inside for g in groups):
+            raise ValueError("every module in groups= must be a submodule of the model (not the model itself)")
+        boundaries = list(groups)
+    else:
+        boundaries = lift_to_boundaries(model, find_units(model, layer_classes))
+    if not boundaries:
+        raise ValueError("enable_activation_offload found no groups: pass layer_classes=[YourDecoderLayer] or groups=")
+    return boundaries
+
+
+def _make_handler(model: nn.Module, config: ActivationOffloadConfig, n_groups: int) -> OffloadHandler:
+    device = _compute_device(model)
+    mode = _resolve_mode(config.mode, device)
+    pool = HostPool(pinned=device.type == "cuda", max_bytes=config.max_pinned_bytes)
+    common: dict[str, Any] = {
+        "min_tensor_bytes": config.min_tensor_bytes,
+        "offload_last_group": config.offload_last_group,
+    }
+    if mode == "async":
+        return AsyncHandler(model, device, n_groups, pool, prefetch_groups=config.prefetch_groups, **common)
+    return OffloadHandler(model, device, n_groups, pool, **common)
 
 
 def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:

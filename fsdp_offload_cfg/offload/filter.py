@@ -52,7 +52,7 @@ def keep_reason(
     if not t.is_floating_point():
         return "non_float"
     storage = t.untyped_storage()
-    if storage.data_ptr() == 0:
+    if storage.nbytes() < min_bytes or storage.data_ptr() == 0:
         return "small"  # judged by storage: a kept small view would pin its whole base on the device
     if storage.data_ptr() in param_ptrs:
         return "parameter"

@@ -25,12 +25,19 @@ _WRAPPED_ATTRS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 LayerClasses = Iterable[type[nn.Module] | str]
 
 
-def unwrap(module: nn.Module) -> nn.Module:
-    """The module inside any chain of checkpoint/FSDP1 wrappers."""
+def _wrapped(module: nn.Module) -> nn.Module | None:
+    """The module directly inside a checkpoint/FSDP1 wrapper, or None if `module` is no wrapper."""
     for attr in _WRAPPED_ATTRS:
         inner = getattr(module, attr, None)
         if isinstance(inner, nn.Module):
-            return unwrap(inner)
+            return inner
+    return None
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside any chain of checkpoint/FSDP1 wrappers."""
+    while (inner := _wrapped(module)) is not None:
+        module = inner
     return module
 
 
@@ -89,9 +96,7 @@ def lift_to_boundaries(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.
     lifted: dict[int, nn.Module] = {}
     for unit in units:
         b = unit
-        while (p := parent.get(id(b))) is not None and p is not model and any(
-            getattr(p, a, None) is b for a in _WRAPPED_ATTRS
-        ):
+        while (p := parent.get(id(b))) is not None and p is not model and _wrapped(p) is b:
             b = p
         lifted[id(b)] = b
     ids = set(lifted)
@@ -111,11 +116,9 @@ def lift_to_boundaries(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.
 def wrapper_chain(boundary: nn.Module) -> list[nn.Module]:
     """The boundary and every module it wraps, outermost first."""
     chain = [boundary]
-    while True:
-        inner = next((getattr(chain[-1], a) for a in _WRAPPED_ATTRS if isinstance(getattr(chain[-1], a, None), nn.Module)), None)
-        if inner is None:
-            return chain
+    while (inner := _wrapped(chain[-1])) is not None:
         chain.append(inner)
+    return chain
 
 
 def hook_groups(

@@ -129,8 +129,11 @@ class SavedBytesMeter(saved_tensors_hooks):
 
         def pack(t: torch.Tensor) -> Any:
             packed = inner_pack(t)
-            ptr = storage_ptr(t)
-            same = isinstance(packed, torch.Tensor) and storage_ptr(packed) == ptr
+            try:
+                ptr = storage_ptr(t)
+                same = isinstance(packed, torch.Tensor) and storage_ptr(packed) == ptr
+            except (RuntimeError, NotImplementedError):  # tensor subclass without a plain storage
+                return (None, packed)
             if not same or ptr in self._params or isinstance(t, nn.Parameter):
                 return (None, packed)
             counted = self._counted.get(ptr)
