@@ -44,7 +44,7 @@ def enable_activation_offload(model: Any, config: ActivationOffloadConfig | None
     return _enable(model, config, **kwargs)
 
 
-def offload_stats() -> dict[str, int]:
+def offload_stats() -> dict[str, Any]:
     """Cumulative offload counters: offloaded/reloaded bytes, peak resident bytes, pinned pool."""
     from fsdp_offload_cfg.offload import offload_stats as _stats
 

@@ -86,11 +86,23 @@ def test_pool_reuses_blocks_and_evicts_idle_ones_under_the_cap() -> None:
     assert b is not None and pool.total_bytes == 4096
     assert pool.acquire(100) is None  # full: caller keeps the tensor on the device
     pool.release(b)
-    c = pool.acquire(2048)  # the idle 3072-byte block is dropped to make room
-    assert c is not None and pool.total_bytes == 1024 + 2048
+    assert pool.acquire(2000) is b  # an idle block under 2x the request is reused
+    pool.release(b)
+    c = pool.acquire(1536)  # 3072 is 2x too big: the idle block is dropped to make room instead
+    assert c is not None and c is not b and pool.total_bytes == 1024 + 1536
     before = offload_stats()["pinned_pool_bytes"]
     pool.release(a)
     pool.close()
-    assert pool.total_bytes == 2048 and offload_stats()["pinned_pool_bytes"] == before - 1024
+    assert pool.total_bytes == 1536 and offload_stats()["pinned_pool_bytes"] == before - 1024
     pool.release(c)
     assert pool.total_bytes == 0
+
+
+def test_pool_reuses_nearby_sizes_for_variable_lengths() -> None:
+    pool = HostPool(pinned=False)
+    blocks = [pool.acquire(n) for n in (10_000, 20_000)]
+    for b in blocks:
+        pool.release(b)  # type: ignore[arg-type]
+    assert pool.acquire(9_000) is blocks[0]  # 10 240-byte block fits 9 000 (< 2x)
+    assert pool.acquire(12_000) is blocks[1]  # next smallest idle block that fits
+    assert pool.acquire(4_000) is not blocks[0] and pool.total_bytes == 10_240 + 20_480 + 4_096

@@ -53,7 +53,7 @@ def _matches(module: nn.Module, classes: Sequence[type[nn.Module] | str]) -> boo
 
 
 def _no_split_names(model: nn.Module) -> list[str]:
-    for m in (model, unwrap(model), *model.modules()):
+    for m in model.modules():  # the root first; FSDP1/DDP roots hold it one level down
         names = getattr(m, "_no_split_modules", None)
         if names:
             return list(names)

@@ -3,7 +3,8 @@
 Why a pool: allocating pinned memory (`cudaHostAlloc`) synchronises the device, so pinning on
 the fly in every forward would serialise the copy streams with compute (torchtitan's reason for
 its slab pool). Shapes repeat from step to step, so blocks keyed by rounded size are reused from
-the second step on and the pool stops growing.
+the second step on and the pool stops growing. With variable sequence lengths a request takes the
+smallest idle block of up to twice its size, so blocks of nearby sizes do not pile up.
 
 Why a cap: host RAM is finite too. Past `max_bytes` the pool first drops idle blocks of other
 sizes; if that is not enough, `acquire` returns None and the caller keeps the tensor on the
@@ -53,14 +54,20 @@ class HostPool:
     def acquire(self, nbytes: int) -> HostBlock | None:
         """A block of at least `nbytes`, or None when the cap forbids it."""
         size = round_size(nbytes)
-        free = self._free.get(size)
-        if free:
-            return free.pop()
+        fit = self._best_fit(size)
+        if fit is not None:
+            return self._free[fit].pop()
         if not self._make_room(size):
             return None
         tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         self._grow(size)
         return HostBlock(tensor)
+
+    def _best_fit(self, size: int) -> int | None:
+        """Smallest idle size in [size, 2*size): with variable sequence lengths, idle blocks of
+        nearby sizes are reused instead of piling up (waste bounded by 2x)."""
+        fits = [s for s, blocks in self._free.items() if blocks and size <= s < 2 * size]
+        return min(fits, default=None)
 
     def release(self, block: HostBlock) -> None:
         """Give a block back; after `close()` it is dropped instead."""
