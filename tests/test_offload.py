@@ -18,7 +18,7 @@ from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import enable_activation_offload, get_offload_handle, offload_stats, reset_offload_stats
 from fsdp_offload_cfg.offload.filter import keep_reason
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
-from test_offload_helpers import Block, Net, Probe, batch, grads, llama_step, tiny_llama
+from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 
 ON = ActivationOffloadConfig(enabled=True)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
-from test_offload_helpers import Block, Net, Probe, batch, grads, llama_step, tiny_llama
+from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
-from test_offload_helpers import batch, tiny_llama
+from _offload_models import batch, tiny_llama
 
 CASES = [
     {"name": "fsdp2_reshard_noac_sync", "fsdp": 2, "reshard": True, "ac": False, "mode": "sync"},
