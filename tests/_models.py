@@ -170,8 +170,8 @@ def save_tiny_buffers(path: str) -> str:
     return _save(model, path)
 
 
-def save_llama_300m(path: str) -> str:
-    """~320M-parameter fp32 Llama for the loading benchmark (1.2 GiB of safetensors)."""
+def save_llama_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
+    """~320M-parameter Llama for the loading benchmark (1.2 GiB of fp32 safetensors)."""
     config = LlamaConfig(
         vocab_size=32000,
         hidden_size=1024,
@@ -190,7 +190,7 @@ def save_llama_300m(path: str) -> str:
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
         model.model.rotary_emb.__init__(config)  # recompute inv_freq after to_empty
-    return _save(model, path, torch.float32)
+    return _save(model, path, dtype)
 
 
 BUILDERS = {

@@ -42,7 +42,9 @@ def _install_patches() -> None:
         return
     orig_pretrained = PreTrainedModel.from_pretrained.__func__
     orig_config = PreTrainedModel._from_config.__func__
-    PreTrainedModel.from_pretrained = classmethod(lambda cls, *a, **k: rank0_from_pretrained(orig_pretrained, cls, *a, **k))
+    PreTrainedModel.from_pretrained = classmethod(
+        lambda cls, *a, **k: rank0_from_pretrained(orig_pretrained, cls, *a, **k)
+    )
     PreTrainedModel._from_config = classmethod(lambda cls, c, **k: rank0_from_config(orig_config, cls, c, **k))
     PreTrainedModel._test_patched = True
 
@@ -52,7 +54,9 @@ def _shard(model: nn.Module, layer_classes: set[str], offload: bool = False, upc
     [norm, embed, lm_head] when tied (reshard_after_forward=False), then the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
-    kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
+    kwargs: dict[str, Any] = {}
+    if offload:  # pinning needs an accelerator
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if upcast:
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
@@ -80,7 +84,8 @@ def _all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _digest(t: torch.Tensor) -> str:
-    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    data = t.contiguous().view(torch.uint8).numpy().tobytes()
+    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha256(data).hexdigest()
 
 
 def _compare(model: nn.Module, ref: dict[str, torch.Tensor], upcast: bool = False) -> dict[str, Any]:
@@ -175,12 +180,15 @@ def _lora_case(path: str, ref_dir: str) -> dict[str, Any]:
     before = {n: _digest(p) for n, p in model.named_parameters() if "lora_" in n and not p.is_meta}
     model = load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}, upcast=True), bucket_bytes=BUCKET)
     full = _all_tensors(model)
-    base = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t for n, t in full.items() if "lora_" not in n}
+    base = {
+        n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t for n, t in full.items() if "lora_" not in n
+    }
     ref = torch.load(os.path.join(ref_dir, "llama_bf16.pt"))
+    wrong = sorted(n for n in set(ref) | set(base) if n not in base or n not in ref or not torch.equal(base[n], ref[n]))
     return {
         "lora_before": before,
         "lora_after": {n: _digest(t) for n, t in full.items() if "lora_" in n},
-        "base_wrong": sorted(n for n in set(ref) | set(base) if n not in base or n not in ref or not torch.equal(base[n], ref[n])),
+        "base_wrong": wrong,
         "meta_left": _meta_left(model),
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
     }

@@ -69,7 +69,8 @@ def _pack(bucket: list[Target], source: dict[str, torch.Tensor], buffers: list[t
     for i, t in enumerate(bucket):
         full = source[t.spec.name]
         if full.dtype != t.spec.dtype or tuple(full.shape) != t.spec.shape:
-            raise RuntimeError(f"{t.spec.name}: source changed since it was described ({full.dtype}, {tuple(full.shape)})")
+            changed = f"{full.dtype} {tuple(full.shape)}"
+            raise RuntimeError(f"{t.spec.name}: source changed since it was described (now {changed})")
         for rank, buffer in enumerate(buffers):
             piece = _as_bytes(full[t.regions[rank]])
             buffer[offsets[rank][i] : offsets[rank][i] + piece.numel()].copy_(piece)
@@ -111,7 +112,10 @@ def scatter_from_rank0(
         stats.tensors += sum(t.last for t in bucket)
         stats.bytes_sent += sum(t.nbytes_on(r) for t in bucket for r in range(1, world))
         stats.buckets += 1
-        if rank == 0:
-            logger.debug("rank-0 loading: bucket %d, %d tensors, %.1f MiB", stats.buckets, len(bucket), size / 2**20)
+        if rank == 0 and stats.buckets % max(1, len(plan) // 10) == 0:
+            logger.info(
+                "rank-0 loading: %d/%d buckets, %d tensors, %.2f GiB sent, %.1fs",
+                stats.buckets, len(plan), stats.tensors, stats.bytes_sent / 2**30, time.perf_counter() - start,
+            )  # fmt: skip
     stats.seconds = time.perf_counter() - start
     return stats

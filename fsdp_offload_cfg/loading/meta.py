@@ -144,7 +144,8 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
     raise_if_any_failed(error, f"building the meta model to {what}")
     if rank == 0:
         model = result[0] if isinstance(result, tuple) else result
-        logger.info("rank-0 loading: %s done on rank 0 (%.2f GiB); other ranks are on meta", what, built.spec.nbytes / 2**30)
+        gib = built.spec.nbytes / 2**30
+        logger.info("rank-0 loading: %s done on rank 0 (%.2f GiB); other ranks are on meta", what, gib)
     else:
         torch.set_rng_state(built.rng_state)
         result = (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model

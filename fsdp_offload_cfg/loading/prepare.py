@@ -37,7 +37,7 @@ from fsdp_offload_cfg.loading._sync import (
     raise_if_any_failed,
 )
 from fsdp_offload_cfg.loading.broadcast import scatter_from_rank0
-from fsdp_offload_cfg.loading.layout import plan
+from fsdp_offload_cfg.loading.layout import Target, plan
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, meta_tensor_names, mismatch, rebuild_on_meta, retie
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
@@ -75,7 +75,7 @@ def load_into_sharded(
     sharded_model, error = attempt(lambda: shard_fn(model) or model)
     raise_if_any_failed(error, "sharding the model (shard_fn)")
 
-    def materialize() -> list:
+    def materialize() -> list[Target]:
         problem = mismatch(spec, describe(sharded_model), what="sharded model", check_dtype=True)
         if problem is not None:
             raise RuntimeError(problem)
