@@ -164,6 +164,7 @@ def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffload
         self.distributed_type = DistributedType.FSDP
         if self._mixed_precision != "no":
             plugin.set_mixed_precision(self._mixed_precision)
+        _unpin_cpu_offload(plugin)
         self.fsdp_plugin = plugin
         # MULTI_CPU reports `cpu:<local rank>`; FSDP1 rejects a device_id that differs from the
         # parameters' plain `cpu`, and there is only one CPU device anyway.
@@ -173,6 +174,14 @@ def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffload
         logger.debug("promoted MULTI_CPU to FSDP (gloo) for a CPU-only run")
 
     return __init__
+
+
+def _unpin_cpu_offload(plugin: Any) -> None:
+    """`CPUOffloadPolicy()` pins host memory, which needs CUDA: FSDP2 crashes allocating shards."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -133,12 +133,13 @@ def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoin
     assert launch.elapsed < 60, launch.elapsed
 
 
-def test_torchrun_with_explicit_config_path(tmp_path: Path, checkpoint: str):
-    config = _write(tmp_path, "torchrun.yaml", loading="true")
+def test_torchrun_with_explicit_config_path_and_param_offload(tmp_path: Path, checkpoint: str):
+    config = _write(tmp_path, "torchrun.yaml", loading="true", extra="  fsdp_offload_params: true\n")
     reports = _reports(_run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                              "--master_port", str(free_port()), str(PROBE), checkpoint, "--config", str(config)]))
     _assert_fsdp2_sharded(reports)
     assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]
+    assert all(r["cpu_offload_policy"] == "CPUOffloadPolicy(pin_memory=False)" for r in reports), reports
 
 
 def test_trainer_fsdp_config_with_plugin_keys(tmp_path: Path, checkpoint: str):

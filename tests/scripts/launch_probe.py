@@ -61,6 +61,7 @@ report = {
     "losses": losses,
     "losses_finite": all(math.isfinite(x) for x in losses),
     "offload_enabled": session.config.activation_cpu_offload.enabled,
+    "cpu_offload_policy": repr(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None)),
 }
 if session.config.activation_cpu_offload.enabled:
     report["offload_stats"] = fsdp_offload_cfg.offload_stats()
