@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -188,20 +187,6 @@ def _unpin_cpu_offload(plugin: Any) -> None:
 # Loading: rank 0 reads, the others build on meta
 # --------------------------------------------------------------------------------------------
 
-_REENTRY = threading.local()
-
-
-@contextmanager
-def _inside_loader() -> Iterator[bool]:
-    """True when already inside a patched loader call (nested from_pretrained/_from_config)."""
-    nested = getattr(_REENTRY, "active", False)
-    _REENTRY.active = True
-    try:
-        yield nested
-    finally:
-        _REENTRY.active = nested
-
-
 def ensure_process_group() -> None:
     """Bring the process group up through accelerate (gloo on CPU) if the script has not yet."""
     import torch.distributed as dist
@@ -219,13 +204,12 @@ def _rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     @functools.wraps(original)
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        with _inside_loader() as nested:
-            if nested or not _rank0_loading_active(cfg):
-                return original(cls, *args, **kwargs)
-            from fsdp_offload_cfg.loading import rank0_from_pretrained
+        if not _rank0_loading_active(cfg):
+            return original(cls, *args, **kwargs)
+        from fsdp_offload_cfg.loading import rank0_from_pretrained
 
-            ensure_process_group()
-            return rank0_from_pretrained(original, cls, *args, **kwargs)
+        ensure_process_group()
+        return rank0_from_pretrained(original, cls, *args, **kwargs)
 
     return from_pretrained
 
@@ -233,13 +217,12 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
 def build_from_config(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     @functools.wraps(original)
     def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
-        with _inside_loader() as nested:
-            if nested or not _rank0_loading_active(cfg):
-                return original(cls, config, **kwargs)
-            from fsdp_offload_cfg.loading import rank0_from_config
+        if not _rank0_loading_active(cfg):
+            return original(cls, config, **kwargs)
+        from fsdp_offload_cfg.loading import rank0_from_config
 
-            ensure_process_group()
-            return rank0_from_config(original, cls, config, **kwargs)
+        ensure_process_group()
+        return rank0_from_config(original, cls, config, **kwargs)
 
     return _from_config
 
