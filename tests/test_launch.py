@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from _dist import free_port
-from _models import save_llama
+from _models import save_deepseek_v3, save_llama, save_qwen2_tied
 
 pytestmark = pytest.mark.distributed
 
@@ -182,3 +182,39 @@ def test_accelerate_launch_fsdp1_with_activation_offload(tmp_path: Path, checkpo
         assert r["optimizer_holds_model_params"] and r["losses_finite"], r
         assert r["offload_stats"]["offloaded_bytes"] > 0, r
     assert reports[0]["losses"] == reports[1]["losses"]
+
+
+def _plain_digests(checkpoint: str) -> dict[str, str]:
+    """What a plain single-process `from_pretrained` holds, in the probe's digest format."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tensors = dict(model.state_dict())
+    tensors.update(dict(model.named_buffers()))
+    return {
+        name: f"{t.dtype}:{tuple(t.shape)}:"
+        + hashlib.sha1(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for name, t in tensors.items()
+    }
+
+
+@pytest.mark.parametrize("builder", [save_deepseek_v3, save_qwen2_tied], ids=["deepseek_v3", "qwen2_tied"])
+def test_accelerate_launch_loads_exactly_what_a_plain_load_gives(tmp_path: Path, builder):
+    """Through the real prepare path: persistent router bias (stock accelerate crashes on it),
+    yarn RoPE buffers, bf16 weights, tied embeddings; every tensor equal on both ranks."""
+    checkpoint = builder(str(tmp_path / "ckpt"))
+    expected = _plain_digests(checkpoint)
+    config = tmp_path / "loader.yaml"
+    config.write_text(CPU_YAML.format(use_cpu="true", loading="true", extra="").replace(
+        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n", ""))
+    reports = _reports(_accelerate_launch(config, checkpoint, "--steps", "1"))
+    for r in reports:
+        assert r["state_digests"] == expected, sorted(
+            k for k in expected if r["state_digests"].get(k) != expected[k])
+        assert r["meta_numel_after_from_pretrained"] == (r["full_numel"] if r["rank"] else 0)
+        assert r["losses_finite"], r
+    if builder is save_qwen2_tied:
+        assert all(r["tied_after_prepare"] and r["tied_after_steps"] for r in reports)

@@ -7,6 +7,7 @@ Prints one line per rank: `PROBE {json}` with what the test asserts on.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import math
@@ -32,6 +33,19 @@ model = AutoModelForCausalLM.from_pretrained(args.checkpoint)
 meta_after_load = sum(p.numel() for p in model.parameters() if p.is_meta)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
+
+
+def _digest(t: torch.Tensor) -> str:
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return f"{full.dtype}:{tuple(full.shape)}:" + hashlib.sha1(
+        full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    ).hexdigest()
+
+
+# Every parameter and buffer, gathered, as bytes: compared with a plain single-process load.
+state_digests = {name: _digest(t) for name, t in model.state_dict().items()}
+state_digests.update({name: _digest(b) for name, b in model.named_buffers()})
+tied = model.get_input_embeddings().weight is getattr(model.get_output_embeddings(), "weight", None)
 
 params = list(model.parameters())
 opt_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -60,6 +74,9 @@ report = {
     and all(a is b for a, b in zip(opt_params, params)),
     "losses": losses,
     "losses_finite": all(math.isfinite(x) for x in losses),
+    "state_digests": state_digests,
+    "tied_after_prepare": tied,
+    "tied_after_steps": model.get_input_embeddings().weight is getattr(model.get_output_embeddings(), "weight", None),
     "offload_enabled": session.config.activation_cpu_offload.enabled,
     "cpu_offload_policy": repr(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None)),
 }
