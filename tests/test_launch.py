@@ -56,10 +56,11 @@ class Launch:
         return self.proc.stdout + self.proc.stderr
 
 
-def _run(cmd: list[str], timeout: float = 240) -> Launch:
+def _run(cmd: list[str], timeout: float = 240, **extra_env: str) -> Launch:
     out_dir = Path(tempfile.mkdtemp(prefix="probe_"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PROBE_DIR=str(out_dir))
+    env.update(extra_env)
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE.parent)
     return Launch(proc, time.monotonic() - start, out_dir)
@@ -120,6 +121,20 @@ def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoi
     assert rank1["meta_numel_after_from_pretrained"] == rank1["full_numel"]  # zero parameter bytes
     for r in reports:
         assert r["offload_enabled"] and r["offload_stats"]["offloaded_bytes"] > 0, r
+
+
+def test_accelerate_launch_without_flag_uses_accelerates_default_config_file(tmp_path: Path, checkpoint: str):
+    hf_home = tmp_path / "hf_home"
+    default = _write(tmp_path, "default.yaml", extra="  activation_cpu_offload: true\n")
+    (hf_home / "accelerate").mkdir(parents=True)
+    (hf_home / "accelerate" / "default_config.yaml").write_text(default.read_text())
+    launch = _run([str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), str(PROBE),
+                   checkpoint], HF_HOME=str(hf_home))
+    reports = _reports(launch)
+    _assert_fsdp2_sharded(reports)
+    for r in reports:
+        assert str(hf_home / "accelerate" / "default_config.yaml") in r["source"], r["source"]
+        assert r["offload_enabled"], r  # a plugin key only the file holds: not from FSDP_* variables
 
 
 def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoint: str):
