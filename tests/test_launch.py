@@ -137,6 +137,19 @@ def test_accelerate_launch_without_flag_uses_accelerates_default_config_file(tmp
         assert r["offload_enabled"], r  # a plugin key only the file holds: not from FSDP_* variables
 
 
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_activation_offload_through_accelerate_is_bit_identical(tmp_path: Path, checkpoint: str, checkpointing: str):
+    """Same launch with and without `activation_cpu_offload`: identical losses over 3 AdamW steps
+    (each loss after the first depends on the previous step's gradients)."""
+    ac = f"  fsdp_activation_checkpointing: {checkpointing}\n"
+    plain = _write(tmp_path, "plain.yaml", extra=ac)
+    offload = _write(tmp_path, "offload.yaml", extra=ac + "  activation_cpu_offload:\n    min_tensor_bytes: 0\n")
+    without = _reports(_accelerate_launch(plain, checkpoint, "--steps", "3"))
+    with_offload = _reports(_accelerate_launch(offload, checkpoint, "--steps", "3"))
+    assert with_offload[0]["offload_stats"]["offloaded_bytes"] > 0
+    assert [r["losses"] for r in with_offload] == [r["losses"] for r in without]
+
+
 def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "typo.yaml", extra="  fsdp_activaton_cpu_offload: true\n")
     launch = _accelerate_launch(config, checkpoint)
