@@ -6,8 +6,9 @@ Methods (each in its own `torchrun` launch, CPU + gloo):
             (ACCELERATE_USE_FSDP / FSDP_CPU_RAM_EFFICIENT_LOADING set, then `fsdp2_prepare_model`
             with `cpu_ram_efficient_loading=True`); "crash" if it raises;
   ours      `rank0_from_pretrained` + `load_into_sharded` (accelerate's `fsdp2_prepare_model`,
-            stock loading off, as the shard_fn);
-  (sharded) reserved for load_strategy="sharded" once it exists.
+            stock loading off, as the shard_fn): load_strategy "broadcast";
+  sharded   `sharded_from_pretrained` + `load_into_sharded(strategy="sharded")`: every rank
+            builds on meta and reads only its own slices from the safetensors file.
 
 Checkpoints: `fp32` (loaded as saved: transformers maps the safetensors file and FSDP copies
 only each rank's rows, so plain loading costs little *anonymous* memory) and `bf16->fp32` (a
@@ -37,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-METHODS = ("plain", "stock", "ours")
+METHODS = ("plain", "stock", "ours", "sharded")
 GIB = 2**30
 
 
@@ -127,6 +128,12 @@ def _load(method: str, model_dir: str, accelerator):
         original = PreTrainedModel.from_pretrained
         model = rank0_from_pretrained(original, LlamaForCausalLM, model_dir, dtype=torch.float32)
         return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m))
+    if method == "sharded":
+        from fsdp_offload_cfg.loading import load_into_sharded, sharded_from_pretrained
+
+        original = PreTrainedModel.from_pretrained
+        model = sharded_from_pretrained(original, LlamaForCausalLM, model_dir, dtype=torch.float32)
+        return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy="sharded")
     raise ValueError(method)
 
 

@@ -206,10 +206,11 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         if not _rank0_loading_active(cfg):
             return original(cls, *args, **kwargs)
-        from fsdp_offload_cfg.loading import rank0_from_pretrained
+        from fsdp_offload_cfg.loading import rank0_from_pretrained, sharded_from_pretrained
 
         ensure_process_group()
-        return rank0_from_pretrained(original, cls, *args, **kwargs)
+        load = sharded_from_pretrained if cfg.load_strategy == "sharded" else rank0_from_pretrained
+        return load(original, cls, *args, **kwargs)
 
     return from_pretrained
 
@@ -372,7 +373,7 @@ def _patches() -> list[Any]:
               "promote MULTI_CPU to FSDP so accelerate runs FSDP2 on the CPU"),
         Patch("rank0-from-pretrained", "transformers.modeling_utils", "PreTrainedModel.from_pretrained",
               build_from_pretrained, loader_enabled, tf,
-              "rank 0 reads the checkpoint; other ranks build the model on meta"),
+              "rank 0 reads the checkpoint (or, sharded: every rank reads its own slices); others build on meta"),
         Patch("rank0-from-config", "transformers.modeling_utils", "PreTrainedModel._from_config",
               build_from_config, loader_enabled, tf, "rank 0 initialises from config; other ranks build on meta"),
         Patch("meta-optimizer-mapping", "accelerate.accelerator", "Accelerator._prepare_fsdp2",

@@ -206,3 +206,45 @@ BUILDERS = {
 def build_all(root: str, names: list[str] | None = None) -> dict[str, str]:
     """Save every tiny model under `root/<name>`; returns {name: path}."""
     return {n: BUILDERS[n](os.path.join(root, n)) for n in (names or list(BUILDERS))}
+
+
+# ---- checkpoint layouts for load_strategy "sharded" (each rank reads its own slices) ----
+
+
+def save_deepseek_v3_fused(path: str) -> str:
+    """The tiny DeepseekV3 of `save_deepseek_v3` stored in the model's own key layout (experts
+    fused into `gate_up_proj`/`down_proj`): transformers loads it without a WeightConverter, so a
+    per-rank slice reader can read it. (`save_pretrained` writes per-expert keys, which are
+    fused on load.)"""
+    from safetensors.torch import save_file
+
+    save_deepseek_v3(path)
+    model = DeepseekV3ForCausalLM.from_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    return path
+
+
+def save_llama_multi_file(path: str) -> str:
+    """The tiny Llama of `save_llama`, split over several safetensors files with an index."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config()).save_pretrained(path, max_shard_size="40KB")
+    return path
+
+
+def save_llama_bin(path: str) -> str:
+    """The tiny Llama as a legacy `pytorch_model.bin` (transformers 5 no longer writes one)."""
+    from safetensors.torch import load_file
+
+    save_llama(path)
+    weights = os.path.join(path, "model.safetensors")
+    torch.save(load_file(weights), os.path.join(path, "pytorch_model.bin"))
+    os.remove(weights)
+    return path
+
+
+SHARDED_BUILDERS = {
+    "deepseek_v3_fused": save_deepseek_v3_fused,
+    "llama_multi_file": save_llama_multi_file,
+    "llama_bin": save_llama_bin,
+}

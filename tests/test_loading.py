@@ -1,13 +1,16 @@
-"""Rank-0 meta loading on real gloo ranks, compared bit for bit with a plain single-process load.
+"""Meta loading on real gloo ranks, compared bit for bit with a plain single-process load, under
+both load strategies: "broadcast" (rank 0 reads, scatters) and "sharded" (every rank reads its
+own slices from the safetensors files).
 
-Spawning a rank costs seconds (importing transformers), so each launch runs many cases: one
-2-rank launch runs the whole model matrix (results are asserted per case below), one covers
-failure propagation, one simulates 2 nodes x 2 processes.
+Spawning a rank costs seconds (importing transformers), so each launch runs many cases, for both
+strategies: one 2-rank launch runs the whole model matrix (results are asserted per case below),
+one covers failure propagation, one simulates 2 nodes x 2 processes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import time
@@ -23,6 +26,9 @@ from _dist import run_workers
 pytestmark = pytest.mark.distributed
 
 BUCKET = 4096  # tiny buckets: every model spans many buckets, some tensors exceed one
+STRATEGIES = ["broadcast", "sharded"]
+# under "sharded" these checkpoints cannot be read slice by slice: fused experts, a .bin file
+FALLBACK = {"deepseek_v3": "converted on load", "llama_bin": "not safetensors"}
 STEP_INPUT = [[3, 14, 15, 92, 65, 35, 89, 79], [32, 38, 46, 26, 43, 38, 32, 79]]
 
 
@@ -31,22 +37,45 @@ STEP_INPUT = [[3, 14, 15, 92, 65, 35, 89, 79], [32, 38, 46, 26, 43, 38, 32, 79]]
 # --------------------------------------------------------------------------------------------
 
 
-def _install_patches() -> None:
+_STRATEGY = {"value": "broadcast"}  # what the patched from_pretrained does in this process
+
+
+def _install_patches(strategy: str = "broadcast") -> None:
     """Route transformers' loaders through ours, the way `patch()` will (so that Auto classes and
     sub-models created in `__init__` take the real code path)."""
     from transformers import PreTrainedModel
 
-    from fsdp_offload_cfg.loading import rank0_from_config, rank0_from_pretrained
+    from fsdp_offload_cfg.loading import rank0_from_config, rank0_from_pretrained, sharded_from_pretrained
 
+    _STRATEGY["value"] = strategy
     if getattr(PreTrainedModel, "_test_patched", False):
         return
     orig_pretrained = PreTrainedModel.from_pretrained.__func__
     orig_config = PreTrainedModel._from_config.__func__
-    PreTrainedModel.from_pretrained = classmethod(
-        lambda cls, *a, **k: rank0_from_pretrained(orig_pretrained, cls, *a, **k)
-    )
+
+    def from_pretrained(cls, *a, **k):
+        body = sharded_from_pretrained if _STRATEGY["value"] == "sharded" else rank0_from_pretrained
+        return body(orig_pretrained, cls, *a, **k)
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
     PreTrainedModel._from_config = classmethod(lambda cls, c, **k: rank0_from_config(orig_config, cls, c, **k))
     PreTrainedModel._test_patched = True
+
+
+class _Warnings(logging.Handler):
+    """Collects the loader's warnings (the sharded strategy's fallback notice)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("fsdp_offload_cfg.loading").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        out, self.messages = self.messages, []
+        return out
 
 
 def _shard(model: nn.Module, layer_classes: set[str], offload: bool = False, upcast: bool = False) -> nn.Module:
@@ -105,13 +134,51 @@ def _bytes_held(model: nn.Module) -> tuple[int, int]:
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta), sum(t.is_meta for t in tensors)
 
 
+def _held_by_kind(model: nn.Module) -> dict[str, int]:
+    """Real bytes held in parameters, persistent and non-persistent buffers."""
+    out = {"params": 0, "persistent": 0, "non_persistent": 0}
+    for module in model.modules():
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None or t.is_meta:
+                continue
+            kind = "params" if name in module._parameters else "persistent"
+            kind = "non_persistent" if name in module._non_persistent_buffers_set else kind
+            out[kind] += t.numel() * t.element_size()
+    return out
+
+
+def _read_stats() -> dict[str, Any] | None:
+    """What this rank's reader did in the last `load_into_sharded` (None if it read nothing)."""
+    from fsdp_offload_cfg.loading import sharded
+
+    stats, sharded.last_stats = sharded.last_stats, None
+    if stats is None:
+        return None
+    return {"bytes_read": stats.bytes_read, "largest_read": stats.largest_read, "files": stats.files}
+
+
+def _checkpoint_bytes(path: str) -> tuple[int, int]:
+    """(bytes of all tensors, bytes of the largest tensor) in a safetensors checkpoint dir."""
+    from fsdp_offload_cfg.loading.checkpoint import read_header
+
+    sizes = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            for t in read_header(os.path.join(path, name)).values():
+                numel = 1
+                for n in t.shape:
+                    numel *= n
+                sizes.append(numel * t.dtype.itemsize)
+    return sum(sizes), max(sizes, default=0)
+
+
 def _meta_left(model: nn.Module) -> list[str]:
     from fsdp_offload_cfg.loading.spec import meta_tensor_names
 
     return meta_tensor_names(model)
 
 
-def _load_case(case: str, path: str, ref_dir: str, rank: int) -> dict[str, Any]:
+def _load_case(case: str, path: str, ref_dir: str, rank: int, strategy: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
     from _models import TinyBufferModel
@@ -132,10 +199,14 @@ def _load_case(case: str, path: str, ref_dir: str, rank: int) -> dict[str, Any]:
         offload = case == "llama_offload"
     held, n_meta = _bytes_held(model)
     result: dict[str, Any] = {"bytes_after_from_pretrained": held, "meta_after_from_pretrained": n_meta}
+    result["held_after_from_pretrained"] = _held_by_kind(model)
     result["marked"] = is_rank0_source(model)
     model = load_into_sharded(
-        model, lambda m: _shard(m, layers, offload=offload, upcast=upcast), cpu_offload=offload, bucket_bytes=BUCKET
-    )
+        model, lambda m: _shard(m, layers, offload=offload, upcast=upcast), strategy=strategy,
+        cpu_offload=offload, bucket_bytes=BUCKET,
+    )  # fmt: skip
+    result["read"] = _read_stats()
+    result["checkpoint_bytes"] = _checkpoint_bytes(path)
     result.update(_compare(model, torch.load(os.path.join(ref_dir, f"{case}.pt")), upcast=upcast))
     result["meta_left"] = _meta_left(model)
     if offload:
@@ -169,7 +240,7 @@ def _adamw_step(model: nn.Module, reference: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def _lora_case(path: str, ref_dir: str) -> dict[str, Any]:
+def _lora_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -178,7 +249,9 @@ def _lora_case(path: str, ref_dir: str) -> dict[str, Any]:
     base = AutoModelForCausalLM.from_pretrained(path)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
     before = {n: _digest(p) for n, p in model.named_parameters() if "lora_" in n and not p.is_meta}
-    model = load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}, upcast=True), bucket_bytes=BUCKET)
+    model = load_into_sharded(
+        model, lambda m: _shard(m, {"LlamaDecoderLayer"}, upcast=True), strategy=strategy, bucket_bytes=BUCKET
+    )
     full = _all_tensors(model)
     base = {
         n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t for n, t in full.items() if "lora_" not in n
@@ -188,13 +261,15 @@ def _lora_case(path: str, ref_dir: str) -> dict[str, Any]:
     return {
         "lora_before": before,
         "lora_after": {n: _digest(t) for n, t in full.items() if "lora_" in n},
+        "lora_B_zero": all(not t.any() for n, t in full.items() if "lora_B" in n),
+        "lora_A_std": [t.float().std().item() for n, t in full.items() if "lora_A" in n],
         "base_wrong": wrong,
         "meta_left": _meta_left(model),
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
     }
 
 
-def _from_config_case(rank: int) -> dict[str, Any]:
+def _from_config_case(rank: int, strategy: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from _models import llama_config
@@ -204,7 +279,7 @@ def _from_config_case(rank: int) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_config(llama_config())
     held, n_meta = _bytes_held(model)
     before = {n: _digest(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
-    model = load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), bucket_bytes=BUCKET)
+    model = load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), strategy=strategy, bucket_bytes=BUCKET)
     return {
         "bytes": held,
         "meta": n_meta,
@@ -214,7 +289,7 @@ def _from_config_case(rank: int) -> dict[str, Any]:
     }
 
 
-def _accelerate_case(path: str, ref_dir: str) -> dict[str, Any]:
+def _accelerate_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
     """accelerate's own fsdp2_prepare_model as the shard_fn (mixed precision bf16: it upcasts the
     bf16 checkpoint's trainable params to fp32 master weights). The FSDP plugin is put on a real
     MULTI_CPU Accelerator by hand, as `patch()` promotes it on the CPU."""
@@ -235,7 +310,7 @@ def _accelerate_case(path: str, ref_dir: str) -> dict[str, Any]:
     plugin.set_mixed_precision("bf16")
     accelerator.state.fsdp_plugin = plugin
     model = AutoModelForCausalLM.from_pretrained(path)
-    model = load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m))
+    model = load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy=strategy)
     result = _compare(model, torch.load(os.path.join(ref_dir, "llama_bf16.pt")), upcast=True)
     result["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     result["meta_left"] = _meta_left(model)
@@ -244,7 +319,7 @@ def _accelerate_case(path: str, ref_dir: str) -> dict[str, Any]:
     return result
 
 
-def _mismatch_case(path: str, rank: int) -> str:
+def _mismatch_case(path: str, rank: int, strategy: str) -> str:
     from transformers import AutoModelForCausalLM
 
     from fsdp_offload_cfg.loading import load_into_sharded
@@ -254,23 +329,31 @@ def _mismatch_case(path: str, rank: int) -> str:
         model.extra_head = nn.Linear(2, 2, bias=False, device="meta")
         del model.model.rotary_emb._buffers["original_inv_freq"]
     try:
-        load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}))
+        load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), strategy=strategy)
     except RuntimeError as exc:
         return str(exc)
     return "no error"
 
 
 def _matrix_worker(rank: int, world_size: int, paths: dict[str, str], ref_dir: str) -> dict[str, Any]:
-    _install_patches()
-    results: dict[str, Any] = {}
-    for case in ["llama", "qwen2_tied", "deepseek_v3", "llava", "tiny_buffers", "llama_bf16"]:
-        results[case] = _load_case(case, paths[case], ref_dir, rank)
-    results["llama_offload"] = _load_case("llama_offload", paths["llama"], ref_dir, rank)
-    results["lora"] = _lora_case(paths["llama_bf16"], ref_dir)
-    results["from_config"] = _from_config_case(rank)
-    results["mismatch"] = _mismatch_case(paths["llama"], rank)
-    results["accelerate"] = _accelerate_case(paths["llama_bf16"], ref_dir)
-    return results
+    """The whole matrix once per strategy, in one launch: {strategy: {case: result}}."""
+    warnings = _Warnings()
+    out: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        _install_patches(strategy)
+        results: dict[str, Any] = {}
+        for case in [c for c in LOAD_CASES if c != "llama_offload"]:
+            results[case] = _load_case(case, paths[case], ref_dir, rank, strategy)
+            results[case]["warnings"] = warnings.take()
+        results["llama_offload"] = _load_case("llama_offload", paths["llama"], ref_dir, rank, strategy)
+        results["llama_offload"]["warnings"] = warnings.take()
+        results["lora"] = _lora_case(paths["llama_bf16"], ref_dir, strategy)
+        results["from_config"] = _from_config_case(rank, strategy)
+        results["mismatch"] = _mismatch_case(paths["llama"], rank, strategy)
+        results["accelerate"] = _accelerate_case(paths["llama_bf16"], ref_dir, strategy)
+        results["warnings_elsewhere"] = warnings.take()
+        out[strategy] = results
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,6 +380,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("ckpt")
     paths = _models.build_all(str(root))
+    paths.update({name: build(str(root / name)) for name, build in _models.SHARDED_BUILDERS.items()})
     ref_dir = root / "ref"
     ref_dir.mkdir()
     loaders = {
@@ -315,77 +399,126 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def matrix(checkpoints: dict[str, Any]) -> list[dict[str, Any]]:
-    return run_workers(_matrix_worker, 2, checkpoints["paths"], checkpoints["ref_dir"], timeout=300)
+    return run_workers(_matrix_worker, 2, checkpoints["paths"], checkpoints["ref_dir"], timeout=400)
 
 
 # --------------------------------------------------------------------------------------------
-# the matrix, case by case
+# the matrix, case by case, for each strategy
 # --------------------------------------------------------------------------------------------
 
-LOAD_CASES = ["llama", "qwen2_tied", "deepseek_v3", "llava", "tiny_buffers", "llama_bf16", "llama_offload"]
+LOAD_CASES = [
+    "llama", "qwen2_tied", "deepseek_v3", "llava", "tiny_buffers", "llama_bf16", "llama_offload",
+    "deepseek_v3_fused", "llama_multi_file", "llama_bin",
+]  # fmt: skip
+SHARDED_READS = [c for c in LOAD_CASES if c not in FALLBACK]
 
 
+def _by_rank(matrix: list[dict[str, Any]], strategy: str, case: str) -> list[dict[str, Any]]:
+    return [results[strategy][case] for results in matrix]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("case", LOAD_CASES)
-def test_bit_exact_on_every_rank(matrix: list[dict[str, Any]], case: str) -> None:
-    for rank, results in enumerate(matrix):
-        r = results[case]
+def test_bit_exact_on_every_rank(matrix: list[dict[str, Any]], strategy: str, case: str) -> None:
+    for rank, r in enumerate(_by_rank(matrix, strategy, case)):
         assert r["wrong"] == [], f"rank {rank}: {case} differs from a plain load in {r['wrong']}"
         assert r["extra"] == [], f"rank {rank}: {case} has tensors a plain load lacks: {r['extra']}"
         assert r["meta_left"] == [], f"rank {rank}: {case} left on meta: {r['meta_left']}"
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("case", LOAD_CASES)
-def test_only_rank0_holds_weights_after_from_pretrained(matrix: list[dict[str, Any]], case: str) -> None:
-    rank0, rank1 = matrix[0][case], matrix[1][case]
-    assert rank0["bytes_after_from_pretrained"] > 0 and rank0["meta_after_from_pretrained"] == 0
-    assert rank1["bytes_after_from_pretrained"] == 0, "rank 1 allocated parameter/buffer bytes"
-    assert rank1["meta_after_from_pretrained"] > 0
+def test_who_holds_weights_after_from_pretrained(matrix: list[dict[str, Any]], strategy: str, case: str) -> None:
+    """broadcast (and a sharded fallback): only rank 0 holds anything. sharded: no rank holds a
+    parameter or persistent-buffer byte; only the non-persistent buffers every rank computes."""
+    rank0, rank1 = _by_rank(matrix, strategy, case)
     assert rank0["marked"] and rank1["marked"]
+    if strategy == "broadcast" or case in FALLBACK:
+        assert rank0["bytes_after_from_pretrained"] > 0 and rank0["meta_after_from_pretrained"] == 0
+        assert rank1["bytes_after_from_pretrained"] == 0, "rank 1 allocated parameter/buffer bytes"
+        assert rank1["meta_after_from_pretrained"] > 0
+        return
+    for rank, r in enumerate((rank0, rank1)):
+        held = r["held_after_from_pretrained"]
+        assert held["params"] == 0 and held["persistent"] == 0, f"rank {rank} holds weights: {held}"
+        assert r["meta_after_from_pretrained"] > 0
 
 
-def test_tied_weights_survive_load_and_adamw_step(matrix: list[dict[str, Any]], checkpoints: dict[str, Any]) -> None:
-    for rank, results in enumerate(matrix):
-        r = results["qwen2_tied"]
+@pytest.mark.parametrize("case", SHARDED_READS)
+def test_sharded_each_rank_reads_only_its_slices(matrix: list[dict[str, Any]], case: str) -> None:
+    """The reader never holds a full copy: each rank reads about half of the checkpoint (its rows
+    plus the small replicated buffers), in reads of at most about one bucket, each smaller than
+    the largest tensor; nothing is scattered for tensors in the checkpoint."""
+    for rank, r in enumerate(_by_rank(matrix, "sharded", case)):
+        total, largest = r["checkpoint_bytes"]
+        read = r["read"]
+        assert read is not None and read["files"], f"rank {rank}: read nothing"
+        assert 0.3 * total < read["bytes_read"] < 0.65 * total, f"rank {rank}: read {read['bytes_read']} of {total}"
+        assert read["largest_read"] <= 2 * BUCKET and read["largest_read"] < largest, f"rank {rank}: {read}"
+    assert len(_by_rank(matrix, "sharded", "llama_multi_file")[0]["read"]["files"]) > 1
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACK))
+def test_sharded_falls_back_to_broadcast_with_one_warning(matrix: list[dict[str, Any]], case: str) -> None:
+    rank0, rank1 = _by_rank(matrix, "sharded", case)
+    assert len(rank0["warnings"]) == 1 and rank1["warnings"] == [], (rank0["warnings"], rank1["warnings"])
+    assert "falling back to broadcast" in rank0["warnings"][0] and FALLBACK[case] in rank0["warnings"][0]
+    assert rank0["read"] is None and rank1["read"] is None
+    for strategy in STRATEGIES:
+        assert all(not results[strategy]["warnings_elsewhere"] for results in matrix)
+        assert all(not results[strategy][c]["warnings"] for results in matrix for c in SHARDED_READS)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tied_weights_survive_load_and_adamw_step(matrix: list[dict[str, Any]], strategy: str) -> None:
+    for rank, r in enumerate(_by_rank(matrix, strategy, "qwen2_tied")):
         assert r["tied_before_step"] and r["tied_after_step"], f"rank {rank}: lm_head no longer is embed_tokens"
         assert r["step_max_abs_diff"] < 1e-6, f"rank {rank}: step differs from single-process AdamW"
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cpu_offload_keeps_params_on_cpu(matrix: list[dict[str, Any]], strategy: str) -> None:
+    assert all(r["param_devices"] == ["cpu"] for r in _by_rank(matrix, strategy, "llama_offload"))
 
-def test_cpu_offload_keeps_params_on_cpu(matrix: list[dict[str, Any]]) -> None:
-    assert all(results["llama_offload"]["param_devices"] == ["cpu"] for results in matrix)
 
-
-def test_lora_adapters_identical_on_every_rank(matrix: list[dict[str, Any]], checkpoints: dict[str, Any]) -> None:
-    rank0, rank1 = matrix[0]["lora"], matrix[1]["lora"]
-    assert rank0["lora_before"] and rank1["lora_before"] == {}, "rank 1's adapters should start on meta"
-    assert rank0["lora_after"] == rank1["lora_after"]
-    assert rank0["lora_after"] == rank0["lora_before"], "adapters changed in transit"
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_lora_adapters_identical_on_every_rank(matrix: list[dict[str, Any]], strategy: str) -> None:
+    rank0, rank1 = _by_rank(matrix, strategy, "lora")
+    assert rank0["lora_after"] and rank0["lora_after"] == rank1["lora_after"]
+    if strategy == "broadcast":
+        assert rank0["lora_before"] and rank1["lora_before"] == {}, "rank 1's adapters should start on meta"
+        assert rank0["lora_after"] == rank0["lora_before"], "adapters changed in transit"
+    else:  # on meta everywhere (PEFT follows the base weight): rank 0 draws them as PEFT does
+        assert rank0["lora_before"] == {} and rank1["lora_before"] == {}
+        assert rank0["lora_B_zero"] and all(0.15 < std < 0.35 for std in rank0["lora_A_std"]), rank0["lora_A_std"]
     for rank, r in enumerate((rank0, rank1)):
         assert r["meta_left"] == []
         assert r["base_wrong"] == [], f"rank {rank}: base weights differ from a plain load: {r['base_wrong']}"
         assert r["trainable"] and all("lora_" in n for n in r["trainable"])
 
 
-def test_from_config_rank0_init_reaches_every_rank(matrix: list[dict[str, Any]]) -> None:
-    rank0, rank1 = matrix[0]["from_config"], matrix[1]["from_config"]
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_from_config_rank0_init_reaches_every_rank(matrix: list[dict[str, Any]], strategy: str) -> None:
+    rank0, rank1 = _by_rank(matrix, strategy, "from_config")
     assert rank1["bytes"] == 0 and rank0["meta"] == 0
     assert rank0["after"] == rank1["after"]
     assert all(rank0["after"][n] == d for n, d in rank0["before"].items())
     assert rank0["rng_after"] == rank1["rng_after"], "ranks continue with different CPU RNG states"
 
 
-def test_key_mismatch_raises_on_every_rank_naming_keys(matrix: list[dict[str, Any]]) -> None:
-    for rank, results in enumerate(matrix):
-        message = results["mismatch"]
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_key_mismatch_raises_on_every_rank_naming_keys(matrix: list[dict[str, Any]], strategy: str) -> None:
+    for rank, message in enumerate(_by_rank(matrix, strategy, "mismatch")):
         assert "extra_head.weight" in message and "original_inv_freq" in message, f"rank {rank}: {message}"
 
 
-def test_with_accelerates_fsdp2_prepare_model(matrix: list[dict[str, Any]]) -> None:
-    for rank, results in enumerate(matrix):
-        r = results["accelerate"]
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_with_accelerates_fsdp2_prepare_model(matrix: list[dict[str, Any]], strategy: str) -> None:
+    by_rank = _by_rank(matrix, strategy, "accelerate")
+    for rank, r in enumerate(by_rank):
         assert r["wrong"] == [] and r["extra"] == [] and r["meta_left"] == [], f"rank {rank}: {r}"
         assert r["dtypes"] == ["torch.float32"]
-    assert matrix[0]["accelerate"]["loss"] == matrix[1]["accelerate"]["loss"]
+    assert by_rank[0]["loss"] == by_rank[1]["loss"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,24 +526,42 @@ def test_with_accelerates_fsdp2_prepare_model(matrix: list[dict[str, Any]]) -> N
 # --------------------------------------------------------------------------------------------
 
 
-def _failure_worker(rank: int, world_size: int, cases: dict[str, str]) -> dict[str, Any]:
+def _failure_worker(rank: int, world_size: int, cases: dict[str, str], late: str) -> dict[str, Any]:
+    """Every case under both strategies, then (sharded only) a file truncated between
+    `from_pretrained` and `load_into_sharded`: the reader's error must reach every rank."""
     from transformers import LlamaForCausalLM
 
-    _install_patches()
-    out = {}
-    for case, path in cases.items():
-        start = time.monotonic()
-        try:
-            LlamaForCausalLM.from_pretrained(path)
-            message = "no error"
-        except Exception as exc:  # noqa: BLE001
-            message = f"{type(exc).__name__}: {exc}"
-        out[case] = (message, time.monotonic() - start)
-        dist.barrier()  # the ranks are still in step: the next case starts together
+    from fsdp_offload_cfg.loading import load_into_sharded
+
+    out: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        _install_patches(strategy)
+        for case, path in cases.items():
+            start = time.monotonic()
+            try:
+                LlamaForCausalLM.from_pretrained(path)
+                message = "no error"
+            except Exception as exc:  # noqa: BLE001
+                message = f"{type(exc).__name__}: {exc}"
+            out[f"{strategy}/{case}"] = (message, time.monotonic() - start)
+            dist.barrier()  # the ranks are still in step: the next case starts together
+    model = LlamaForCausalLM.from_pretrained(late)  # still "sharded"
+    dist.barrier()
+    if rank == 0:
+        weights = os.path.join(late, "model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) // 2)
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), strategy="sharded", bucket_bytes=BUCKET)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001
+        message = f"{type(exc).__name__}: {exc}"
+    out["sharded/truncated_after_from_pretrained"] = (message, time.monotonic() - start)
     return out
 
 
-def test_rank0_failure_raises_on_every_rank(checkpoints: dict[str, Any], tmp_path) -> None:
+def test_load_failure_raises_on_every_rank(checkpoints: dict[str, Any], tmp_path) -> None:
     good = checkpoints["paths"]["llama"]
     truncated = tmp_path / "truncated"
     shutil.copytree(good, truncated)
@@ -419,20 +570,34 @@ def test_rank0_failure_raises_on_every_rank(checkpoints: dict[str, Any], tmp_pat
     no_weights = tmp_path / "no_weights"
     shutil.copytree(good, no_weights)
     os.remove(no_weights / "model.safetensors")
-    cases = {"truncated": str(truncated), "missing": str(tmp_path / "does_not_exist"), "no_weights": str(no_weights)}
-    causes = {"truncated": "SafetensorError", "missing": "OSError", "no_weights": "no file named model.safetensors"}
+    missing_shard = tmp_path / "missing_shard"
+    shutil.copytree(checkpoints["paths"]["llama_multi_file"], missing_shard)
+    os.remove(missing_shard / "model-00002-of-00003.safetensors")
+    late = tmp_path / "late"
+    shutil.copytree(good, late)
+    cases = {
+        "truncated": str(truncated), "missing": str(tmp_path / "does_not_exist"), "no_weights": str(no_weights),
+        "missing_shard": str(missing_shard),
+    }  # fmt: skip
+    causes = {
+        "truncated": "SafetensorError", "missing": "OSError", "no_weights": "no file named model.safetensors",
+        "missing_shard": "model-00002-of-00003.safetensors",
+        "truncated_after_from_pretrained": "late/model.safetensors",  # the reader names the file
+    }  # fmt: skip
 
-    results = run_workers(_failure_worker, 2, cases, timeout=90)
+    results = run_workers(_failure_worker, 2, cases, str(late), timeout=120)
     for rank, out in enumerate(results):
-        for case, (message, seconds) in out.items():
-            assert causes[case] in message, f"rank {rank}, {case}: cause not named: {message}"
-            assert seconds < 20, f"rank {rank}, {case}: took {seconds:.1f}s to fail"
-            if rank == 1:
+        assert len(out) == 2 * len(cases) + 1
+        for key, (message, seconds) in out.items():
+            case = key.split("/")[1]
+            assert causes[case] in message, f"rank {rank}, {key}: cause not named: {message}"
+            assert seconds < 20, f"rank {rank}, {key}: took {seconds:.1f}s to fail"
+            if rank == 1 and case != "truncated_after_from_pretrained":
                 assert message.startswith("RuntimeError: rank 0 failed to load"), message
 
 
 # --------------------------------------------------------------------------------------------
-# two nodes x two processes: only global rank 0 reads the weights
+# two nodes x two processes: broadcast: only global rank 0 reads; sharded: every rank reads its part
 # --------------------------------------------------------------------------------------------
 
 
@@ -450,30 +615,41 @@ def _two_nodes_worker(rank: int, world_size: int, path: str, ref_dir: str) -> di
         return real_safe_open(filename, *args, **kwargs)
 
     mu.safe_open = counting_safe_open
-    _install_patches()
-    model = AutoModelForCausalLM.from_pretrained(path)
-    held, _ = _bytes_held(model)
-    model = load_into_sharded(model, lambda m: _shard(m, {"Qwen2DecoderLayer"}), bucket_bytes=BUCKET)
-    result = _compare(model, torch.load(os.path.join(ref_dir, "qwen2_tied.pt")))
-    return {
-        "local_rank": int(os.environ["LOCAL_RANK"]),
-        "opened": opened,
-        "bytes": held,
-        "wrong": result["wrong"],
-        "meta_left": _meta_left(model),
-    }
+    out = {}
+    for strategy in STRATEGIES:
+        _install_patches(strategy)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        held = _held_by_kind(model)
+        shard = lambda m: _shard(m, {"Qwen2DecoderLayer"})  # noqa: E731
+        model = load_into_sharded(model, shard, strategy=strategy, bucket_bytes=BUCKET)
+        result = _compare(model, torch.load(os.path.join(ref_dir, "qwen2_tied.pt")))
+        out[strategy] = {
+            "local_rank": int(os.environ["LOCAL_RANK"]),
+            "opened": list(opened),
+            "held": held,
+            "read": _read_stats(),
+            "wrong": result["wrong"],
+            "meta_left": _meta_left(model),
+        }
+        opened.clear()
+    return out
 
 
-def test_two_nodes_only_global_rank0_reads(checkpoints: dict[str, Any]) -> None:
+def test_two_nodes(checkpoints: dict[str, Any]) -> None:
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
     results = run_workers(
         _two_nodes_worker, 4, checkpoints["paths"]["qwen2_tied"], checkpoints["ref_dir"],
         env=env, local_world_size=2, timeout=180,
     )  # fmt: skip
-    assert [r["local_rank"] for r in results] == [0, 1, 0, 1]
-    assert results[0]["opened"] and results[0]["bytes"] > 0
-    for rank, r in enumerate(results[1:], start=1):
+    broadcast = [r["broadcast"] for r in results]
+    assert [r["local_rank"] for r in broadcast] == [0, 1, 0, 1]
+    assert broadcast[0]["opened"] and broadcast[0]["held"]["params"] > 0
+    for rank, r in enumerate(broadcast[1:], start=1):
         assert r["opened"] == [], f"rank {rank} (local rank {r['local_rank']}) opened {r['opened']}"
-        assert r["bytes"] == 0, f"rank {rank} holds {r['bytes']} bytes after from_pretrained"
-    for rank, r in enumerate(results):
-        assert r["wrong"] == [] and r["meta_left"] == [], f"rank {rank}: {r}"
+        assert sum(r["held"].values()) == 0, f"rank {rank} holds {r['held']} bytes after from_pretrained"
+    for rank, r in enumerate(r["sharded"] for r in results):
+        assert r["held"]["params"] == 0 and r["held"]["persistent"] == 0, f"rank {rank} holds {r['held']}"
+        assert r["read"] and r["read"]["files"], f"rank {rank} read nothing"
+    for strategy in STRATEGIES:
+        for rank, r in enumerate(r[strategy] for r in results):
+            assert r["wrong"] == [] and r["meta_left"] == [], f"{strategy}, rank {rank}: {r}"

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
 
-from fsdp_offload_cfg.loading import is_rank0_source, load_into_sharded, rank0_from_pretrained
+from fsdp_offload_cfg.loading import is_rank0_source, load_into_sharded, rank0_from_pretrained, sharded_from_pretrained
 from fsdp_offload_cfg.loading.broadcast import buckets
+from fsdp_offload_cfg.loading.checkpoint import read_header
 from fsdp_offload_cfg.loading.layout import Target
+from fsdp_offload_cfg.loading.sharded import _contiguous_range, read_own_shards
 from fsdp_offload_cfg.loading.spec import TensorSpec, describe, meta_tensor_names, mismatch, rebuild_on_meta
 
 
@@ -22,11 +26,14 @@ class Tied(nn.Module):
         self.register_buffer("flags", torch.ones(2, dtype=torch.bool), persistent=False)
 
 
-def test_sharded_strategy_is_not_implemented_yet() -> None:
-    with pytest.raises(NotImplementedError, match="load_strategy='sharded'"):
-        load_into_sharded(Tied(), lambda m: m, strategy="sharded")
+def test_strategies_without_process_group() -> None:
+    model = Tied()
+    assert load_into_sharded(model, lambda m: None, strategy="sharded") is model
     with pytest.raises(ValueError, match="unknown load strategy"):
         load_into_sharded(Tied(), lambda m: m, strategy="scatter")  # type: ignore[arg-type]
+    calls = []
+    sharded_from_pretrained(lambda cls, *a, **k: calls.append((cls, a, k)), Tied, "p", dtype=torch.bfloat16)
+    assert calls == [(Tied, ("p",), {"dtype": torch.bfloat16})]
 
 
 def test_without_process_group_everything_is_the_original() -> None:
@@ -109,3 +116,48 @@ def test_blocks_cut_every_ranks_region_alike() -> None:
     rank0 = Target(spec, torch.zeros(3, 2), regions).split(16, rank=0)
     assert [tuple(b.dest.shape) for b in rank0] == [(2, 2), (1, 2)]
     assert Target(spec, local, regions).split(24, rank=1) == [Target(spec, local, regions)]
+
+
+def test_contiguous_range_of_regions() -> None:
+    shape = (5, 3, 4)
+    rows = (slice(2, 4), slice(0, 3), slice(0, 4))  # FSDP2 Shard(0): one byte range
+    assert _contiguous_range(rows, shape, 2) == (2 * 12 * 2, 2 * 12 * 2)
+    inner = (slice(1, 2), slice(1, 3), slice(0, 4))  # one row, then a range of the next dim
+    assert _contiguous_range(inner, shape, 4) == ((12 + 4) * 4, 8 * 4)
+    assert _contiguous_range((slice(0, 5), slice(0, 3), slice(1, 3)), shape, 4) is None
+    assert _contiguous_range((), (), 8) == (0, 8)
+
+
+def test_reader_reads_own_slices_casts_and_bounds_reads(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {
+        "w": torch.randn(9, 6).to(torch.bfloat16),  # bf16 on disk, fp32 in the model
+        "ids": torch.arange(7, dtype=torch.int64),
+        "cols": torch.randn(4, 6),  # read through get_slice: a column range is not contiguous
+    }
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    where = read_header(str(tmp_path / "m.safetensors"))
+    regions = {  # this is rank 1 of 2
+        "w": ((slice(0, 5), slice(0, 6)), (slice(5, 9), slice(0, 6))),
+        "ids": ((slice(0, 7),), (slice(0, 7),)),
+        "cols": ((slice(0, 4), slice(0, 3)), (slice(0, 4), slice(3, 6))),
+    }
+    dests = {"w": torch.empty(4, 6), "ids": torch.empty(7, dtype=torch.int64), "cols": torch.empty(4, 3)}
+    targets = [
+        Target(TensorSpec((n,), dests[n].dtype, tuple(tensors[n].shape), True), dests[n], regions[n]) for n in tensors
+    ]
+    stats = read_own_shards(targets, where, rank=1, bucket_bytes=16)
+    assert torch.equal(dests["w"], tensors["w"][5:9].float())
+    assert torch.equal(dests["ids"], tensors["ids"]) and torch.equal(dests["cols"], tensors["cols"][:, 3:])
+    assert stats.largest_read <= 24 and stats.bytes_read == 4 * 6 * 2 + 7 * 8 + 4 * 3 * 4
+
+
+def test_read_header_names_a_truncated_file(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.zeros(64)}, str(path))
+    os.truncate(path, path.stat().st_size - 8)
+    with pytest.raises(OSError, match="m.safetensors: truncated"):
+        read_header(str(path))

@@ -9,6 +9,7 @@ own region, e.g. `safe_open(...).get_slice(name)[region]`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -81,21 +82,39 @@ def _full(shape: tuple[int, ...]) -> Region:
 
 def dtensor_regions(t: DTensor, world_size: int) -> tuple[Region, ...]:
     """Region of `t`'s full tensor held by each global rank (torch.chunk semantics of `Shard`)."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
     unsupported = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
     if unsupported or any(type(p) is not Shard and isinstance(p, Shard) for p in t.placements):
         raise NotImplementedError(f"placements {t.placements} are not supported (only Shard and Replicate)")
     mesh = t.device_mesh
-    regions = []
+    return _regions(tuple(t.shape), tuple(mesh.shape), _coordinates(mesh, world_size), tuple(t.placements))
+
+
+def _coordinates(mesh: object, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each global rank's coordinate in `mesh` (cached on the mesh: a model has hundreds of
+    tensors on one mesh, and `nonzero` per tensor and rank adds up to tenths of a second)."""
+    cached = getattr(mesh, "_fsdp_offload_cfg_coordinates", None)
+    if cached is not None and len(cached) == world_size:
+        return cached
+    coordinates = []
     for rank in range(world_size):
         coordinate = (mesh.mesh == rank).nonzero()
         if coordinate.numel() == 0:
             raise NotImplementedError(f"rank {rank} is not in the device mesh {mesh}: the mesh must span all ranks")
-        shape, offset = _compute_local_shape_and_global_offset(
-            tuple(t.shape), tuple(mesh.shape), coordinate[0].tolist(), t.placements
-        )
-        regions.append(tuple(slice(o, o + s) for o, s in zip(offset, shape)))
+        coordinates.append(tuple(coordinate[0].tolist()))
+    setattr(mesh, "_fsdp_offload_cfg_coordinates", tuple(coordinates))
+    return tuple(coordinates)
+
+
+@functools.lru_cache(maxsize=4096)
+def _regions(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinates: tuple[tuple[int, ...], ...], placements: tuple
+) -> tuple[Region, ...]:
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    regions = []
+    for coordinate in coordinates:
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        regions.append(tuple(slice(o, o + s) for o, s in zip(offset, local)))
     return tuple(regions)
 
 

@@ -38,6 +38,7 @@ from fsdp_offload_cfg.loading._sync import (
     distributed_ready,
     raise_if_any_failed,
 )
+from fsdp_offload_cfg.loading.checkpoint import NeedsBroadcast, meta_from_pretrained
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
@@ -100,6 +101,59 @@ def rank0_from_pretrained(original_from_pretrained: Callable[..., Any], cls: typ
         return _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
 
     return _rank0_or_meta(load, build, f"load {source}")
+
+
+def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
+    """`cls.from_pretrained(*args, **kwargs)` for `load_strategy="sharded"`: EVERY rank, rank 0
+    included, runs transformers' own `from_pretrained` with no weight read (`checkpoint.py`),
+    so each holds a meta model that records which safetensors tensor fills which parameter.
+
+    Every rank resolves and validates the checkpoint files itself; a failure on any rank raises
+    on all of them (rank 0's cause first). When the checkpoint cannot be read slice by slice
+    (not safetensors, keys fused or converted on load, ...) all ranks agree to fall back to
+    `rank0_from_pretrained` and rank 0 logs one warning saying why.
+    """
+    if not distributed_ready() or _inside():
+        return _call(original_from_pretrained, cls, *args, **kwargs)
+    source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if kwargs.get("device_map") is not None and dist.get_rank() == 0:
+        logger.info("sharded loading: ignoring device_map=%r (FSDP places the shards)", kwargs["device_map"])
+    plain_kwargs = {k: v for k, v in kwargs.items() if k != "device_map"}
+
+    def meta_load() -> Any:
+        return meta_from_pretrained(lambda: _call(original_from_pretrained, cls, *args, **plain_kwargs))
+
+    with _nested():
+        result, error = attempt(meta_load)
+    fallback = error.reason if isinstance(error, NeedsBroadcast) else None
+    failure = describe_error(error) if error is not None and fallback is None else None
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (failure, fallback, torch.get_rng_state()))
+    _raise_if_any_failed_to_load([f for f, _, _ in outcomes], error, f"load {source}")
+    reasons = [r for _, r, _ in outcomes if r is not None]
+    if reasons:
+        if dist.get_rank() == 0:
+            logger.warning("load_strategy=sharded: %s: falling back to broadcast (rank 0 reads it): %s",
+                           source, reasons[0])  # fmt: skip
+        return rank0_from_pretrained(original_from_pretrained, cls, *args, **kwargs)
+    torch.set_rng_state(outcomes[0][2])  # as with the broadcast strategy: all ranks continue alike
+    model = result[0] if isinstance(result, tuple) else result
+    setattr(model, SOURCE_ATTR, True)
+    if dist.get_rank() == 0:
+        logger.info("sharded loading: %s built on meta on every rank; each rank reads its own shards", source)
+    return result
+
+
+def _raise_if_any_failed_to_load(failures: list[str | None], error: BaseException | None, what: str) -> None:
+    """Like `raise_if_any_failed`, but worded as the broadcast strategy words it when rank 0
+    failed (every rank opens the files here, so usually all fail alike)."""
+    if failures[0] is not None:
+        if dist.get_rank() == 0:
+            raise error  # type: ignore[misc]
+        raise RuntimeError(f"rank 0 failed to {what}: {failures[0]}") from error
+    failed = [(rank, msg) for rank, msg in enumerate(failures) if msg is not None]
+    if failed:
+        raise RuntimeError(f"{what} failed on " + "; ".join(f"rank {r}: {m}" for r, m in failed)) from error
 
 
 def rank0_from_config(original_from_config: Callable[..., Any], cls: type, config: Any, **kwargs: Any) -> Any:

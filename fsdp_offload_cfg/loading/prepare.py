@@ -13,6 +13,9 @@
      the mesh device) and rank 0 scatters each tensor's bytes, bucket by bucket, in name order,
      each rank receiving only its own shard, rank 0 freeing each source tensor once sent;
   5. every rank checks nothing is left on meta and ties still hold.
+Under "sharded" (a model built by `sharded_from_pretrained`), step 4 is hybrid: tensors in the
+checkpoint record are read by each rank from the files (`sharded.py`), non-persistent buffers are
+each rank's own, and only the rest is scattered from rank 0.
 Each step that can fail on some ranks ends with an all-rank agreement, so failures raise
 everywhere at once.
 """
@@ -36,9 +39,18 @@ from fsdp_offload_cfg.loading._sync import (
     distributed_ready,
     raise_if_any_failed,
 )
-from fsdp_offload_cfg.loading.broadcast import scatter_from_rank0
+from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
+from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR
 from fsdp_offload_cfg.loading.layout import Target, plan
-from fsdp_offload_cfg.loading.spec import ModelSpec, describe, meta_tensor_names, mismatch, rebuild_on_meta, retie
+from fsdp_offload_cfg.loading.spec import (
+    ModelSpec,
+    TensorSpec,
+    describe,
+    meta_tensor_names,
+    mismatch,
+    rebuild_on_meta,
+    retie,
+)
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
 
@@ -53,23 +65,32 @@ def load_into_sharded(
     cpu_offload: bool = False,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> nn.Module:
-    """Shard `model` with `shard_fn` and fill it with rank 0's parameters and buffers.
+    """Shard `model` with `shard_fn` and fill it with its parameters and buffers.
+
+    "broadcast": rank 0 sends every tensor. "sharded": tensors the model's checkpoint record
+    covers (it was built by `sharded_from_pretrained`) are read by each rank from the files,
+    non-persistent buffers are each rank's own (checked equal to rank 0's), the rest (LoRA
+    adapters, keys missing from the checkpoint, everything of a model without a record) comes
+    from rank 0 as with "broadcast". A model with a record has no weights on rank 0, so its
+    checkpoint tensors are read from the files whatever the strategy.
 
     Returns what `shard_fn` returned (or `model` if it returned None). Bit-exact for every tensor
     whose dtype is unchanged; floats are cast to the sharded dtype; other dtypes must match.
     Without a multi-rank process group this is just `shard_fn(model)`.
     """
-    if strategy == "sharded":
-        raise NotImplementedError(sharded.NOT_IMPLEMENTED)
-    if strategy != "broadcast":
+    if strategy not in ("broadcast", "sharded"):
         raise ValueError(f"unknown load strategy {strategy!r}; expected 'broadcast' or 'sharded'")
     if not distributed_ready():
         return shard_fn(model) or model
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    spec, source = _share_rank0_spec(model)
+    spec = _share_rank0_spec(model)
     problem = mismatch(spec, describe(model), what=f"rank {rank}'s model does not match rank 0's")
     raise_if_any_failed(_error(problem), "matching parameter and buffer names with rank 0")
+    sources = sharded.agree_sources(model, spec)
+    if strategy == "sharded" and not sources.files and rank == 0:
+        logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
+    source = _rank0_source(model, spec, skip=sources.names())
 
     rebuild_on_meta(model, spec)
     sharded_model, error = attempt(lambda: shard_fn(model) or model)
@@ -86,40 +107,88 @@ def load_into_sharded(
     targets, error = attempt(materialize)
     raise_if_any_failed(error, "allocating the sharded model")
 
+    from_files = [t for t in targets if t.spec.name in sources.files]
+    from_rank0 = [t for t in targets if t.spec.name not in sources.names()]
+
+    def read() -> sharded.ReadStats | None:
+        for t in targets:
+            if t.spec.name in sources.local:
+                t.dest.copy_(sources.local[t.spec.name])
+        return sharded.read_own_shards(from_files, sources.files, rank, bucket_bytes) if from_files else None
+
+    read_stats, error = attempt(read)
+    raise_if_any_failed(error, "reading this rank's shards from the checkpoint")
     device = _devices(sharded_model, cpu_offload)[1]
-    stats = scatter_from_rank0(targets, source, device=device, bucket_bytes=bucket_bytes)
-    del targets, source
-    if rank == 0:
-        logger.info(
-            "rank-0 loading: sent %d tensors (%.2f GiB to %d ranks) in %d buckets in %.2fs",
-            stats.tensors, stats.bytes_sent / 2**30, world - 1, stats.buckets, stats.seconds,
-        )  # fmt: skip
+    stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=bucket_bytes)
+    del targets, from_files, from_rank0, source, sources
+    _log(stats, read_stats, world)
 
     left = meta_tensor_names(sharded_model)
     problem = f"still on meta after loading: {left}" if left else None
     problem = problem or mismatch(spec, describe(sharded_model), what="after loading", check_dtype=True)
     raise_if_any_failed(_error(problem), "checking the loaded model")
+    for module in sharded_model.modules():  # the record points at meta tensors that are gone now
+        module.__dict__.pop(CHECKPOINT_ATTR, None)
     return sharded_model
+
+
+def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> None:
+    if dist.get_rank() != 0:
+        return
+    if read is not None:
+        logger.info(
+            "sharded loading: rank 0 read %d tensors (%.2f GiB, %d reads) from %d files in %.2fs",
+            read.tensors, read.bytes_read / 2**30, read.reads, len(read.files), read.seconds,
+        )  # fmt: skip
+    if stats.tensors:
+        logger.info(
+            "rank-0 loading: sent %d tensors (%.2f GiB to %d ranks) in %d buckets in %.2fs",
+            stats.tensors, stats.bytes_sent / 2**30, world - 1, stats.buckets, stats.seconds,
+        )  # fmt: skip
 
 
 def _error(problem: str | None) -> BaseException | None:
     return RuntimeError(problem) if problem is not None else None
 
 
-def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, dict[str, torch.Tensor] | None]:
-    """Rank 0's spec on every rank, and on rank 0 its tensors by name (references, not copies)."""
-    spec, source, error = None, None, None
+def _share_rank0_spec(model: nn.Module) -> ModelSpec:
+    """Rank 0's spec on every rank."""
+    spec, error = None, None
     if dist.get_rank() == 0:
         spec, error = attempt(lambda: describe(model))
-        if error is None:
-            source = {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
-            left = [n for n in source if source[n].is_meta]
-            if left:
-                error = RuntimeError(f"rank 0's model has meta tensors, nothing to send: {left[:20]}")
     message, spec = broadcast_from_rank0((describe_error(error) if error is not None else None, spec))
     if message is not None:
+        raise RuntimeError(f"rank 0 cannot describe its model: {message}") from error
+    return spec
+
+
+def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str]) -> dict[str, torch.Tensor] | None:
+    """On rank 0, its tensors by name (references, not copies) for every spec tensor not in `skip`
+    (those are read from the files or computed locally); None elsewhere. Raises on every rank if
+    one of them is on meta on rank 0."""
+    source, error = None, None
+    if dist.get_rank() == 0:
+
+        def collect() -> dict[str, torch.Tensor]:
+            wanted = {t.name for t in spec.tensors} - skip
+            on_meta = {t.name for t in spec.tensors if t.name in wanted and _get(model, t).is_meta}
+            sharded.init_meta_adapters(model, on_meta)
+            named = {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()] if n in wanted}
+            left = sorted(n for n, t in named.items() if t.is_meta)
+            if left:
+                hint = " (not in the checkpoint record either)" if skip else ""
+                raise RuntimeError(f"rank 0's model has meta tensors, nothing to send{hint}: {left[:20]}")
+            return named
+
+        source, error = attempt(collect)
+    message = broadcast_from_rank0(describe_error(error) if error is not None else None)
+    if message is not None:
         raise RuntimeError(f"rank 0 cannot provide the weights: {message}") from error
-    return spec, source
+    return source
+
+
+def _get(model: nn.Module, t: TensorSpec) -> torch.Tensor:
+    return model.get_parameter(t.name) if t.is_param else model.get_buffer(t.name)
 
 
 def _devices(model: nn.Module, cpu_offload: bool) -> tuple[torch.device, torch.device]:

@@ -1,23 +1,267 @@
-"""Strategy "sharded" (not implemented yet): every rank reads only its own slices from the
-safetensors files, so no rank ever holds the full model and nothing is sent over the network.
+"""Strategy "sharded": every rank reads only its own slices from the safetensors files, so no
+rank ever holds the full model and no weight crosses the network.
 
-It plugs in where `broadcast.scatter_from_rank0` does: given the same `layout.Target` list, each
-rank would open the checkpoint files (from `model.config.name_or_path` and the safetensors index)
-and fill `target.dest` from `safe_open(file).get_slice(target.spec.name)[target.regions[rank]]`,
-casting floats to the destination dtype as the broadcast path does. Checkpoint key renames
-(transformers' weight conversions, e.g. fused experts) must be applied first; that is the hard part.
+Where each tensor comes from (decided identically on every rank, from one `all_gather`):
+  - file:  the model was built by `sharded_from_pretrained` and records the checkpoint tensor
+           (`checkpoint.CheckpointRecord`): each rank reads `Target.regions[rank]` itself;
+  - local: a non-persistent buffer every rank computed itself in `from_pretrained` (RoPE
+           `inv_freq`, ...): each rank keeps its own, after checking its checksum equals rank 0's;
+  - rank 0: anything else (LoRA adapters, keys missing from the checkpoint, every tensor of a
+           model without a record): sent by the broadcast strategy's scatter.
+
+The reader (`read_own_shards`) sorts the reads by file and byte offset (sequential, page-cache
+friendly), splits large parts into blocks of at most `bucket_bytes`, and reads a contiguous
+region (FSDP2's dim-0 shards always are) with `os.preadv` straight into the destination when
+the dtype matches, else into one reused staging buffer that `copy_` converts from. Why not
+mmap (`safe_open`): pages of a mapped file count in the reader's RSS while mapped; `pread`
+goes through the page cache without that, and allocates nothing per tensor. Non-contiguous
+regions (not produced by FSDP2's default placements) use `safe_open(...).get_slice(key)[region]`.
 """
 
 from __future__ import annotations
 
-from fsdp_offload_cfg.loading.layout import Target
+import hashlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
 
-NOT_IMPLEMENTED = (
-    "load_strategy='sharded' (each rank reads its own slices with safetensors get_slice) is not implemented "
-    "yet; use load_strategy='broadcast'"
-)
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
+from fsdp_offload_cfg.loading.checkpoint import FileTensor, record_of
+from fsdp_offload_cfg.loading.layout import Region, Target
+from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
+
+logger = logging.getLogger("fsdp_offload_cfg.loading")
 
 
-def read_own_shards(targets: list[Target], checkpoint_files: list[str], rank: int) -> None:
-    """Fill each target's `dest` with this rank's region, read straight from the checkpoint."""
-    raise NotImplementedError(NOT_IMPLEMENTED)
+@dataclass
+class Sources:
+    """Per spec name: the file tensor to read, or this rank's own computed value."""
+
+    files: dict[str, FileTensor] = field(default_factory=dict)
+    local: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def names(self) -> set[str]:
+        return set(self.files) | set(self.local)
+
+
+@dataclass
+class ReadStats:
+    """What this rank read (for logs, tests and the benchmark)."""
+
+    tensors: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    largest_read: int = 0  # bytes of the largest single read: bounded by about one bucket
+    files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+last_stats: ReadStats | None = None  # this process's latest `read_own_shards`
+
+
+def _tensor(model: nn.Module, t: TensorSpec) -> torch.Tensor:
+    return model.get_parameter(t.name) if t.is_param else model.get_buffer(t.name)
+
+
+def _non_persistent(model: nn.Module, name: str) -> bool:
+    module_name, _, attr = name.rpartition(".")
+    return attr in model.get_submodule(module_name)._non_persistent_buffers_set
+
+
+def digest(t: torch.Tensor) -> str:
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{t.dtype}{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()}"
+
+
+def _own_sources(model: nn.Module, spec: ModelSpec) -> tuple[bool, Sources, dict[str, str]]:
+    """This rank's view: (has a record, sources, checksum of each local buffer). No collectives."""
+    record = record_of(model)
+    sources = Sources()
+    if record is None:
+        return False, sources, {}
+    for t in spec.tensors:
+        tensor = _tensor(model, t)
+        where = record.lookup(tensor)
+        if where is not None:
+            sources.files[t.name] = where
+        elif not t.is_param and not tensor.is_meta and _non_persistent(model, t.name):
+            sources.local[t.name] = tensor
+    return True, sources, {n: digest(v) for n, v in sources.local.items()}
+
+
+def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
+    """Where every tensor comes from, the same on every rank (see the module docstring).
+
+    Raises on every rank if the ranks' records disagree, or if a non-persistent buffer computed
+    on some rank differs from rank 0's (named, with the ranks).
+    """
+    mine, error = attempt(lambda: _own_sources(model, spec))
+    raise_if_any_failed(error, "finding each tensor in the checkpoint record")
+    has_record, sources, checksums = mine
+    summary = sorted((n, f.key, f.shape, str(f.dtype)) for n, f in sources.files.items())
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (has_record, summary, checksums))
+    if not gathered[0][0]:
+        return Sources()  # rank 0 has no record: every tensor comes from rank 0
+    problems = [f"rank {r} has no checkpoint record" for r, (has, _, _) in enumerate(gathered) if not has]
+    problems += [
+        f"rank {r} maps other tensors to the checkpoint: {sorted(set(s) ^ set(gathered[0][1]))[:5]}"
+        for r, (has, s, _) in enumerate(gathered)
+        if has and s != gathered[0][1]
+    ]
+    local = set(gathered[0][2]).intersection(*(c for _, _, c in gathered))
+    for name in sorted(local):
+        differ = [r for r, (_, _, c) in enumerate(gathered) if c[name] != gathered[0][2][name]]
+        if differ:
+            problems.append(f"non-persistent buffer {name} computed on ranks {differ} differs from rank 0's")
+    if problems:
+        raise RuntimeError("sharded loading: " + "; ".join(problems))
+    # a buffer computed on rank 0 but left on meta elsewhere still comes from rank 0
+    return Sources(sources.files, {n: v for n, v in sources.local.items() if n in local})
+
+
+def init_meta_adapters(model: nn.Module, names: set[str]) -> None:
+    """Rank 0: initialise LoRA adapters that are on meta, the way PEFT does.
+
+    Why: PEFT creates adapters on the device of the base weight, which under "sharded" is meta
+    on every rank, so no rank holds their initial values. PEFT's own `reset_lora_parameters`
+    draws them (A: kaiming or gaussian, B: zeros) from rank 0's RNG; they are then sent to every
+    rank. Inits that need the base weights (PiSSA, OLoRA, LoftQ, ...) are refused by name.
+    """
+    lora = sys.modules.get("peft.tuners.lora")  # no PEFT imported: no adapters (and no import cost)
+    if not names or lora is None:
+        return
+    LoraLayer = lora.LoraLayer  # noqa: N806
+    configs = getattr(model, "peft_config", None) or {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter in sorted({*module.lora_A.keys(), *module.lora_embedding_A.keys()}):
+            on_meta = {
+                f"{prefix}.{attr}.{n}"
+                for attr in _LORA_ATTRS
+                for n, p in getattr(module, attr).named_parameters()
+                if n.split(".")[0] == adapter and p.is_meta
+            }
+            if not on_meta & names:
+                continue
+            init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if init is not True and init != "gaussian":
+                raise NotImplementedError(
+                    f"LoRA adapter {adapter!r} uses init_lora_weights={init!r}, which needs the base weights; "
+                    "they are not on rank 0 under load_strategy 'sharded': use 'broadcast'"
+                )
+            for attr in _LORA_ATTRS:
+                container = getattr(module, attr)
+                if adapter in container:
+                    container[adapter] = _materialized(container[adapter])
+            module.reset_lora_parameters(adapter, init)
+
+
+_LORA_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+
+
+def _materialized(value: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
+    """A CPU copy of a meta module or parameter (uninitialised; the caller initialises it)."""
+    if isinstance(value, nn.Parameter):
+        return nn.Parameter(torch.empty_like(value, device="cpu"), requires_grad=value.requires_grad)
+    return value.to_empty(device="cpu")
+
+
+# ------------------------------------------------------------------------------------ the reader
+
+
+def _contiguous_range(region: Region, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
+    """(byte offset, bytes) of `region` in a row-major tensor of `shape`, if it is one range."""
+    lengths = [s.stop - s.start for s in region]
+    first_long = next((i for i, n in enumerate(lengths) if n != 1), len(shape))
+    if any(region[i].start != 0 or region[i].stop != shape[i] for i in range(first_long + 1, len(shape))):
+        return None
+    stride, start = 1, 0
+    for s, n in zip(reversed(region), reversed(shape)):
+        start += s.start * stride
+        stride *= n
+    numel = 1
+    for n in lengths:
+        numel *= n
+    return start * itemsize, numel * itemsize
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _pread(fd: int, into: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{path}: unexpected end of file at byte {offset + done} (truncated?)")
+        done += n
+
+
+@torch.no_grad()
+def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: int, bucket_bytes: int) -> ReadStats:
+    """Fill each target's `dest` with this rank's region, read from the checkpoint; floats are
+    cast to the destination dtype on the way (as transformers' `.to(dtype)` would)."""
+    global last_stats
+    stats = ReadStats()
+    start = time.perf_counter()
+    blocks: list[tuple[Target, FileTensor]] = []
+    for t in targets:
+        where = files[t.spec.name]
+        limit = max(1, bucket_bytes * t.spec.dtype.itemsize // where.dtype.itemsize)  # bucket_bytes as read
+        blocks += [(b, where) for b in t.split(limit, rank) if b.dest.numel() > 0]
+    ranges = [_contiguous_range(b.regions[rank], w.shape, w.dtype.itemsize) for b, w in blocks]
+    order = sorted(range(len(blocks)), key=lambda i: (blocks[i][1].path, blocks[i][1].offset + (ranges[i] or (0,))[0]))
+    staging_bytes = max((r[1] for r, (b, w) in zip(ranges, blocks) if r and not _direct(b.dest, w)), default=0)
+    staging = torch.empty(staging_bytes, dtype=torch.uint8)
+    fds: dict[str, int] = {}
+    try:
+        for i in order:
+            block, where = blocks[i]
+            if where.path not in fds:
+                fds[where.path] = os.open(where.path, os.O_RDONLY)
+                stats.files.append(where.path)
+            nbytes = _read_block(block, where, ranges[i], fds[where.path], staging, rank)
+            stats.reads += 1
+            stats.bytes_read += nbytes
+            stats.largest_read = max(stats.largest_read, nbytes)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    stats.tensors = len(targets)
+    stats.seconds = time.perf_counter() - start
+    last_stats = stats
+    return stats
+
+
+def _direct(dest: torch.Tensor, where: FileTensor) -> bool:
+    """Bytes can go straight into `dest`: same dtype, contiguous host memory."""
+    return dest.dtype == where.dtype and dest.device.type == "cpu" and dest.is_contiguous()
+
+
+def _read_block(
+    block: Target, where: FileTensor, byte_range: tuple[int, int] | None, fd: int, staging: torch.Tensor, rank: int
+) -> int:
+    if byte_range is None:
+        from safetensors import safe_open
+
+        with safe_open(where.path, framework="pt") as f:
+            piece = f.get_slice(where.key)[block.regions[rank]]
+        block.dest.copy_(piece.view(block.dest.shape))
+        return piece.numel() * piece.element_size()
+    offset, nbytes = byte_range
+    if _direct(block.dest, where):
+        _pread(fd, _as_bytes(block.dest), where.offset + offset, where.path)
+    else:
+        raw = staging[:nbytes]
+        _pread(fd, _as_bytes(raw), where.offset + offset, where.path)
+        block.dest.copy_(raw.view(where.dtype).view(block.dest.shape))
+    return nbytes
