@@ -87,5 +87,6 @@ if out_dir:  # one file per rank: launchers interleave the ranks' stdout
     with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
 print("PROBE " + json.dumps(report), flush=True)
+accelerator.wait_for_everyone()  # no rank tears gloo down while a peer is still talking
 accelerator.end_training()
 sys.exit(0)

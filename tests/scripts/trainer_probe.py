@@ -62,3 +62,5 @@ if out_dir:  # one file per rank: launchers interleave the ranks' stdout
     with open(os.path.join(out_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
 print("PROBE " + json.dumps(report), flush=True)
+torch.distributed.barrier()  # no rank tears gloo down while a peer is still talking
+torch.distributed.destroy_process_group()
