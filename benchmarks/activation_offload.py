@@ -28,7 +28,7 @@ import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
