@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -104,20 +105,17 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _describe_patches(config: FSDPOffloadConfig) -> list[str]:
-    """The patch registry's own description; a summary from the config while it is absent."""
+    """The patches a launch of this config would apply on this machine.
+
+    The CPU/gloo patches depend on the process count, which the launcher sets (this CLI runs as
+    one process): take it from the file's `num_processes`.
+    """
+    from fsdp_offload_cfg.patching import describe_patches
+
+    if "WORLD_SIZE" in os.environ or (config.num_processes or 1) <= 1:
+        return describe_patches(config)
+    os.environ["WORLD_SIZE"] = str(config.num_processes)
     try:
-        from fsdp_offload_cfg.patching import describe_patches
-    except ImportError:
-        return _fallback_patches(config)
-    return describe_patches(config)
-
-
-def _fallback_patches(config: FSDPOffloadConfig) -> list[str]:
-    patches = []
-    if (config.distributed_type or "").upper() == "FSDP":
-        patches.append("cpu/gloo FSDP enablement")
-    if config.cpu_ram_efficient_loading:
-        patches.append(f"rank-0 meta loading ({config.load_strategy})")
-    if config.activation_cpu_offload.enabled:
-        patches.append(f"activation CPU offload ({config.activation_cpu_offload.mode})")
-    return patches
+        return describe_patches(config)
+    finally:
+        del os.environ["WORLD_SIZE"]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from fsdp_offload_cfg import cli, schema
@@ -98,12 +100,17 @@ def test_explain_yaml_and_json(capsys: pytest.CaptureFixture[str]):
     assert json.loads(capsys.readouterr().out)["config"]["num_processes"] == 2
 
 
-def test_explain_falls_back_when_the_patch_registry_is_missing(monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]):
-    monkeypatch.setitem(sys.modules, "fsdp_offload_cfg.patching", None)  # makes the import raise ImportError
-    assert cli.main(["explain", "--format", "json", EXAMPLES[0]]) == 0
-    assert json.loads(capsys.readouterr().out)["patches"] == [
-        "cpu/gloo FSDP enablement", "rank-0 meta loading (broadcast)", "activation CPU offload (auto)"]
+def test_explain_lists_the_patches_a_launch_would_apply(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert cli.main(["explain", "--format", "json", EXAMPLES[2]]) == 0  # 2 CPU processes
+    names = [p.split(":")[0] for p in json.loads(capsys.readouterr().out)["patches"]]
+    expected = {"rank0-from-pretrained", "fsdp2-prepare-model"}
+    if not torch.cuda.is_available():
+        expected |= {"cpu-fsdp-state", "cpu-fsdp-accelerator-state"}
+    assert expected <= set(names), names
+    assert "WORLD_SIZE" not in os.environ  # the CLI leaves the environment as it found it
 
 
 def test_explain_errors_go_to_stderr(invalid: str, capsys: pytest.CaptureFixture[str]):
