@@ -28,7 +28,7 @@ args = TrainingArguments(
     save_strategy="no",
     report_to=[],
     use_cpu=False,
-    fsdp="full_shard auto_wrap",
+    fsdp=True,
     fsdp_config={
         "version": 2,
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
