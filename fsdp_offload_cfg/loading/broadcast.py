@@ -112,7 +112,8 @@ def scatter_from_rank0(
         stats.tensors += sum(t.last for t in bucket)
         stats.bytes_sent += sum(t.nbytes_on(r) for t in bucket for r in range(1, world))
         stats.buckets += 1
-        if rank == 0 and stats.buckets % max(1, len(plan) // 10) == 0:
+        # progress about every 10% of a long load; the final summary is logged by the caller
+        if rank == 0 and stats.buckets < len(plan) and stats.buckets % max(1, len(plan) // 10) == 0:
             logger.info(
                 "rank-0 loading: %d/%d buckets, %d tensors, %.2f GiB sent, %.1fs",
                 stats.buckets, len(plan), stats.tensors, stats.bytes_sent / 2**30, time.perf_counter() - start,
