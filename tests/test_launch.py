@@ -150,6 +150,15 @@ def test_activation_offload_through_accelerate_is_bit_identical(tmp_path: Path, 
     assert [r["losses"] for r in with_offload] == [r["losses"] for r in without]
 
 
+def test_from_pretrained_before_accelerator_brings_the_process_group_up(tmp_path: Path, checkpoint: str):
+    """Scripts often load the model first: the patched loader starts the (gloo) group itself."""
+    config = _write(tmp_path, "load_first.yaml", loading="true")
+    reports = _reports(_accelerate_launch(config, checkpoint, "--load-before-accelerator"))
+    _assert_fsdp2_sharded(reports)
+    assert reports[0]["meta_numel_after_from_pretrained"] == 0
+    assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]
+
+
 def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "typo.yaml", extra="  fsdp_activaton_cpu_offload: true\n")
     launch = _accelerate_launch(config, checkpoint)

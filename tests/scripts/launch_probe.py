@@ -19,6 +19,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("checkpoint")
 parser.add_argument("--config", default=None)
 parser.add_argument("--steps", type=int, default=2)
+parser.add_argument("--load-before-accelerator", action="store_true",
+                    help="call from_pretrained before any process group exists")
 args = parser.parse_args()
 
 session = fsdp_offload_cfg.patch(args.config)
@@ -28,8 +30,12 @@ from accelerate import Accelerator  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-accelerator = Accelerator()
-model = AutoModelForCausalLM.from_pretrained(args.checkpoint)
+if args.load_before_accelerator:
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint)
+    accelerator = Accelerator()
+else:
+    accelerator = Accelerator()
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint)
 meta_after_load = sum(p.numel() for p in model.parameters() if p.is_meta)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
