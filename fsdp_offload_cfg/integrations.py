@@ -152,7 +152,8 @@ def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffload
         from accelerate.state import PartialState
         from accelerate.utils import DistributedType
 
-        was_initialized = self.initialized if hasattr(self, "_shared_state") and self._shared_state else False
+        # accelerate's state is a shared singleton: only promote on the call that builds it
+        was_initialized = bool(self._shared_state) and self.initialized
         original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         plugin = bound.arguments.get("fsdp_plugin")
