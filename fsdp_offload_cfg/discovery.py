@@ -16,8 +16,7 @@ from typing import Any
 
 import psutil
 
-from fsdp_offload_cfg import config as _config
-from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.config import FSDPOffloadConfig, config_from_env, load_config
 
 ENV_CONFIG_PATH = "FSDP_OFFLOAD_CFG"
 _MAX_ANCESTORS = 6
@@ -81,18 +80,18 @@ def discover_config(
     """Return the validated config and a sentence saying where it came from."""
     overrides = dict(overrides or {})
     if config is not None:
-        cfg = _config.load_config(config, overrides or None)
+        cfg = load_config(config, overrides or None)
         return cfg, f"argument ({cfg.source})"
     env_path = os.environ.get(ENV_CONFIG_PATH)
     if env_path:
-        return _config.load_config(env_path, overrides or None), f"${ENV_CONFIG_PATH}={env_path}"
+        return load_config(env_path, overrides or None), f"${ENV_CONFIG_PATH}={env_path}"
     launch_file = accelerate_launch_config_file()
     if launch_file is not None:
-        return _config.load_config(launch_file, overrides or None), f"accelerate launch --config_file {launch_file}"
-    env_cfg = _config.config_from_env()
+        return load_config(launch_file, overrides or None), f"accelerate launch --config_file {launch_file}"
+    env_cfg = config_from_env()
     if env_cfg is not None:
         if overrides:
-            env_cfg = _config.load_config(env_cfg, overrides)
+            env_cfg = load_config(env_cfg, overrides)
         return env_cfg, "accelerate's FSDP_* environment variables"
-    cfg = _config.load_config({}, overrides or None) if overrides else FSDPOffloadConfig(source="<none found>")
+    cfg = load_config({}, overrides or None) if overrides else FSDPOffloadConfig(source="<none found>")
     return cfg, "no config found (nothing to patch for FSDP)"

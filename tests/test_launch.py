@@ -67,7 +67,11 @@ def _run(cmd: list[str], timeout: float = 240, **extra_env: str) -> Launch:
 
 
 def _reports(launch: Launch) -> list[dict]:
-    assert launch.proc.returncode == 0, launch.output[-10000:]
+    if launch.proc.returncode != 0:
+        lines = launch.output.splitlines()
+        causes = [line for line in lines if "Error" in line or "terminate" in line or "Traceback" in line]
+        pytest.fail(f"launch exited {launch.proc.returncode}; error lines:\n" + "\n".join(causes[:40])
+                    + "\n--- output tail ---\n" + "\n".join(lines[-60:]))
     reports = [json.loads((launch.out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]
     return reports
