@@ -17,12 +17,19 @@ materialise converted copies).
 
 Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken after imports,
 process-group init and Accelerator creation; see `PeakMemory`), and the load wall time (from
-`from_pretrained` to the end of `fsdp2_prepare_model`/`load_into_sharded`, slowest rank).
-`loss` (one forward on fixed tokens) shows that the methods load the same model. Model bytes =
-parameters + buffers as loaded (fp32).
+`from_pretrained` to the end of `fsdp2_prepare_model`/`load_into_sharded`, slowest rank), with
+two of its parts: `from_pretrained`, and moving the weight bytes (ours: rank 0's scatter;
+sharded: each rank's own reads, plus any scatter), the only part the strategy changes. `loss` (one forward on fixed tokens) shows that the
+methods load the same model. Model bytes = parameters + buffers as loaded (fp32).
 
-    python benchmarks/load_memory.py                 # 2 and 4 ranks, all methods (~6 min here)
-    python benchmarks/load_memory.py --ranks 2 --methods ours
+Each configuration runs `--repeat` times, the methods interleaved (plain, stock, ours, sharded,
+plain, ...) so that a slow spell of the machine hits all of them; before each launch the
+checkpoint is read once so that every method starts with it in the page cache. Times are the
+median over the repeats, memory the largest peak seen; "vs ours" is the median time divided by
+the median time of `ours` (broadcast) of the same configuration in the same run.
+
+    python benchmarks/load_memory.py                 # 2 and 4 ranks, all methods, 3 repeats (~15 min here)
+    python benchmarks/load_memory.py --ranks 4 --methods ours sharded --repeat 5
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 METHODS = ("plain", "stock", "ours", "sharded")
@@ -46,14 +54,15 @@ GIB = 2**30
 
 
 def _status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE).group(1))
 
 
 class PeakMemory:
     """Peak RSS (VmHWM, reset through /proc/self/clear_refs) and peak anonymous RSS (RssAnon,
-    sampled every 2 ms) from `start()` on, in bytes. Both matter: transformers maps safetensors
-    files, and mapped file pages count in RSS only once touched (page cache, shared by the
-    ranks of a node), while anonymous memory is what each rank really allocates."""
+    sampled every 10 ms: finer sampling slows the load it measures, and the peaks it must catch
+    last tenths of a second) from `start()` on, in bytes. Both matter: transformers maps
+    safetensors files, and mapped file pages count in RSS only once touched (page cache, shared
+    by the ranks of a node), while anonymous memory is what each rank really allocates."""
 
     def __init__(self) -> None:
         self._anon = 0
@@ -74,7 +83,7 @@ class PeakMemory:
         while not self._stop.is_set():
             self._anon = max(self._anon, _status_kib("RssAnon") * 1024)
             self._rss = max(self._rss, _status_kib("VmRSS") * 1024)
-            time.sleep(0.002)
+            time.sleep(0.01)
 
     def stop(self) -> tuple[int, int]:
         """(peak RSS, peak anonymous RSS)."""
@@ -114,27 +123,47 @@ def _setup(method: str):
     return accelerator
 
 
-def _load(method: str, model_dir: str, accelerator):
-    import torch
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-    from transformers import LlamaForCausalLM, PreTrainedModel
+def _load(method: str, model_dir: str, accelerator, result: dict):
+    """Load with `method`; `result["build_seconds"]` is the time spent in `from_pretrained`."""
+    start = time.perf_counter()
+    model = _from_pretrained(method, model_dir)
+    result["build_seconds"] = time.perf_counter() - start
+    model = _prepare(method, model, accelerator)
+    result["move_seconds"] = _move_seconds(method)
+    return model
+
+
+def _move_seconds(method: str) -> float | None:
+    """Seconds this rank spent moving weight bytes: rank 0's scatter and/or its own reads."""
+    from fsdp_offload_cfg.loading import broadcast, sharded
 
     if method in ("plain", "stock"):
-        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return None
+    read = sharded.last_stats.seconds if method == "sharded" and sharded.last_stats else 0.0
+    return read + (broadcast.last_stats.seconds if broadcast.last_stats else 0.0)
+
+
+def _from_pretrained(method: str, model_dir: str):
+    import torch
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+    from fsdp_offload_cfg.loading import rank0_from_pretrained, sharded_from_pretrained
+
+    if method in ("plain", "stock"):
+        return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    load = rank0_from_pretrained if method == "ours" else sharded_from_pretrained
+    return load(PreTrainedModel.from_pretrained, LlamaForCausalLM, model_dir, dtype=torch.float32)
+
+
+def _prepare(method: str, model, accelerator):
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    from fsdp_offload_cfg.loading import load_into_sharded
+
+    if method in ("plain", "stock"):
         return fsdp2_prepare_model(accelerator, model)
-    if method == "ours":
-        from fsdp_offload_cfg.loading import load_into_sharded, rank0_from_pretrained
-
-        original = PreTrainedModel.from_pretrained
-        model = rank0_from_pretrained(original, LlamaForCausalLM, model_dir, dtype=torch.float32)
-        return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m))
-    if method == "sharded":
-        from fsdp_offload_cfg.loading import load_into_sharded, sharded_from_pretrained
-
-        original = PreTrainedModel.from_pretrained
-        model = sharded_from_pretrained(original, LlamaForCausalLM, model_dir, dtype=torch.float32)
-        return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy="sharded")
-    raise ValueError(method)
+    strategy = "broadcast" if method == "ours" else "sharded"
+    return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy=strategy)
 
 
 def worker(method: str, model_dir: str, out: str) -> None:
@@ -158,7 +187,7 @@ def worker(method: str, model_dir: str, out: str) -> None:
         peak = PeakMemory()
         peak.start()
         start = time.perf_counter()
-        model = _load(method, model_dir, accelerator)
+        model = _load(method, model_dir, accelerator, result)
         dist.barrier()
         result["seconds"] = time.perf_counter() - start
         rss, anon = peak.stop()
@@ -193,8 +222,16 @@ def build_model(model_dir: Path, checkpoint: str) -> None:
     save_llama_300m(str(model_dir), torch.float32 if checkpoint == "fp32" else torch.bfloat16)
 
 
-def launch(method: str, ranks: int, model_dir: Path, work: Path, timeout: int) -> list[dict]:
-    out = work / f"{method}-{ranks}-{model_dir.name}"
+def warm_page_cache(model_dir: Path) -> None:
+    """Read every checkpoint file once, so no method pays (or profits from) a cold page cache."""
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            while f.read(64 * 2**20):
+                pass
+
+
+def launch(method: str, ranks: int, model_dir: Path, out: Path, timeout: int) -> list[dict]:
+    """One `torchrun` of `method`; one result dict per rank."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
         "--worker", method, "--model-dir", str(model_dir), "--out", str(out),
@@ -211,29 +248,64 @@ def launch(method: str, ranks: int, model_dir: Path, work: Path, timeout: int) -
     return results
 
 
+@dataclass
+class Summary:
+    """One method and configuration over its repeats."""
+
+    crash: str | None = None
+    rank0_rss: int = 0
+    rank0_anon: int = 0
+    others_rss: int = 0  # largest peak over the other ranks and the repeats
+    others_anon: int = 0
+    seconds: float = 0.0  # median over repeats of the slowest rank's time
+    build_seconds: float = 0.0  # the same run's `from_pretrained` share (slowest rank)
+    move_seconds: float | None = None  # the same run's scatter/read share (slowest rank; ours and sharded)
+    loss: float = 0.0
+    model_bytes: int = 0
+
+
+def summarize(runs: list[list[dict]]) -> Summary:
+    crashes = [r["crash"] for results in runs for r in results if "crash" in r]
+    if crashes:
+        return Summary(crash=crashes[0])
+    times = sorted((max(r["seconds"] for r in results), i) for i, results in enumerate(runs))
+    median = runs[times[len(times) // 2][1]]
+    return Summary(
+        rank0_rss=max(results[0]["peak_rss"] for results in runs),
+        rank0_anon=max(results[0]["peak_anon"] for results in runs),
+        others_rss=max(r["peak_rss"] for results in runs for r in results[1:]),
+        others_anon=max(r["peak_anon"] for results in runs for r in results[1:]),
+        seconds=max(r["seconds"] for r in median),
+        build_seconds=max(r["build_seconds"] for r in median),
+        move_seconds=None if median[0]["move_seconds"] is None else max(r["move_seconds"] for r in median),
+        loss=median[0]["loss"],
+        model_bytes=median[0]["model_bytes"],
+    )
+
+
 def _gib(nbytes: int, model_bytes: int) -> str:
     return f"{nbytes / GIB:.2f} ({nbytes / model_bytes:.2f}x)"
 
 
-def row(checkpoint: str, method: str, ranks: int, results: list[dict], model_bytes: int) -> str:
-    crashes = [r for r in results if "crash" in r]
-    if crashes:
-        return f"| {checkpoint} | {method} | {ranks} | crash | crash | crash | crash | | | {crashes[0]['crash']} |"
-    rank0, others = results[0], results[1:]
-    rss = max(r["peak_rss"] for r in others)
-    anon = max(r["peak_anon"] for r in others)
-    seconds = max(r["seconds"] for r in results)
+def row(checkpoint: str, method: str, ranks: int, s: Summary, baseline: Summary | None, model_bytes: int) -> str:
+    if s.crash is not None:
+        return f"| {checkpoint} | {method} | {ranks} | crash | crash | crash | crash | | | | | | {s.crash} |"
+    ratio = f"{s.seconds / baseline.seconds:.2f}x" if baseline is not None and baseline.crash is None else ""
+    move = "" if s.move_seconds is None else f"{s.move_seconds:.2f}"
     return (
-        f"| {checkpoint} | {method} | {ranks} | {_gib(rank0['peak_rss'], model_bytes)} "
-        f"| {_gib(rank0['peak_anon'], model_bytes)} "
-        f"| {_gib(rss, model_bytes)} | {_gib(anon, model_bytes)} | {seconds:.1f} | {rank0['loss']:.6f} | |"
+        f"| {checkpoint} | {method} | {ranks} | {_gib(s.rank0_rss, model_bytes)} | {_gib(s.rank0_anon, model_bytes)} "
+        f"| {_gib(s.others_rss, model_bytes)} | {_gib(s.others_anon, model_bytes)} | {s.seconds:.2f} "
+        f"| {s.build_seconds:.2f} | {move} | {ratio} | {s.loss:.6f} | |"
     )
 
 
 HEADER = [
-    "| checkpoint | method | ranks | rank 0 peak RSS GiB (x model) | rank 0 peak anon | "
-    "other ranks: max peak RSS | other ranks: max peak anon | time s | loss | note |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    (
+        "| checkpoint | method | ranks | rank 0 peak RSS GiB (x model) | rank 0 peak anon | "
+        "other ranks: max peak RSS | other ranks: max peak anon | time s (median) | of which from_pretrained s "
+        "| of which moving bytes s | time vs ours | loss | note |"
+    ),
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -242,6 +314,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS), choices=CHECKPOINTS)
+    parser.add_argument("--repeat", type=int, default=3, help="launches per method and configuration (median time)")
     parser.add_argument("--model-dir", help="reuse (or create) the checkpoints under here instead of a temp dir")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per launch")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
@@ -250,6 +323,7 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.model_dir, args.out)
 
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         root = Path(args.model_dir) if args.model_dir else work
@@ -260,13 +334,22 @@ def main() -> None:
             if not (model_dir / "config.json").exists():
                 build_model(model_dir, checkpoint)
             for ranks in args.ranks:
+                runs: dict[str, list[list[dict]]] = {m: [] for m in args.methods}
+                for repeat in range(args.repeat):
+                    for method in args.methods:
+                        warm_page_cache(model_dir)
+                        out = work / f"{method}-{ranks}-{model_dir.name}-{repeat}"
+                        runs[method].append(launch(method, ranks, model_dir, out, args.timeout))
+                summaries = {m: summarize(r) for m, r in runs.items()}
+                model_bytes = model_bytes or next((s.model_bytes for s in summaries.values() if s.model_bytes), None)
                 for method in args.methods:
-                    results = launch(method, ranks, model_dir, work, args.timeout)
-                    model_bytes = model_bytes or next((r["model_bytes"] for r in results if "model_bytes" in r), None)
-                    lines.append(row(checkpoint, method, ranks, results, model_bytes or 1))
+                    lines.append(
+                        row(checkpoint, method, ranks, summaries[method], summaries.get("ours"), model_bytes or 1)
+                    )
                     print(lines[-1], flush=True)
         if model_bytes:
             print(f"\nmodel bytes (fp32 parameters + buffers, as loaded): {model_bytes / GIB:.2f} GiB")
+        print(f"{args.repeat} repeats per row, {time.perf_counter() - started:.0f} s in all\n")
         print("\n".join(lines))
 
 

@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from _dist import run_workers
+from torch import nn
 
 pytestmark = pytest.mark.distributed
 
@@ -157,6 +156,14 @@ def _read_stats() -> dict[str, Any] | None:
     return {"bytes_read": stats.bytes_read, "largest_read": stats.largest_read, "files": stats.files}
 
 
+def _sent_tensors() -> int | None:
+    """Tensors rank 0's scatter sent in the last `load_into_sharded` (None if it never ran)."""
+    from fsdp_offload_cfg.loading import broadcast
+
+    stats, broadcast.last_stats = broadcast.last_stats, None
+    return None if stats is None else stats.tensors
+
+
 def _checkpoint_bytes(path: str) -> tuple[int, int]:
     """(bytes of all tensors, bytes of the largest tensor) in a safetensors checkpoint dir."""
     from fsdp_offload_cfg.loading.checkpoint import read_header
@@ -179,9 +186,9 @@ def _meta_left(model: nn.Module) -> list[str]:
 
 
 def _load_case(case: str, path: str, ref_dir: str, rank: int, strategy: str) -> dict[str, Any]:
+    from _models import TinyBufferModel
     from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
-    from _models import TinyBufferModel
     from fsdp_offload_cfg.loading import is_rank0_source, load_into_sharded
 
     decoder = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "DeepseekV3DecoderLayer"}
@@ -206,6 +213,7 @@ def _load_case(case: str, path: str, ref_dir: str, rank: int, strategy: str) -> 
         cpu_offload=offload, bucket_bytes=BUCKET,
     )  # fmt: skip
     result["read"] = _read_stats()
+    result["sent"] = _sent_tensors()
     result["checkpoint_bytes"] = _checkpoint_bytes(path)
     result.update(_compare(model, torch.load(os.path.join(ref_dir, f"{case}.pt")), upcast=upcast))
     result["meta_left"] = _meta_left(model)
@@ -270,9 +278,9 @@ def _lora_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
 
 
 def _from_config_case(rank: int, strategy: str) -> dict[str, Any]:
+    from _models import llama_config
     from transformers import AutoModelForCausalLM
 
-    from _models import llama_config
     from fsdp_offload_cfg.loading import load_into_sharded
 
     torch.manual_seed(123)
@@ -374,9 +382,8 @@ def _reference_step(path: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
-
     import _models
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
     root = tmp_path_factory.mktemp("ckpt")
     paths = _models.build_all(str(root))
@@ -455,6 +462,7 @@ def test_sharded_each_rank_reads_only_its_slices(matrix: list[dict[str, Any]], c
         assert read is not None and read["files"], f"rank {rank}: read nothing"
         assert 0.3 * total < read["bytes_read"] < 0.65 * total, f"rank {rank}: read {read['bytes_read']} of {total}"
         assert read["largest_read"] <= 2 * BUCKET and read["largest_read"] < largest, f"rank {rank}: {read}"
+        assert r["sent"] == 0, f"rank {rank}: rank 0 scattered {r['sent']} tensors"
     assert len(_by_rank(matrix, "sharded", "llama_multi_file")[0]["read"]["files"]) > 1
 
 
@@ -464,6 +472,7 @@ def test_sharded_falls_back_to_broadcast_with_one_warning(matrix: list[dict[str,
     assert len(rank0["warnings"]) == 1 and rank1["warnings"] == [], (rank0["warnings"], rank1["warnings"])
     assert "falling back to broadcast" in rank0["warnings"][0] and FALLBACK[case] in rank0["warnings"][0]
     assert rank0["read"] is None and rank1["read"] is None
+    assert rank0["sent"] and rank0["sent"] == rank1["sent"], "the fallback should scatter every tensor from rank 0"
     for strategy in STRATEGIES:
         assert all(not results[strategy]["warnings_elsewhere"] for results in matrix)
         assert all(not results[strategy][c]["warnings"] for results in matrix for c in SHARDED_READS)

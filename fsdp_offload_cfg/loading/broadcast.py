@@ -32,6 +32,9 @@ class TransferStats:
     seconds: float = 0.0
 
 
+last_stats: TransferStats | None = None  # this process's latest `scatter_from_rank0` (benchmarks read it)
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -86,6 +89,7 @@ def scatter_from_rank0(
     transient memory per rank: one staging buffer of its part of a bucket (rank 0: one per
     destination rank, about one bucket in all when tensors are sharded).
     """
+    global last_stats
     rank, world = dist.get_rank(), dist.get_world_size()
     stats = TransferStats()
     start = time.perf_counter()
@@ -119,4 +123,5 @@ def scatter_from_rank0(
                 stats.buckets, len(plan), stats.tensors, stats.bytes_sent / 2**30, time.perf_counter() - start,
             )  # fmt: skip
     stats.seconds = time.perf_counter() - start
+    last_stats = stats
     return stats

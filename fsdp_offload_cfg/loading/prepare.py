@@ -107,20 +107,11 @@ def load_into_sharded(
     targets, error = attempt(materialize)
     raise_if_any_failed(error, "allocating the sharded model")
 
-    from_files = [t for t in targets if t.spec.name in sources.files]
-    from_rank0 = [t for t in targets if t.spec.name not in sources.names()]
-
-    def read() -> sharded.ReadStats | None:
-        for t in targets:
-            if t.spec.name in sources.local:
-                t.dest.copy_(sources.local[t.spec.name])
-        return sharded.read_own_shards(from_files, sources.files, rank, bucket_bytes) if from_files else None
-
-    read_stats, error = attempt(read)
+    read_stats, error = attempt(lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
     raise_if_any_failed(error, "reading this rank's shards from the checkpoint")
+    from_rank0 = [t for t in targets if t.spec.name not in sources.names()]
     device = _devices(sharded_model, cpu_offload)[1]
     stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=bucket_bytes)
-    del targets, from_files, from_rank0, source, sources
     _log(stats, read_stats, world)
 
     left = meta_tensor_names(sharded_model)

@@ -177,6 +177,17 @@ def _materialized(value: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
 # ------------------------------------------------------------------------------------ the reader
 
 
+@torch.no_grad()
+def fill_own(targets: list[Target], sources: Sources, rank: int, bucket_bytes: int) -> ReadStats | None:
+    """Fill every target this rank sources itself: local buffers copied, file tensors read.
+    Returns the reader's stats (None when no tensor comes from the files)."""
+    for t in targets:
+        if t.spec.name in sources.local:
+            t.dest.copy_(sources.local[t.spec.name])
+    from_files = [t for t in targets if t.spec.name in sources.files]
+    return read_own_shards(from_files, sources.files, rank, bucket_bytes) if from_files else None
+
+
 def _contiguous_range(region: Region, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
     """(byte offset, bytes) of `region` in a row-major tensor of `shape`, if it is one range."""
     lengths = [s.stop - s.start for s in region]
