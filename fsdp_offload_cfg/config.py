@@ -356,7 +356,7 @@ def _override_items(overrides: Any, file: str, problems: list[Problem]) -> list[
                 continue
             try:
                 value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]  # type: ignore[index]
-            except Exception as exc:  # omegaconf/yaml parse errors of the value text
+            except Exception as exc:  # noqa: BLE001 - omegaconf/yaml parse errors of the value text
                 problems.append(Problem(file, key, f"cannot parse override value {text!r}: {exc}"))
                 continue
             pairs.append((key.strip(), value))
@@ -410,7 +410,7 @@ def _merge_overrides(top: dict[Any, Any], items: list[tuple[str, Any]], file: st
     for key, value in items:
         try:
             OmegaConf.update(merged, key, value, merge=True)
-        except Exception as exc:  # omegaconf raises assorted types for impossible paths ("a.0" into a list...)
+        except Exception as exc:  # noqa: BLE001 - omegaconf raises assorted types for impossible paths ("a.0" into a list)
             problems.append(Problem(file, key, f"cannot apply override: {_first_line(exc)}"))
     if problems:
         raise ConfigError(problems)

@@ -137,7 +137,7 @@ def build_partial_state_init(original: Callable[..., None], cfg: FSDPOffloadConf
     """Force `cpu=True` so the process group comes up on gloo instead of `distributed_type NO`."""
 
     @functools.wraps(original)
-    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:
+    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:  # noqa: N807 - replaces __init__
         original(self, cpu or cpu_fsdp_needed(cfg), **kwargs)
 
     return __init__
@@ -148,7 +148,7 @@ def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffload
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - replaces __init__
         from accelerate.state import PartialState
         from accelerate.utils import DistributedType
 
@@ -331,7 +331,7 @@ def build_training_args_post_init(original: Callable[..., Any], cfg: FSDPOffload
     """
 
     @functools.wraps(original)
-    def __post_init__(self: Any) -> Any:
+    def __post_init__(self: Any) -> Any:  # noqa: N807 - replaces __post_init__
         if self.fsdp:
             from fsdp_offload_cfg.config import load_config, read_config_file
             from fsdp_offload_cfg.patching import replace_config

@@ -155,7 +155,7 @@ def _explain(error: ValidationError) -> list[tuple[KeyPath, str]]:
     if error.validator == "additionalProperties":
         known = list(schema.get("properties", {}))
         extra = [k for k in error.instance if k not in known]
-        return [(path + (k,), unknown_key_message(k, known)) for k in extra]
+        return [((*path, k), unknown_key_message(k, known)) for k in extra]
     expected = schema.get("description")
     if expected is None and error.validator == "enum":
         expected = "one of " + ", ".join(str(v) for v in error.validator_value)

@@ -8,6 +8,7 @@ import this file; keep the builders deterministic (fixed seeds) and side-effect 
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -125,7 +126,7 @@ class TinyBufferModel(PreTrainedModel):
 
     config_class = TinyBufferConfig
     base_model_prefix = "tiny"
-    _keep_in_fp32_modules_strict = ["norm"]
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["norm"]
 
     def __init__(self, config: TinyBufferConfig):
         super().__init__(config)

@@ -6,7 +6,7 @@ Kept importable by name so that spawned gloo workers (tests/_dist.py) can use th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
 class Probe(torch.autograd.Function):
     """Saves the given tensors; backward hands what autograd restored to `Probe.sink`."""
 
-    sink: list[list[torch.Tensor]] = []
+    sink: ClassVar[list[list[torch.Tensor]]] = []
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:

@@ -171,7 +171,7 @@ def test_null_means_unset_for_exactly_the_optional_fields():
     from fsdp_offload_cfg.config import LAUNCH_KEYS, NULL_MEANS_UNSET
 
     optional = {f.name for f in dataclasses.fields(FSDPOffloadConfig) if f.default is None}
-    assert NULL_MEANS_UNSET == optional - set(LAUNCH_KEYS)
+    assert optional - set(LAUNCH_KEYS) == NULL_MEANS_UNSET
 
 
 def test_schema_keys_are_dataclass_fields_or_documented_trainer_keys():

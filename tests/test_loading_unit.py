@@ -159,5 +159,5 @@ def test_read_header_names_a_truncated_file(tmp_path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({"a": torch.zeros(64)}, str(path))
     os.truncate(path, path.stat().st_size - 8)
-    with pytest.raises(OSError, match="m.safetensors: truncated"):
+    with pytest.raises(OSError, match=r"m\.safetensors: truncated"):
         read_header(str(path))

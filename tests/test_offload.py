@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -18,7 +19,6 @@ from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import enable_activation_offload, get_offload_handle, offload_stats, reset_offload_stats
 from fsdp_offload_cfg.offload.filter import keep_reason
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
-from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 
 ON = ActivationOffloadConfig(enabled=True)
 
@@ -187,13 +187,13 @@ def test_requires_grad_and_grad_fn_semantics_match() -> None:
 
     class Mul(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             out = a * b
             ctx.save_for_backward(a, b, out)
             return out
 
         @staticmethod
-        def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             a, b, out = ctx.saved_tensors
             seen.append([(t.requires_grad, t.is_leaf, t.grad_fn is None, t.dtype, t.shape) for t in (a, b, out)])
             return g * b, g * a
@@ -235,7 +235,7 @@ def _wrap_ckpt(m: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("ac", [None, _wrap_ckpt, _hf_ckpt], ids=["no_ac", "checkpoint_wrapper", "hf_gc"])
-def test_llama_bit_identical_with_and_without_checkpointing(mode: str, ac) -> None:  # noqa: ANN001
+def test_llama_bit_identical_with_and_without_checkpointing(mode: str, ac) -> None:
     ids = batch()
     prep = ac or (lambda m: m)
     ref = prep(tiny_llama(3))

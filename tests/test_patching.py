@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 import fsdp_offload_cfg
-from fsdp_offload_cfg import ConfigError, FSDPOffloadConfig, patching
-from fsdp_offload_cfg import integrations
+from fsdp_offload_cfg import ConfigError, FSDPOffloadConfig, integrations, patching
 from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.discovery import _config_file_arg, _is_accelerate_launch, discover_config
 
@@ -42,8 +41,7 @@ def _clean(monkeypatch: pytest.MonkeyPatch):
 
 
 def _raw(p: patching.Patch) -> Any:
-    owner, attr, raw = patching._resolve(p)
-    return raw
+    return patching._resolve(p)[2]
 
 
 def _snapshot(patches: list[patching.Patch] | None = None) -> dict[str, Any]:
@@ -139,7 +137,7 @@ def test_missing_target_raises_without_half_patch(monkeypatch: pytest.MonkeyPatc
         lambda c: True, ("accelerate",), "target removed upstream",
     )
     monkeypatch.setattr(integrations, "PATCHES", [*integrations.PATCHES, bogus])
-    with pytest.raises(patching.UnsupportedVersionError, match="Accelerator.no_such_method"):
+    with pytest.raises(patching.UnsupportedVersionError, match=r"Accelerator\.no_such_method"):
         fsdp_offload_cfg.patch(EVERYTHING_ON)
     assert _snapshot(real) == before
     assert fsdp_offload_cfg.active_config() is None

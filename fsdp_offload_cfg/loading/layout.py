@@ -101,7 +101,7 @@ def _coordinates(mesh: object, world_size: int) -> tuple[tuple[int, ...], ...]:
         if coordinate.numel() == 0:
             raise NotImplementedError(f"rank {rank} is not in the device mesh {mesh}: the mesh must span all ranks")
         coordinates.append(tuple(coordinate[0].tolist()))
-    setattr(mesh, "_fsdp_offload_cfg_coordinates", tuple(coordinates))
+    mesh._fsdp_offload_cfg_coordinates = tuple(coordinates)
     return tuple(coordinates)
 
 

@@ -44,7 +44,7 @@ def in_backward() -> bool:
 class _Entry:
     """One offloaded storage: a host block, plus a device copy while backward needs it."""
 
-    __slots__ = ("release", "block", "nbytes", "sref", "handles", "unpacked", "device_buf", "ready", "__weakref__")
+    __slots__ = ("__weakref__", "block", "device_buf", "handles", "nbytes", "ready", "release", "sref", "unpacked")
 
     def __init__(self, release: object, block: HostBlock, nbytes: int, sref: StorageWeakRef) -> None:
         self.release = release  # handler method called when the last handle dies
@@ -66,7 +66,7 @@ class _Entry:
 class _Kept:
     """One storage kept on the device, counted resident until its last saved view dies."""
 
-    __slots__ = ("nbytes", "__weakref__")
+    __slots__ = ("__weakref__", "nbytes")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -82,7 +82,7 @@ class _Kept:
 class _Frame:
     """The tensors one group saved in one pass; `entries` are all it references (weakly)."""
 
-    __slots__ = ("index", "pass_", "entries", "loaded", "__weakref__")
+    __slots__ = ("__weakref__", "entries", "index", "loaded", "pass_")
 
     def __init__(self, index: int, pass_: _Pass) -> None:
         self.index = index
@@ -94,7 +94,7 @@ class _Frame:
 class _Pass:
     """One forward call. Frames and entries are looked up weakly: handles own them."""
 
-    __slots__ = ("frames", "entries", "kept", "root_ptrs", "group_ptrs", "current", "__weakref__")
+    __slots__ = ("__weakref__", "current", "entries", "frames", "group_ptrs", "kept", "root_ptrs")
 
     def __init__(self, root_ptrs: set[int]) -> None:
         self.frames: weakref.WeakValueDictionary[int, _Frame] = weakref.WeakValueDictionary()
@@ -116,14 +116,14 @@ class _Pass:
 
 
 class _KeptHandle:
-    __slots__ = ("tensor", "kept", "frame")
+    __slots__ = ("frame", "kept", "tensor")
 
     def __init__(self, tensor: torch.Tensor, kept: _Kept | None, frame: _Frame | None) -> None:
         self.tensor, self.kept, self.frame = tensor, kept, frame
 
 
 class _OffloadedHandle:
-    __slots__ = ("entry", "frame", "dtype", "size", "stride", "offset")
+    __slots__ = ("dtype", "entry", "frame", "offset", "size", "stride")
 
     def __init__(self, entry: _Entry, frame: _Frame, t: torch.Tensor) -> None:
         self.entry, self.frame = entry, frame

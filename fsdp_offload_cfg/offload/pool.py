@@ -33,7 +33,7 @@ def round_size(nbytes: int) -> int:
 class HostBlock:
     """One host buffer; `ready` is the device event its last reader recorded (CUDA only)."""
 
-    __slots__ = ("tensor", "size", "ready")
+    __slots__ = ("ready", "size", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor

@@ -99,7 +99,7 @@ def param_storage_ptrs(module: nn.Module) -> set[int]:
 class _Counted:
     """One kept storage in a meter; subtracts itself when the last saved view dies."""
 
-    __slots__ = ("gauge", "nbytes", "__weakref__")
+    __slots__ = ("__weakref__", "gauge", "nbytes")
 
     def __init__(self, gauge: ByteGauge, nbytes: int) -> None:
         self.gauge, self.nbytes = gauge, nbytes

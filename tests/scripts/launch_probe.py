@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import math
+import os
 import sys
 
 import fsdp_offload_cfg

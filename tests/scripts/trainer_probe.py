@@ -6,8 +6,8 @@ Usage: trainer_probe.py CHECKPOINT_DIR OUTPUT_DIR — prints `PROBE {json}` per 
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import sys
 
 import fsdp_offload_cfg
