@@ -31,8 +31,11 @@ def _worker(
     args: tuple,
     env: dict[str, str],
     local_world_size: int,
+    pg_timeout: float | None,
     queue: Any,
 ) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     os.environ.update(env)
@@ -48,7 +51,8 @@ def _worker(
         }
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -66,8 +70,11 @@ def run_workers(
     env: dict[str, str] | None = None,
     local_world_size: int | None = None,
     expect_errors: bool = False,
+    pg_timeout: float | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
+
+    `pg_timeout` (seconds) is the process group's collective timeout (gloo's default otherwise).
 
     With `expect_errors=True` a rank's traceback string is returned in its slot instead of
     failing the test (for failure-propagation tests); a hang still fails.
@@ -78,7 +85,7 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, dict(env or {}), local_world_size or world_size, queue),
+            args=(r, world_size, port, fn, args, dict(env or {}), local_world_size or world_size, pg_timeout, queue),
             daemon=False,
         )
         for r in range(world_size)

@@ -605,6 +605,66 @@ def test_load_failure_raises_on_every_rank(checkpoints: dict[str, Any], tmp_path
                 assert message.startswith("RuntimeError: rank 0 failed to load"), message
 
 
+def _slow_rank0_worker(rank: int, world_size: int, path: str, delay: float) -> dict[str, Any]:
+    """Rank 0's `from_pretrained` (and `_from_config`) outlast the process-group timeout."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+    from fsdp_offload_cfg.loading import rank0_from_config, rank0_from_pretrained
+
+    def slow(original: Any) -> Any:
+        def call(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if rank == 0:  # the other ranks run `_from_config` too, on meta: that stays fast
+                time.sleep(delay)
+            return original(cls, *args, **kwargs)
+
+        return call
+
+    start = time.monotonic()
+    model = rank0_from_pretrained(slow(PreTrainedModel.from_pretrained.__func__), LlamaForCausalLM, path)
+    loaded = time.monotonic() - start
+    config = LlamaConfig.from_pretrained(path)
+    built = rank0_from_config(slow(PreTrainedModel._from_config.__func__), LlamaForCausalLM, config)
+    return {
+        "seconds": loaded,
+        "meta": sum(p.is_meta for p in model.parameters()),
+        "params": len(list(model.parameters())),
+        "built_meta": sum(p.is_meta for p in built.parameters()),
+    }
+
+
+def test_ranks_wait_out_a_rank0_load_longer_than_the_collective_timeout(checkpoints: dict[str, Any]) -> None:
+    """Big checkpoints take rank 0 longer to load than the process-group timeout (10-30 min by
+    default); the other ranks wait through the store, not in a collective that would time out."""
+    pg_timeout, delay = 2.0, 5.0
+    results = run_workers(
+        _slow_rank0_worker, 2, checkpoints["paths"]["llama"], delay, pg_timeout=pg_timeout, timeout=120
+    )
+    rank0, rank1 = results
+    assert rank1["seconds"] >= delay, "rank 1 did not wait for rank 0"
+    assert rank0["meta"] == 0 and rank1["meta"] == rank1["params"] > 0
+    assert rank0["built_meta"] == 0 and rank1["built_meta"] > 0
+
+
+def _rank0_dies_worker(rank: int, world_size: int, path: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    from fsdp_offload_cfg.loading import rank0_from_pretrained
+
+    def killed(cls: type, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)  # rank 1 is waiting by now
+        os._exit(9)  # as if the OOM killer took rank 0 (which hosts the store here)
+
+    rank0_from_pretrained(killed, LlamaForCausalLM, path)
+
+
+def test_rank0_dying_while_it_loads_raises_on_the_waiting_ranks(checkpoints: dict[str, Any]) -> None:
+    with pytest.raises(AssertionError) as failure:
+        run_workers(_rank0_dies_worker, 2, checkpoints["paths"]["llama"], expect_errors=True, timeout=60)
+    report = str(failure.value)
+    assert "ranks [0] did not report" in report, report
+    assert "rank 1 lost contact with rank 0 while waiting for it to load" in report, report
+
+
 # --------------------------------------------------------------------------------------------
 # two nodes x two processes: broadcast: only global rank 0 reads; sharded: every rank reads its part
 # --------------------------------------------------------------------------------------------

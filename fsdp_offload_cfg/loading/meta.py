@@ -8,7 +8,9 @@ because `load_into_sharded` sends every rank its shard anyway.
 
 Protocol (every rank, in this order, so that no rank ever waits on a collective that another
 rank skipped):
-  1. rank 0 runs the original; the others do nothing yet;
+  1. rank 0 runs the original; the others wait for it through the process group's store (not in
+     a collective, which would time out on a checkpoint that takes rank 0 longer to read than the
+     process-group timeout);
   2. rank 0 broadcasts (error or None, what it built: config, `ModelSpec`, generation config);
      if rank 0 failed, every rank raises now, naming the cause;
   3. the other ranks build the model on `meta` from rank 0's config, then reshape it to rank 0's
@@ -37,6 +39,7 @@ from fsdp_offload_cfg.loading._sync import (
     describe_error,
     distributed_ready,
     raise_if_any_failed,
+    wait_for_rank0,
 )
 from fsdp_offload_cfg.loading.checkpoint import NeedsBroadcast, meta_from_pretrained
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
@@ -186,6 +189,7 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
             result, error = attempt(load)
         if error is None:
             built, error = attempt(lambda: _summarize(result))
+    wait_for_rank0(what)  # rank 0 may take longer than the collective timeout
     message, built = broadcast_from_rank0((describe_error(error) if error is not None else None, built))
     if message is not None:
         if error is not None:
