@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+
 from _dist import run_workers
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from _dist import free_port
 from _models import save_deepseek_v3, save_deepseek_v3_fused, save_llama, save_qwen2_tied
 

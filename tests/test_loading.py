@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_workers
 from torch import nn
+
+from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -186,9 +187,9 @@ def _meta_left(model: nn.Module) -> list[str]:
 
 
 def _load_case(case: str, path: str, ref_dir: str, rank: int, strategy: str) -> dict[str, Any]:
-    from _models import TinyBufferModel
     from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
+    from _models import TinyBufferModel
     from fsdp_offload_cfg.loading import is_rank0_source, load_into_sharded
 
     decoder = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "DeepseekV3DecoderLayer"}
@@ -278,9 +279,9 @@ def _lora_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
 
 
 def _from_config_case(rank: int, strategy: str) -> dict[str, Any]:
-    from _models import llama_config
     from transformers import AutoModelForCausalLM
 
+    from _models import llama_config
     from fsdp_offload_cfg.loading import load_into_sharded
 
     torch.manual_seed(123)
@@ -382,8 +383,9 @@ def _reference_step(path: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import _models
     from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+    import _models
 
     root = tmp_path_factory.mktemp("ckpt")
     paths = _models.build_all(str(root))

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
+from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import enable_activation_offload, get_offload_handle, offload_stats, reset_offload_stats
 from fsdp_offload_cfg.offload.filter import keep_reason

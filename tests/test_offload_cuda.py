@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 from torch import nn
 
+from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
 

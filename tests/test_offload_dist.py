@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from _dist import run_workers
 from _offload_models import batch, tiny_llama
 
