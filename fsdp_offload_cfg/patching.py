@@ -20,6 +20,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from fsdp_offload_cfg import clean_exit
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 
@@ -157,6 +158,9 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
     keys (`patch(activation_cpu_offload=True)`). Calling it again with the same config is a
     no-op; with another config it cleanly re-applies. Raises `ConfigError` on a bad config and
     `UnsupportedVersionError` on untested library versions, before changing anything.
+
+    A successful call also makes the process wait at exit until gloo's worker threads are idle
+    (`clean_exit`: otherwise a finished run can abort at exit); `unpatch()` leaves that in place.
     """
     global _SESSION
     cfg, source = _discover(config, overrides)
@@ -183,6 +187,7 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
         _revert(applied, env_before)
         raise
     _SESSION = PatchSession(cfg, source, applied, env_before)
+    clean_exit.install()
     _log_once(_SESSION)
     return _SESSION
 
