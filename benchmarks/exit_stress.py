@@ -47,13 +47,10 @@ class Row:
 
 
 def build_checkpoint(path: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _models import save_llama
 
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    save_llama(path)
 
 
 def rows(config: Path, checkpoint: str) -> list[Row]:
