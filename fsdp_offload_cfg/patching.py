@@ -156,27 +156,53 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
     `--config_file` of the `accelerate launch` that started this process (or accelerate's default
     config file); accelerate's exported `FSDP_*` variables. Keyword `overrides` are fsdp_config
     keys (`patch(activation_cpu_offload=True)`). Calling it again with the same config is a
-    no-op; with another config it cleanly re-applies. Raises `ConfigError` on a bad config and
-    `UnsupportedVersionError` on untested library versions, before changing anything.
+    no-op; with another config it cleanly re-applies. Raises `ConfigError` on a bad config,
+    `UnsupportedVersionError` on untested library versions and `RuntimeError` once an
+    `Accelerator` exists, before changing anything: a failing call leaves the previous
+    `patch()` in force, all or nothing.
 
     A successful call also makes the process wait at exit until gloo's worker threads are idle
     (`clean_exit`: otherwise a finished run can abort at exit); `unpatch()` leaves that in place.
     """
     global _SESSION
     cfg, source = _discover(config, overrides)
-    if _SESSION is not None:
-        if _SESSION.config == cfg:
-            return _SESSION
-        unpatch()
-    from fsdp_offload_cfg.integrations import environment_problems, export_accelerate_env
+    if _SESSION is not None and _SESSION.config == cfg:
+        return _SESSION
+    _refuse_after_accelerator(source)
+    wanted = _checked_patches(cfg)
+    previous = _SESSION
+    unpatch()
+    try:
+        _SESSION = _apply(cfg, source, wanted)
+    except BaseException:
+        if previous is not None:  # all or nothing: the config that worked stays in force
+            _SESSION = _apply(previous.config, previous.source, [a.patch for a in previous.applied])
+        raise
+    clean_exit.install()
+    _log_once(_SESSION)
+    return _SESSION
+
+
+def _checked_patches(cfg: FSDPOffloadConfig) -> list[Patch]:
+    """The patches `cfg` needs, after every check that can refuse it: runnable here, versions in
+    range, every target present. Runs while the previous session (if any) is still in force."""
+    from fsdp_offload_cfg.integrations import environment_problems
 
     problems = environment_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
     wanted = [p for p in _registry() if p.enabled(cfg)]
     check_versions({dist for p in wanted for dist in p.requires})
-    resolved = [(p, *_resolve(p)) for p in wanted]  # every target exists before anything changes
+    for p in wanted:
+        _resolve(p)
+    return wanted
 
+
+def _apply(cfg: FSDPOffloadConfig, source: str, wanted: list[Patch]) -> PatchSession:
+    """Install `wanted` and export the config's environment; on failure revert both and raise."""
+    from fsdp_offload_cfg.integrations import export_accelerate_env
+
+    resolved = [(p, *_resolve(p)) for p in wanted]  # every target exists before anything changes
     env_before = export_accelerate_env(cfg)
     applied: list[_Applied] = []
     try:
@@ -186,10 +212,27 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
     except BaseException:
         _revert(applied, env_before)
         raise
-    _SESSION = PatchSession(cfg, source, applied, env_before)
-    clean_exit.install()
-    _log_once(_SESSION)
-    return _SESSION
+    return PatchSession(cfg, source, applied, env_before)
+
+
+def accelerator_state_exists() -> bool:
+    """An `Accelerator` (accelerate's shared `AcceleratorState`) was built in this process."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    return state is not None and bool(state.AcceleratorState._shared_state)
+
+
+def _refuse_after_accelerator(source: str) -> None:
+    """`Accelerator()` reads the config when it is built: patching afterwards leaves ranks on
+    different paths (rank 1 crashes in `prepare`, rank 0 trains without FSDP). Every rank built
+    its Accelerator, so every rank refuses here alike."""
+    if accelerator_state_exists():
+        raise RuntimeError(
+            f"fsdp_offload_cfg.patch() (config from {source}) was called after Accelerator() was created; "
+            "the Accelerator has already read its settings. Call fsdp_offload_cfg.patch() first, at the top "
+            "of the script, before creating the Accelerator or a Trainer."
+        )
 
 
 def _revert(applied: list[_Applied], env_before: Mapping[str, str | None]) -> None:
@@ -216,7 +259,6 @@ def replace_config(cfg: FSDPOffloadConfig, source: str) -> None:
     cfg = dataclasses.replace(cfg, source=source)
     if _SESSION is not None and _SESSION.config == cfg:
         return
-    unpatch()
     patch(cfg)
 
 

@@ -218,3 +218,48 @@ def test_fsdp1_sync_module_states_on_cpu_is_refused_before_patching():
         fsdp_offload_cfg.patch(cfg)
     assert _snapshot() == before
     fsdp_offload_cfg.patch(dataclasses.replace(cfg, sync_module_states=False))
+
+
+def test_failing_repatch_keeps_the_working_patch():
+    """All or nothing: a second config this machine cannot run is refused, and the first stays."""
+    session = fsdp_offload_cfg.patch(EVERYTHING_ON)
+    patched = _snapshot()
+    env = dict(os.environ)
+    unrunnable = FSDPOffloadConfig(distributed_type="FSDP", version=1, reshard_after_forward="FULL_SHARD",
+                                   sync_module_states=True, source="b.yaml")
+    with pytest.raises(ConfigError, match=r"b\.yaml: fsdp_config\.sync_module_states"):
+        fsdp_offload_cfg.patch(unrunnable)
+    assert fsdp_offload_cfg.active_config() is session.config
+    assert _snapshot() == patched
+    assert dict(os.environ) == env
+
+
+def test_failing_install_during_repatch_restores_the_previous_patch(monkeypatch: pytest.MonkeyPatch):
+    originals = _snapshot()
+    names = fsdp_offload_cfg.patch(EVERYTHING_ON).patch_names
+
+    def broken_builder(original: Any, cfg: Any) -> Any:
+        raise RuntimeError("builder failed")
+
+    failing = patching.Patch("failing", "accelerate.accelerator", "Accelerator.prepare", broken_builder,
+                             lambda c: c.version == 1, ("accelerate",), "fails while installing")
+    monkeypatch.setattr(integrations, "PATCHES", [*integrations.PATCHES, failing])
+    with pytest.raises(RuntimeError, match="builder failed"):
+        fsdp_offload_cfg.patch(FSDP1_OFFLOAD)
+    assert fsdp_offload_cfg.active_config() == EVERYTHING_ON
+    assert patching._SESSION.patch_names == names
+    now = _snapshot(integrations.PATCHES[:-1])
+    assert {n for n in now if now[n] is not originals[n]} == set(names)  # re-installed, not left bare
+    fsdp_offload_cfg.unpatch()
+    assert _snapshot(integrations.PATCHES[:-1]) == originals
+
+
+def test_patch_after_accelerator_is_refused(monkeypatch: pytest.MonkeyPatch):
+    from accelerate.state import AcceleratorState
+
+    before = _snapshot()
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {"initialized": True})
+    with pytest.raises(RuntimeError, match=r"after Accelerator\(\) was created.*Call fsdp_offload_cfg.patch\(\) first"):
+        fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert _snapshot() == before
+    assert fsdp_offload_cfg.active_config() is None
