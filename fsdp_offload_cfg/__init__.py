@@ -10,6 +10,7 @@ Rank-0 meta loading (`cpu_ram_efficient_loading`) and activation CPU offload
 from __future__ import annotations
 
 from fsdp_offload_cfg.config import ActivationOffloadConfig, ConfigError, FSDPOffloadConfig, load_config
+from fsdp_offload_cfg.loading.local import local_loading
 from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats
 from fsdp_offload_cfg.patching import PatchSession, UnsupportedVersionError, active_config, patch, unpatch
 
@@ -22,6 +23,7 @@ __all__ = [
     "active_config",
     "enable_activation_offload",
     "load_config",
+    "local_loading",
     "offload_stats",
     "patch",
     "unpatch",

@@ -199,7 +199,9 @@ def ensure_process_group() -> None:
 
 
 def _rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
-    return loader_enabled(cfg) and launched_distributed()
+    from fsdp_offload_cfg.loading.local import local_loading_active
+
+    return loader_enabled(cfg) and launched_distributed() and not local_loading_active()
 
 
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:

@@ -603,8 +603,62 @@ def test_load_failure_raises_on_every_rank(checkpoints: dict[str, Any], tmp_path
             case = key.split("/")[1]
             assert causes[case] in message, f"rank {rank}, {key}: cause not named: {message}"
             assert seconds < 20, f"rank {rank}, {key}: took {seconds:.1f}s to fail"
-            if rank == 1 and case != "truncated_after_from_pretrained":
+            # broadcast: rank 1 hears rank 0's error; sharded: every rank opens the files and fails itself
+            if rank == 1 and key.startswith("broadcast/"):
                 assert message.startswith("RuntimeError: rank 0 failed to load"), message
+
+
+def _scatter_failure_worker(rank: int, world_size: int, path: str) -> dict[str, tuple[str, float]]:
+    """Failures injected on rank 0 alone just before the scatter: a source tensor that no longer
+    matches its description, and the staging allocation."""
+    from transformers import LlamaForCausalLM
+
+    from fsdp_offload_cfg.loading import broadcast, load_into_sharded, prepare
+
+    _install_patches("broadcast")
+    real_source, real_allocate = prepare._rank0_source, broadcast._allocate_staging
+
+    def changed_source(*args: Any, **kwargs: Any) -> Any:
+        source = real_source(*args, **kwargs)
+        if source is not None:
+            source["model.norm.weight"] = source["model.norm.weight"].double()
+        return source
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("injected: cannot allocate the staging buffers")
+
+    out = {}
+    for case, attr, fault in [("changed", "_rank0_source", changed_source), ("no_memory", None, no_memory)]:
+        if rank == 0:
+            if attr:
+                prepare._rank0_source = fault
+            else:
+                broadcast._allocate_staging = fault
+        model = LlamaForCausalLM.from_pretrained(path)
+        start = time.monotonic()
+        try:
+            load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), bucket_bytes=BUCKET)
+            message = "no error"
+        except Exception as exc:  # noqa: BLE001
+            message = f"{type(exc).__name__}: {exc}"
+        out[case] = (message, time.monotonic() - start)
+        prepare._rank0_source, broadcast._allocate_staging = real_source, real_allocate
+    return out
+
+
+def test_a_rank0_failure_before_the_scatter_raises_on_every_rank(checkpoints: dict[str, Any]) -> None:
+    """Every check and allocation that can fail on one rank is agreed before the first scatter,
+    so no rank waits in `dist.scatter` for a rank 0 that has already raised."""
+    pg_timeout = 30.0
+    results = run_workers(
+        _scatter_failure_worker, 2, checkpoints["paths"]["llama"], pg_timeout=pg_timeout, timeout=150
+    )
+    causes = {"changed": "model.norm.weight: changed since it was described", "no_memory": "injected: cannot allocate"}
+    for rank, out in enumerate(results):
+        for case, (message, seconds) in out.items():
+            assert "getting ready to receive from rank 0" in message and causes[case] in message, (rank, message)
+            assert "rank 0:" in message, message
+            assert seconds < pg_timeout / 2, f"rank {rank}, {case}: took {seconds:.1f}s"
 
 
 def _slow_rank0_worker(rank: int, world_size: int, path: str, delay: float) -> dict[str, Any]:

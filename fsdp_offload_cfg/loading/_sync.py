@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import pickle
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -21,7 +23,7 @@ T = TypeVar("T")
 logger = logging.getLogger("fsdp_offload_cfg.loading")
 
 WAIT_LOG_EVERY_S = 60.0
-_rank0_waits = itertools.count()  # every rank calls `wait_for_rank0` in the same order
+_calls: dict[str, itertools.count] = {}  # per mailbox key: how often this rank made that call
 
 
 def distributed_ready() -> bool:
@@ -44,42 +46,94 @@ def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         return None, exc
 
 
-def wait_for_rank0(what: str) -> None:
-    """Rank 0: announce that it is done with `what`. Other ranks: wait until it is.
+class Rank0Mailbox:
+    """Rank 0 hands the other ranks one result through the process group's store: no collective.
 
-    Why not just the collective that follows: rank 0 may take longer than the process group's
-    timeout (10 min for NCCL, 30 for gloo by default) to read a large checkpoint or to initialise
-    a large model, and a rank waiting in a collective that long is killed by the watchdog. The
-    wait goes through the process group's store instead, which has no such limit (if rank 0 dies,
-    torchrun stops every rank). Rank 1 logs every minute that the ranks are still waiting. Rank 0
-    must call this whether its work failed or not: its error travels in the next collective.
+    Why not a collective: (1) a load that only some ranks make (`if is_main_process:
+    from_pretrained(...)`) must behave like a plain load on the ranks that make it, so rank 0
+    never waits for the others; (2) rank 0 may take longer than the process-group timeout (10
+    min for NCCL, 30 for gloo by default) to read a large checkpoint, and a rank waiting in a
+    collective that long is killed by the watchdog. The store has no such limit.
+
+    One mailbox per call: its slot is the call's `key` (the same on every rank for the same
+    call: class and checkpoint, never object ids) plus how many times this rank has made that
+    call before, so repeated loads of one checkpoint keep their order. Rank 0 marks the slot
+    started before its work and fills it after, error or not; a waiting rank gives up when
+    rank 0 has not even started within the process-group timeout (it is not making this call).
     """
-    key = f"fsdp_offload_cfg/rank0_done/{next(_rank0_waits)}"
-    store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() == 0:
-        store.set(key, "1")
-        return
-    start = time.monotonic()
-    next_log = start + WAIT_LOG_EVERY_S
-    pause = 0.001
-    while not _check(store, key, what):
-        time.sleep(pause)
-        pause = min(2 * pause, 0.5)
-        if time.monotonic() >= next_log:
-            next_log += WAIT_LOG_EVERY_S
-            if dist.get_rank() == 1:
+
+    def __init__(self, key: str, what: str) -> None:
+        self.what = what
+        self.slot = f"fsdp_offload_cfg/rank0/{key}/{next(_calls.setdefault(key, itertools.count()))}"
+        self.store = dist.distributed_c10d._get_default_store()
+
+    def start(self) -> None:
+        """Rank 0: tell the waiting ranks that this call is under way."""
+        self.store.set(f"{self.slot}/started", "1")
+
+    def post(self, obj: Any) -> BaseException | None:
+        """Rank 0: fill the slot; returns the pickling error (the slot then carries its message)."""
+        try:
+            data = pickle.dumps(obj)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the waiting ranks must hear of it too
+            error = exc
+            data = pickle.dumps((describe_error(exc), None))
+        self.store.set(f"{self.slot}/done", data)
+        return error
+
+    def receive(self, hint: str) -> Any:
+        """Other ranks: wait for rank 0's `post` and return the object. Raises, with `hint`, when
+        rank 0 does not start this call within the process-group timeout."""
+        done, started = f"{self.slot}/done", f"{self.slot}/started"
+        start = time.monotonic()
+        deadline = start + process_group_timeout()
+        next_log = start + WAIT_LOG_EVERY_S
+        pause = 0.001
+        rank0_started = False
+        while not self._has(done):
+            rank0_started = rank0_started or self._has(started)
+            now = time.monotonic()
+            if not rank0_started and now >= deadline:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} waited {now - start:.0f}s for rank 0 to {self.what}, and rank 0 never "
+                    f"started it: this call was made on some ranks only. {hint}"
+                )
+            if now >= next_log:
+                next_log += WAIT_LOG_EVERY_S
+                self._log_wait(rank0_started, now - start, hint)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+        return pickle.loads(self.store.get(done))
+
+    def _log_wait(self, rank0_started: bool, waited: float, hint: str) -> None:
+        if rank0_started:
+            if dist.get_rank() == 1:  # one line per minute for all waiting ranks
                 logger.info("ranks 1-%d still waiting for rank 0 to %s (%.0fs)",
-                            dist.get_world_size() - 1, what, time.monotonic() - start)  # fmt: skip
+                            dist.get_world_size() - 1, self.what, waited)  # fmt: skip
+        else:
+            logger.warning("rank %d has waited %.0fs for rank 0 to %s, and rank 0 has not started it. %s",
+                           dist.get_rank(), waited, self.what, hint)  # fmt: skip
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception as exc:
+            raise RuntimeError(
+                f"rank {dist.get_rank()} lost contact with rank 0 while waiting for it to {self.what} "
+                f"(did rank 0 crash, e.g. killed for lack of host memory?): {type(exc).__name__}: {exc}"
+            ) from exc
 
 
-def _check(store: dist.Store, key: str, what: str) -> bool:
-    try:
-        return store.check([key])
-    except Exception as exc:
-        raise RuntimeError(
-            f"rank {dist.get_rank()} lost contact with rank 0 while waiting for it to {what} "
-            f"(did rank 0 crash, e.g. killed for lack of host memory?): {type(exc).__name__}: {exc}"
-        ) from exc
+def process_group_timeout() -> float:
+    """The default process group's collective timeout in seconds (gloo's or NCCL's default if unknown)."""
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - no backend for this device type, or no `options`
+            continue
+    return dist.default_pg_timeout.total_seconds()
 
 
 def broadcast_from_rank0(obj: Any) -> Any:

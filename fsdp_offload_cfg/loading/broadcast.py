@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
 from fsdp_offload_cfg.loading.layout import Target
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
@@ -66,14 +67,32 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _check_source(targets: list[Target], source: dict[str, torch.Tensor] | None) -> None:
+    """Rank 0: every tensor to send is there, with the dtype and shape it was described with."""
+    problems = []
+    for name, spec in {t.spec.name: t.spec for t in targets}.items():
+        full = (source or {}).get(name)
+        if full is None:
+            problems.append(f"{name}: missing")
+        elif full.dtype != spec.dtype or tuple(full.shape) != spec.shape:
+            problems.append(f"{name}: changed since it was described (was {spec.dtype} {spec.shape}, "
+                            f"now {full.dtype} {tuple(full.shape)})")  # fmt: skip
+    if problems:
+        raise RuntimeError(f"rank 0 cannot send {len(problems)} tensors: " + "; ".join(problems[:5]))
+
+
+def _allocate_staging(nbytes: int, destinations: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One receive buffer, and (rank 0) one send buffer per destination rank, reused by every
+    bucket: no allocation churn, so the allocator cannot keep freed bucket memory resident."""
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return staging, [torch.empty_like(staging) for _ in range(destinations)]
+
+
 def _pack(bucket: list[Target], source: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> None:
-    """Rank 0: write each destination rank's parts into its byte buffer."""
+    """Rank 0: write each destination rank's parts into its byte buffer (`_check_source` ran)."""
     offsets = [_offsets(bucket, rank)[0] for rank in range(len(buffers))]
     for i, t in enumerate(bucket):
         full = source[t.spec.name]
-        if full.dtype != t.spec.dtype or tuple(full.shape) != t.spec.shape:
-            changed = f"{full.dtype} {tuple(full.shape)}"
-            raise RuntimeError(f"{t.spec.name}: source changed since it was described (now {changed})")
         for rank, buffer in enumerate(buffers):
             piece = _as_bytes(full[t.regions[rank]])
             buffer[offsets[rank][i] : offsets[rank][i] + piece.numel()].copy_(piece)
@@ -95,14 +114,21 @@ def scatter_from_rank0(
     start = time.perf_counter()
     plan = buckets(targets, bucket_bytes, rank)
     sizes = [max(_offsets(bucket, r)[1] for r in range(world)) for bucket in plan]
-    # One staging buffer per rank (rank 0: one per destination), reused by every bucket: no
-    # allocation churn, so the allocator cannot keep freed bucket memory resident.
-    staging = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
-    outgoing = [torch.empty_like(staging) for _ in range(world)] if rank == 0 else None
+
+    # Everything that can fail on one rank alone happens here, agreed before the first scatter:
+    # a rank raising inside the loop would leave the others waiting in `dist.scatter`.
+    def get_ready() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if rank == 0:
+            _check_source(targets, source)
+        return _allocate_staging(max(sizes, default=0), world if rank == 0 else 0, device)
+
+    buffers, error = attempt(get_ready)
+    raise_if_any_failed(error, "getting ready to receive from rank 0 (checking its tensors, allocating staging)")
+    staging, outgoing = buffers
     for bucket, size in zip(plan, sizes):
         received = staging[:size]
         packed = None
-        if outgoing is not None:
+        if rank == 0:
             packed = [buffer[:size] for buffer in outgoing]
             _pack(bucket, source, packed)
             for t in bucket:

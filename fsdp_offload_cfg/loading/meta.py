@@ -6,15 +6,17 @@ process group. Why global rank 0 and not transformers' local rank 0: transformer
 checkpoint once per node, so N nodes hold N full copies in host memory; one reader is enough
 because `load_into_sharded` sends every rank its shard anyway.
 
-Protocol (every rank, in this order, so that no rank ever waits on a collective that another
-rank skipped):
-  1. rank 0 runs the original; the others wait for it through the process group's store (not in
-     a collective, which would time out on a checkpoint that takes rank 0 longer to read than the
-     process-group timeout);
-  2. rank 0 broadcasts (error or None, what it built: config, `ModelSpec`, generation config);
-     if rank 0 failed, every rank raises now, naming the cause;
-  3. the other ranks build the model on `meta` from rank 0's config, then reshape it to rank 0's
-     spec (dtypes incl. `_keep_in_fp32_modules`, ties), and all ranks agree that worked.
+Protocol: no collective at all, so a load that only some ranks make behaves on them like a
+plain load (rank 0 alone: a real model; another rank alone: a meta model that refuses to run,
+and a clear error if it waits on a rank 0 that never loads):
+  1. rank 0 marks the call started in the process group's store, runs the original, and posts
+     (error or None, what it built: config, `ModelSpec`, generation config, RNG state) there;
+  2. the other ranks wait for that post (`Rank0Mailbox`: no collective, so no timeout while rank
+     0 reads for longer than the process-group timeout), raise if rank 0 failed, build the model
+     on `meta` from rank 0's config and reshape it to rank 0's spec (dtypes incl.
+     `_keep_in_fp32_modules`, ties);
+  3. a model still on meta refuses its forward until `prepare` fills it (`load_into_sharded`
+     checks every rank's model against rank 0's, in collectives that every rank reaches).
 The non-zero ranks never open a weight file, and hold zero parameter or buffer bytes.
 """
 
@@ -33,20 +35,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_offload_cfg.loading._sync import (
-    attempt,
-    broadcast_from_rank0,
-    describe_error,
-    distributed_ready,
-    raise_if_any_failed,
-    wait_for_rank0,
-)
+from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import NeedsBroadcast, meta_from_pretrained
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
 
 SOURCE_ATTR = "_fsdp_offload_cfg_rank0_source"
+_GUARD_ATTR = "_fsdp_offload_cfg_meta_guard"  # the forward pre-hook handle of a model still on meta
+LOCAL_LOADING_HINT = (
+    "If only some ranks load this model (an eval copy, a teacher or reference model that is never passed "
+    "to prepare), load it inside `with fsdp_offload_cfg.local_loading():` for a full copy on the ranks "
+    "that call it."
+)
 
 # `from_pretrained` keyword arguments that configure loading, not the model's `__init__`
 # (transformers 5.23: named parameters are added from the signature at call time).
@@ -103,7 +104,7 @@ def rank0_from_pretrained(original_from_pretrained: Callable[..., Any], cls: typ
         init_kwargs = _model_init_kwargs(original_from_pretrained, kwargs, built.config)
         return _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
 
-    return _rank0_or_meta(load, build, f"load {source}")
+    return _rank0_or_meta(load, build, f"load {source}", f"{_qualname(cls)}:{source}")
 
 
 def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -128,35 +129,17 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
 
     with _nested():
         result, error = attempt(meta_load)
-    fallback = error.reason if isinstance(error, NeedsBroadcast) else None
-    failure = describe_error(error) if error is not None and fallback is None else None
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (failure, fallback, torch.get_rng_state()))
-    _raise_if_any_failed_to_load([f for f, _, _ in outcomes], error, f"load {source}")
-    reasons = [r for _, r, _ in outcomes if r is not None]
-    if reasons:
+    if isinstance(error, NeedsBroadcast):  # every rank sees the same files and decides alike
         if dist.get_rank() == 0:
             logger.warning("load_strategy=sharded: %s: falling back to broadcast (rank 0 reads it): %s",
-                           source, reasons[0])  # fmt: skip
+                           source, error.reason)  # fmt: skip
         return rank0_from_pretrained(original_from_pretrained, cls, *args, **kwargs)
-    torch.set_rng_state(outcomes[0][2])  # as with the broadcast strategy: all ranks continue alike
-    model = result[0] if isinstance(result, tuple) else result
-    setattr(model, SOURCE_ATTR, True)
+    if error is not None:
+        raise error
+    _mark(result[0] if isinstance(result, tuple) else result, f"load {source}")
     if dist.get_rank() == 0:
         logger.info("sharded loading: %s built on meta on every rank; each rank reads its own shards", source)
     return result
-
-
-def _raise_if_any_failed_to_load(failures: list[str | None], error: BaseException | None, what: str) -> None:
-    """Like `raise_if_any_failed`, but worded as the broadcast strategy words it when rank 0
-    failed (every rank opens the files here, so usually all fail alike)."""
-    if failures[0] is not None:
-        if dist.get_rank() == 0:
-            raise error  # type: ignore[misc]
-        raise RuntimeError(f"rank 0 failed to {what}: {failures[0]}") from error
-    failed = [(rank, msg) for rank, msg in enumerate(failures) if msg is not None]
-    if failed:
-        raise RuntimeError(f"{what} failed on " + "; ".join(f"rank {r}: {m}" for r, m in failed)) from error
 
 
 def rank0_from_config(original_from_config: Callable[..., Any], cls: type, config: Any, **kwargs: Any) -> Any:
@@ -175,40 +158,67 @@ def rank0_from_config(original_from_config: Callable[..., Any], cls: type, confi
             model = _call(original_from_config, cls, config, **kwargs)
         return _conform(model, built)
 
-    return _rank0_or_meta(load, build, f"initialise {cls.__name__} from its config")
+    what = f"initialise {cls.__name__} from its config"
+    return _rank0_or_meta(load, build, what, f"{_qualname(cls)}:from_config:{type(config).__name__}")
 
 
-def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Module], what: str) -> Any:
-    """The three-step protocol of this module's docstring; returns what `load` would have."""
-    rank = dist.get_rank()
-    built: _Rank0Built | None = None
-    error: BaseException | None = None
-    result: Any = None
-    if rank == 0:
+def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Module], what: str, key: str) -> Any:
+    """The protocol of this module's docstring; returns what `load` would have."""
+    mailbox = Rank0Mailbox(key, what)
+    if dist.get_rank() == 0:
+        mailbox.start()
         with _nested():
             result, error = attempt(load)
+        built = None
         if error is None:
             built, error = attempt(lambda: _summarize(result))
-    wait_for_rank0(what)  # rank 0 may take longer than the collective timeout
-    message, built = broadcast_from_rank0((describe_error(error) if error is not None else None, built))
-    if message is not None:
+        error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
         if error is not None:
             raise error
-        raise RuntimeError(f"rank 0 failed to {what}: {message}")
-
-    if rank != 0:
-        with _nested():  # sub-models built inside `__init__` (e.g. a vision tower) stay plain
-            model, error = attempt(lambda: build(built))
-    raise_if_any_failed(error, f"building the meta model to {what}")
-    if rank == 0:
         model = result[0] if isinstance(result, tuple) else result
-        gib = built.spec.nbytes / 2**30
-        logger.info("rank-0 loading: %s done on rank 0 (%.2f GiB); other ranks are on meta", what, gib)
-    else:
-        torch.set_rng_state(built.rng_state)
-        result = (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
+        logger.info("rank-0 loading: %s done on rank 0 (%.2f GiB); other ranks are on meta", what, built.spec.nbytes / 2**30)
+        setattr(model, SOURCE_ATTR, True)
+        return result
+    message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to {what}: {message}")
+    with _nested():  # sub-models built inside `__init__` (e.g. a vision tower) stay plain
+        model = build(built)
+    torch.set_rng_state(built.rng_state)
+    _mark(model, what)
+    return (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
+
+
+def _mark(model: nn.Module, what: str) -> None:
+    """Flag `model` as the loader's; while it holds meta tensors, its forward raises (item: a
+    model loaded but never prepared would otherwise return meta outputs without a word)."""
     setattr(model, SOURCE_ATTR, True)
-    return result
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    rank = dist.get_rank()
+
+    def refuse_meta_forward(module: nn.Module, args: Any) -> None:
+        left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(
+                f"fsdp_offload_cfg: the model made by `{what}` is still on the meta device on rank {rank} "
+                f"({len(left)} tensors, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
+                f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}"
+            )
+
+    model.__dict__[_GUARD_ATTR] = model.register_forward_pre_hook(refuse_meta_forward)
+
+
+def release_meta_guards(model: nn.Module) -> None:
+    """Called by `load_into_sharded`: the model is being filled, its forward may run again."""
+    for module in model.modules():
+        handle = module.__dict__.pop(_GUARD_ATTR, None)
+        if handle is not None:
+            handle.remove()
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _summarize(result: Any) -> _Rank0Built:

@@ -42,6 +42,7 @@ from fsdp_offload_cfg.loading._sync import (
 from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR
 from fsdp_offload_cfg.loading.layout import Target, plan
+from fsdp_offload_cfg.loading.meta import release_meta_guards
 from fsdp_offload_cfg.loading.spec import (
     ModelSpec,
     TensorSpec,
@@ -80,6 +81,7 @@ def load_into_sharded(
     """
     if strategy not in ("broadcast", "sharded"):
         raise ValueError(f"unknown load strategy {strategy!r}; expected 'broadcast' or 'sharded'")
+    release_meta_guards(model)
     if not distributed_ready():
         return shard_fn(model) or model
     rank, world = dist.get_rank(), dist.get_world_size()

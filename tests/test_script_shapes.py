@@ -1,0 +1,183 @@
+"""Script shapes real users write, on real gloo ranks with `patch()` as the script's first call:
+a load that only some ranks make, a model loaded but never prepared, `local_loading()`, and
+`patch()` after `Accelerator()`. Each must behave like the plain script or fail clearly and fast,
+never hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+# What `accelerate launch --config_file fsdp2.yaml` users write, as `patch()` reads it.
+CONFIG = {
+    "distributed_type": "FSDP",
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+    },
+}
+IDS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from _models import save_llama
+
+    return save_llama(str(tmp_path_factory.mktemp("ckpt") / "llama"))
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------------------------
+# a load on the main process only
+# --------------------------------------------------------------------------------------------
+
+
+def _main_process_only_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(CONFIG)
+    out: dict[str, Any] = {}
+    start = time.monotonic()
+    if rank == 0:  # `if accelerator.is_main_process:` (export, evaluation)
+        ref = AutoModelForCausalLM.from_pretrained(path)
+        scratch = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        out["ref_meta"] = sum(t.is_meta for t in ref.state_dict().values())
+        out["scratch_meta"] = sum(t.is_meta for t in scratch.state_dict().values())
+        out["logits_finite"] = bool(torch.isfinite(ref(IDS).logits).all())
+        with fsdp_offload_cfg.local_loading():
+            plain = AutoModelForCausalLM.from_pretrained(path)
+        out["equal_to_plain"] = _same(_state(ref), _state(plain))
+    dist.barrier()  # `accelerator.wait_for_everyone()`
+    out["seconds"] = time.monotonic() - start
+    # the ranks stay in step afterwards: a load that every rank makes still works
+    model = AutoModelForCausalLM.from_pretrained(path)
+    out["all_rank_load_meta"] = sum(t.is_meta for t in model.state_dict().values())
+    out["all_rank_load_tensors"] = len(model.state_dict())
+    return out
+
+
+def test_a_load_on_the_main_process_only_is_a_plain_load(llama: str) -> None:
+    """`if is_main_process: from_pretrained(p)` then `wait_for_everyone()` used to hang until the
+    process-group timeout. Rank 0 now gets exactly the model a plain load gives, at once."""
+    rank0, rank1 = run_workers(_main_process_only_worker, 2, llama, pg_timeout=60, timeout=120)
+    assert rank0["ref_meta"] == 0 and rank0["scratch_meta"] == 0
+    assert rank0["logits_finite"] and rank0["equal_to_plain"]
+    assert rank1["seconds"] < 30, "rank 1 waited for rank 0's solo load"
+    assert rank0["all_rank_load_meta"] == 0
+    assert rank1["all_rank_load_meta"] == rank1["all_rank_load_tensors"] > 0  # loader still on for rank 1
+
+
+def _other_rank_only_worker(rank: int, world_size: int, path: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    import fsdp_offload_cfg.loading._sync as sync
+
+    fsdp_offload_cfg.patch(CONFIG)
+    sync.WAIT_LOG_EVERY_S = 1.0
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fsdp_offload_cfg.loading").addHandler(handler)
+    start = time.monotonic()
+    try:
+        if rank == 1:
+            AutoModelForCausalLM.from_pretrained(path)
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001
+        return f"{time.monotonic() - start:.1f}s|{warnings[:1]}|{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_load_that_rank_0_skips_raises_naming_the_checkpoint_and_local_loading(llama: str) -> None:
+    pg_timeout = 5.0
+    results = run_workers(_other_rank_only_worker, 2, llama, pg_timeout=pg_timeout, expect_errors=True, timeout=90)
+    seconds, warned, message = results[1].split("|", 2)
+    assert message.startswith("RuntimeError: rank 1 waited"), message
+    assert llama in message and "local_loading()" in message and "rank 0 never started it" in message
+    assert pg_timeout <= float(seconds[:-1]) < pg_timeout + 10
+    assert "rank 0 has not started it" in warned and "local_loading()" in warned, warned  # logged while waiting
+    assert "no error" not in results[0]  # rank 0's barrier timed out: no rank is left waiting
+
+
+# --------------------------------------------------------------------------------------------
+# a model loaded on every rank but never prepared; local_loading()
+# --------------------------------------------------------------------------------------------
+
+
+def _unprepared_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(CONFIG)
+    out: dict[str, Any] = {}
+    teacher = AutoModelForCausalLM.from_pretrained(path)
+    try:
+        teacher(IDS)
+        out["unprepared"] = "no error"
+    except RuntimeError as exc:
+        out["unprepared"] = str(exc)
+    with fsdp_offload_cfg.local_loading():
+        local = AutoModelForCausalLM.from_pretrained(path)
+    out["local_meta"] = sum(t.is_meta for t in local.state_dict().values())
+    logits = local(IDS).logits
+    gathered = [torch.empty_like(logits) for _ in range(world_size)]
+    dist.all_gather(gathered, logits)
+    out["local_same_on_every_rank"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    return out
+
+
+def test_an_unprepared_model_refuses_its_forward_and_local_loading_gives_a_full_copy(llama: str) -> None:
+    rank0, rank1 = run_workers(_unprepared_worker, 2, llama, timeout=120)
+    assert rank0["unprepared"] == "no error"  # rank 0 read the checkpoint: a plain model there
+    message = rank1["unprepared"]
+    assert "still on the meta device on rank 1" in message, message
+    assert "prepare" in message and "local_loading()" in message and llama in message
+    for out in (rank0, rank1):
+        assert out["local_meta"] == 0 and out["local_same_on_every_rank"]
+
+
+# --------------------------------------------------------------------------------------------
+# patch() after Accelerator()
+# --------------------------------------------------------------------------------------------
+
+
+def _late_patch_worker(rank: int, world_size: int) -> str:
+    from accelerate import Accelerator
+
+    import fsdp_offload_cfg
+
+    Accelerator(cpu=True)
+    try:
+        fsdp_offload_cfg.patch(CONFIG)
+    except RuntimeError as exc:
+        return f"{exc} | active: {fsdp_offload_cfg.active_config()}"
+    return "patched"
+
+
+def test_patch_after_accelerator_is_refused_on_every_rank() -> None:
+    for message in run_workers(_late_patch_worker, 2, timeout=90):
+        assert "after Accelerator() was created" in message and "patch() first" in message, message
+        assert message.endswith("active: None")
