@@ -461,3 +461,66 @@ def test_any_strided_views_of_one_storage_restore_exactly(views: list, dtype: to
         assert (r.shape, r.stride(), r.storage_offset(), r.dtype) == (o.shape, o.stride(), o.storage_offset(), o.dtype)
         assert torch.equal(r, o) and r.data_ptr() != o.data_ptr()
     handle.remove()
+
+
+# ---------------------------------------------------------------- view bits (negative, conjugate)
+def _complex_block_net(view: str) -> nn.Module:
+    """Each block saves a view that carries a bit: `z.conj().imag` (a float view with the negative
+    bit) or `z.conj()` itself (a complex view with the conjugate bit), then uses it in a product."""
+
+    class BitBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = torch.complex(self.lin(x), torch.tanh(x))
+            if view == "neg":
+                y = z.conj().imag  # float, negative bit set
+                assert y.is_neg()
+                return torch.tanh(y * self.lin(x)) + x
+            w = z.conj()  # complex, conjugate bit set
+            assert w.is_conj()
+            return torch.tanh(torch.view_as_real(w.resolve_conj() * w).sum(-1)) + x
+
+    class BitNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(BitBlock() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x.pow(2).sum()
+
+    return BitNet()
+
+
+@pytest.mark.parametrize("view", ["neg", "conj"])
+def test_negative_and_conjugate_views_restore_with_their_bits(view: str) -> None:
+    x = torch.randn(16, 32)
+    ref = _complex_block_net(view)
+    expected = _run_net(ref, x)
+    net = _complex_block_net(view)
+    enable_activation_offload(net, ON, layer_classes=[type(net.blocks[0])])
+    got = _run_net(net, x)
+    if view == "neg":
+        assert offload_stats()["offloaded_tensors"] > 0  # the negative view really went to the host
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def test_a_negative_view_saved_through_probe_comes_back_negative() -> None:
+    keep: list[torch.Tensor] = []
+
+    def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
+        t = torch.complex(y * 1.0, y * 2.0).conj().imag  # values -2y, stored as +2y with the negative bit
+        keep.append(t)
+        return [t]
+
+    net = Net(n=3, extra=extra)
+    enable_activation_offload(net, ON, layer_classes=[Block])
+    _run_net(net, torch.randn(16, 32))
+    restored = _by_block(3)[0][0]
+    assert restored.data_ptr() != keep[0].data_ptr()  # offloaded and restored, not kept
+    assert restored.is_neg() and torch.equal(restored, keep[0])

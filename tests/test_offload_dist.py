@@ -87,6 +87,27 @@ def _watch_copies(handle: Any) -> list[str]:
     return violations
 
 
+def _audit_parameter_keeps(model: torch.nn.Module) -> list[tuple[int, ...]]:
+    """Record every tensor kept as "parameter" that shares no storage with a parameter or buffer
+    of `model` at that moment (read afresh, so exact): an activation at a recycled address."""
+    from fsdp_offload_cfg.offload import handlers
+    from fsdp_offload_cfg.offload.filter import _is_param_like
+
+    stale: list[tuple[int, ...]] = []
+    decide = handlers.keep_reason
+
+    def audited(t: torch.Tensor, *args: Any) -> str | None:
+        reason = decide(t, *args)
+        if reason == "parameter" and not _is_param_like(t):
+            live = {_local(x).untyped_storage().data_ptr() for x in [*model.parameters(), *model.buffers()]}
+            if t.untyped_storage().data_ptr() not in live:
+                stale.append(tuple(t.shape))
+        return reason
+
+    handlers.keep_reason = audited
+    return stale
+
+
 def _train(case: dict[str, Any], offload: bool) -> dict[str, Any]:
     from fsdp_offload_cfg.config import ActivationOffloadConfig
     from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
@@ -97,6 +118,7 @@ def _train(case: dict[str, Any], offload: bool) -> dict[str, Any]:
         handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode=case["mode"]))
         assert len(handle.groups) == 4, [type(g).__name__ for g in handle.groups]
         violations = _watch_copies(handle)
+        stale = _audit_parameter_keeps(model)
     reset_offload_stats()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
@@ -115,6 +137,12 @@ def _train(case: dict[str, Any], offload: bool) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
     flat = torch.cat([_local(p.detach()).flatten() for p in model.parameters()])
+    if offload:
+        from fsdp_offload_cfg.offload import filter as offload_filter
+        from fsdp_offload_cfg.offload import handlers
+
+        handlers.keep_reason = offload_filter.keep_reason
+        violations += [f"activation of shape {shape} kept as a parameter" for shape in stale]
     s = offload_stats()
     return {"losses": losses, "norms": norms, "params": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             "offloaded": s["offloaded_bytes"], "reloaded": s["reloaded_bytes"], "resident": s["resident_bytes"],

@@ -17,10 +17,48 @@ Each rule guards a known failure of earlier offloaders (see DESIGN.md, "Hazards"
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Container
 
 import torch
 from torch import nn
+
+
+class ParamStorages:
+    """Storage addresses of parameters and buffers, each confirmed live when it is looked up.
+
+    Why not a plain set of addresses: FSDP2 frees an unsharded parameter's memory at reshard
+    (`untyped_storage().resize_(0)`) and keeps the tensor, and the allocator hands that address
+    to the next activation. A set gathered at the start of a pass or group would then keep that
+    activation as a "parameter", by the luck of the allocator (different counts from run to run).
+    Here an address counts only while the tensor it was read from still has its storage there.
+    """
+
+    def __init__(self, *modules: nn.Module) -> None:
+        # address -> the parameter/buffer (local shard of a DTensor) it was read from, weakly:
+        # a pass must not keep FSDP's unsharded parameters alive
+        self._by_ptr: dict[int, weakref.ref[torch.Tensor]] = {}
+        for module in modules:
+            self.add(module)
+
+    def add(self, module: nn.Module) -> None:
+        for t in (*module.parameters(), *module.buffers()):
+            local = getattr(t, "_local_tensor", t)
+            ptr = _storage_ptr(local)
+            if ptr:
+                self._by_ptr[ptr] = weakref.ref(local)
+
+    def __contains__(self, ptr: object) -> bool:
+        ref = self._by_ptr.get(ptr)  # type: ignore[call-overload]
+        tensor = ref() if ref is not None else None
+        return tensor is not None and _storage_ptr(tensor) == ptr
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a subclass without a plain storage
+        return 0
 
 
 def _is_param_like(t: torch.Tensor) -> bool:
@@ -39,7 +77,8 @@ def keep_reason(
 ) -> str | None:
     """Why `t` must stay where it is, or None when it may be offloaded.
 
-    `param_ptrs` holds the storage addresses of parameters and buffers alive right now.
+    `param_ptrs` holds the storage addresses of parameters and buffers alive right now
+    (`ParamStorages`: confirmed live at lookup, so a recycled address is an activation's).
     """
     if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
         return "subclass"

@@ -28,9 +28,9 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fsdp_offload_cfg.offload.filter import keep_reason
+from fsdp_offload_cfg.offload.filter import ParamStorages, keep_reason
 from fsdp_offload_cfg.offload.pool import HostBlock, HostPool
-from fsdp_offload_cfg.offload.stats import COUNTS, KEPT, RESIDENT, param_storage_ptrs
+from fsdp_offload_cfg.offload.stats import COUNTS, KEPT, RESIDENT
 
 # kept tensors that are activations on the compute device (counted as resident)
 _RESIDENT_REASONS = frozenset({"small", "non_float", "last_group", "outside_groups", "pool_full"})
@@ -94,14 +94,14 @@ class _Frame:
 class _Pass:
     """One forward call. Frames and entries are looked up weakly: handles own them."""
 
-    __slots__ = ("__weakref__", "current", "entries", "frames", "group_ptrs", "kept", "root_ptrs")
+    __slots__ = ("__weakref__", "current", "entries", "frames", "group_params", "kept", "root_params")
 
-    def __init__(self, root_ptrs: set[int]) -> None:
+    def __init__(self, root_params: ParamStorages) -> None:
         self.frames: weakref.WeakValueDictionary[int, _Frame] = weakref.WeakValueDictionary()
         self.entries: weakref.WeakValueDictionary[tuple[int, int], _Entry] = weakref.WeakValueDictionary()
         self.kept: weakref.WeakValueDictionary[int, _Kept] = weakref.WeakValueDictionary()
-        self.root_ptrs = root_ptrs
-        self.group_ptrs: set[int] = set()
+        self.root_params = root_params  # read when the pass starts (root unit unsharded by then)
+        self.group_params = ParamStorages()  # re-read when each group starts (its unit unsharded)
         self.current = self.frame(0)
 
     def frame(self, index: int) -> _Frame:
@@ -112,7 +112,7 @@ class _Pass:
 
     def __contains__(self, ptr: object) -> bool:
         """Storage address of a parameter or buffer alive now (root's, or the current group's)."""
-        return ptr in self.root_ptrs or ptr in self.group_ptrs
+        return ptr in self.group_params or ptr in self.root_params
 
 
 class _KeptHandle:
@@ -123,11 +123,29 @@ class _KeptHandle:
 
 
 class _OffloadedHandle:
-    __slots__ = ("dtype", "entry", "frame", "offset", "size", "stride")
+    """One saved view of an offloaded storage: everything needed to rebuild the view exactly.
+
+    The negative and conjugate bits are part of the view, not of the bytes: `z.conj().imag` is a
+    float view whose values are the negated stored ones. Rebuilt without them, the restored
+    tensor would silently carry the opposite sign (or conjugate) into backward.
+    """
+
+    __slots__ = ("conj", "dtype", "entry", "frame", "neg", "offset", "size", "stride")
 
     def __init__(self, entry: _Entry, frame: _Frame, t: torch.Tensor) -> None:
         self.entry, self.frame = entry, frame
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.neg, self.conj = t.is_neg(), t.is_conj()
+
+    def view_of(self, buf: torch.Tensor) -> torch.Tensor:
+        """This view over the restored storage `buf`, bits included."""
+        out = torch.empty(0, dtype=self.dtype, device=buf.device).set_(buf.untyped_storage(), self.offset, self.size,
+                                                                       self.stride)  # fmt: skip
+        if self.conj:
+            out = out.conj()
+        if self.neg:
+            out = out._neg_view()
+        return out
 
 
 class OffloadHandler:
@@ -154,7 +172,7 @@ class OffloadHandler:
         if self._pass is not None or not torch.is_grad_enabled() or in_backward():
             yield  # nested call, no_grad/eval, or recomputation: nothing to do
             return
-        self._pass = _Pass(param_storage_ptrs(self.root))
+        self._pass = _Pass(ParamStorages(self.root))
         try:
             with saved_tensors_hooks(self.pack, self.unpack):
                 yield
@@ -167,7 +185,7 @@ class OffloadHandler:
             return
         COUNTS["groups_entered"] += 1
         p.current = p.frame(index)
-        p.group_ptrs = param_storage_ptrs(module)
+        p.group_params = ParamStorages(module)
 
     def exit_group(self, index: int) -> None:
         p = self._pass
@@ -178,7 +196,7 @@ class OffloadHandler:
         """Add parameters that FSDP1 unshards only inside its own forward (inner module hook)."""
         p = self._pass
         if p is not None and not in_backward():
-            p.group_ptrs |= param_storage_ptrs(module)
+            p.group_params.add(module)
 
     # ---- saved tensor hooks ----
     def pack(self, t: torch.Tensor) -> _KeptHandle | _OffloadedHandle:
@@ -211,7 +229,7 @@ class OffloadHandler:
         buf = entry.device_buf
         assert buf is not None
         self._before_use(entry)
-        out = torch.empty(0, dtype=h.dtype, device=buf.device).set_(buf.untyped_storage(), h.offset, h.size, h.stride)
+        out = h.view_of(buf)
         entry.unpacked += 1
         if entry.unpacked % entry.handles == 0:  # every view restored: drop our reference
             entry.device_buf = None

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from fsdp_offload_cfg.offload.filter import ParamStorages
+
 
 class ByteGauge:
     """A current/peak pair of byte counts."""
@@ -78,24 +80,6 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def param_storage_ptrs(module: nn.Module) -> set[int]:
-    """Storage addresses of `module`'s parameters and buffers (local shards for DTensors).
-
-    Read at call time on purpose: FSDP re-allocates unsharded parameters at every unshard, so a
-    set gathered once at setup would miss them.
-    """
-    ptrs: set[int] = set()
-    for t in (*module.parameters(), *module.buffers()):
-        local = getattr(t, "_local_tensor", t)
-        try:
-            ptr = local.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            continue
-        if ptr:
-            ptrs.add(ptr)
-    return ptrs
-
-
 class _Counted:
     """One kept storage in a meter; subtracts itself when the last saved view dies."""
 
@@ -121,7 +105,7 @@ class SavedBytesMeter(saved_tensors_hooks):
     def __init__(self, model: nn.Module, inner: saved_tensors_hooks | None = None) -> None:
         self.gauge = ByteGauge()
         self._model = model
-        self._params: set[int] = set()
+        self._params = ParamStorages()
         inner_pack: Callable[[torch.Tensor], Any] = inner.pack_hook if inner else (lambda t: t.detach())
         inner_unpack: Callable[[Any], torch.Tensor] = inner.unpack_hook if inner else (lambda p: p)
         # a kept storage stays alive while counted, so its address cannot be reused meanwhile
@@ -147,7 +131,7 @@ class SavedBytesMeter(saved_tensors_hooks):
         super().__init__(pack, unpack)
 
     def __enter__(self) -> SavedBytesMeter:
-        self._params = param_storage_ptrs(self._model)
+        self._params = ParamStorages(self._model)
         super().__enter__()
         return self
 
