@@ -166,12 +166,37 @@ def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if handle.handler is None:  # removed while someone else's wrapper still calls us
             return inner(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # The whole model is being traced into compiled graphs (`model.compile()`). A graph
+            # saves its activations only when it ends, so per-layer groups do not exist inside
+            # it, and our hooks would split it (different kernels, different low bits). Step
+            # aside: the compiled model stays exactly as without offload. Compile per layer
+            # to offload. (Constant under tracing: this branch costs no graph break.)
+            _whole_model_compile_notice()
+            return inner(*args, **kwargs)
         with handler.forward_pass():
             return inner(*args, **kwargs)
 
     bound = types.MethodType(forward, model)
     model.forward = bound
     handle._forward = bound
+
+
+def _whole_model_compile_notice() -> None:
+    """Logged once; dynamo moves the call after the graph (`reorderable_logging_functions`)."""
+    global _noticed_whole_model_compile
+    if not _noticed_whole_model_compile:
+        _noticed_whole_model_compile = True
+        warnings.warn(
+            "activation offload is inactive for a model compiled whole (model.compile() / torch.compile(model)): "
+            "a single compiled graph has no layer boundaries to offload at. Compile each decoder layer "
+            "instead (for layer in model.model.layers: layer.compile()) to combine offload with torch.compile.",
+            stacklevel=2,
+        )
+
+
+_noticed_whole_model_compile = False
+torch._dynamo.config.reorderable_logging_functions.add(_whole_model_compile_notice)
 
 
 def get_offload_handle(model: nn.Module) -> OffloadHandle | None:
