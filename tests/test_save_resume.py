@@ -1,0 +1,210 @@
+"""Save and resume are part of training: on real gloo ranks, through `patch()`, the loader and
+activation offload, as a user's script does it.
+
+- `accelerator.get_state_dict` + `save_pretrained` writes a checkpoint that a plain load reads
+  back equal to the trained weights (DeepseekV3's router bias, Qwen2's tied embeddings), and that
+  the loader reloads exactly;
+- `save_state` / `load_state` (SHARDED_STATE_DICT and FULL_STATE_DICT) resume to the losses of an
+  uninterrupted run, bit for bit;
+- the Trainer's `resume_from_checkpoint` likewise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = {
+    "distributed_type": "FSDP",
+    "mixed_precision": "no",
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0},
+    },
+}
+STEPS = 4  # the interrupted runs stop after STEPS // 2 and resume
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from _models import save_deepseek_v3, save_qwen2_tied
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "qwen2_tied": save_qwen2_tied(str(root / "qwen2_tied")),
+        "deepseek_v3": save_deepseek_v3(str(root / "deepseek_v3"), dtype=None),
+    }
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _prepared(accelerator: Any, path: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return accelerator.prepare(model, optimizer)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids = _batch(step, dist.get_rank())
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full_state(accelerator: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained weights as `get_state_dict` gives them (all ranks take part; rank 0 keeps them)."""
+    return {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
+
+
+def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    out = sorted(a.keys() ^ b.keys())
+    return out + [k for k in sorted(a.keys() & b.keys()) if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+
+
+# --------------------------------------------------------------------------------------------
+# get_state_dict + save_pretrained, then a plain load and a loader load
+# --------------------------------------------------------------------------------------------
+
+
+def _export_worker(rank: int, world_size: int, checkpoints: dict[str, str], out_root: str) -> dict[str, Any]:
+    import fsdp_offload_cfg
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    fsdp_offload_cfg.patch(CONFIG)
+    results: dict[str, Any] = {}
+    for name, path in checkpoints.items():
+        accelerator = Accelerator()
+        # accelerate keeps the first model's layer class on its (singleton) plugin
+        accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = None
+        model, optimizer = _prepared(accelerator, path)
+        _train(model, optimizer, range(2))
+        trained = _full_state(accelerator, model)
+        out = os.path.join(out_root, name)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(out, state_dict=trained)
+        accelerator.wait_for_everyone()
+        result: dict[str, Any] = {"offloaded": fsdp_offload_cfg.offload_stats()["offloaded_bytes"]}
+        if rank == 0:
+            with fsdp_offload_cfg.local_loading():
+                plain = AutoModelForCausalLM.from_pretrained(out)
+            plain_state = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+            result["plain_vs_trained"] = _differences(plain_state, trained)
+            result["router_bias"] = sorted(k for k in plain_state if k.endswith("e_score_correction_bias"))
+            result["tied"] = plain.get_output_embeddings().weight is plain.get_input_embeddings().weight
+        reloaded, _ = _prepared(Accelerator(), out)
+        again = _full_state(accelerator, reloaded)
+        if rank == 0:
+            result["loader_vs_trained"] = _differences(again, trained)
+        results[name] = result
+    return results
+
+
+def test_get_state_dict_and_save_pretrained_round_trip(checkpoints: dict[str, str], tmp_path) -> None:
+    results = run_workers(_export_worker, 2, checkpoints, str(tmp_path), timeout=300)
+    rank0 = results[0]
+    for name, result in rank0.items():
+        assert result["plain_vs_trained"] == [], f"{name}: a plain load differs from the trained weights"
+        assert result["loader_vs_trained"] == [], f"{name}: the loader's reload differs from the trained weights"
+    assert rank0["deepseek_v3"]["router_bias"], "the router bias is not in the saved checkpoint"
+    assert rank0["qwen2_tied"]["tied"]
+    assert all(r[name]["offloaded"] > 0 for r in results for name in r), "activation offload was not on"
+
+
+# --------------------------------------------------------------------------------------------
+# save_state / load_state, sharded and full
+# --------------------------------------------------------------------------------------------
+
+
+def _resume_worker(rank: int, world_size: int, path: str, out_root: str) -> dict[str, Any]:
+    import fsdp_offload_cfg
+    from accelerate import Accelerator
+
+    fsdp_offload_cfg.patch(CONFIG)
+    accelerator = Accelerator()
+    model, optimizer = _prepared(accelerator, path)
+    results: dict[str, Any] = {"uninterrupted": _train(model, optimizer, range(STEPS))}
+    for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        accelerator = Accelerator()
+        plugin = accelerator.state.fsdp_plugin  # switched at run time: accelerate keeps stale configs
+        plugin.state_dict_config = plugin.optim_state_dict_config = None  # unless they are cleared
+        plugin.set_state_dict_type(state_dict_type)
+        model, optimizer = _prepared(accelerator, path)
+        first = _train(model, optimizer, range(STEPS // 2))
+        out = os.path.join(out_root, state_dict_type)
+        accelerator.save_state(out)
+        accelerator = Accelerator()  # as a new process would: fresh model, optimizer, Accelerator
+        model, optimizer = _prepared(accelerator, path)
+        accelerator.load_state(out)
+        results[state_dict_type] = first + _train(model, optimizer, range(STEPS // 2, STEPS))
+    return results
+
+
+def test_save_state_and_load_state_resume_bit_for_bit(checkpoints: dict[str, str], tmp_path) -> None:
+    results = run_workers(_resume_worker, 2, checkpoints["qwen2_tied"], str(tmp_path), timeout=300)
+    for rank, result in enumerate(results):
+        for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+            assert result[state_dict_type] == result["uninterrupted"], (rank, state_dict_type, result)
+    assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # the ranks saw different data
+
+
+# --------------------------------------------------------------------------------------------
+# the Trainer's resume_from_checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def _trainer_worker(rank: int, world_size: int, path: str, out_dir: str) -> dict[str, list[float]]:
+    import fsdp_offload_cfg
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    fsdp_offload_cfg.patch()  # no config: the Trainer's fsdp_config becomes the config
+
+    def trainer() -> Trainer:
+        args = TrainingArguments(
+            output_dir=out_dir, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-2,
+            logging_steps=1, save_strategy="steps", save_steps=STEPS // 2, report_to=[], seed=0,
+            fsdp=True,
+            fsdp_config={"version": 2, "cpu_ram_efficient_loading": True, "state_dict_type": "SHARDED_STATE_DICT",
+                         "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0}},
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 97, (4 * STEPS, 12), generator=g)]
+        return Trainer(model=AutoModelForCausalLM.from_pretrained(path), args=args, train_dataset=data)
+
+    def losses(t: Trainer) -> list[float]:
+        return [entry["loss"] for entry in t.state.log_history if "loss" in entry]
+
+    uninterrupted = trainer()
+    uninterrupted.train()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{STEPS // 2}"))
+    return {"uninterrupted": losses(uninterrupted), "resumed": losses(resumed)}
+
+
+def test_trainer_resume_from_checkpoint_bit_for_bit(checkpoints: dict[str, str], tmp_path) -> None:
+    results = run_workers(_trainer_worker, 2, checkpoints["qwen2_tied"], str(tmp_path), timeout=300)
+    for rank, result in enumerate(results):
+        full = result["uninterrupted"]
+        assert len(full) == STEPS, result
+        assert result["resumed"][-(STEPS // 2) :] == full[STEPS // 2 :], (rank, result)
