@@ -88,9 +88,10 @@ def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list
 
 
 def _export_worker(rank: int, world_size: int, checkpoints: dict[str, str], out_root: str) -> dict[str, Any]:
-    import fsdp_offload_cfg
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
 
     fsdp_offload_cfg.patch(CONFIG)
     results: dict[str, Any] = {}
@@ -138,8 +139,9 @@ def test_get_state_dict_and_save_pretrained_round_trip(checkpoints: dict[str, st
 
 
 def _resume_worker(rank: int, world_size: int, path: str, out_root: str) -> dict[str, Any]:
-    import fsdp_offload_cfg
     from accelerate import Accelerator
+
+    import fsdp_offload_cfg
 
     fsdp_offload_cfg.patch(CONFIG)
     accelerator = Accelerator()
@@ -175,8 +177,9 @@ def test_save_state_and_load_state_resume_bit_for_bit(checkpoints: dict[str, str
 
 
 def _trainer_worker(rank: int, world_size: int, path: str, out_dir: str) -> dict[str, list[float]]:
-    import fsdp_offload_cfg
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import fsdp_offload_cfg
 
     fsdp_offload_cfg.patch()  # no config: the Trainer's fsdp_config becomes the config
 
