@@ -1,8 +1,11 @@
-"""Small object collectives that keep every rank's control flow in step.
+"""Small object collectives that keep every rank's control flow in step, and the store mailbox.
 
-The rule the loader follows: a rank never raises alone. Each step that can fail on some ranks is
-followed by `raise_if_any_failed`, so every rank raises together, naming the cause, instead of
-the healthy ranks waiting in the next collective until the process-group timeout.
+The rule `load_into_sharded` follows: a rank never raises alone. Each step that can fail on some
+ranks is followed by `raise_if_any_failed`, so every rank raises together, naming the cause,
+instead of the healthy ranks waiting in the next collective until the process-group timeout.
+`from_pretrained` makes no collective at all (`Rank0Mailbox`): a load that only some ranks make
+must behave like a plain load on them, and a rank that fails there raises alone, before any
+collective that could leave another rank waiting.
 """
 
 from __future__ import annotations

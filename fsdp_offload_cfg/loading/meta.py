@@ -112,10 +112,11 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
     included, runs transformers' own `from_pretrained` with no weight read (`checkpoint.py`),
     so each holds a meta model that records which safetensors tensor fills which parameter.
 
-    Every rank resolves and validates the checkpoint files itself; a failure on any rank raises
-    on all of them (rank 0's cause first). When the checkpoint cannot be read slice by slice
-    (not safetensors, keys fused or converted on load, ...) all ranks agree to fall back to
-    `rank0_from_pretrained` and rank 0 logs one warning saying why.
+    Every rank resolves and validates the checkpoint files itself and raises its own error (no
+    collective: a load that only some ranks make must not wait on the others). When the
+    checkpoint cannot be read slice by slice (not safetensors, keys fused or converted on load,
+    ...) every rank sees the same files and falls back to `rank0_from_pretrained` alike; rank 0
+    logs one warning saying why.
     """
     if not distributed_ready() or _inside():
         return _call(original_from_pretrained, cls, *args, **kwargs)
