@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -217,8 +218,6 @@ def _apply(cfg: FSDPOffloadConfig, source: str, wanted: list[Patch]) -> PatchSes
 
 def accelerator_state_exists() -> bool:
     """An `Accelerator` (accelerate's shared `AcceleratorState`) was built in this process."""
-    import sys
-
     state = sys.modules.get("accelerate.state")
     return state is not None and bool(state.AcceleratorState._shared_state)
 

@@ -7,6 +7,7 @@ behaviour would change (restored storage identity, exact strides, counters, grad
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -139,20 +140,24 @@ def test_aliases_are_offloaded_once_and_restored_exactly() -> None:
         assert torch.equal(r, o)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_dtype_and_values_are_preserved(dtype: torch.dtype) -> None:
+def _saved_and_restored(make: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block 0 saves `make(y)` through Probe; returns (what it saved, what backward got back)."""
     keep: list[torch.Tensor] = []
 
     def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
-        t = (y * 1.5).to(dtype)
-        keep.append(t)
-        return [t]
+        keep.append(make(y))
+        return keep[-1:]
 
     net = Net(n=3, extra=extra)
     enable_activation_offload(net, ON, layer_classes=[Block])
     _run_net(net, torch.randn(32, 32))
-    r = _by_block(3)[0][0]
-    assert r.dtype == dtype and r.data_ptr() != keep[0].data_ptr() and torch.equal(r, keep[0])
+    return keep[0], _by_block(3)[0][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_dtype_and_values_are_preserved(dtype: torch.dtype) -> None:
+    saved, r = _saved_and_restored(lambda y: (y * 1.5).to(dtype))
+    assert r.dtype == dtype and r.data_ptr() != saved.data_ptr() and torch.equal(r, saved)
 
 
 def test_bf16_llama_grads_are_bit_identical() -> None:
@@ -513,19 +518,10 @@ def test_negative_and_conjugate_views_restore_with_their_bits(view: str) -> None
 
 
 def test_a_negative_view_saved_through_probe_comes_back_negative() -> None:
-    keep: list[torch.Tensor] = []
-
-    def extra(block: nn.Module, y: torch.Tensor) -> list[torch.Tensor]:
-        t = torch.complex(y * 1.0, y * 2.0).conj().imag  # values -2y, stored as +2y with the negative bit
-        keep.append(t)
-        return [t]
-
-    net = Net(n=3, extra=extra)
-    enable_activation_offload(net, ON, layer_classes=[Block])
-    _run_net(net, torch.randn(16, 32))
-    restored = _by_block(3)[0][0]
-    assert restored.data_ptr() != keep[0].data_ptr()  # offloaded and restored, not kept
-    assert restored.is_neg() and torch.equal(restored, keep[0])
+    # values -2y, stored as +2y with the negative bit
+    saved, restored = _saved_and_restored(lambda y: torch.complex(y * 1.0, y * 2.0).conj().imag)
+    assert saved.is_neg() and restored.data_ptr() != saved.data_ptr()  # offloaded and restored, not kept
+    assert restored.is_neg() and torch.equal(restored, saved)
 
 
 # ---------------------------------------------------------------- torch.compile (inductor on the CPU)

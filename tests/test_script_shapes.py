@@ -127,7 +127,7 @@ def test_a_load_that_rank_0_skips_raises_naming_the_checkpoint_and_local_loading
 
 
 def _unprepared_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     import fsdp_offload_cfg
 
@@ -139,13 +139,17 @@ def _unprepared_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
         out["unprepared"] = "no error"
     except RuntimeError as exc:
         out["unprepared"] = str(exc)
+    torch.manual_seed(0)  # the classifier head is not in the checkpoint: every rank draws it alike
     with fsdp_offload_cfg.local_loading():
         local = AutoModelForCausalLM.from_pretrained(path)
-    out["local_meta"] = sum(t.is_meta for t in local.state_dict().values())
-    logits = local(IDS).logits
-    gathered = [torch.empty_like(logits) for _ in range(world_size)]
-    dist.all_gather(gathered, logits)
-    out["local_same_on_every_rank"] = all(torch.equal(g, gathered[0]) for g in gathered)
+        # a key missing from the checkpoint: transformers' own FSDP gate would leave it
+        # uninitialised on ranks other than local rank 0, unless local_loading() turns it off
+        classifier = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)
+    out["local_meta"] = sum(t.is_meta for m in (local, classifier) for t in m.state_dict().values())
+    for name, outputs in [("local", local(IDS).logits), ("classifier", classifier(IDS).logits)]:
+        gathered = [torch.empty_like(outputs) for _ in range(world_size)]
+        dist.all_gather(gathered, outputs)
+        out[f"{name}_same_on_every_rank"] = all(torch.equal(g, gathered[0]) for g in gathered)
     return out
 
 
@@ -156,7 +160,7 @@ def test_an_unprepared_model_refuses_its_forward_and_local_loading_gives_a_full_
     assert "still on the meta device on rank 1" in message, message
     assert "prepare" in message and "local_loading()" in message and llama in message
     for out in (rank0, rank1):
-        assert out["local_meta"] == 0 and out["local_same_on_every_rank"]
+        assert out["local_meta"] == 0 and out["local_same_on_every_rank"] and out["classifier_same_on_every_rank"]
 
 
 # --------------------------------------------------------------------------------------------

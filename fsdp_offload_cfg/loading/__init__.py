@@ -5,26 +5,33 @@
 - `sharded_from_pretrained`: the `from_pretrained` patch body for strategy "sharded" (every rank
   builds on meta and records where each tensor is in the safetensors files).
 - `load_into_sharded`: the prepare step (capture, meta, `fully_shard`, materialise, fill).
+- `local_loading`: the stock loaders for the loads inside the block (`local.py`).
 See docs/loading.md.
+
+The names are imported on first use: `import fsdp_offload_cfg` (the CLI, `local_loading`) must
+not pay for torch.distributed.tensor and transformers' loading internals.
 """
 
-from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR
-from fsdp_offload_cfg.loading.meta import (
-    SOURCE_ATTR,
-    is_rank0_source,
-    rank0_from_config,
-    rank0_from_pretrained,
-    sharded_from_pretrained,
-)
-from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES, load_into_sharded
+from __future__ import annotations
 
-__all__ = [
-    "CHECKPOINT_ATTR",
-    "DEFAULT_BUCKET_BYTES",
-    "SOURCE_ATTR",
-    "is_rank0_source",
-    "load_into_sharded",
-    "rank0_from_config",
-    "rank0_from_pretrained",
-    "sharded_from_pretrained",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CHECKPOINT_ATTR": "checkpoint",
+    "DEFAULT_BUCKET_BYTES": "prepare",
+    "SOURCE_ATTR": "meta",
+    "is_rank0_source": "meta",
+    "load_into_sharded": "prepare",
+    "local_loading": "local",
+    "rank0_from_config": "meta",
+    "rank0_from_pretrained": "meta",
+    "sharded_from_pretrained": "meta",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

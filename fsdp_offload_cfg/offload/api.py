@@ -159,6 +159,10 @@ def _make_handler(model: nn.Module, config: ActivationOffloadConfig, n_groups: i
 
 
 def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
+    import torch._dynamo  # here, not at import: `import fsdp_offload_cfg` stays light
+
+    # traced, the notice would break the graph; registered, dynamo calls it after the graph
+    torch._dynamo.config.reorderable_logging_functions.add(_whole_model_compile_notice)
     model = handle.model
     handle._previous_forward = model.__dict__.get("forward")
     inner = model.forward
@@ -196,7 +200,6 @@ def _whole_model_compile_notice() -> None:
 
 
 _noticed_whole_model_compile = False
-torch._dynamo.config.reorderable_logging_functions.add(_whole_model_compile_notice)
 
 
 def get_offload_handle(model: nn.Module) -> OffloadHandle | None:
