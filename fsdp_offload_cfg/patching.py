@@ -31,8 +31,8 @@ logger = get_logger("fsdp_offload_cfg.patching")
 # release: patched internals (`fsdp2_prepare_model`, `AcceleratorState.__init__`) may change there.
 SUPPORTED_VERSIONS: dict[str, tuple[str, str]] = {
     "torch": ("2.6", "3"),
-    "accelerate": ("1.15.0", "2"),
-    "transformers": ("5.23.0", "6"),
+    "accelerate": ("1.10", "2"),
+    "transformers": ("4.57", "6"),
 }
 
 

@@ -29,6 +29,7 @@ from jsonschema.exceptions import ValidationError
 SCHEMA_FILE = "fsdp_config.schema.json"
 _PREFIXED_KEY = re.compile(r"^\^\(fsdp_\)\?(\w+)\$$")  # "^(fsdp_)?offload_params$"
 _DIGITS = re.compile(r"[0-9]+")
+_INTEGRAL_FLOAT = re.compile(r"[0-9]+\.0*")
 
 KeyPath = tuple[Any, ...]
 
@@ -108,6 +109,8 @@ def coerce(value: Any, node: dict[str, Any]) -> Any:
             return value.lower() == "true"
         if node.get("type") == "integer" and _DIGITS.fullmatch(value.strip()):
             return int(value.strip())
+        if node.get("type") == "integer" and _INTEGRAL_FLOAT.fullmatch(value.strip()):
+            return int(float(value.strip()))  # accelerate 1.10 exports FSDP_MIN_NUM_PARAMS as "100000000.0"
         for candidate in (value.upper(), value.lower()):
             if candidate != value and candidate in node.get("enum", ()):
                 return candidate

@@ -20,7 +20,7 @@ from transformers import (
     LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
-    PreTrainedConfig,
+    PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -111,7 +111,7 @@ def save_llava(path: str) -> str:
     return _save(LlavaForConditionalGeneration(config), path)
 
 
-class TinyBufferConfig(PreTrainedConfig):
+class TinyBufferConfig(PretrainedConfig):
     model_type = "tiny_buffer_test"
 
     def __init__(self, hidden_size: int = 24, vocab_size: int = 31, **kwargs):

@@ -583,6 +583,15 @@ def test_env_fsdp1_and_plugin_variables():
     assert config.load_strategy == "sharded"
 
 
+def test_env_integral_float_from_older_accelerate_is_an_integer():
+    """accelerate 1.10 exports `FSDP_MIN_NUM_PARAMS` as "100000000.0"; a fraction is still refused."""
+    base = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}
+    config = config_from_env({**base, "FSDP_MIN_NUM_PARAMS": "100000000.0"})
+    assert config is not None and config.min_num_params == 100_000_000
+    with pytest.raises(ConfigError, match="FSDP_MIN_NUM_PARAMS"):
+        config_from_env({**base, "FSDP_MIN_NUM_PARAMS": "1000.5"})
+
+
 def test_env_problems_name_the_variable():
     with pytest.raises(ConfigError) as info:
         config_from_env({"ACCELERATE_USE_FSDP": "1", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "maybe",
@@ -645,7 +654,10 @@ def test_schema_enums_match_accelerate():
     assert schema.enum_names("backward_prefetch") == constants.FSDP_BACKWARD_PREFETCH
     assert schema.enum_names("state_dict_type") == constants.FSDP_STATE_DICT_TYPE
     launch = schema.definition("launch")["properties"]
-    assert launch["distributed_type"]["enum"] == [t.value for t in DistributedType]
+    # The schema follows the newest accelerate; an older one lacks the types added since.
+    installed = [t.value for t in DistributedType]
+    assert [t for t in launch["distributed_type"]["enum"] if t in installed] == installed
+    assert set(launch["distributed_type"]["enum"]) - set(installed) <= {"MULTI_NEURON"}
     assert launch["mixed_precision"]["enum"] == [p.value for p in PrecisionType]
 
 
@@ -663,7 +675,8 @@ def test_schema_covers_every_fsdp_key_accelerate_and_transformers_read():
     from fsdp_offload_cfg.config import ENV_VARS
 
     assert {f"FSDP_{name}" for name in exported} <= set(ENV_VARS)
-    trainer = inspect.getsource(training_args.TrainingArguments._process_fsdp_args)
+    args_cls = training_args.TrainingArguments  # transformers 4.x reads fsdp_config in __post_init__
+    trainer = inspect.getsource(getattr(args_cls, "_process_fsdp_args", args_cls.__post_init__))
     read = set(re.findall(r'self\.fsdp_config(?:\.get\(|\[)"(\w+)"', trainer))
     assert read and read <= keys
 

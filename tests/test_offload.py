@@ -230,7 +230,11 @@ def test_requires_grad_and_grad_fn_semantics_match() -> None:
 
 # ---------------------------------------------------------------- composition
 def _hf_ckpt(m: nn.Module) -> nn.Module:
-    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    """HF checkpointing: `activation_checkpointing_enable` from transformers 5.23 on, the older name before."""
+    if hasattr(m, "activation_checkpointing_enable"):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return m
 
 

@@ -19,14 +19,41 @@ from contextlib import contextmanager
 # Loads can come from any thread, and the environment variable is process-wide anyway: count
 # open blocks per process, under a lock, and restore the variable when the last one closes.
 _lock = threading.Lock()
-_depth = 0
+_user_depth = 0  # open `local_loading()` blocks: the loader patches call the originals
+_gate_depth = 0  # open blocks of either kind: transformers' FSDP gate is off
 _saved_env: str | None = None
 _GATE = "FSDP_CPU_RAM_EFFICIENT_LOADING"
 
 
 def local_loading_active() -> bool:
     """True inside a `local_loading()` block (the loader patches then call the originals)."""
-    return _depth > 0
+    return _user_depth > 0
+
+
+@contextmanager
+def transformers_fsdp_gate_off() -> Iterator[None]:
+    """transformers loads as on a single process: no rank treats itself as "not local rank 0".
+
+    Used by `local_loading()` and by the sharded loader's meta load, where every rank must come
+    out of `from_pretrained` like rank 0 (transformers 4.57 keeps missing keys on meta elsewhere,
+    5.9-5.22 fill every tensor with `zeros_like` there: transformers #45649).
+    """
+    global _gate_depth, _saved_env
+    with _lock:
+        if _gate_depth == 0:
+            _saved_env = os.environ.get(_GATE)
+            os.environ[_GATE] = "false"
+        _gate_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _gate_depth -= 1
+            if _gate_depth == 0:
+                if _saved_env is None:
+                    os.environ.pop(_GATE, None)
+                else:
+                    os.environ[_GATE] = _saved_env
 
 
 @contextmanager
@@ -38,19 +65,12 @@ def local_loading() -> Iterator[None]:
         with fsdp_offload_cfg.local_loading():
             teacher = AutoModelForCausalLM.from_pretrained(path)
     """
-    global _depth, _saved_env
+    global _user_depth
     with _lock:
-        if _depth == 0:
-            _saved_env = os.environ.get(_GATE)
-            os.environ[_GATE] = "false"
-        _depth += 1
+        _user_depth += 1
     try:
-        yield
+        with transformers_fsdp_gate_off():
+            yield
     finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0:
-                if _saved_env is None:
-                    os.environ.pop(_GATE, None)
-                else:
-                    os.environ[_GATE] = _saved_env
+            _user_depth -= 1

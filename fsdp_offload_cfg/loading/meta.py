@@ -35,8 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_offload_cfg.compat import model_init
 from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import NeedsBroadcast, meta_from_pretrained
+from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
@@ -128,7 +130,7 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
     def meta_load() -> Any:
         return meta_from_pretrained(lambda: _call(original_from_pretrained, cls, *args, **plain_kwargs))
 
-    with _nested():
+    with _nested(), transformers_fsdp_gate_off():  # every rank loads like rank 0, reading nothing
         result, error = attempt(meta_load)
     if isinstance(error, NeedsBroadcast):  # every rank sees the same files and decides alike
         if dist.get_rank() == 0:
@@ -153,9 +155,7 @@ def rank0_from_config(original_from_config: Callable[..., Any], cls: type, confi
         return _call(original_from_config, cls, config, **kwargs)
 
     def build(built: _Rank0Built) -> nn.Module:
-        from transformers import initialization
-
-        with torch.device("meta"), initialization.meta_device_safe_creation_ops():
+        with model_init.meta_safe_creation():
             model = _call(original_from_config, cls, config, **kwargs)
         return _conform(model, built)
 
@@ -240,14 +240,10 @@ def _build_on_meta(
 ) -> nn.Module:
     """Construct `cls` on meta the way `from_pretrained` does (same init contexts: meta device,
     default dtype, no tying during `__init__`), from rank 0's final config."""
-    from transformers.monkey_patching import patch_output_recorders
-    from transformers.utils import ContextManagers
-
     dtype = built.config.dtype if isinstance(built.config.dtype, torch.dtype) else torch.float32
-    contexts = cls.get_init_context(dtype, False, False, allow_all_kernels)
-    with ContextManagers(contexts):
+    with model_init.meta_init(cls, dtype, allow_all_kernels):
         model = cls(copy.deepcopy(built.config), *model_args, **init_kwargs)
-        patch_output_recorders(model)
+        model_init.after_init(model)
     model = _conform(model, built)
     model.eval()  # from_pretrained returns the model in eval mode
     return model
@@ -267,10 +263,8 @@ def _conform(model: nn.Module, built: _Rank0Built) -> nn.Module:
 def _model_init_kwargs(original: Callable[..., Any], kwargs: dict[str, Any], config: Any) -> dict[str, Any]:
     """The kwargs `from_pretrained` would hand to the model's `__init__`: neither loading options
     nor (when the config was read from the checkpoint) config attributes."""
-    from transformers import PreTrainedConfig
-
     named = set(inspect.signature(getattr(original, "__func__", original)).parameters)
-    config_given = isinstance(kwargs.get("config"), PreTrainedConfig)
+    config_given = model_init.is_config(kwargs.get("config"))
     return {
         k: v
         for k, v in kwargs.items()

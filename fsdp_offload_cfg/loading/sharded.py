@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
-from fsdp_offload_cfg.loading.checkpoint import FileTensor, record_of
+from fsdp_offload_cfg.loading.checkpoint import record_of
+from fsdp_offload_cfg.loading.safetensors_index import FileTensor
 from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
 

@@ -1,0 +1,206 @@
+"""Which transformers functions read checkpoint data in `from_pretrained`, and their no-read twins.
+
+`load_strategy: sharded` runs transformers' own `from_pretrained` on every rank (config, dtype,
+renames, missing keys, ties and non-persistent buffers stay transformers' behaviour) with the
+functions that read weight bytes swapped, for the duration of the call only, by twins that put an
+empty meta tensor where the data would go and record which file tensor fills which model tensor
+(`Capture.keymap`). Where those functions are depends on the transformers generation:
+
+- 5.x (`core_model_loading`): `_get_resolved_checkpoint_files`, `convert_and_load_state_dict_in_model`
+  (keys mapped with transformers' own `rename_source_key`; a `WeightConverter` means the data is
+  transformed whole: `NeedsBroadcast`), `spawn_materialize` (an empty meta tensor of the cast dtype);
+- 4.x: `_get_resolved_checkpoint_files` and `load_shard_file` (keys already renamed by
+  `_get_key_renaming_mapping`; dtype from `_infer_parameter_dtype`, as its own loader casts).
+
+`swap_targets()` names them so that `patch()` checks they exist before it changes anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_offload_cfg.loading.safetensors_index import DTYPES, FileTensor, NeedsBroadcast, read_headers
+
+
+@dataclass
+class Capture:
+    files: list[str] | None = None
+    keymap: dict[str, FileTensor] | None = None  # model state-dict name -> checkpoint tensor
+
+
+def _has_core_model_loading() -> bool:
+    try:
+        import transformers.core_model_loading  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def swap_targets() -> list[tuple[str, str]]:
+    """(module, attribute) of every function `no_read_loading` swaps on the installed transformers."""
+    if _has_core_model_loading():
+        return [
+            ("transformers.modeling_utils", "_get_resolved_checkpoint_files"),
+            ("transformers.modeling_utils", "convert_and_load_state_dict_in_model"),
+            ("transformers.core_model_loading", "spawn_materialize"),
+        ]
+    return [
+        ("transformers.modeling_utils", "_get_resolved_checkpoint_files"),
+        ("transformers.modeling_utils", "load_shard_file"),
+        ("transformers.modeling_utils", "_infer_parameter_dtype"),
+        ("transformers.modeling_utils", "_load_parameter_into_model"),
+    ]
+
+
+@contextmanager
+def no_read_loading(capture: Capture) -> Iterator[None]:
+    """Within this context, `from_pretrained` reads headers only and fills `capture`."""
+    import transformers.modeling_utils as mu
+
+    swaps: dict[tuple[Any, str], Any] = {(mu, "_get_resolved_checkpoint_files"): _resolve(mu, capture)}
+    if _has_core_model_loading():
+        import transformers.core_model_loading as core
+
+        swaps[(mu, "convert_and_load_state_dict_in_model")] = _convert_5x(mu, capture)
+        swaps[(core, "spawn_materialize")] = _spawn_5x
+    else:
+        swaps[(mu, "load_shard_file")] = _load_shard_file_4x(mu, capture)
+    originals = {(owner, name): getattr(owner, name) for owner, name in swaps}
+    for (owner, name), replacement in swaps.items():
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+
+
+def _resolve(mu: Any, capture: Capture) -> Callable[..., Any]:
+    original = mu._get_resolved_checkpoint_files
+
+    def resolve(*args: Any, **kwargs: Any) -> Any:
+        files, metadata = original(*args, **kwargs)
+        if not files:
+            raise NeedsBroadcast("the weights are not in checkpoint files (e.g. passed as state_dict)")
+        others = [os.path.basename(f) for f in files if not str(f).endswith(".safetensors")]
+        if others:
+            raise NeedsBroadcast(f"checkpoint files are not safetensors ({', '.join(others[:3])})")
+        capture.files = files  # the same list: from_pretrained may still append extra files to it
+        return files, metadata
+
+    return resolve
+
+
+def _check_first_state_dict(capture: Capture) -> None:
+    if capture.keymap is not None:
+        raise NeedsBroadcast("more than one state dict is loaded (e.g. a PEFT adapter checkpoint)")
+    if capture.files is None:
+        raise NeedsBroadcast("the weights are not in safetensors checkpoint files")
+
+
+# ---- transformers 5.x -------------------------------------------------------------------------
+
+
+def _convert_5x(mu: Any, capture: Capture) -> Callable[..., Any]:
+    original = mu.convert_and_load_state_dict_in_model
+
+    def convert(model: nn.Module, state_dict: dict[str, Any], load_config: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_first_state_dict(capture)
+        if getattr(load_config, "hf_quantizer", None) is not None:
+            raise NeedsBroadcast("the checkpoint is quantized")
+        keymap = map_keys_5x(model, state_dict, load_config.weight_mapping or [], capture.files)
+        result = original(model, state_dict, load_config, *args, **kwargs)
+        info = result[0]
+        loaded = set(model.state_dict()) - set(info.missing_keys) - {k[0] for k in info.mismatched_keys}
+        if loaded != set(keymap):
+            diff = sorted(loaded ^ set(keymap))[:5]
+            raise NeedsBroadcast(f"transformers mapped checkpoint keys differently from a 1:1 rename ({diff})")
+        capture.keymap = keymap
+        return result
+
+    return convert
+
+
+def _spawn_5x(thread_pool: Any, tensor: Any, device: Any = None, dtype: Any = None, **kwargs: Any) -> Callable:
+    if isinstance(tensor, torch.Tensor):
+        raise NeedsBroadcast("the checkpoint yields in-memory tensors, not safetensors slices")
+    empty = torch.empty(tuple(tensor.get_shape()), dtype=dtype or DTYPES[tensor.get_dtype()], device="meta")
+    return lambda: empty
+
+
+def map_keys_5x(
+    model: nn.Module, state_dict: dict[str, Any], weight_mapping: list[Any], files: list[str]
+) -> dict[str, FileTensor]:
+    """Model state-dict name -> checkpoint tensor, computed the way transformers renames keys
+    (`rename_source_key`, with the model's `base_model_prefix`), or `NeedsBroadcast` when a key
+    is converted rather than renamed, changes shape, or two keys land on one tensor."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    where = read_headers(files)
+    mapping = copy.deepcopy(weight_mapping)  # transforms keep state (e.g. "was used"): leave theirs alone
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None)
+    expected = model.state_dict()
+    keymap: dict[str, FileTensor] = {}
+    for key in sorted(state_dict, key=dot_natural_key):
+        name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if name not in expected and key in expected:
+            name, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=expected)
+        if name not in expected:
+            continue  # unexpected: transformers reports and ignores it
+        if pattern is not None:
+            raise NeedsBroadcast(f"checkpoint key {key!r} is converted on load (pattern {pattern!r} -> {name!r})")
+        _add(keymap, name, key, where, tuple(expected[name].shape))
+    return keymap
+
+
+def _add(keymap: dict[str, FileTensor], name: str, key: str, where: dict[str, FileTensor], shape: tuple) -> None:
+    if key not in where:
+        raise NeedsBroadcast(f"checkpoint key {key!r} is not in the safetensors headers")
+    if name in keymap:
+        raise NeedsBroadcast(f"checkpoint keys {keymap[name].key!r} and {key!r} both map to {name!r}")
+    if where[key].shape != shape:
+        raise NeedsBroadcast(f"{key!r} has shape {list(where[key].shape)}, the model {list(shape)}")
+    keymap[name] = where[key]
+
+
+# ---- transformers 4.x -------------------------------------------------------------------------
+
+
+def _load_shard_file_4x(mu: Any, capture: Capture) -> Callable[..., Any]:
+    """Twin of 4.x `load_shard_file(args)`: the same tuple in, `(error_msgs, disk_offload_index)` out."""
+
+    def load_shard_file(args: tuple) -> tuple[list[str], Any]:
+        shard_file, state_dict, _, is_quantized, device_map, _, renaming, _, model, _, _, offload_index, fp32_regex = args[:13]
+        if state_dict is not None or not str(shard_file).endswith(".safetensors"):
+            raise NeedsBroadcast("the weights are not in safetensors checkpoint files")
+        if is_quantized:
+            raise NeedsBroadcast("the checkpoint is quantized")
+        if device_map is not None and "disk" in device_map.values():
+            raise NeedsBroadcast("device_map offloads weights to disk")
+        if capture.files is None:
+            raise NeedsBroadcast("the weights are not in safetensors checkpoint files")
+        keymap = capture.keymap if capture.keymap is not None else {}
+        where = read_headers([shard_file])
+        for key in sorted(where):
+            name = renaming.get(key)
+            if name is None:
+                continue  # unexpected or mismatched: transformers reports and ignores it
+            current = model.get_parameter_or_buffer(name)
+            _add(keymap, name, key, where, tuple(current.shape))
+            stored = torch.empty(where[key].shape, dtype=where[key].dtype, device="meta")
+            _, cast = mu._infer_parameter_dtype(model, name, stored, fp32_regex, None)
+            mu._load_parameter_into_model(model, name, stored if cast is None else stored.to(cast))
+        capture.keymap = keymap
+        return [], offload_index
+
+    return load_shard_file

@@ -1,0 +1,82 @@
+"""How transformers builds a model skeleton on `meta`, across transformers 4.57 to 5.x.
+
+transformers 5 has `PreTrainedModel.get_init_context(dtype, is_quantized, ds_init_called,
+allow_all_kernels)` (dtype, `no_tie_weights`, meta device, meta-safe creation ops) and patches
+output recorders after `__init__`. transformers 4.57 has `get_init_context(is_quantized,
+ds_init_called)` (`no_init_weights` + `init_empty_weights`: parameters on meta, buffers on the
+CPU) and sets the default dtype around the call instead. The loader rebuilds every tensor on meta
+from rank 0's spec afterwards, so both end in the same place.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def config_base_class() -> type:
+    """`PretrainedConfig` (4.x name; 5.x keeps it as an alias of `PreTrainedConfig`)."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig
+
+
+def _new_init_context_signature(cls: type) -> bool:
+    return "dtype" in inspect.signature(cls.get_init_context).parameters
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@contextmanager
+def meta_init(cls: type, dtype: torch.dtype, allow_all_kernels: bool = False) -> Iterator[None]:
+    """The contexts `cls.from_pretrained` constructs its model under (no weight init, meta)."""
+    from transformers.utils import ContextManagers
+
+    if _new_init_context_signature(cls):
+        contexts = cls.get_init_context(dtype, False, False, allow_all_kernels)
+    else:
+        contexts = [_default_dtype(dtype), *cls.get_init_context(False, False)]
+    with ContextManagers(contexts):
+        yield
+
+
+def after_init(model: nn.Module) -> None:
+    """What `from_pretrained` does right after `__init__` (5.x: patch output recorders)."""
+    try:
+        from transformers.monkey_patching import patch_output_recorders
+    except ImportError:  # transformers 4.x: nothing to do
+        return
+    patch_output_recorders(model)
+
+
+@contextmanager
+def meta_safe_creation() -> Iterator[None]:
+    """Meta device for `_from_config`, with transformers' meta-safe creation ops where it has them
+    (5.x: `torch.linspace` etc. stay on the CPU so `__init__` can call `.item()`)."""
+    try:
+        from transformers.initialization import meta_device_safe_creation_ops
+    except ImportError:
+        meta_device_safe_creation_ops = None
+    with torch.device("meta"):
+        if meta_device_safe_creation_ops is None:
+            yield
+        else:
+            with meta_device_safe_creation_ops():
+                yield
+
+
+def is_config(value: Any) -> bool:
+    return isinstance(value, config_base_class())

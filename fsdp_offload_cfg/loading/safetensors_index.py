@@ -1,0 +1,69 @@
+"""Where each tensor's bytes are in a safetensors file, read from its header alone.
+
+Kept free of transformers so that both the loader and the per-version interception code
+(`compat.checkpoint_reading`) can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, `Dtype`)
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}  # fmt: skip
+
+
+class NeedsBroadcast(Exception):
+    """The checkpoint cannot be read slice by slice; `reason` says why (one line)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """Where one tensor's bytes are: `offset` is absolute in the file, row-major, `dtype` as stored."""
+
+    path: str
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+def read_header(path: str) -> dict[str, FileTensor]:
+    """Every tensor of one safetensors file; raises if the file is shorter than its header says
+    (a truncated download), naming the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise OSError(f"{path}: truncated or not a safetensors file (header of {n} bytes, file of {size})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    out = {}
+    for key, entry in header.items():
+        begin, end = entry["data_offsets"]
+        if 8 + n + end > size:
+            raise OSError(f"{path}: truncated ({size} bytes, tensor {key!r} ends at {8 + n + end})")
+        if entry["dtype"] not in DTYPES:
+            raise NeedsBroadcast(f"{key!r} has safetensors dtype {entry['dtype']}, which this reader does not know")
+        out[key] = FileTensor(path, key, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + n + begin)
+    return out
+
+
+def read_headers(files: list[str]) -> dict[str, FileTensor]:
+    where: dict[str, FileTensor] = {}
+    for path in files:
+        where.update(read_header(path))
+    return where
