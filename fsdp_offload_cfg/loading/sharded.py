@@ -33,8 +33,8 @@ from torch import nn
 
 from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
 from fsdp_offload_cfg.loading.checkpoint import record_of
-from fsdp_offload_cfg.loading.safetensors_index import FileTensor
 from fsdp_offload_cfg.loading.layout import Region, Target
+from fsdp_offload_cfg.loading.safetensors_index import FileTensor
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
