@@ -198,10 +198,23 @@ def ensure_process_group() -> None:
         PartialState()
 
 
+_RAM_EFFICIENT_SWITCH = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+
+
+def ram_efficient_switch_on() -> bool:
+    """accelerate's run-time switch, `disable_fsdp_ram_efficient_loading()` /
+    `enable_fsdp_ram_efficient_loading()`: they set this variable, which transformers' own gate
+    and a plugin built afterwards read. Unset means the config decides."""
+    value = os.environ.get(_RAM_EFFICIENT_SWITCH)
+    return value is None or value.strip().lower() in ("1", "true", "yes", "y", "on")
+
+
 def _rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
     from fsdp_offload_cfg.loading.local import local_loading_active
 
-    return loader_enabled(cfg) and launched_distributed() and not local_loading_active()
+    return (
+        loader_enabled(cfg) and launched_distributed() and ram_efficient_switch_on() and not local_loading_active()
+    )
 
 
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -255,7 +268,7 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
         plugin = accelerator.state.fsdp_plugin
         if isinstance(model, FSDPModule):
             return original(accelerator, model)
-        if plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading:
+        if _fill_through_loader(model, plugin, cfg):
             from fsdp_offload_cfg.loading import load_into_sharded
 
             def shard(m: torch.nn.Module) -> torch.nn.Module:
@@ -275,6 +288,23 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
         return model
 
     return fsdp2_prepare_model
+
+
+def _fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:
+    """Shard and fill `model` with `load_into_sharded` (else accelerate's own prepare)?
+
+    Yes for a model the loader built (on meta on some ranks: only the loader can fill it, whatever
+    the switches say now), and for any model when both the plugin and the config ask for
+    RAM-efficient loading (it also keeps persistent buffers, which accelerate's path crashes on).
+    One decision for all ranks: it is followed by collectives on one path or the other.
+    """
+    from fsdp_offload_cfg.loading import is_rank0_source
+    from fsdp_offload_cfg.loading._sync import any_rank, distributed_ready
+
+    wanted = any(is_rank0_source(m) for m in model.modules()) or bool(
+        plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading
+    )
+    return any_rank(wanted) if distributed_ready() else wanted
 
 
 def _enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
@@ -363,6 +393,15 @@ def _fsdp2_prepare_needed(cfg: FSDPOffloadConfig) -> bool:
     )
 
 
+def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
+    """The transformers functions `load_strategy: sharded` swaps while `from_pretrained` runs."""
+    if cfg.load_strategy != "sharded":
+        return []
+    from fsdp_offload_cfg.compat.checkpoint_reading import swap_targets
+
+    return swap_targets()
+
+
 def _patches() -> list[Any]:
     from fsdp_offload_cfg.patching import Patch
 
@@ -376,7 +415,8 @@ def _patches() -> list[Any]:
               "promote MULTI_CPU to FSDP so accelerate runs FSDP2 on the CPU"),
         Patch("rank0-from-pretrained", "transformers.modeling_utils", "PreTrainedModel.from_pretrained",
               build_from_pretrained, loader_enabled, tf,
-              "rank 0 reads the checkpoint (or, sharded: every rank reads its own slices); others build on meta"),
+              "rank 0 reads the checkpoint (or, sharded: every rank reads its own slices); others build on meta",
+              swaps=_sharded_read_swaps),
         Patch("rank0-from-config", "transformers.modeling_utils", "PreTrainedModel._from_config",
               build_from_config, loader_enabled, tf, "rank 0 initialises from config; other ranks build on meta"),
         Patch("meta-optimizer-mapping", "accelerate.accelerator", "Accelerator._prepare_fsdp2",
@@ -384,6 +424,11 @@ def _patches() -> list[Any]:
         Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
               _fsdp2_prepare_needed, acc,
               "shard on meta and load params + all buffers from rank 0; enable activation offload"),
+        # Frameworks call it directly (LlamaFactory's DPO reference model, TRL, ms-swift):
+        Patch("fsdp2-prepare-model-utils", "accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
+              build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for direct calls"),
+        Patch("fsdp2-prepare-model-utils-export", "accelerate.utils", "fsdp2_prepare_model",
+              build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for `accelerate.utils.` calls"),
         Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
               build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
         Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",

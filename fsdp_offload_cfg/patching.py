@@ -51,6 +51,9 @@ class Patch:
     enabled: Callable[[FSDPOffloadConfig], bool]
     requires: tuple[str, ...]  # distributions whose version guards this patch
     description: str
+    # (module, attribute) of functions the replacement swaps only while it runs (for the
+    # installed versions): checked to exist with the patch itself, before anything changes.
+    swaps: Callable[[FSDPOffloadConfig], list[tuple[str, str]]] = lambda cfg: []
 
 
 @dataclass
@@ -134,6 +137,14 @@ def _resolve(patch: Patch) -> tuple[Any, str, Any]:
     return owner, attr, raw
 
 
+def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
+    if not callable(getattr(importlib.import_module(module), attribute, None)):
+        raise UnsupportedVersionError(
+            f"patch {patch.name!r} swaps {module}.{attribute} during a load, and the installed version does not "
+            "have it; this release of fsdp_offload_cfg does not support it"
+        )
+
+
 def _install(patch: Patch, owner: Any, attr: str, raw: Any, config: FSDPOffloadConfig) -> None:
     if isinstance(raw, classmethod):
         replacement: Any = classmethod(patch.build(raw.__func__, config))
@@ -196,6 +207,8 @@ def _checked_patches(cfg: FSDPOffloadConfig) -> list[Patch]:
     check_versions({dist for p in wanted for dist in p.requires})
     for p in wanted:
         _resolve(p)
+        for module, attribute in p.swaps(cfg):
+            _resolve_swap(p, module, attribute)
     return wanted
 
 

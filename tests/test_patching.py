@@ -55,6 +55,42 @@ def test_registry_targets_where_symbols_are_looked_up():
     assert all(p.requires for p in integrations.PATCHES)
 
 
+def test_direct_fsdp2_prepare_model_lookups_are_patched_too():
+    """LlamaFactory and TRL call `accelerate.utils.fsdp_utils.fsdp2_prepare_model` (or the
+    `accelerate.utils` export) themselves, e.g. on a DPO reference model."""
+    import accelerate.accelerator
+    import accelerate.utils
+    import accelerate.utils.fsdp_utils
+
+    originals = [accelerate.utils.fsdp_utils.fsdp2_prepare_model, accelerate.utils.fsdp2_prepare_model,
+                 accelerate.accelerator.fsdp2_prepare_model]
+    with fsdp_offload_cfg.patch(EVERYTHING_ON):
+        patched = [accelerate.utils.fsdp_utils.fsdp2_prepare_model, accelerate.utils.fsdp2_prepare_model,
+                   accelerate.accelerator.fsdp2_prepare_model]
+        assert all(new is not old and new.__wrapped__ is old for new, old in zip(patched, originals))
+    assert [accelerate.utils.fsdp_utils.fsdp2_prepare_model, accelerate.utils.fsdp2_prepare_model,
+            accelerate.accelerator.fsdp2_prepare_model] == originals
+
+
+def test_functions_swapped_during_a_sharded_load_are_declared_and_exist():
+    sharded = dataclasses.replace(EVERYTHING_ON, load_strategy="sharded")
+    (loader,) = [p for p in integrations.PATCHES if p.name == "rank0-from-pretrained"]
+    swaps = loader.swaps(sharded)
+    assert ("transformers.modeling_utils", "_get_resolved_checkpoint_files") in swaps and len(swaps) >= 2
+    assert all(callable(getattr(importlib.import_module(m), a)) for m, a in swaps)
+    assert loader.swaps(EVERYTHING_ON) == []  # broadcast swaps nothing
+
+
+def test_a_missing_swap_target_refuses_before_anything_changes(monkeypatch: pytest.MonkeyPatch):
+    import transformers.modeling_utils as mu
+
+    before = _snapshot()
+    monkeypatch.delattr(mu, "_get_resolved_checkpoint_files")
+    with pytest.raises(patching.UnsupportedVersionError, match="_get_resolved_checkpoint_files during a load"):
+        fsdp_offload_cfg.patch(dataclasses.replace(EVERYTHING_ON, load_strategy="sharded"))
+    assert _snapshot() == before and fsdp_offload_cfg.active_config() is None
+
+
 def test_unpatch_restores_every_original_object_and_env():
     before = _snapshot()
     env_before = dict(os.environ)

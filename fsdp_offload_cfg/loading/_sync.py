@@ -146,6 +146,13 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank: one decision, taken from every rank's data."""
+    flags: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return any(flags)
+
+
 def raise_if_any_failed(error: BaseException | None, what: str) -> None:
     """Tell every rank whether any rank failed at `what`; if one did, raise on all of them.
 

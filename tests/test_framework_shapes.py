@@ -1,0 +1,160 @@
+"""The call shapes of the frameworks built on accelerate, on real gloo ranks with `patch()` first:
+`fsdp2_prepare_model` called directly (LlamaFactory's DPO reference model), accelerate's
+`disable_/enable_fsdp_ram_efficient_loading()` switch, and transformers' own
+`from_pretrained(distributed_config=...)` path. TRL's trainers are in `test_trl.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = {
+    "distributed_type": "FSDP",
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+        "activation_cpu_offload": True,
+    },
+}
+IDS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from _models import save_llama
+
+    return save_llama(str(tmp_path_factory.mktemp("ckpt") / "llama"))
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, gathered from FSDP2's DTensors (all ranks take part)."""
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name] = t.detach().clone()
+    return out
+
+
+def _plain(path: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    with fsdp_offload_cfg.local_loading():
+        model = AutoModelForCausalLM.from_pretrained(path)
+    return {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def _differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    out = sorted(got.keys() ^ expected.keys())
+    return out + [k for k in sorted(got.keys() & expected.keys()) if not torch.equal(got[k], expected[k].to(got[k].dtype))]
+
+
+def _meta_count(model: torch.nn.Module) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum((t.to_local() if hasattr(t, "to_local") else t).is_meta for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# fsdp2_prepare_model called directly on a model that came through the loader
+# --------------------------------------------------------------------------------------------
+
+
+def _direct_prepare_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    import accelerate.utils
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(CONFIG)
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model  # as LlamaFactory does, at its call site
+
+    accelerator = Accelerator()
+    policy = AutoModelForCausalLM.from_pretrained(path)
+    reference = AutoModelForCausalLM.from_pretrained(path)  # DPO's reference model, loaded alike
+    out: dict[str, Any] = {"reference_meta_before": _meta_count(reference)}
+    policy, optimizer = accelerator.prepare(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3))
+    reference.eval()
+    reference.requires_grad_(False)
+    reference = fsdp2_prepare_model(accelerator, reference)  # LlamaFactory's call
+    second = accelerate.utils.fsdp2_prepare_model(accelerator, AutoModelForCausalLM.from_pretrained(path))
+    plain = _plain(path)
+    for name, model in (("reference", reference), ("second", second)):
+        out[f"{name}_meta_after"] = _meta_count(model)
+        out[f"{name}_wrong"] = _differences(_full(model), plain)
+    with torch.no_grad():
+        out["reference_loss"] = reference(IDS, labels=IDS).loss.item()
+    loss = policy(IDS, labels=IDS).loss
+    loss.backward()
+    optimizer.step()
+    out["policy_loss"] = loss.item()
+    return out
+
+
+def test_fsdp2_prepare_model_called_directly_fills_a_loader_model(llama: str) -> None:
+    """Stock: rank 1 failed with `Cannot copy out of meta tensor` (the direct call bypassed the patch)."""
+    results = run_workers(_direct_prepare_worker, 2, llama, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["reference_meta_before"] == (0 if rank == 0 else r["reference_meta_before"]) and (
+            rank == 0 or r["reference_meta_before"] > 0), r
+        assert r["reference_meta_after"] == 0 and r["second_meta_after"] == 0, r
+        assert r["reference_wrong"] == [] and r["second_wrong"] == [], r
+    assert results[0]["reference_loss"] == results[1]["reference_loss"]
+    assert results[0]["policy_loss"] == results[1]["policy_loss"] == results[0]["reference_loss"]
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate's disable_/enable_fsdp_ram_efficient_loading() switch
+# --------------------------------------------------------------------------------------------
+
+
+def _switch_worker(rank: int, world_size: int, path: str, when: str) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import disable_fsdp_ram_efficient_loading, enable_fsdp_ram_efficient_loading
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(CONFIG)
+    if when == "before_accelerator":
+        disable_fsdp_ram_efficient_loading()
+    accelerator = Accelerator()
+    if when == "after_accelerator":
+        disable_fsdp_ram_efficient_loading()
+    out: dict[str, Any] = {"plugin": accelerator.state.fsdp_plugin.cpu_ram_efficient_loading}
+    model = AutoModelForCausalLM.from_pretrained(path)
+    out["meta_after_load"] = _meta_count(model)
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["meta_after_prepare"] = _meta_count(model)
+    out["wrong"] = _differences(_full(model), _plain(path))
+    enable_fsdp_ram_efficient_loading()  # back on: the loader takes over again
+    again = AutoModelForCausalLM.from_pretrained(path)
+    out["meta_after_reenabled_load"] = _meta_count(again)
+    again, _ = accelerator.prepare(again, torch.optim.SGD(again.parameters(), lr=0.1))
+    out["meta_after_reenabled_prepare"] = _meta_count(again)
+    out["reenabled_wrong"] = _differences(_full(again), _plain(path))
+    return out
+
+
+@pytest.mark.parametrize("when", ["before_accelerator", "after_accelerator"])
+def test_disable_fsdp_ram_efficient_loading_is_honoured_by_loading_and_prepare(llama: str, when: str) -> None:
+    """Stock: loading ignored the switch (meta on rank 1), prepare followed the plugin (no fill),
+    and meta parameters reached training."""
+    results = run_workers(_switch_worker, 2, llama, when, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["plugin"] is (when != "before_accelerator"), r  # the plugin reads the switch when built
+        assert r["meta_after_load"] == 0, f"rank {rank}: the switch is off, every rank loads in full"
+        assert r["meta_after_prepare"] == 0 and r["wrong"] == [], r
+        assert r["meta_after_reenabled_prepare"] == 0 and r["reenabled_wrong"] == [], r
+    assert results[1]["meta_after_reenabled_load"] > 0, "switched back on: rank 1 builds on meta again"
+    assert results[0]["meta_after_reenabled_load"] == 0
