@@ -7,6 +7,7 @@ import this file; keep the builders deterministic (fixed seeds) and side-effect 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import ClassVar
 
@@ -25,6 +26,9 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+# transformers 5 stores MoE experts fused (`gate_up_proj`) and converts per-expert checkpoint keys on load.
+EXPERTS_FUSED_ON_LOAD = importlib.util.find_spec("transformers.core_model_loading") is not None
 
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
 
