@@ -307,6 +307,35 @@ def _fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCo
     return any_rank(wanted) if distributed_ready() else wanted
 
 
+def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """TRL shards reference and teacher models itself (`prepare_fsdp`: `fully_shard` and `eval()`),
+    not through accelerate's prepare; a model the loader built is filled the same way here."""
+
+    @functools.wraps(original)
+    def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+        plugin = accelerator.state.fsdp_plugin
+        if isinstance(model, FSDPModule) or plugin.fsdp_version != 2 or not _fill_through_loader(model, plugin, cfg):
+            return original(model, accelerator)
+        from fsdp_offload_cfg.loading import load_into_sharded
+
+        return load_into_sharded(
+            model,
+            lambda m: original(m, accelerator),
+            strategy=cfg.load_strategy,
+            cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+        )
+
+    return prepare_fsdp
+
+
+def _trl_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
 def _enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     from fsdp_offload_cfg.offload import enable_activation_offload
 
@@ -429,6 +458,11 @@ def _patches() -> list[Any]:
               build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for direct calls"),
         Patch("fsdp2-prepare-model-utils-export", "accelerate.utils", "fsdp2_prepare_model",
               build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for `accelerate.utils.` calls"),
+        # Imports TRL at patch() time where it is installed (a few seconds), so that its trainers,
+        # imported afterwards, bind the replacement (`from ..models import prepare_fsdp`).
+        Patch("trl-prepare-fsdp", "trl.models.utils", "prepare_fsdp", build_trl_prepare_fsdp,
+              lambda cfg: loader_enabled(cfg) and _trl_installed(), acc,
+              "fill loader-built reference/teacher models that TRL shards itself"),
         Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
               build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
         Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",

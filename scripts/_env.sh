@@ -1,20 +1,44 @@
-# Sourced by scripts/demo.sh and scripts/test.sh: create (once) and activate the project venv.
+# Sourced by scripts/demo.sh and scripts/test.sh: create (once) and activate a project venv.
 # torch is pinned to the CPU build first: an unpinned `torch` would pull a multi-GB CUDA build.
 # Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" TORCH_PIP_ARGS="--index-url ...").
+#
+# LEG picks the accelerate/transformers pair (docs/compatibility.md); each leg has its own venv:
+#   newest (default)  the newest releases in the supported range   .venv
+#   oldest            transformers 4.57.6 + accelerate 1.10.1        .venv-oldest
+#   axolotl           transformers 5.16.1 + accelerate 1.13.0        .venv-axolotl
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${FSDP_OFFLOAD_CFG_VENV:-$ROOT/.venv}"
+LEG="${LEG:-newest}"
+case "$LEG" in
+  newest)  PAIR=() ;;
+  oldest)  PAIR=("transformers==4.57.6" "accelerate==1.10.1") ;;
+  axolotl) PAIR=("transformers==5.16.1" "accelerate==1.13.0") ;;
+  *) echo "unknown LEG=$LEG (newest, oldest, axolotl)" >&2; exit 2 ;;
+esac
+if [ "$LEG" = newest ]; then DEFAULT_VENV="$ROOT/.venv"; else DEFAULT_VENV="$ROOT/.venv-$LEG"; fi
+VENV="${FSDP_OFFLOAD_CFG_VENV:-$DEFAULT_VENV}"
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV"
+  echo "[setup] creating $VENV (leg $LEG)"
   python3 -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-if ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft" >/dev/null 2>&1; then
-  echo "[setup] installing torch (CPU build) and fsdp-offload-cfg[test]"
+if ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl" >/dev/null 2>&1; then
+  echo "[setup] installing torch (CPU build), ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
   python -m pip install -q --upgrade pip
-  python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}"
+  python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" ${PAIR[@]+"${PAIR[@]}"}
+  # The package must install into an environment that holds any supported pair without changing it.
   python -m pip install -q -e "$ROOT[test]"
 fi
+for spec in ${PAIR[@]+"${PAIR[@]}"}; do
+  python - "$spec" <<'PY'
+import sys
+from importlib import metadata
+name, want = sys.argv[1].split("==")
+have = metadata.version(name)
+if have != want:
+    sys.exit(f"[setup] leg needs {name}=={want}, the venv has {have}: installing fsdp-offload-cfg changed it")
+PY
+done
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

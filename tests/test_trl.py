@@ -1,0 +1,103 @@
+"""TRL's trainers on real gloo ranks, configured the way `accelerate launch --config_file` users
+configure them: the plugin's keys in the accelerate config, `patch()` first, TRL unchanged.
+
+Each run is compared with the same run without the loader and the offload: the losses must be
+equal. DPO loads its reference model itself (`create_model_from_path`, on every rank) and shards
+it with its own `prepare_fsdp`, not through accelerate's prepare.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from _dist import run_workers
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.distributed
+
+PLUGIN = {"fsdp_cpu_ram_efficient_loading": True, "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0}}
+STOCK = {"fsdp_cpu_ram_efficient_loading": False}
+VOCAB = 97
+
+
+def _config(keys: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            **keys,
+        },
+    }
+
+
+def _save_tokenizer(path: str) -> None:
+    """A word-level tokenizer over "t0".."t96" (token ids = model vocab), built locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from _models import save_llama
+
+    path = save_llama(str(tmp_path_factory.mktemp("ckpt") / "llama"), pad_token_id=0, eos_token_id=1)
+    _save_tokenizer(path)
+    return path
+
+
+def _words(rng: Any, n: int) -> str:
+    return " ".join(f"t{int(i)}" for i in rng.integers(3, VOCAB, n))
+
+
+def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    from datasets import Dataset
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(_config(keys))
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    rng = np.random.default_rng(0)
+    common = dict(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
+                  report_to=[], save_strategy="no", seed=0, max_length=24, dataloader_num_workers=0, bf16=False, use_cpu=True)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if trainer == "sft":
+        data = Dataset.from_dict({"text": [_words(rng, 12) for _ in range(16)]})
+        run = SFTTrainer(model=path, args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
+    else:
+        data = Dataset.from_dict({
+            "prompt": [_words(rng, 6) for _ in range(16)],
+            "chosen": [_words(rng, 6) for _ in range(16)],
+            "rejected": [_words(rng, 6) for _ in range(16)],
+        })  # fmt: skip
+        run = DPOTrainer(model=path, args=DPOConfig(**common), train_dataset=data, processing_class=tokenizer)
+    run.train()
+    stats = fsdp_offload_cfg.offload_stats()
+    return {
+        "losses": [entry["loss"] for entry in run.state.log_history if "loss" in entry],
+        "offloaded": stats["offloaded_bytes"] if stats else 0,
+        "fsdp": type(run.accelerator.state.distributed_type).__name__ + ":" + run.accelerator.state.distributed_type.value,
+    }
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_trl_trainer_same_losses_with_loader_and_offload(llama: str, tmp_path, trainer: str) -> None:
+    plugin = run_workers(_worker, 2, trainer, llama, str(tmp_path / "plugin"), PLUGIN, timeout=300)
+    stock = run_workers(_worker, 2, trainer, llama, str(tmp_path / "stock"), STOCK, timeout=300)
+    for rank in range(2):
+        assert plugin[rank]["fsdp"].endswith(":FSDP"), plugin[rank]
+        assert len(plugin[rank]["losses"]) == 3, plugin[rank]
+        assert plugin[rank]["losses"] == stock[rank]["losses"], (rank, plugin[rank], stock[rank])
+        assert plugin[rank]["offloaded"] > 0 and stock[rank]["offloaded"] == 0
