@@ -91,12 +91,16 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    from fsdp_offload_cfg.discovery import with_launch_overrides
+
     try:
-        config = load_config(args.file, args.overrides)
+        config, changed = with_launch_overrides(load_config(args.file, args.overrides))
     except ConfigError as error:
         _print(str(error), file=sys.stderr)
         return _exit_code(error)
-    data = {"config": normalized_dict(config), "patches": _describe_patches(config)}
+    data: dict[str, Any] = {"config": normalized_dict(config), "patches": _describe_patches(config)}
+    if changed:  # run inside `accelerate launch`: its command line wins over the file, as in patch()
+        data["overridden_by_launch"] = {key: {"file": old, "launch": new} for key, (old, new) in changed.items()}
     if args.format == "json":
         return _print(json.dumps(data, indent=2))
     import yaml

@@ -16,9 +16,18 @@ from typing import Any
 
 import psutil
 
-from fsdp_offload_cfg.config import FSDPOffloadConfig, config_from_env, load_config
+from fsdp_offload_cfg.config import (
+    ENV_VARS,
+    FSDP1_ONLY_ENV_KEYS,
+    LAUNCH_ENV_VARS,
+    FSDPOffloadConfig,
+    config_from_env,
+    load_config,
+)
 
 ENV_CONFIG_PATH = "FSDP_OFFLOAD_CFG"
+# Keys only this plugin knows: `accelerate launch` never exports them, the file is their only source.
+_PLUGIN_ONLY_KEYS = frozenset({"activation_cpu_offload", "load_strategy"})
 _MAX_ANCESTORS = 6
 
 
@@ -73,6 +82,43 @@ def _accelerate_default_config_file() -> Path | None:
     return path if path.is_file() else None
 
 
+def with_launch_overrides(
+    cfg: FSDPOffloadConfig, environ: Mapping[str, str] = os.environ
+) -> tuple[FSDPOffloadConfig, dict[str, tuple[Any, Any]]]:
+    """`cfg` (read from the launch's config file) with the values the launcher actually exported.
+
+    `accelerate launch --config_file f.yaml --mixed_precision bf16 --fsdp_activation_checkpointing
+    true` exports the command line's values over the file's; accelerate runs with those, so the
+    plugin must too (re-exporting the file's would silently undo the command line). The file still
+    supplies the plugin's own keys, which accelerate never exports. Returns the merged config and
+    `{key: (file value, launch value)}` for every key the launch changed.
+    """
+    launched = config_from_env(environ)
+    if launched is None:
+        return cfg, {}
+    ignored = set(FSDP1_ONLY_ENV_KEYS) if launched.version == 2 else set()  # exported, but not read under FSDP2
+    present = {key for var, key in ENV_VARS.items() if var in environ} - ignored | {
+        key for key, var in LAUNCH_ENV_VARS.items() if var in environ and key != "num_processes"
+    }
+    changed = {
+        key: (getattr(cfg, key), getattr(launched, key))
+        for key in sorted(present - _PLUGIN_ONLY_KEYS)
+        if getattr(launched, key) != getattr(cfg, key)
+    }
+    if not changed:
+        return cfg, {}
+    import dataclasses
+
+    return dataclasses.replace(cfg, **{key: new for key, (_, new) in changed.items()}), changed
+
+
+def describe_overrides(changed: Mapping[str, tuple[Any, Any]]) -> str:
+    if not changed:
+        return ""
+    parts = [f"{key}: {new!r} (the file says {old!r})" for key, (old, new) in changed.items()]
+    return "; overridden by the launch command line: " + ", ".join(parts)
+
+
 def discover_config(
     config: str | os.PathLike[str] | Mapping[str, Any] | FSDPOffloadConfig | None,
     overrides: Mapping[str, Any] | None = None,
@@ -87,7 +133,8 @@ def discover_config(
         return load_config(env_path, overrides or None), f"${ENV_CONFIG_PATH}={env_path}"
     launch_file = accelerate_launch_config_file()
     if launch_file is not None:
-        return load_config(launch_file, overrides or None), f"accelerate launch --config_file {launch_file}"
+        cfg, changed = with_launch_overrides(load_config(launch_file, overrides or None))
+        return cfg, f"accelerate launch --config_file {launch_file}" + describe_overrides(changed)
     env_cfg = config_from_env()
     if env_cfg is not None:
         if overrides:

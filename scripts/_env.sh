@@ -27,8 +27,9 @@ if ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl" >/dev/nu
   echo "[setup] installing torch (CPU build), ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
   python -m pip install -q --upgrade pip
   python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" ${PAIR[@]+"${PAIR[@]}"}
-  # The package must install into an environment that holds any supported pair without changing it.
-  python -m pip install -q -e "$ROOT[test]"
+  # The package installs into an environment holding any supported pair without changing it; the
+  # pins go along so that the test extras (trl, datasets) resolve around them, not over them.
+  python -m pip install -q -e "$ROOT[test]" ${PAIR[@]+"${PAIR[@]}"}
 fi
 for spec in ${PAIR[@]+"${PAIR[@]}"}; do
   python - "$spec" <<'PY'

@@ -113,6 +113,24 @@ def test_explain_lists_the_patches_a_launch_would_apply(monkeypatch: pytest.Monk
     assert "WORLD_SIZE" not in os.environ  # the CLI leaves the environment as it found it
 
 
+def test_explain_inside_a_launch_shows_what_the_command_line_overrode(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]):
+    """What `accelerate launch --config_file fsdp2_cpu.yaml --mixed_precision bf16
+    --fsdp_cpu_ram_efficient_loading false` exports to its processes."""
+    for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    file_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "1",
+                "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}
+    for key, value in {**file_env, "ACCELERATE_MIXED_PRECISION": "bf16", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["explain", "--format", "json", EXAMPLES[2]]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["overridden_by_launch"] == {
+        "cpu_ram_efficient_loading": {"file": True, "launch": False}, "mixed_precision": {"file": "no", "launch": "bf16"}}
+    assert data["config"]["mixed_precision"] == "bf16" and data["config"]["cpu_ram_efficient_loading"] is False
+    assert data["config"]["activation_cpu_offload"]["enabled"] is True  # a plugin key: only the file has it
+
+
 def test_explain_errors_go_to_stderr(invalid: str, capsys: pytest.CaptureFixture[str]):
     assert cli.main(["explain", invalid]) == 1
     captured = capsys.readouterr()

@@ -78,9 +78,27 @@ def _reports(launch: Launch) -> list[dict]:
     return reports
 
 
-def _accelerate_launch(config: Path, *script_args: str) -> Launch:
-    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config),
+def _accelerate_launch(config: Path, *script_args: str, flags: tuple[str, ...] = ()) -> Launch:
+    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config), *flags,
                  "--main_process_port", str(free_port()), str(PROBE), *script_args])
+
+
+def test_launch_command_line_overrides_win_over_the_file(tmp_path: Path, checkpoint: str) -> None:
+    """`patch()` used to re-export every value of the file, undoing the command line: the run had
+    mixed precision "no", RAM-efficient loading on and no checkpointing."""
+    config = _write(tmp_path, "f.yaml", loading="true", extra="  activation_cpu_offload: true\n")
+    flags = ("--mixed_precision", "bf16", "--fsdp_activation_checkpointing", "true",
+             "--fsdp_cpu_ram_efficient_loading", "false")  # fmt: skip
+    launch = _accelerate_launch(config, checkpoint, "--steps", "1", flags=flags)
+    for r in _reports(launch):
+        assert (r["mixed_precision"], r["plugin_cpu_ram_efficient_loading"], r["plugin_activation_checkpointing"]) == (
+            "bf16", False, True), r
+        assert (r["config_mixed_precision"], r["config_cpu_ram_efficient_loading"],
+                r["config_activation_checkpointing"]) == ("bf16", False, True), r  # fmt: skip
+        assert r["meta_numel_after_from_pretrained"] == 0, "loading is off on the command line"
+        assert r["offload_enabled"] and r["offload_stats"]["offloaded_bytes"] > 0  # the file's plugin key stays
+        assert "overridden by the launch command line" in r["source"] and "mixed_precision: 'bf16'" in r["source"]
+    assert "the file says 'no'" in launch.output  # the rank-0 log line says where the value came from
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,13 @@ report = {
     "tied_after_steps": model.get_input_embeddings().weight is getattr(model.get_output_embeddings(), "weight", None),
     "offload_enabled": session.config.activation_cpu_offload.enabled,
     "cpu_offload_policy": repr(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None)),
+    # what accelerate itself runs with (the file plus the launch command line)
+    "mixed_precision": accelerator.mixed_precision,
+    "plugin_cpu_ram_efficient_loading": accelerator.state.fsdp_plugin.cpu_ram_efficient_loading,
+    "plugin_activation_checkpointing": accelerator.state.fsdp_plugin.activation_checkpointing,
+    "config_mixed_precision": session.config.mixed_precision,
+    "config_cpu_ram_efficient_loading": session.config.cpu_ram_efficient_loading,
+    "config_activation_checkpointing": session.config.activation_checkpointing,
 }
 if session.config.activation_cpu_offload.enabled:
     report["offload_stats"] = fsdp_offload_cfg.offload_stats()
