@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 
 logger = get_logger("fsdp_offload_cfg.integrations")
@@ -220,6 +220,8 @@ def _rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     @functools.wraps(original)
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("distributed_config") is not None:
+            return _shard_on_read(original, cfg, cls, *args, **kwargs)
         if not _rank0_loading_active(cfg):
             return original(cls, *args, **kwargs)
         from fsdp_offload_cfg.loading import rank0_from_pretrained, sharded_from_pretrained
@@ -229,6 +231,24 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
         return load(original, cls, *args, **kwargs)
 
     return from_pretrained
+
+
+def _shard_on_read(original: Callable[..., Any], cfg: FSDPOffloadConfig, cls: type, *args: Any, **kwargs: Any) -> Any:
+    """transformers 5.19+ `from_pretrained(distributed_config=...)`: each rank reads its own slices
+    and transformers applies FSDP2 itself (the Trainer then skips accelerate's prepare). Nothing
+    is left for the loader to do, so it steps aside; activation offload, normally enabled in
+    prepare, is enabled here on the sharded model."""
+    result = original(cls, *args, **kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    offload = cfg.activation_cpu_offload.enabled and isinstance(model, torch.nn.Module)
+    if offload:
+        _enable_offload(model, cfg)
+    if is_rank0():
+        logger.info(
+            "from_pretrained(distributed_config=...): transformers shards %s as it reads it; the rank-0 loader "
+            "steps aside%s", cls.__name__, "; activation offload enabled on the sharded model" if offload else "",
+        )  # fmt: skip
+    return result
 
 
 def build_from_config(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:

@@ -158,3 +158,49 @@ def test_disable_fsdp_ram_efficient_loading_is_honoured_by_loading_and_prepare(l
         assert r["meta_after_reenabled_prepare"] == 0 and r["reenabled_wrong"] == [], r
     assert results[1]["meta_after_reenabled_load"] > 0, "switched back on: rank 1 builds on meta again"
     assert results[0]["meta_after_reenabled_load"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# transformers' own shard-on-read: from_pretrained(distributed_config=...)
+# --------------------------------------------------------------------------------------------
+
+
+def _distributed_config_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    import logging
+
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import fsdp_offload_cfg
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fsdp_offload_cfg").addHandler(handler)
+
+    def step() -> tuple[float, dict[str, torch.Tensor], int]:
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))
+        loss = model(IDS, labels=IDS).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        return loss.item(), grads, _meta_count(model)
+
+    with fsdp_offload_cfg.patch(CONFIG):
+        loss, grads, meta = step()
+        offloaded = fsdp_offload_cfg.offload_stats()["offloaded_bytes"]
+    plain_loss, plain_grads, _ = step()
+    return {
+        "loss": loss, "plain_loss": plain_loss, "meta": meta, "offloaded": offloaded,
+        "grads_equal": grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads),
+        "steps_aside": [m for m in messages if "steps aside" in m],
+    }  # fmt: skip
+
+
+def test_distributed_config_shard_on_read_steps_aside_and_keeps_offload(llama: str) -> None:
+    pytest.importorskip("transformers.distributed", reason="from_pretrained(distributed_config=) is transformers 5.19+")
+    results = run_workers(_distributed_config_worker, 2, llama, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["meta"] == 0 and r["offloaded"] > 0, r
+        assert r["loss"] == r["plain_loss"] and r["grads_equal"], r
+        assert len(r["steps_aside"]) == (1 if rank == 0 else 0), r["steps_aside"]
+        assert "activation offload enabled" in (r["steps_aside"] or ["activation offload enabled"])[0]
