@@ -59,7 +59,9 @@ losses = []
 for step in range(args.steps):
     g = torch.Generator().manual_seed(step * 10 + accelerator.process_index)
     tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
-    loss = model(input_ids=tokens, labels=tokens).loss
+    # use_cache=False: transformers 4.57 builds a KV cache in training forwards, and a checkpointed
+    # layer recomputed under accelerate's activation checkpointing would append to it twice.
+    loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
     accelerator.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
