@@ -237,8 +237,12 @@ def _shard_on_read(original: Callable[..., Any], cfg: FSDPOffloadConfig, cls: ty
     """transformers 5.19+ `from_pretrained(distributed_config=...)`: each rank reads its own slices
     and transformers applies FSDP2 itself (the Trainer then skips accelerate's prepare). Nothing
     is left for the loader to do, so it steps aside; activation offload, normally enabled in
-    prepare, is enabled here on the sharded model."""
-    result = original(cls, *args, **kwargs)
+    prepare, is enabled here on the sharded model. transformers' RAM-efficient gate is off for the
+    call: on 5.16 it also fills other ranks' shards with `zeros_like` on this path (wrong weights)."""
+    from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
+
+    with transformers_fsdp_gate_off():
+        result = original(cls, *args, **kwargs)
     model = result[0] if isinstance(result, tuple) else result
     offload = cfg.activation_cpu_offload.enabled and isinstance(model, torch.nn.Module)
     if offload:
