@@ -197,7 +197,11 @@ def _distributed_config_worker(rank: int, world_size: int, path: str) -> dict[st
 
 
 def test_distributed_config_shard_on_read_steps_aside_and_keeps_offload(llama: str) -> None:
-    pytest.importorskip("transformers.distributed", reason="from_pretrained(distributed_config=) is transformers 5.19+")
+    import inspect
+
+    distributed = pytest.importorskip("transformers.distributed")
+    if "fsdp_size" not in inspect.signature(distributed.DistributedConfig).parameters:
+        pytest.skip("DistributedConfig(fsdp_size=) shard-on-read is transformers 5.19+")
     results = run_workers(_distributed_config_worker, 2, llama, timeout=180)
     for rank, r in enumerate(results):
         assert r["meta"] == 0 and r["offloaded"] > 0, r
