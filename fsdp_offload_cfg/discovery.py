@@ -9,6 +9,7 @@ not know (this plugin's keys and typos alike) when exporting them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -107,8 +108,6 @@ def with_launch_overrides(
     }
     if not changed:
         return cfg, {}
-    import dataclasses
-
     return dataclasses.replace(cfg, **{key: new for key, (_, new) in changed.items()}), changed
 
 

@@ -198,23 +198,10 @@ def ensure_process_group() -> None:
         PartialState()
 
 
-_RAM_EFFICIENT_SWITCH = "FSDP_CPU_RAM_EFFICIENT_LOADING"
-
-
-def ram_efficient_switch_on() -> bool:
-    """accelerate's run-time switch, `disable_fsdp_ram_efficient_loading()` /
-    `enable_fsdp_ram_efficient_loading()`: they set this variable, which transformers' own gate
-    and a plugin built afterwards read. Unset means the config decides."""
-    value = os.environ.get(_RAM_EFFICIENT_SWITCH)
-    return value is None or value.strip().lower() in ("1", "true", "yes", "y", "on")
-
-
 def _rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
-    from fsdp_offload_cfg.loading.local import local_loading_active
+    from fsdp_offload_cfg.loading.local import rank0_loading_wanted
 
-    return (
-        loader_enabled(cfg) and launched_distributed() and ram_efficient_switch_on() and not local_loading_active()
-    )
+    return loader_enabled(cfg) and launched_distributed() and rank0_loading_wanted()
 
 
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -287,24 +274,18 @@ def _stock_loading_off(plugin: Any) -> Iterator[None]:
 def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     @functools.wraps(original)
     def fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+        from torch.distributed.fsdp import FSDPModule
 
         plugin = accelerator.state.fsdp_plugin
         if isinstance(model, FSDPModule):
             return original(accelerator, model)
         if _fill_through_loader(model, plugin, cfg):
-            from fsdp_offload_cfg.loading import load_into_sharded
 
             def shard(m: torch.nn.Module) -> torch.nn.Module:
                 with _stock_loading_off(plugin):
                     return original(accelerator, m)
 
-            model = load_into_sharded(
-                model,
-                shard,
-                strategy=cfg.load_strategy,
-                cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy),
-            )
+            model = _load_through_loader(model, shard, plugin, cfg)
         else:
             model = original(accelerator, model)
         if cfg.activation_cpu_offload.enabled:
@@ -331,25 +312,29 @@ def _fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCo
     return any_rank(wanted) if distributed_ready() else wanted
 
 
+def _load_through_loader(
+    model: torch.nn.Module, shard: Callable[[torch.nn.Module], Any], plugin: Any, cfg: FSDPOffloadConfig
+) -> Any:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from fsdp_offload_cfg.loading import load_into_sharded
+
+    cpu_offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    return load_into_sharded(model, shard, strategy=cfg.load_strategy, cpu_offload=cpu_offload)
+
+
 def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """TRL shards reference and teacher models itself (`prepare_fsdp`: `fully_shard` and `eval()`),
     not through accelerate's prepare; a model the loader built is filled the same way here."""
 
     @functools.wraps(original)
     def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+        from torch.distributed.fsdp import FSDPModule
 
         plugin = accelerator.state.fsdp_plugin
         if isinstance(model, FSDPModule) or plugin.fsdp_version != 2 or not _fill_through_loader(model, plugin, cfg):
             return original(model, accelerator)
-        from fsdp_offload_cfg.loading import load_into_sharded
-
-        return load_into_sharded(
-            model,
-            lambda m: original(m, accelerator),
-            strategy=cfg.load_strategy,
-            cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy),
-        )
+        return _load_through_loader(model, lambda m: original(m, accelerator), plugin, cfg)
 
     return prepare_fsdp
 

@@ -140,7 +140,7 @@ def _resolve(patch: Patch) -> tuple[Any, str, Any]:
 def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
     if not callable(getattr(importlib.import_module(module), attribute, None)):
         raise UnsupportedVersionError(
-            f"patch {patch.name!r} swaps {module}.{attribute} during a load, and the installed version does not "
+            f"patch {patch.name!r} replaces or calls {module}.{attribute} during a load, and the installed version does not "
             "have it; this release of fsdp_offload_cfg does not support it"
         )
 

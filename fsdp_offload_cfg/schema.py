@@ -28,8 +28,7 @@ from jsonschema.exceptions import ValidationError
 
 SCHEMA_FILE = "fsdp_config.schema.json"
 _PREFIXED_KEY = re.compile(r"^\^\(fsdp_\)\?(\w+)\$$")  # "^(fsdp_)?offload_params$"
-_DIGITS = re.compile(r"[0-9]+")
-_INTEGRAL_FLOAT = re.compile(r"[0-9]+\.0*")
+_INTEGER_TEXT = re.compile(r"([0-9]+)(\.0*)?")  # "8"; "100000000.0" as accelerate 1.10 exports FSDP_MIN_NUM_PARAMS
 
 KeyPath = tuple[Any, ...]
 
@@ -107,10 +106,9 @@ def coerce(value: Any, node: dict[str, Any]) -> Any:
     if isinstance(value, str):
         if node.get("type") == "boolean" and value.lower() in ("true", "false"):
             return value.lower() == "true"
-        if node.get("type") == "integer" and _DIGITS.fullmatch(value.strip()):
-            return int(value.strip())
-        if node.get("type") == "integer" and _INTEGRAL_FLOAT.fullmatch(value.strip()):
-            return int(float(value.strip()))  # accelerate 1.10 exports FSDP_MIN_NUM_PARAMS as "100000000.0"
+        integer = _INTEGER_TEXT.fullmatch(value.strip())
+        if node.get("type") == "integer" and integer:
+            return int(integer.group(1))
         for candidate in (value.upper(), value.lower()):
             if candidate != value and candidate in node.get("enum", ()):
                 return candidate

@@ -10,22 +10,15 @@ from typing import Any
 
 import pytest
 import torch
+from test_script_shapes import CONFIG as SCRIPT_CONFIG
+from test_script_shapes import IDS
 
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
-CONFIG = {
-    "distributed_type": "FSDP",
-    "fsdp_config": {
-        "fsdp_version": 2,
-        "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-        "activation_cpu_offload": True,
-    },
-}
-IDS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+# The script shapes' accelerate config, with activation offload on.
+CONFIG = {**SCRIPT_CONFIG, "fsdp_config": {**SCRIPT_CONFIG["fsdp_config"], "activation_cpu_offload": True}}
 
 
 @pytest.fixture(scope="module")

@@ -161,3 +161,24 @@ def test_read_header_names_a_truncated_file(tmp_path) -> None:
     os.truncate(path, path.stat().st_size - 8)
     with pytest.raises(OSError, match=r"m\.safetensors: truncated"):
         read_header(str(path))
+
+
+@pytest.mark.parametrize("switch, wanted", [(None, True), ("True", True), ("1", True), ("False", False), ("0", False)])
+def test_rank0_loading_follows_accelerates_switch_not_the_loaders_own_gate(monkeypatch, switch, wanted):
+    """`disable_/enable_fsdp_ram_efficient_loading()` set the variable; the loader's own gate-off
+    (for transformers, during a sharded meta load) holds it at "false" without being the user's
+    switch; `local_loading()` always steps aside."""
+    from fsdp_offload_cfg.loading.local import local_loading, rank0_loading_wanted, transformers_fsdp_gate_off
+
+    if switch is None:
+        monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
+    else:
+        monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", switch)
+    assert rank0_loading_wanted() is wanted
+    with transformers_fsdp_gate_off():
+        assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+        assert rank0_loading_wanted() is wanted
+        with local_loading():
+            assert rank0_loading_wanted() is False
+        assert rank0_loading_wanted() is wanted
+    assert os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING") == switch

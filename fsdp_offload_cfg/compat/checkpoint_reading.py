@@ -18,6 +18,7 @@ empty meta tensor where the data would go and record which file tensor fills whi
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,56 +37,48 @@ class Capture:
     keymap: dict[str, FileTensor] | None = None  # model state-dict name -> checkpoint tensor
 
 
-def _has_core_model_loading() -> bool:
+_MU = "transformers.modeling_utils"
+Twin = Callable[[Callable[..., Any], Capture], Callable[..., Any]]  # (original, capture) -> replacement
+
+
+def _interception() -> tuple[list[tuple[str, str, Twin]], list[tuple[str, str]]]:
+    """On the installed transformers: (module, attribute, twin factory) of every function swapped,
+    and (module, attribute) of the functions the twins call in their place."""
     try:
         import transformers.core_model_loading  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError:  # transformers 4.x
+        twins = [(_MU, "_get_resolved_checkpoint_files", _resolve), (_MU, "load_shard_file", _load_shard_file_4x)]
+        return twins, [(_MU, "_infer_parameter_dtype"), (_MU, "_load_parameter_into_model")]
+    return [
+        (_MU, "_get_resolved_checkpoint_files", _resolve),
+        (_MU, "convert_and_load_state_dict_in_model", _convert_5x),
+        ("transformers.core_model_loading", "spawn_materialize", lambda original, capture: _spawn_5x),
+    ], []
 
 
 def swap_targets() -> list[tuple[str, str]]:
-    """(module, attribute) of every function `no_read_loading` swaps on the installed transformers."""
-    if _has_core_model_loading():
-        return [
-            ("transformers.modeling_utils", "_get_resolved_checkpoint_files"),
-            ("transformers.modeling_utils", "convert_and_load_state_dict_in_model"),
-            ("transformers.core_model_loading", "spawn_materialize"),
-        ]
-    return [
-        ("transformers.modeling_utils", "_get_resolved_checkpoint_files"),
-        ("transformers.modeling_utils", "load_shard_file"),
-        ("transformers.modeling_utils", "_infer_parameter_dtype"),
-        ("transformers.modeling_utils", "_load_parameter_into_model"),
-    ]
+    """(module, attribute) of every function `no_read_loading` swaps, or calls in their place."""
+    twins, called = _interception()
+    return [(module, attr) for module, attr, _ in twins] + called
 
 
 @contextmanager
 def no_read_loading(capture: Capture) -> Iterator[None]:
     """Within this context, `from_pretrained` reads headers only and fills `capture`."""
-    import transformers.modeling_utils as mu
-
-    swaps: dict[tuple[Any, str], Any] = {(mu, "_get_resolved_checkpoint_files"): _resolve(mu, capture)}
-    if _has_core_model_loading():
-        import transformers.core_model_loading as core
-
-        swaps[(mu, "convert_and_load_state_dict_in_model")] = _convert_5x(mu, capture)
-        swaps[(core, "spawn_materialize")] = _spawn_5x
-    else:
-        swaps[(mu, "load_shard_file")] = _load_shard_file_4x(mu, capture)
-    originals = {(owner, name): getattr(owner, name) for owner, name in swaps}
-    for (owner, name), replacement in swaps.items():
-        setattr(owner, name, replacement)
+    swapped: list[tuple[Any, str, Any]] = []
     try:
+        for module, attr, twin in _interception()[0]:
+            owner = importlib.import_module(module)
+            original = getattr(owner, attr)
+            setattr(owner, attr, twin(original, capture))
+            swapped.append((owner, attr, original))
         yield
     finally:
-        for (owner, name), original in originals.items():
-            setattr(owner, name, original)
+        for owner, attr, original in reversed(swapped):
+            setattr(owner, attr, original)
 
 
-def _resolve(mu: Any, capture: Capture) -> Callable[..., Any]:
-    original = mu._get_resolved_checkpoint_files
-
+def _resolve(original: Callable[..., Any], capture: Capture) -> Callable[..., Any]:
     def resolve(*args: Any, **kwargs: Any) -> Any:
         files, metadata = original(*args, **kwargs)
         if not files:
@@ -109,9 +102,7 @@ def _check_first_state_dict(capture: Capture) -> None:
 # ---- transformers 5.x -------------------------------------------------------------------------
 
 
-def _convert_5x(mu: Any, capture: Capture) -> Callable[..., Any]:
-    original = mu.convert_and_load_state_dict_in_model
-
+def _convert_5x(original: Callable[..., Any], capture: Capture) -> Callable[..., Any]:
     def convert(model: nn.Module, state_dict: dict[str, Any], load_config: Any, *args: Any, **kwargs: Any) -> Any:
         _check_first_state_dict(capture)
         if getattr(load_config, "hf_quantizer", None) is not None:
@@ -176,8 +167,9 @@ def _add(keymap: dict[str, FileTensor], name: str, key: str, where: dict[str, Fi
 # ---- transformers 4.x -------------------------------------------------------------------------
 
 
-def _load_shard_file_4x(mu: Any, capture: Capture) -> Callable[..., Any]:
+def _load_shard_file_4x(original: Callable[..., Any], capture: Capture) -> Callable[..., Any]:
     """Twin of 4.x `load_shard_file(args)`: the same tuple in, `(error_msgs, disk_offload_index)` out."""
+    import transformers.modeling_utils as mu
 
     def load_shard_file(args: tuple) -> tuple[list[str], Any]:
         shard_file, state_dict, _, is_quantized, device_map, _, renaming, _, model, _, _, offload_index, fp32_regex = args[:13]

@@ -19,15 +19,26 @@ from contextlib import contextmanager
 # Loads can come from any thread, and the environment variable is process-wide anyway: count
 # open blocks per process, under a lock, and restore the variable when the last one closes.
 _lock = threading.Lock()
-_user_depth = 0  # open `local_loading()` blocks: the loader patches call the originals
-_gate_depth = 0  # open blocks of either kind: transformers' FSDP gate is off
-_saved_env: str | None = None
-_GATE = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+_user_depth = 0  # open `local_loading()` blocks: the loader steps aside
+_gate_depth = 0  # open blocks of either kind: the variable reads "false" for transformers
+_saved_env: str | None = None  # the variable's value before the first open block: the user's switch
+_GATE = "FSDP_CPU_RAM_EFFICIENT_LOADING"  # accelerate's switch, which transformers' gate reads
+_TRUE = ("y", "yes", "t", "true", "on", "1")  # accelerate's `str_to_bool`
 
 
-def local_loading_active() -> bool:
-    """True inside a `local_loading()` block (the loader patches then call the originals)."""
-    return _user_depth > 0
+def rank0_loading_wanted() -> bool:
+    """Should a load starting now go through the loader (the config having asked for it)?
+
+    Not inside `local_loading()`. Otherwise accelerate's documented run-time switch decides:
+    `disable_/enable_fsdp_ram_efficient_loading()` set `FSDP_CPU_RAM_EFFICIENT_LOADING` (unset:
+    the config decides). While `transformers_fsdp_gate_off` holds the variable at "false" for
+    transformers' sake, the value it saved is the user's switch.
+    """
+    with _lock:
+        if _user_depth > 0:
+            return False
+        value = _saved_env if _gate_depth > 0 else os.environ.get(_GATE)
+    return value is None or value.strip().lower() in _TRUE
 
 
 @contextmanager
