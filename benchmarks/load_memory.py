@@ -128,19 +128,17 @@ def _load(method: str, model_dir: str, accelerator, result: dict):
     start = time.perf_counter()
     model = _from_pretrained(method, model_dir)
     result["build_seconds"] = time.perf_counter() - start
-    model = _prepare(method, model, accelerator)
-    result["move_seconds"] = _move_seconds(method)
-    return model
+    report = _prepare(method, model, accelerator)
+    result["move_seconds"] = _move_seconds(report)
+    return report if method in ("plain", "stock") else report.model
 
 
-def _move_seconds(method: str) -> float | None:
+def _move_seconds(report) -> float | None:
     """Seconds this rank spent moving weight bytes: rank 0's scatter and/or its own reads."""
-    from fsdp_offload_cfg.loading import broadcast, sharded
-
-    if method in ("plain", "stock"):
+    if not hasattr(report, "sent"):  # plain and stock: accelerate's own prepare, no report
         return None
-    read = sharded.last_stats.seconds if method == "sharded" and sharded.last_stats else 0.0
-    return read + (broadcast.last_stats.seconds if broadcast.last_stats else 0.0)
+    read = report.read.seconds if report.read else 0.0
+    return read + (report.sent.seconds if report.sent else 0.0)
 
 
 def _from_pretrained(method: str, model_dir: str):

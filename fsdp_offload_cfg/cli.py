@@ -7,14 +7,15 @@ command line is wrong (argparse's usage errors).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, load_config, normalized_dict
-from fsdp_offload_cfg.schema import schema_text
+from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, as_config_file, load_config
+from fsdp_offload_cfg.config.schema import schema_text
 
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 
@@ -62,12 +63,21 @@ def _override(text: str) -> str:
 
 
 def _print(text: str, end: str = "\n", file: Any = None) -> int:
-    print(text, end=end, file=file or sys.stdout)
+    """Print; a reader that went away (`validate f.yaml | head -0`) is not an error of ours: the
+    rest goes to /dev/null and the verb still exits with its own status."""
+    stream = file or sys.stdout
+    try:
+        print(text, end=end, file=stream)
+        stream.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
     return EXIT_OK
 
 
 def _exit_code(error: ConfigError) -> int:
-    return EXIT_UNREADABLE if error.unreadable else EXIT_INVALID
+    return error.exit_code
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -98,7 +108,12 @@ def _explain(args: argparse.Namespace) -> int:
     except ConfigError as error:
         _print(str(error), file=sys.stderr)
         return _exit_code(error)
-    data: dict[str, Any] = {"config": normalized_dict(config), "patches": _describe_patches(config)}
+    data: dict[str, Any] = {
+        "source": config.source,
+        "config": as_config_file(config),  # a file `validate` accepts and that loads back to this config
+        "defaults": _defaults_taken(config),
+        "patches": _describe_patches(config),
+    }
     if changed:  # run inside `accelerate launch`: its command line wins over the file, as in patch()
         data["overridden_by_launch"] = {key: {"file": old, "launch": new} for key, (old, new) in changed.items()}
     if args.format == "json":
@@ -108,18 +123,19 @@ def _explain(args: argparse.Namespace) -> int:
     return _print(yaml.safe_dump(data, sort_keys=False), end="")
 
 
+def _defaults_taken(config: FSDPOffloadConfig) -> dict[str, Any]:
+    """The keys `config` leaves at their defaults, with those defaults (what `config` does not show)."""
+    written = as_config_file(config)
+    written = written.get("fsdp_config", written)
+    data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in written}
+    return json.loads(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                                  for k, v in data.items() if k != "source" and not isinstance(v, type(None))}))
+
+
 def _describe_patches(config: FSDPOffloadConfig) -> list[str]:
-    """The patches a launch of this config would apply on this machine.
+    """The patches a launch of this config would apply on this machine: inside a launch, this
+    process's context; otherwise the file's `num_processes` (this CLI runs as one process)."""
+    from fsdp_offload_cfg.patching import LaunchContext, describe_patches
 
-    The CPU/gloo patches depend on the process count, which the launcher sets (this CLI runs as
-    one process): take it from the file's `num_processes`.
-    """
-    from fsdp_offload_cfg.patching import describe_patches
-
-    if "WORLD_SIZE" in os.environ or (config.num_processes or 1) <= 1:
-        return describe_patches(config)
-    os.environ["WORLD_SIZE"] = str(config.num_processes)
-    try:
-        return describe_patches(config)
-    finally:
-        del os.environ["WORLD_SIZE"]
+    here = LaunchContext.from_environ()
+    return describe_patches(config, here if here.distributed else LaunchContext.for_processes(config.num_processes))

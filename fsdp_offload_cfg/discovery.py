@@ -21,14 +21,13 @@ from fsdp_offload_cfg.config import (
     ENV_VARS,
     FSDP1_ONLY_ENV_KEYS,
     LAUNCH_ENV_VARS,
+    PLUGIN_KEYS,
     FSDPOffloadConfig,
     config_from_env,
     load_config,
 )
 
 ENV_CONFIG_PATH = "FSDP_OFFLOAD_CFG"
-# Keys only this plugin knows: `accelerate launch` never exports them, the file is their only source.
-_PLUGIN_ONLY_KEYS = frozenset({"activation_cpu_offload", "load_strategy"})
 _MAX_ANCESTORS = 6
 
 
@@ -103,7 +102,7 @@ def with_launch_overrides(
     }
     changed = {
         key: (getattr(cfg, key), getattr(launched, key))
-        for key in sorted(present - _PLUGIN_ONLY_KEYS)
+        for key in sorted(present - PLUGIN_KEYS)  # accelerate never exports the plugin's keys: the file is their source
         if getattr(launched, key) != getattr(cfg, key)
     }
     if not changed:

@@ -1,12 +1,14 @@
 """The patches themselves: what each replacement does to accelerate and transformers.
 
-Each builder takes the original callable and the validated config and returns the replacement.
-`patching.PATCHES` order is application order. Replacements stay thin: the real work lives in
-`fsdp_offload_cfg.loading` and `fsdp_offload_cfg.offload`.
+Each builder takes the original callable and the validated config and returns the replacement;
+each predicate takes the config and the `LaunchContext`. `PATCHES` order is application order.
+Replacements stay thin: the real work lives in `fsdp_offload_cfg.loading` and
+`fsdp_offload_cfg.offload`. `plan_for` is what a config needs here, checks included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -16,8 +18,10 @@ from typing import Any
 
 import torch
 
+from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
-from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, env_values, load_config, read_config_file
+from fsdp_offload_cfg.registry import LaunchContext, Patch
 
 logger = get_logger("fsdp_offload_cfg.integrations")
 
@@ -31,31 +35,15 @@ def fsdp_requested(cfg: FSDPOffloadConfig) -> bool:
     return (cfg.distributed_type or "").upper() == "FSDP"
 
 
-def has_accelerator_device() -> bool:
-    """Any device accelerate would pick over the CPU (CUDA, XPU, NPU, MPS excluded on purpose)."""
-    if torch.cuda.is_available():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return True
-    npu = getattr(torch, "npu", None)
-    return bool(npu is not None and npu.is_available())
-
-
-def launched_distributed() -> bool:
-    """A launcher (torchrun / accelerate launch) started more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("LOCAL_RANK") is not None
-
-
-def cpu_fsdp_needed(cfg: FSDPOffloadConfig) -> bool:
+def cpu_fsdp_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     """FSDP asked for, several processes, no GPU: stock accelerate would silently drop FSDP."""
-    return fsdp_requested(cfg) and not has_accelerator_device() and launched_distributed()
+    return fsdp_requested(cfg) and not ctx.accelerator and ctx.distributed
 
 
-def environment_problems(cfg: FSDPOffloadConfig) -> list[str]:
+def environment_problems(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> list[str]:
     """Config valid on paper but not runnable on this machine: say so before anything starts."""
     problems = []
-    if cpu_fsdp_needed(cfg) and cfg.version == 1 and cfg.sync_module_states:
+    if cpu_fsdp_needed(cfg, ctx) and cfg.version == 1 and cfg.sync_module_states:
         problems.append(
             f"{cfg.source}: fsdp_config.sync_module_states: FSDP1 on a CPU-only machine cannot sync module "
             "states (accelerate needs a GPU for it); set fsdp_sync_module_states: false (and "
@@ -64,68 +52,35 @@ def environment_problems(cfg: FSDPOffloadConfig) -> list[str]:
     return problems
 
 
-def loader_enabled(cfg: FSDPOffloadConfig) -> bool:
+def loader_enabled(cfg: FSDPOffloadConfig, ctx: LaunchContext | None = None) -> bool:
     return fsdp_requested(cfg) and cfg.cpu_ram_efficient_loading and cfg.version == 2
+
+
+def plan_for(cfg: FSDPOffloadConfig, source: str, ctx: LaunchContext) -> registry.Plan:
+    """The patches and environment `cfg` needs in `ctx`, after every check that can refuse it."""
+    problems = environment_problems(cfg, ctx)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return registry.plan(cfg, source, PATCHES, ctx, accelerate_env(cfg, ctx))
 
 
 # --------------------------------------------------------------------------------------------
 # Environment accelerate and transformers read
 # --------------------------------------------------------------------------------------------
 
-_ENV_FROM_CONFIG: dict[str, str] = {
-    "version": "FSDP_VERSION",
-    "reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
-    "offload_params": "FSDP_OFFLOAD_PARAMS",
-    "min_num_params": "FSDP_MIN_NUM_PARAMS",
-    "auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
-    "transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
-    "backward_prefetch": "FSDP_BACKWARD_PREFETCH",
-    "state_dict_type": "FSDP_STATE_DICT_TYPE",
-    "forward_prefetch": "FSDP_FORWARD_PREFETCH",
-    "use_orig_params": "FSDP_USE_ORIG_PARAMS",
-    "cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
-    "sync_module_states": "FSDP_SYNC_MODULE_STATES",
-    "activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
-    "activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
-    "ignored_modules": "FSDP_IGNORED_MODULES",
-    "sharding_strategy": "FSDP_SHARDING_STRATEGY",
-}
 
-
-def _env_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (tuple, list)):
-        return ",".join(value)
-    return str(value)
-
-
-def accelerate_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
-    """The variables `accelerate launch` would export for this config (what transformers gates on)."""
+def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]:
+    """The variables `accelerate launch` would export for this config (what transformers gates on),
+    plus the plugin's own keys, so that processes this one starts read the same config
+    (`config.config_from_env` reads them all back)."""
     if not fsdp_requested(cfg):
         return {}
-    env = {"ACCELERATE_USE_FSDP": "true"}
-    for field, var in _ENV_FROM_CONFIG.items():
-        value = getattr(cfg, field)
-        if value is not None:
-            env[var] = _env_value(value)
+    env = {"ACCELERATE_USE_FSDP": "true", **env_values(cfg)}
     if cfg.mixed_precision is not None:
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
-    if cpu_fsdp_needed(cfg):
+    if cpu_fsdp_needed(cfg, ctx):
         env["ACCELERATE_USE_CPU"] = "true"
     return env
-
-
-def export_accelerate_env(cfg: FSDPOffloadConfig) -> dict[str, str | None]:
-    """Set the config's accelerate variables; return the previous values so unpatch restores them.
-
-    Under `accelerate launch` they already hold the same values; under `torchrun` or the Trainer
-    this is what makes `Accelerator()` and transformers' loading gate see the config.
-    """
-    wanted = accelerate_env(cfg)
-    before = {key: os.environ.get(key) for key in wanted}
-    os.environ.update(wanted)
-    return before
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,7 +93,7 @@ def build_partial_state_init(original: Callable[..., None], cfg: FSDPOffloadConf
 
     @functools.wraps(original)
     def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:  # noqa: N807 - replaces __init__
-        original(self, cpu or cpu_fsdp_needed(cfg), **kwargs)
+        original(self, cpu or cpu_fsdp_needed(cfg, LaunchContext.from_environ()), **kwargs)
 
     return __init__
 
@@ -159,7 +114,7 @@ def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffload
         plugin = bound.arguments.get("fsdp_plugin")
         if was_initialized or plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
             return
-        if not cpu_fsdp_needed(cfg):
+        if not cpu_fsdp_needed(cfg, LaunchContext.from_environ()):
             return
         self.distributed_type = DistributedType.FSDP
         if self._mixed_precision != "no":
@@ -201,7 +156,7 @@ def ensure_process_group() -> None:
 def _rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
     from fsdp_offload_cfg.loading.local import rank0_loading_wanted
 
-    return loader_enabled(cfg) and launched_distributed() and rank0_loading_wanted()
+    return loader_enabled(cfg) and LaunchContext.from_environ().distributed and rank0_loading_wanted()
 
 
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -320,7 +275,7 @@ def _load_through_loader(
     from fsdp_offload_cfg.loading import load_into_sharded
 
     cpu_offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-    return load_into_sharded(model, shard, strategy=cfg.load_strategy, cpu_offload=cpu_offload)
+    return load_into_sharded(model, shard, strategy=cfg.load_strategy, cpu_offload=cpu_offload).model
 
 
 def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -398,34 +353,41 @@ def build_training_args_post_init(original: Callable[..., Any], cfg: FSDPOffload
 
     Runs before the original `__post_init__`, which sets up the device (and so the process group)
     before it even looks at `fsdp_config`: the CPU/gloo patches must already be in place then.
+    This patch is config-free, so the switch leaves it (running here) installed.
     """
 
     @functools.wraps(original)
     def __post_init__(self: Any) -> Any:  # noqa: N807 - replaces __post_init__
         if self.fsdp:
-            from fsdp_offload_cfg.config import load_config, read_config_file
-            from fsdp_offload_cfg.patching import replace_config
-
-            fsdp_config = self.fsdp_config
-            if isinstance(fsdp_config, (str, os.PathLike)):
-                fsdp_config = read_config_file(str(fsdp_config))
-            source = {"fsdp": self.fsdp, "fsdp_config": dict(fsdp_config or {})}
-            trainer_cfg = load_config(source)
-            replace_config(trainer_cfg, "TrainingArguments.fsdp_config")
+            _adopt_trainer_config(self.fsdp, self.fsdp_config)
         return original(self)
 
     return __post_init__
 
 
-def _always(cfg: FSDPOffloadConfig) -> bool:
+def _adopt_trainer_config(fsdp: Any, fsdp_config: Any) -> None:
+    """Errors name `TrainingArguments` (and the file, for a path); the session's source says
+    `TrainingArguments.fsdp_config`."""
+    name, source = "TrainingArguments", "TrainingArguments.fsdp_config"
+    if isinstance(fsdp_config, (str, os.PathLike)):
+        path = os.fspath(fsdp_config)
+        name, source = f"TrainingArguments(fsdp_config={path!r})", f"{source} ({path})"
+        fsdp_config = read_config_file(path)
+    trainer_cfg = load_config({"fsdp": fsdp, "fsdp_config": dict(fsdp_config or {})}, name=name)
+    session = registry.active()
+    if session is not None and session.config != trainer_cfg:
+        registry.switch(plan_for(dataclasses.replace(trainer_cfg, source=source), source, LaunchContext.from_environ()))
+
+
+def _always(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return True
 
 
-def _offload_fsdp1(cfg: FSDPOffloadConfig) -> bool:
+def _offload_fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg) and cfg.activation_cpu_offload.enabled and cfg.version == 1
 
 
-def _fsdp2_prepare_needed(cfg: FSDPOffloadConfig) -> bool:
+def _fsdp2_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg) and cfg.version == 2 and (
         cfg.cpu_ram_efficient_loading or cfg.activation_cpu_offload.enabled
     )
@@ -440,9 +402,11 @@ def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
     return swap_targets()
 
 
-def _patches() -> list[Any]:
-    from fsdp_offload_cfg.patching import Patch
+def _trl_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return loader_enabled(cfg) and _trl_installed()
 
+
+def _patches() -> list[Patch]:
     acc = ("torch", "accelerate")
     tf = ("torch", "transformers")
     return [
@@ -470,12 +434,13 @@ def _patches() -> list[Any]:
         # Imports TRL at patch() time where it is installed (a few seconds), so that its trainers,
         # imported afterwards, bind the replacement (`from ..models import prepare_fsdp`).
         Patch("trl-prepare-fsdp", "trl.models.utils", "prepare_fsdp", build_trl_prepare_fsdp,
-              lambda cfg: loader_enabled(cfg) and _trl_installed(), acc,
+              _trl_prepare_needed, acc,
               "fill loader-built reference/teacher models that TRL shards itself"),
         Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
               build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
         Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",
-              build_training_args_post_init, _always, tf, "validate the Trainer's fsdp_config and apply its plugin keys"),
+              build_training_args_post_init, _always, tf, "validate the Trainer's fsdp_config and apply its plugin keys",
+              config_free=True),
     ]
 
 

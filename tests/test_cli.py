@@ -13,7 +13,8 @@ import pytest
 import torch
 import yaml
 
-from fsdp_offload_cfg import cli, schema
+from fsdp_offload_cfg import cli
+from fsdp_offload_cfg.config import schema
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = [str(ROOT / "examples" / name) for name in ("fsdp2.yaml", "fsdp2.json", "fsdp2_cpu.yaml")]
@@ -92,12 +93,35 @@ def test_schema_prints_the_schema(capsys: pytest.CaptureFixture[str]):
 def test_explain_yaml_and_json(capsys: pytest.CaptureFixture[str]):
     assert cli.main(["explain", EXAMPLES[0], "--set", "load_strategy=sharded"]) == 0
     data = yaml.safe_load(capsys.readouterr().out)
-    assert data["config"]["source"] == EXAMPLES[0]
-    assert data["config"]["load_strategy"] == "sharded"
-    assert data["config"]["activation_cpu_offload"]["enabled"] is True
+    assert data["source"] == EXAMPLES[0]
+    assert data["config"]["fsdp_config"]["load_strategy"] == "sharded"
+    assert data["config"]["fsdp_config"]["activation_cpu_offload"]["enabled"] is True
+    assert data["defaults"]["forward_prefetch"] is False  # what the file leaves unset, with its value
     assert data["patches"] and all(isinstance(p, str) for p in data["patches"])
     assert cli.main(["explain", "--format", "json", EXAMPLES[2]]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["num_processes"] == 2
+
+
+TRAINER_JSON = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "activation_cpu_offload": {"mode": "sync"}}}
+BARE_MAPPING = {"fsdp_version": 2, "fsdp_reshard_after_forward": 1 == 1, "fsdp_transformer_layer_cls_to_wrap": "A,B"}
+
+
+@pytest.mark.parametrize("source", [*EXAMPLES, "trainer.json", "bare.yaml"])
+def test_explains_config_validates_when_fed_back_and_loads_back_equal(
+        source: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from fsdp_offload_cfg.config import load_config
+
+    if source == "trainer.json":
+        source = str(tmp_path / source)
+        Path(source).write_text(json.dumps(TRAINER_JSON))
+    elif source == "bare.yaml":
+        source = str(tmp_path / source)
+        Path(source).write_text(yaml.safe_dump(BARE_MAPPING))
+    assert cli.main(["explain", source, "--set", "activation_checkpointing=true"]) == 0
+    fed_back = tmp_path / "effective.yaml"
+    fed_back.write_text(yaml.safe_dump(yaml.safe_load(capsys.readouterr().out)["config"]))
+    assert cli.main(["validate", str(fed_back)]) == 0, capsys.readouterr().out
+    assert load_config(fed_back) == load_config(source, ["activation_checkpointing=true"])
 
 
 def test_explain_lists_the_patches_a_launch_would_apply(monkeypatch: pytest.MonkeyPatch,
@@ -127,8 +151,8 @@ def test_explain_inside_a_launch_shows_what_the_command_line_overrode(monkeypatc
     data = json.loads(capsys.readouterr().out)
     assert data["overridden_by_launch"] == {
         "cpu_ram_efficient_loading": {"file": True, "launch": False}, "mixed_precision": {"file": "no", "launch": "bf16"}}
-    assert data["config"]["mixed_precision"] == "bf16" and data["config"]["cpu_ram_efficient_loading"] is False
-    assert data["config"]["activation_cpu_offload"]["enabled"] is True  # a plugin key: only the file has it
+    assert data["config"]["mixed_precision"] == "bf16" and data["defaults"]["cpu_ram_efficient_loading"] is False
+    assert data["config"]["fsdp_config"]["activation_cpu_offload"]["enabled"] is True  # a plugin key: only the file has it
 
 
 def test_explain_errors_go_to_stderr(invalid: str, capsys: pytest.CaptureFixture[str]):

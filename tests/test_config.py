@@ -14,7 +14,6 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp_offload_cfg import schema
 from fsdp_offload_cfg.config import (
     ActivationOffloadConfig,
     ConfigError,
@@ -23,6 +22,7 @@ from fsdp_offload_cfg.config import (
     config_from_env,
     load_config,
     normalized_dict,
+    schema,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -573,14 +573,16 @@ def test_env_fsdp1_and_plugin_variables():
         "WORLD_SIZE": "2", "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
         "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE", "FSDP_MIN_NUM_PARAMS": "1000", "FSDP_IGNORED_MODULES": "lm_head",
         "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_SYNC_MODULE_STATES": "true",
-        "FSDP_ACTIVATION_CPU_OFFLOAD": '{"mode": "sync", "min_tensor_bytes": 0}', "FSDP_LOAD_STRATEGY": "sharded",
+        "FSDP_ACTIVATION_CPU_OFFLOAD": '{"mode": "sync", "min_tensor_bytes": 0}',
     })
     assert config is not None
     assert (config.version, config.sharding_strategy, config.reshard_after_forward) == (1, "SHARD_GRAD_OP", "FULL_SHARD")
     assert (config.backward_prefetch, config.min_num_params, config.ignored_modules) == ("BACKWARD_PRE", 1000, "lm_head")
     assert (config.mixed_precision, config.use_cpu, config.num_processes) == ("bf16", True, 2)
     assert config.activation_cpu_offload == ActivationOffloadConfig(enabled=True, mode="sync", min_tensor_bytes=0)
-    assert config.load_strategy == "sharded"
+    fsdp2 = config_from_env({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+                             "FSDP_LOAD_STRATEGY": "sharded"})
+    assert fsdp2 is not None and fsdp2.load_strategy == "sharded"
 
 
 def test_env_integral_float_from_older_accelerate_is_an_integer():
@@ -626,23 +628,22 @@ def test_config_error_survives_pickling():
     assert ConfigError("plain message").problems == [Problem("", "", "plain message")]
 
 
-def test_schema_is_valid_and_matches_the_repository_copy():
+def test_schema_is_valid_and_the_shipped_file_is_its_output():
+    """schemas/fsdp_config.schema.json is generated: regenerate with `fsdp-offload-cfg schema > ...`."""
     from jsonschema import Draft202012Validator
 
     Draft202012Validator.check_schema(schema.load_schema())
-    assert schema.load_schema() == json.loads((ROOT / "schemas" / "fsdp_config.schema.json").read_text())
+    assert (ROOT / "schemas" / "fsdp_config.schema.json").read_text() == schema.schema_text()
 
 
-def test_schema_falls_back_to_the_repository_copy(monkeypatch: pytest.MonkeyPatch):
-    def missing(package: str) -> Any:
-        raise ModuleNotFoundError(package)
+def test_schema_is_built_from_the_key_table():
+    """One definition per key: every key and alias of `keys.KEYS` is a schema key with its doc and type."""
+    from fsdp_offload_cfg.config.keys import KEYS
 
-    monkeypatch.setattr(schema.resources, "files", missing)
-    schema.load_schema.cache_clear()
-    try:
-        assert "patternProperties" in schema.load_schema()
-    finally:
-        schema.load_schema.cache_clear()
+    assert list(schema.canonical_keys()) == [k.name for k in KEYS] + [a for k in KEYS for a in k.aliases]
+    for key in KEYS:
+        node = schema.key_schema(key.name)
+        assert (node["description"], node["$ref"]) == (key.doc, f"#/$defs/{key.type}")
 
 
 def test_schema_enums_match_accelerate():
@@ -711,3 +712,173 @@ def test_any_mapping_gives_a_config_or_a_config_error(mapping: dict, overrides: 
     else:
         assert isinstance(config, FSDPOffloadConfig)
         json.dumps(normalized_dict(config))
+
+
+# -------------------------------------------------------------------------------------------
+# One definition per key (issue 12)
+# -------------------------------------------------------------------------------------------
+
+
+def test_the_model_is_generated_from_the_key_table():
+    from fsdp_offload_cfg.config.keys import FIELD_KEYS, LAUNCH_KEYS
+
+    fields = dataclasses.fields(FSDPOffloadConfig)
+    assert [f.name for f in fields] == [k.name for k in FIELD_KEYS] + list(LAUNCH_KEYS) + ["source"]
+    defaults = FSDPOffloadConfig()
+    assert all(getattr(defaults, k.name) == k.default for k in FIELD_KEYS)
+
+
+EVERY_KEY_SET = {
+    "fsdp_version": 2, "fsdp_reshard_after_forward": False, "fsdp_offload_params": True,
+    "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "A,B",
+    "fsdp_min_num_params": 1000, "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_cpu_ram_efficient_loading": True,
+    "fsdp_sync_module_states": True, "fsdp_activation_checkpointing": True, "fsdp_ignored_modules": "lm_head",
+    "fsdp_activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0, "prefetch_groups": 2},
+    "fsdp_load_strategy": "sharded",
+}
+
+
+@pytest.mark.parametrize("fsdp_config", [
+    EVERY_KEY_SET,
+    {**EVERY_KEY_SET, "fsdp_activation_cpu_offload": True, "fsdp_load_strategy": "broadcast"},
+    {"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP", "fsdp_backward_prefetch": "BACKWARD_POST",
+     "fsdp_forward_prefetch": True, "fsdp_use_orig_params": False, "fsdp_sync_module_states": False},
+])
+def test_the_environment_mapping_reads_back_the_same_config(fsdp_config: dict):
+    """`patch()` exports every key, the plugin's two included; a process started with that
+    environment (a DataLoader worker, a subprocess) reads back the same config."""
+    from fsdp_offload_cfg.config import env_values
+
+    config = load_config({"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": fsdp_config})
+    read_back = config_from_env({"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16",
+                                 **env_values(config)})
+    assert read_back == config
+
+
+def test_source_is_not_part_of_equality(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    write(tmp_path, "a.yaml", (EXAMPLES / "fsdp2.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    relative, dotted = load_config("a.yaml"), load_config("./a.yaml")
+    assert (relative.source, dotted.source) == ("a.yaml", "./a.yaml")
+    assert relative == dotted and hash(relative) == hash(dotted)
+
+
+def test_activation_offload_config_checks_itself_once():
+    with pytest.raises(ValueError, match=r"prefetch_groups: expected an integer >= 1; got 0"):
+        ActivationOffloadConfig(prefetch_groups=0)
+    with pytest.raises(ValueError, match=r"mode: expected one of auto, async, sync; got 'fast'.*min_tensor_bytes"):
+        ActivationOffloadConfig(mode="fast", min_tensor_bytes=-1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_pinned_bytes"):
+        ActivationOffloadConfig(max_pinned_bytes=True)  # type: ignore[arg-type]
+
+
+def test_importing_the_offload_does_not_import_jsonschema():
+    import subprocess
+    import sys
+
+    code = "import sys, fsdp_offload_cfg.offload; print('jsonschema' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_every_rule_is_named_and_has_a_case():
+    from fsdp_offload_cfg.config.rules import RULES
+
+    names = [rule.name for rule in RULES]
+    assert len(set(names)) == len(names)
+    assert set(names) == set(RULE_CASES)
+
+
+RULE_CASES = {
+    "fsdp2-reshard-is-a-bool": {"version": 2, "reshard_after_forward": "FULL_SHARD"},
+    "fsdp1-reshard-is-a-strategy": {"version": 1, "reshard_after_forward": True},
+    "sharding-strategy-is-fsdp1-only": {"version": 2, "sharding_strategy": "FULL_SHARD"},
+    "efficient-loading-needs-sync": {"cpu_ram_efficient_loading": True, "sync_module_states": False},
+    "load-strategy-needs-efficient-loading": {"load_strategy": "sharded"},
+    "load-strategy-needs-fsdp2": {"version": 1, "cpu_ram_efficient_loading": True, "load_strategy": "sharded"},
+    "checkpointing-offload-needs-checkpointing": {"activation_checkpointing_offload": True},
+    "checkpointing-offload-needs-fsdp2": {"version": 1, "activation_checkpointing": True,
+                                          "activation_checkpointing_offload": True},
+    "one-activation-offload": {"activation_checkpointing": True, "activation_checkpointing_offload": True,
+                               "activation_cpu_offload": True},
+    "no-forward-prefetch-in-fsdp2": {"forward_prefetch": True},
+    "no-local-state-dict-in-fsdp2": {"state_dict_type": "LOCAL_STATE_DICT"},
+    "no-xla": {"xla": True},
+    "fsdp-needs-distributed-type": {"compute_environment": "LOCAL_MACHINE", "fsdp_config": {"fsdp_version": 2}},
+    "fsdp-config-needs-fsdp": {"distributed_type": "MULTI_GPU", "fsdp_config": {"fsdp_version": 2}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULE_CASES))
+def test_each_rule_fires_alone_on_its_case(name: str):
+    from fsdp_offload_cfg.config.rules import RULES
+
+    (rule,) = [r for r in RULES if r.name == name]
+    problem = only_problem(RULE_CASES[name])
+    assert problem.path.rpartition(".")[2].removeprefix("fsdp_") == rule.at
+
+
+# -------------------------------------------------------------------------------------------
+# validate agrees with what will run (issue 12)
+# -------------------------------------------------------------------------------------------
+
+
+def test_distributed_type_is_case_sensitive_like_accelerate(tmp_path: Path):
+    """accelerate builds `DistributedType("fsdp")`, which raises; mixed_precision it lowercases."""
+    path = write(tmp_path, "a.yaml", "distributed_type: fsdp\nmixed_precision: BF16\nfsdp_config:\n  fsdp_version: 2\n")
+    problem = only_problem(path)
+    assert (problem.path, problem.message) == ("distributed_type", problem.message)
+    assert "FSDP" in problem.message and 'got "fsdp"' in problem.message
+    assert load_config(path, ["distributed_type=FSDP"]).mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("text", [
+    '{"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2,}}',
+    '{"fsdp": "full_shard", // FSDP on\n "fsdp_config": {"fsdp_version": 2}}',
+    "{'fsdp': 'full_shard', 'fsdp_config': {'fsdp_version': 2}}",
+])
+def test_a_json_file_is_read_as_json_like_transformers_does(text: str, tmp_path: Path):
+    path = write(tmp_path, "args.json", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert problem.file == path and "not valid JSON" in problem.message and "json.load" in problem.message
+    assert info.value.exit_code in (1, 2)
+
+
+def test_a_yaml_readable_json_file_is_invalid_not_unreadable(tmp_path: Path):
+    path = write(tmp_path, "args.json", "{'fsdp': 'full_shard', 'fsdp_config': {'fsdp_version': 2}}")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.exit_code == 1
+
+
+def test_load_strategy_under_fsdp1_is_refused(tmp_path: Path):
+    path = write(tmp_path, "a.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n"
+                 "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_load_strategy: sharded\n")
+    problem = only_problem(path)
+    assert problem.path == "fsdp_config.fsdp_load_strategy" and "only applies with FSDP2" in problem.message
+
+
+def test_messages_show_the_value_as_written():
+    problem = only_problem({"version": 2, "reshard_after_forward": 1})
+    assert "got 1 " in problem.message and 'got "FULL_SHARD"' not in problem.message
+
+
+def test_true_and_an_empty_mapping_both_enable_the_offload_and_do_not_conflict():
+    config = load_config({"activation_cpu_offload": True, "fsdp_activation_cpu_offload": {}})
+    assert config.activation_cpu_offload == ActivationOffloadConfig(enabled=True)
+    problem = only_problem({"activation_cpu_offload": False, "fsdp_activation_cpu_offload": {}})
+    assert "conflicts with" in problem.message
+
+
+def test_messages_spell_keys_as_the_file_does(tmp_path: Path):
+    path = write(tmp_path, "a.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                 "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_sync_module_states: false\n")
+    problem = only_problem(path)
+    assert problem.path == "fsdp_config.fsdp_sync_module_states"
+    assert "when fsdp_cpu_ram_efficient_loading is true" in problem.message
+    unprefixed = only_problem({"cpu_ram_efficient_loading": True, "sync_module_states": False})
+    assert "when cpu_ram_efficient_loading is true" in unprefixed.message
+    defaulted = only_problem({"fsdp_activation_checkpointing_offload": True})
+    assert "needs fsdp_activation_checkpointing: true" in defaulted.message

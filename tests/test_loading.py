@@ -150,22 +150,17 @@ def _held_by_kind(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def _read_stats() -> dict[str, Any] | None:
-    """What this rank's reader did in the last `load_into_sharded` (None if it read nothing)."""
-    from fsdp_offload_cfg.loading import sharded
-
-    stats, sharded.last_stats = sharded.last_stats, None
+def _read_stats(report: Any) -> dict[str, Any] | None:
+    """What this rank's reader did in a `load_into_sharded` (None if it read nothing)."""
+    stats = report.read
     if stats is None:
         return None
     return {"bytes_read": stats.bytes_read, "largest_read": stats.largest_read, "files": stats.files}
 
 
-def _sent_tensors() -> int | None:
-    """Tensors rank 0's scatter sent in the last `load_into_sharded` (None if it never ran)."""
-    from fsdp_offload_cfg.loading import broadcast
-
-    stats, broadcast.last_stats = broadcast.last_stats, None
-    return None if stats is None else stats.tensors
+def _sent_tensors(report: Any) -> int | None:
+    """Tensors rank 0's scatter sent in a `load_into_sharded` (None if it never ran)."""
+    return None if report.sent is None else report.sent.tensors
 
 
 def _checkpoint_bytes(path: str) -> tuple[int, int]:
@@ -212,12 +207,13 @@ def _load_case(case: str, path: str, ref_dir: str, rank: int, strategy: str) -> 
     result: dict[str, Any] = {"bytes_after_from_pretrained": held, "meta_after_from_pretrained": n_meta}
     result["held_after_from_pretrained"] = _held_by_kind(model)
     result["marked"] = is_rank0_source(model)
-    model = load_into_sharded(
+    report = load_into_sharded(
         model, lambda m: _shard(m, layers, offload=offload, upcast=upcast), strategy=strategy,
         cpu_offload=offload, bucket_bytes=BUCKET,
     )  # fmt: skip
-    result["read"] = _read_stats()
-    result["sent"] = _sent_tensors()
+    model = report.model
+    result["read"] = _read_stats(report)
+    result["sent"] = _sent_tensors(report)
     result["checkpoint_bytes"] = _checkpoint_bytes(path)
     result.update(_compare(model, torch.load(os.path.join(ref_dir, f"{case}.pt")), upcast=upcast))
     result["meta_left"] = _meta_left(model)
@@ -263,7 +259,7 @@ def _lora_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
     before = {n: _digest(p) for n, p in model.named_parameters() if "lora_" in n and not p.is_meta}
     model = load_into_sharded(
         model, lambda m: _shard(m, {"LlamaDecoderLayer"}, upcast=True), strategy=strategy, bucket_bytes=BUCKET
-    )
+    ).model
     full = _all_tensors(model)
     base = {
         n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t for n, t in full.items() if "lora_" not in n
@@ -291,7 +287,7 @@ def _from_config_case(rank: int, strategy: str) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_config(llama_config())
     held, n_meta = _bytes_held(model)
     before = {n: _digest(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
-    model = load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), strategy=strategy, bucket_bytes=BUCKET)
+    model = load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), strategy=strategy, bucket_bytes=BUCKET).model
     return {
         "bytes": held,
         "meta": n_meta,
@@ -323,7 +319,7 @@ def _accelerate_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
     plugin.set_mixed_precision("bf16")
     accelerator.state.fsdp_plugin = plugin
     model = AutoModelForCausalLM.from_pretrained(path)
-    model = load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy=strategy)
+    model = load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy=strategy).model
     result = _compare(model, torch.load(os.path.join(ref_dir, "llama_bf16.pt")), upcast=True)
     result["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     result["meta_left"] = _meta_left(model)
@@ -767,13 +763,14 @@ def _two_nodes_worker(rank: int, world_size: int, path: str, ref_dir: str) -> di
         model = AutoModelForCausalLM.from_pretrained(path)
         held = _held_by_kind(model)
         shard = lambda m: _shard(m, {"Qwen2DecoderLayer"})  # noqa: E731
-        model = load_into_sharded(model, shard, strategy=strategy, bucket_bytes=BUCKET)
+        report = load_into_sharded(model, shard, strategy=strategy, bucket_bytes=BUCKET)
+        model = report.model
         result = _compare(model, torch.load(os.path.join(ref_dir, "qwen2_tied.pt")))
         out[strategy] = {
             "local_rank": int(os.environ["LOCAL_RANK"]),
             "opened": list(opened),
             "held": held,
-            "read": _read_stats(),
+            "read": _read_stats(report),
             "wrong": result["wrong"],
             "meta_left": _meta_left(model),
         }

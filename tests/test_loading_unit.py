@@ -28,7 +28,8 @@ class Tied(nn.Module):
 
 def test_strategies_without_process_group() -> None:
     model = Tied()
-    assert load_into_sharded(model, lambda m: None, strategy="sharded") is model
+    report = load_into_sharded(model, lambda m: None, strategy="sharded")
+    assert report.model is model and (report.sent, report.read) == (None, None)  # no process group: no transfer
     with pytest.raises(ValueError, match="unknown load strategy"):
         load_into_sharded(Tied(), lambda m: m, strategy="scatter")  # type: ignore[arg-type]
     calls = []
@@ -46,7 +47,7 @@ def test_without_process_group_everything_is_the_original() -> None:
     model = rank0_from_pretrained(original, Tied, "some/path", dtype=torch.float32)
     assert calls == [(Tied, ("some/path",), {"dtype": torch.float32})]
     assert not is_rank0_source(model) and meta_tensor_names(model) == []
-    assert load_into_sharded(model, lambda m: None) is model
+    assert load_into_sharded(model, lambda m: None).model is model
 
 
 def test_describe_lists_every_tensor_with_all_its_names() -> None:

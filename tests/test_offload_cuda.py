@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
-from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

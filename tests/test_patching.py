@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 import fsdp_offload_cfg
-from fsdp_offload_cfg import ConfigError, FSDPOffloadConfig, integrations, patching
-from fsdp_offload_cfg.config import ActivationOffloadConfig
+from fsdp_offload_cfg import ConfigError, FSDPOffloadConfig, integrations, patching, registry
 from fsdp_offload_cfg.discovery import _config_file_arg, _is_accelerate_launch, discover_config
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
 EVERYTHING_ON = FSDPOffloadConfig(
     distributed_type="FSDP",
@@ -41,7 +41,7 @@ def _clean(monkeypatch: pytest.MonkeyPatch):
 
 
 def _raw(p: patching.Patch) -> Any:
-    return patching._resolve(p)[2]
+    return registry.resolve(p)[2]
 
 
 def _snapshot(patches: list[patching.Patch] | None = None) -> dict[str, Any]:
@@ -170,7 +170,7 @@ def test_missing_target_raises_without_half_patch(monkeypatch: pytest.MonkeyPatc
     before = _snapshot(real)
     bogus = patching.Patch(
         "bogus", "accelerate.accelerator", "Accelerator.no_such_method", lambda o, c: o,
-        lambda c: True, ("accelerate",), "target removed upstream",
+        lambda c, ctx: True, ("accelerate",), "target removed upstream",
     )
     monkeypatch.setattr(integrations, "PATCHES", [*integrations.PATCHES, bogus])
     with pytest.raises(patching.UnsupportedVersionError, match=r"Accelerator\.no_such_method"):
@@ -186,13 +186,27 @@ def test_bad_config_raises_config_error_naming_key_and_patches_nothing():
     assert _snapshot() == before
 
 
-def test_cpu_fsdp_patches_only_for_fsdp_without_gpu(monkeypatch: pytest.MonkeyPatch):
-    assert integrations.cpu_fsdp_needed(EVERYTHING_ON)
+def test_cpu_fsdp_patches_only_for_fsdp_without_gpu():
+    from fsdp_offload_cfg.registry import LaunchContext
+
+    assert integrations.cpu_fsdp_needed(EVERYTHING_ON, LaunchContext(world_size=2, launcher=True))
+    assert integrations.cpu_fsdp_needed(EVERYTHING_ON, LaunchContext.from_environ())  # the fixture's launcher
+    assert not integrations.cpu_fsdp_needed(EVERYTHING_ON, LaunchContext())  # single process: nothing to shard
+    assert not integrations.cpu_fsdp_needed(EVERYTHING_ON, LaunchContext(world_size=2, accelerator=True))
+    assert not integrations.cpu_fsdp_needed(FSDPOffloadConfig(distributed_type="MULTI_GPU"), LaunchContext(world_size=2))
+
+
+def test_predicates_read_the_launch_context_not_the_environment(monkeypatch: pytest.MonkeyPatch):
+    """`explain` asks what 8 processes would get without writing WORLD_SIZE into its environment."""
+    from fsdp_offload_cfg.registry import LaunchContext
+
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("LOCAL_RANK")
-    assert not integrations.cpu_fsdp_needed(EVERYTHING_ON)  # single process: nothing to shard
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not integrations.cpu_fsdp_needed(FSDPOffloadConfig(distributed_type="MULTI_GPU"))
+    eight = patching.describe_patches(EVERYTHING_ON, LaunchContext(world_size=8, launcher=True))
+    alone = patching.describe_patches(EVERYTHING_ON, LaunchContext())
+    assert any(p.startswith("cpu-fsdp-state:") for p in eight)
+    assert not any(p.startswith("cpu-fsdp-state:") for p in alone)
+    assert "WORLD_SIZE" not in os.environ
 
 
 def test_describe_patches_lists_what_patch_applies():
@@ -278,12 +292,12 @@ def test_failing_install_during_repatch_restores_the_previous_patch(monkeypatch:
         raise RuntimeError("builder failed")
 
     failing = patching.Patch("failing", "accelerate.accelerator", "Accelerator.prepare", broken_builder,
-                             lambda c: c.version == 1, ("accelerate",), "fails while installing")
+                             lambda c, ctx: c.version == 1, ("accelerate",), "fails while installing")
     monkeypatch.setattr(integrations, "PATCHES", [*integrations.PATCHES, failing])
     with pytest.raises(RuntimeError, match="builder failed"):
         fsdp_offload_cfg.patch(FSDP1_OFFLOAD)
     assert fsdp_offload_cfg.active_config() == EVERYTHING_ON
-    assert patching._SESSION.patch_names == names
+    assert registry.active().patch_names == names
     now = _snapshot(integrations.PATCHES[:-1])
     assert {n for n in now if now[n] is not originals[n]} == set(names)  # re-installed, not left bare
     fsdp_offload_cfg.unpatch()
@@ -299,3 +313,94 @@ def test_patch_after_accelerator_is_refused(monkeypatch: pytest.MonkeyPatch):
         fsdp_offload_cfg.patch(EVERYTHING_ON)
     assert _snapshot() == before
     assert fsdp_offload_cfg.active_config() is None
+
+
+# -------------------------------------------------------------------------------------------
+# The Trainer's fsdp_config, the exported environment, the module graph (issue 12)
+# -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def single_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Any):
+    """TrainingArguments sets up its device for real: one process, no launcher, no rendezvous."""
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    return {"output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": []}
+
+
+def test_the_trainer_switches_the_config_without_unpatching_itself(single_process: dict):
+    from transformers import TrainingArguments
+
+    session = fsdp_offload_cfg.patch(EVERYTHING_ON)
+    trainer_patch = TrainingArguments.__dict__["__post_init__"]
+    TrainingArguments(fsdp=True, fsdp_config={"version": 2, "activation_cpu_offload": {"mode": "sync"}},
+                      **single_process)
+    assert TrainingArguments.__dict__["__post_init__"] is trainer_patch  # still the one that ran
+    assert fsdp_offload_cfg.active_config().source == "TrainingArguments.fsdp_config"
+    assert fsdp_offload_cfg.active_config().activation_cpu_offload.mode == "sync"
+    assert "rank0-from-pretrained" not in session.patch_names  # the Trainer's config has no RAM-efficient loading
+    assert os.environ["FSDP_ACTIVATION_CPU_OFFLOAD"] == '{"enabled": true, "max_pinned_bytes": null, ' \
+        '"min_tensor_bytes": 1024, "mode": "sync", "offload_last_group": false, "prefetch_groups": 1}'
+    fsdp_offload_cfg.unpatch()
+    assert "FSDP_ACTIVATION_CPU_OFFLOAD" not in os.environ
+    assert TrainingArguments.__dict__["__post_init__"] is not trainer_patch
+
+
+def test_trainer_config_errors_name_the_training_arguments(single_process: dict, tmp_path: Any):
+    from transformers import TrainingArguments
+
+    fsdp_offload_cfg.patch(EVERYTHING_ON)
+    with pytest.raises(ConfigError, match=r"^TrainingArguments: fsdp_config\.activaton_cpu_offload: unknown key"):
+        TrainingArguments(fsdp=True, fsdp_config={"activaton_cpu_offload": True}, **single_process)
+    path = tmp_path / "fsdp.json"
+    path.write_text('{"fsdp_version": 3}')
+    with pytest.raises(ConfigError, match=rf"^TrainingArguments\(fsdp_config='{path}'\): fsdp_config\.fsdp_version: expected 1 or 2"):
+        TrainingArguments(fsdp=True, fsdp_config=str(path), **single_process)
+
+
+def test_patch_exports_the_plugins_own_keys_and_restores_them():
+    config = dataclasses.replace(EVERYTHING_ON, load_strategy="sharded")
+    fsdp_offload_cfg.patch(config)
+    assert os.environ["FSDP_ACTIVATION_CPU_OFFLOAD"] == "true"
+    assert os.environ["FSDP_LOAD_STRATEGY"] == "sharded"
+    from fsdp_offload_cfg.config import config_from_env
+
+    assert dataclasses.replace(config_from_env(), num_processes=None, use_cpu=None) == config  # + the launcher's
+    fsdp_offload_cfg.unpatch()
+    assert "FSDP_LOAD_STRATEGY" not in os.environ
+
+
+def test_the_same_settings_from_another_path_do_not_repatch(tmp_path: Any, monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                                     "  fsdp_activation_cpu_offload: true\n")
+    monkeypatch.chdir(tmp_path)
+    first = fsdp_offload_cfg.patch("a.yaml")
+    installed = importlib.import_module("accelerate.accelerator").fsdp2_prepare_model
+    assert fsdp_offload_cfg.patch("./a.yaml") is first
+    assert importlib.import_module("accelerate.accelerator").fsdp2_prepare_model is installed
+
+
+def _imports(module: str) -> set[str]:
+    """Every fsdp_offload_cfg module `module` imports, function-local imports included."""
+    import ast
+
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(open(spec.origin).read())  # noqa: SIM115
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return {n for n in names if n.startswith("fsdp_offload_cfg")}
+
+
+def test_the_patch_modules_import_in_one_direction():
+    """patching -> integrations -> registry; no cycle hidden in a function-local import."""
+    assert not any(n.startswith("fsdp_offload_cfg.patching") for n in _imports("fsdp_offload_cfg.integrations"))
+    registry_imports = _imports("fsdp_offload_cfg.registry")
+    assert not any(n.startswith(("fsdp_offload_cfg.patching", "fsdp_offload_cfg.integrations")) for n in registry_imports)
+    config_imports = set().union(*(_imports(f"fsdp_offload_cfg.config.{m}")
+                                   for m in ("keys", "model", "schema", "reading", "sources", "rules")))
+    assert not any(n.startswith(("fsdp_offload_cfg.patching", "fsdp_offload_cfg.integrations",
+                                 "fsdp_offload_cfg.registry")) for n in config_imports)

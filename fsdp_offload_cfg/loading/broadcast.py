@@ -33,7 +33,6 @@ class TransferStats:
     seconds: float = 0.0
 
 
-last_stats: TransferStats | None = None  # this process's latest `scatter_from_rank0` (benchmarks read it)
 
 
 def _aligned(n: int) -> int:
@@ -108,7 +107,6 @@ def scatter_from_rank0(
     transient memory per rank: one staging buffer of its part of a bucket (rank 0: one per
     destination rank, about one bucket in all when tensors are sharded).
     """
-    global last_stats
     rank, world = dist.get_rank(), dist.get_world_size()
     stats = TransferStats()
     start = time.perf_counter()
@@ -149,5 +147,4 @@ def scatter_from_rank0(
                 stats.buckets, len(plan), stats.tensors, stats.bytes_sent / 2**30, time.perf_counter() - start,
             )  # fmt: skip
     stats.seconds = time.perf_counter() - start
-    last_stats = stats
     return stats

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -58,6 +59,15 @@ logger = logging.getLogger("fsdp_offload_cfg.loading")
 DEFAULT_BUCKET_BYTES = 32 * 2**20  # per rank and scatter; rank 0 packs world_size times this
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What one `load_into_sharded` call did on this rank (for logs, tests and benchmarks)."""
+
+    model: nn.Module  # the sharded, filled model: what `shard_fn` returned (or the model itself)
+    sent: TransferStats | None  # rank 0's scatter (on rank 0: what it sent; elsewhere: what arrived); None: no scatter ran
+    read: sharded.ReadStats | None  # this rank's own reads from the checkpoint; None: it read nothing
+
+
 def load_into_sharded(
     model: nn.Module,
     shard_fn: Callable[[nn.Module], nn.Module | None],
@@ -65,7 +75,7 @@ def load_into_sharded(
     strategy: Literal["broadcast", "sharded"] = "broadcast",
     cpu_offload: bool = False,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> nn.Module:
+) -> LoadReport:
     """Shard `model` with `shard_fn` and fill it with its parameters and buffers.
 
     "broadcast": rank 0 sends every tensor. "sharded": tensors the model's checkpoint record
@@ -75,15 +85,15 @@ def load_into_sharded(
     from rank 0 as with "broadcast". A model with a record has no weights on rank 0, so its
     checkpoint tensors are read from the files whatever the strategy.
 
-    Returns what `shard_fn` returned (or `model` if it returned None). Bit-exact for every tensor
-    whose dtype is unchanged; floats are cast to the sharded dtype; other dtypes must match.
-    Without a multi-rank process group this is just `shard_fn(model)`.
+    Returns a `LoadReport` whose `model` is what `shard_fn` returned (or `model` if it returned
+    None). Bit-exact for every tensor whose dtype is unchanged; floats are cast to the sharded
+    dtype; other dtypes must match. Without a multi-rank process group this is just `shard_fn(model)`.
     """
     if strategy not in ("broadcast", "sharded"):
         raise ValueError(f"unknown load strategy {strategy!r}; expected 'broadcast' or 'sharded'")
     release_meta_guards(model)
     if not distributed_ready():
-        return shard_fn(model) or model
+        return LoadReport(shard_fn(model) or model, None, None)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     spec = _share_rank0_spec(model)
@@ -122,7 +132,7 @@ def load_into_sharded(
     raise_if_any_failed(_error(problem), "checking the loaded model")
     for module in sharded_model.modules():  # the record points at meta tensors that are gone now
         module.__dict__.pop(CHECKPOINT_ATTR, None)
-    return sharded_model
+    return LoadReport(sharded_model, stats, read_stats)
 
 
 def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> None:

@@ -63,7 +63,6 @@ class ReadStats:
     seconds: float = 0.0
 
 
-last_stats: ReadStats | None = None  # this process's latest `read_own_shards`
 
 
 def _tensor(model: nn.Module, t: TensorSpec) -> torch.Tensor:
@@ -222,7 +221,6 @@ def _pread(fd: int, into: memoryview, offset: int, path: str) -> None:
 def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: int, bucket_bytes: int) -> ReadStats:
     """Fill each target's `dest` with this rank's region, read from the checkpoint; floats are
     cast to the destination dtype on the way (as transformers' `.to(dtype)` would)."""
-    global last_stats
     stats = ReadStats()
     start = time.perf_counter()
     blocks: list[tuple[Target, FileTensor]] = []
@@ -250,7 +248,6 @@ def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: i
             os.close(fd)
     stats.tensors = len(targets)
     stats.seconds = time.perf_counter() - start
-    last_stats = stats
     return stats
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.groups import LayerClasses, find_units, hook_groups, lift_to_boundaries
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.pool import HostPool
 
 _ATTR = "_fsdp_offload_cfg_activation_offload"  # the active handle, kept on the model itself
@@ -94,13 +94,6 @@ def _resolve_mode(mode: str, device: torch.device) -> str:
     return mode  # async on CPU: the CPU proxy of the async path (no streams, same prefetch order)
 
 
-def _validate(config: ActivationOffloadConfig) -> None:
-    if config.min_tensor_bytes < 0 or config.prefetch_groups < 0:
-        raise ValueError("min_tensor_bytes and prefetch_groups must be >= 0")
-    if config.max_pinned_bytes is not None and config.max_pinned_bytes < 0:
-        raise ValueError("max_pinned_bytes must be >= 0 or None")
-
-
 def enable_activation_offload(
     model: nn.Module,
     config: ActivationOffloadConfig | None = None,
@@ -117,7 +110,6 @@ def enable_activation_offload(
     offload is already enabled on `model`.
     """
     config = config if config is not None else ActivationOffloadConfig(enabled=True)
-    _validate(config)
     if get_offload_handle(model) is not None:
         raise RuntimeError("activation offload is already enabled on this model; call handle.remove() first")
     if not config.enabled:

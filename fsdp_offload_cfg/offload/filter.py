@@ -1,6 +1,6 @@
 """Which saved tensors may leave the compute device, and why the others stay.
 
-Each rule guards a known failure of earlier offloaders (see DESIGN.md, "Hazards"):
+Each rule guards a known failure of earlier offloaders (docs/offload.md, "What is never offloaded, and why"):
 - parameters and anything sharing their storage (`weight.t()`, FSDP's unsharded parameters,
   FSDP1 flat-parameter views) and buffers: they live on the device anyway, so a copy frees
   nothing; worse, FSDP resizes unsharded storage to zero on reshard and refills it in backward,

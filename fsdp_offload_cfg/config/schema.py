@@ -1,16 +1,18 @@
-"""The JSON Schema of one `fsdp_config` mapping, and the two things the loader does with it.
+"""The JSON Schema of one `fsdp_config` mapping, built from `keys.KEYS`, and what the reader does with it.
 
-The schema file (`schemas/fsdp_config.schema.json`, shipped as package data) is the single
-source of truth for key names and value types. This module:
+The schema is generated, never hand-edited: one pattern property per key and per alias, its type
+a `$defs` entry from `keys.TYPES`. `schemas/fsdp_config.schema.json` (shipped as package data,
+for editors and other tools) is this output, written by `fsdp-offload-cfg schema`; a test keeps
+the two equal. This module:
 
-- loads it (package data first, the repository copy as a fallback for source checkouts);
 - `coerce`s values into their canonical form *by reading the schema*: "true" -> True, "8" -> 8,
   "full_shard" -> "FULL_SHARD". accelerate's CLI and environment hand us strings, and
-  accelerate itself is case-insensitive about enum names, so we accept what it accepts;
+  accelerate itself is case-insensitive about fsdp_config enum names, so we accept what it
+  accepts (and no more: launch keys such as `distributed_type` are case-sensitive there);
 - `validate`s and turns jsonschema errors into `(key path, message)` pairs that say what was
-  expected, for `fsdp_offload_cfg.config.ConfigError`.
+  expected, for `ConfigError`. jsonschema is imported on first use, not with the package.
 
-It knows nothing about files, spellings or rules between keys; `config.py` does.
+It knows nothing about files, spellings or rules between keys.
 """
 
 from __future__ import annotations
@@ -19,50 +21,68 @@ import difflib
 import functools
 import json
 import re
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import ValidationError
+from fsdp_offload_cfg.config.keys import KEYS, LAUNCH, TYPES
 
 SCHEMA_FILE = "fsdp_config.schema.json"
-_PREFIXED_KEY = re.compile(r"^\^\(fsdp_\)\?(\w+)\$$")  # "^(fsdp_)?offload_params$"
 _INTEGER_TEXT = re.compile(r"([0-9]+)(\.0*)?")  # "8"; "100000000.0" as accelerate 1.10 exports FSDP_MIN_NUM_PARAMS
+_DESCRIPTION = (
+    "One `fsdp_config` mapping as written in an accelerate config file, a transformers TrainingArguments / "
+    "ms-swift JSON, or on its own. Every key may carry the `fsdp_` prefix (`fsdp_offload_params` == "
+    "`offload_params`). Accepts accelerate 1.15 keys, transformers 5.23 Trainer keys and this plugin's keys. "
+    "Types only: rules between keys (FSDP1 vs FSDP2, cpu_ram_efficient_loading needs sync_module_states, ...) "
+    "are checked by fsdp_offload_cfg.config after defaults are filled in, see docs/config.md. Generated from "
+    "fsdp_offload_cfg/config/keys.py by `fsdp-offload-cfg schema`."
+)
 
 KeyPath = tuple[Any, ...]
 
 
+def _pattern(name: str) -> str:
+    return f"^(fsdp_)?{name}$"
+
+
 @functools.cache
 def load_schema() -> dict[str, Any]:
-    """The schema as a dict: the wheel's package data, else the source checkout's `schemas/`."""
-    try:
-        text = (resources.files("fsdp_offload_cfg") / "schemas" / SCHEMA_FILE).read_text("utf-8")
-    except (FileNotFoundError, NotADirectoryError, ModuleNotFoundError):
-        text = (Path(__file__).resolve().parent.parent / "schemas" / SCHEMA_FILE).read_text("utf-8")
-    return json.loads(text)
+    """The schema as a dict, built from the key table."""
+    properties: dict[str, Any] = {}
+    for key in KEYS:
+        node: dict[str, Any] = {"$ref": f"#/$defs/{key.type}", "description": key.doc}
+        default = key.schema_default if key.schema_default is not None else key.default
+        if default is not None:
+            node["default"] = default
+        properties[_pattern(key.name)] = node
+    for key in KEYS:
+        for alias in key.aliases:
+            properties[_pattern(alias)] = {"$ref": f"#/$defs/{key.type}",
+                                           "description": f"transformers Trainer spelling of {key.name}."}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "urn:fsdp-offload-cfg:fsdp_config.schema.json",
+        "title": "fsdp_config",
+        "description": _DESCRIPTION,
+        "type": "object",
+        "patternProperties": properties,
+        "additionalProperties": False,
+        "$defs": TYPES,
+    }
 
 
 def schema_text() -> str:
-    """The schema, pretty-printed (what `fsdp-offload-cfg schema` prints)."""
+    """The schema, pretty-printed (what `fsdp-offload-cfg schema` prints and the shipped file holds)."""
     return json.dumps(load_schema(), indent=2) + "\n"
 
 
 @functools.cache
 def canonical_keys() -> tuple[str, ...]:
-    """fsdp_config key names without the `fsdp_` prefix, in schema order."""
-    names = []
-    for pattern in load_schema()["patternProperties"]:
-        match = _PREFIXED_KEY.match(pattern)
-        if match is None:
-            raise RuntimeError(f"schema key pattern {pattern!r} is not of the form ^(fsdp_)?name$")
-        names.append(match.group(1))
-    return tuple(names)
+    """fsdp_config key names without the `fsdp_` prefix, aliases included, in schema order."""
+    return tuple(pattern.removeprefix("^(fsdp_)?").removesuffix("$") for pattern in load_schema()["patternProperties"])
 
 
 def key_schema(key: str) -> dict[str, Any]:
     """The schema node of a canonical fsdp_config key."""
-    return load_schema()["patternProperties"][f"^(fsdp_)?{key}$"]
+    return load_schema()["patternProperties"][_pattern(key)]
 
 
 def definition(name: str) -> dict[str, Any]:
@@ -78,6 +98,12 @@ def enum_names(name: str) -> list[str]:
     raise KeyError(name)
 
 
+def coerce_launch(name: str, value: Any) -> Any:
+    """`coerce` for a top-level launch key, case-sensitive where accelerate is."""
+    launch = next(k for k in LAUNCH if k.name == name)
+    return coerce(value, launch.schema, change_case=not launch.case_sensitive)
+
+
 # -------------------------------------------------------------------------------------------
 # coercion
 # -------------------------------------------------------------------------------------------
@@ -89,7 +115,7 @@ def _resolve(node: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def coerce(value: Any, node: dict[str, Any]) -> Any:
+def coerce(value: Any, node: dict[str, Any], change_case: bool = True) -> Any:
     """Bring `value` into the canonical form `node` describes, or return it unchanged.
 
     Never raises and never invents a value: what cannot be converted is left for `validate` to
@@ -98,9 +124,9 @@ def coerce(value: Any, node: dict[str, Any]) -> Any:
     node = _resolve(node)
     if "if" in node:  # activation_cpu_offload: a mapping, else a bool
         branch = node["then"] if isinstance(value, dict) else node["else"]
-        return coerce(value, branch)
+        return coerce(value, branch, change_case)
     for branch in node.get("anyOf", ()):
-        converted = coerce(value, branch)
+        converted = coerce(value, branch, change_case)
         if converted is not value:
             return converted
     if isinstance(value, str):
@@ -109,7 +135,7 @@ def coerce(value: Any, node: dict[str, Any]) -> Any:
         integer = _INTEGER_TEXT.fullmatch(value.strip())
         if node.get("type") == "integer" and integer:
             return int(integer.group(1))
-        for candidate in (value.upper(), value.lower()):
+        for candidate in (value.upper(), value.lower()) if change_case else ():
             if candidate != value and candidate in node.get("enum", ()):
                 return candidate
     if isinstance(value, float) and node.get("type") == "integer" and value.is_integer():
@@ -131,7 +157,9 @@ def coerce_key(key: str, value: Any) -> Any:
 
 
 @functools.cache
-def _validator(def_name: str | None) -> Draft202012Validator:
+def _validator(def_name: str | None) -> Any:
+    from jsonschema import Draft202012Validator
+
     schema = load_schema()
     if def_name is not None:  # a sub-schema that still resolves "#/$defs/..." references
         schema = {**schema["$defs"][def_name], "$defs": schema["$defs"]}
@@ -150,7 +178,7 @@ def validate(instance: dict[str, Any], def_name: str | None = None) -> list[tupl
     return sorted(problems.items(), key=lambda p: [str(part) for part in p[0]])
 
 
-def _explain(error: ValidationError) -> list[tuple[KeyPath, str]]:
+def _explain(error: Any) -> list[tuple[KeyPath, str]]:
     path = tuple(error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
     if error.validator == "additionalProperties":

@@ -1,0 +1,134 @@
+"""The rules between keys, as named objects in one list (`RULES`), checked on effective values.
+
+The JSON Schema sees one key at a time and no defaults; these rules see the config as it will
+run (defaults filled in per consumer: accelerate's FSDP1 default, the Trainer's FSDP2). Each
+rule names the keys it reads and is skipped when one of them already had a problem, so a typo
+gives one message, not a cascade. Messages name keys the way the user spelled them (see
+`RuleContext.spell`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_offload_cfg.config.keys import FSDP2_RESHARD_FOR, LAUNCH_KEYS, SHARDING_STRATEGIES, Layout
+from fsdp_offload_cfg.config.schema import show
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a rule sees: effective values, which keys the user set, and how the user spelled them."""
+
+    values: Mapping[str, Any]  # canonical key -> typed value, defaults filled in
+    explicit: frozenset[str]  # keys the source set (launch keys included)
+    raw: Mapping[str, Any]  # canonical key -> the value as written, before typing (for messages)
+    written: Mapping[str, str]  # canonical key -> its path as the user spelled it
+    layout: Layout
+    prefixed: bool  # the source spells fsdp_config keys with `fsdp_`
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    @property
+    def version(self) -> int:
+        return self.values["version"]
+
+    def spell(self, key: str) -> str:
+        """`key` as the user wrote it, or as they would write it (their `fsdp_` habit)."""
+        if key in self.written:
+            return self.written[key].rpartition(".")[2]
+        return f"fsdp_{key}" if self.prefixed and key not in LAUNCH_KEYS else key
+
+    def where(self, key: str) -> str:
+        """The key path a problem with `key` is reported at."""
+        if key in self.written:
+            return self.written[key]
+        nested = self.layout in ("accelerate", "trainer") and key not in LAUNCH_KEYS
+        return ("fsdp_config." if nested else "") + self.spell(key)
+
+    def shown(self, key: str) -> str:
+        """The value of `key` as the user wrote it (`1`, not the `FULL_SHARD` it stands for)."""
+        return show(self.raw[key] if key in self.raw else self.values[key])
+
+    def why_version(self) -> str:
+        if "version" in self.explicit:
+            return ""
+        return f" ({self.spell('version')} is unset; {self.layout} defaults to {self.version})"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: when `broken(ctx)`, report `message(ctx)` at `at`, unless one of `keys` is already bad."""
+
+    name: str
+    keys: tuple[str, ...]
+    at: str
+    broken: Callable[[RuleContext], bool]
+    message: Callable[[RuleContext], str]
+
+
+def _fsdp2_reshard_name(ctx: RuleContext) -> str:
+    value = ctx["reshard_after_forward"]
+    return (f"FSDP2{ctx.why_version()} needs true or false; got {ctx.shown('reshard_after_forward')} "
+            f"(accelerate to-fsdp2 maps {value} to {str(FSDP2_RESHARD_FOR[value]).lower()})")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("fsdp2-reshard-is-a-bool", ("version", "reshard_after_forward"), "reshard_after_forward",
+         lambda c: c.version == 2 and not isinstance(c["reshard_after_forward"], bool), _fsdp2_reshard_name),
+    Rule("fsdp1-reshard-is-a-strategy", ("version", "reshard_after_forward"), "reshard_after_forward",
+         lambda c: c.version == 1 and isinstance(c["reshard_after_forward"], bool),
+         lambda c: f"FSDP1{c.why_version()} needs a sharding strategy ({', '.join(SHARDING_STRATEGIES)}); "
+                   f"got {c.shown('reshard_after_forward')}"),
+    Rule("sharding-strategy-is-fsdp1-only", ("version", "sharding_strategy"), "sharding_strategy",
+         lambda c: c.version == 2 and "sharding_strategy" in c.explicit,
+         lambda c: f"is FSDP1-only and ignored by FSDP2{c.why_version()}; use {c.spell('reshard_after_forward')}: "
+                   f"{str(FSDP2_RESHARD_FOR[c['sharding_strategy']]).lower()} instead"),
+    Rule("efficient-loading-needs-sync", ("cpu_ram_efficient_loading", "sync_module_states"), "sync_module_states",
+         lambda c: c["cpu_ram_efficient_loading"] and not c["sync_module_states"],
+         lambda c: f"must be true when {c.spell('cpu_ram_efficient_loading')} is true (accelerate launch refuses "
+                   "the combination: ranks other than 0 would keep empty weights)"),
+    Rule("load-strategy-needs-efficient-loading", ("load_strategy", "cpu_ram_efficient_loading"), "load_strategy",
+         lambda c: "load_strategy" in c.explicit and not c["cpu_ram_efficient_loading"],
+         lambda c: f"only applies with {c.spell('cpu_ram_efficient_loading')}: true; here it would do nothing"),
+    Rule("load-strategy-needs-fsdp2", ("load_strategy", "version", "cpu_ram_efficient_loading"), "load_strategy",
+         lambda c: "load_strategy" in c.explicit and c["cpu_ram_efficient_loading"] and c.version == 1,
+         lambda c: f"only applies with FSDP2 ({c.spell('version')}: 2){c.why_version()}: under FSDP1 accelerate "
+                   "loads the model itself and this key would do nothing"),
+    Rule("checkpointing-offload-needs-checkpointing",
+         ("activation_checkpointing_offload", "activation_checkpointing"), "activation_checkpointing_offload",
+         lambda c: c["activation_checkpointing_offload"] and not c["activation_checkpointing"],
+         lambda c: f"needs {c.spell('activation_checkpointing')}: true (accelerate raises otherwise)"),
+    Rule("checkpointing-offload-needs-fsdp2", ("activation_checkpointing_offload", "version"),
+         "activation_checkpointing_offload",
+         lambda c: c["activation_checkpointing_offload"] and c.version == 1,
+         lambda c: f"needs FSDP2 ({c.spell('version')}: 2){c.why_version()}"),
+    Rule("one-activation-offload", ("activation_checkpointing_offload", "activation_cpu_offload"),
+         "activation_cpu_offload",
+         lambda c: c["activation_checkpointing_offload"] and c["activation_cpu_offload"].enabled,
+         lambda c: f"cannot be combined with {c.spell('activation_checkpointing_offload')}: both would move the "
+                   "checkpoint inputs to the host; keep this one (async, filtered) and drop the other"),
+    Rule("no-forward-prefetch-in-fsdp2", ("forward_prefetch", "version"), "forward_prefetch",
+         lambda c: c["forward_prefetch"] and c.version == 2,
+         lambda c: f"is not implemented in FSDP2{c.why_version()} (accelerate raises); remove it"),
+    Rule("no-local-state-dict-in-fsdp2", ("state_dict_type", "version"), "state_dict_type",
+         lambda c: c["state_dict_type"] == "LOCAL_STATE_DICT" and c.version == 2,
+         lambda c: f"FSDP2{c.why_version()} does not support LOCAL_STATE_DICT; use SHARDED_STATE_DICT or "
+                   "FULL_STATE_DICT"),
+    Rule("no-xla", ("xla",), "xla", lambda c: c["xla"] is True,
+         lambda c: "XLA FSDP bypasses accelerate's FSDP plugin, so fsdp_offload_cfg cannot act on it; set it to false"),
+    Rule("fsdp-needs-distributed-type", ("distributed_type",), "distributed_type",
+         lambda c: c.layout == "accelerate" and c["fsdp_keys_given"] and c["distributed_type"] is None,
+         lambda c: "missing: accelerate requires it; set distributed_type: FSDP"),
+    Rule("fsdp-config-needs-fsdp", ("distributed_type",), "distributed_type",
+         lambda c: c.layout == "accelerate" and c["fsdp_keys_given"] and c["distributed_type"] not in (None, "FSDP"),
+         lambda c: f"is {c['distributed_type']}, so accelerate ignores fsdp_config; set distributed_type: FSDP"),
+)
+
+
+def broken_rules(ctx: RuleContext, bad: set[str]) -> list[tuple[str, str]]:
+    """`(where, message)` for every rule `ctx` breaks whose keys are all fine so far."""
+    return [(ctx.where(rule.at), rule.message(ctx))
+            for rule in RULES if not set(rule.keys) & bad and rule.broken(ctx)]

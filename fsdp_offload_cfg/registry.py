@@ -1,0 +1,294 @@
+"""The patch machinery: what a patch is, the launch context it is decided in, and the installed session.
+
+Both `integrations` (the patches themselves) and `patching` (the public `patch()`) use this
+module; it imports neither, so there is no cycle to hide behind function-local imports.
+
+- `Patch`: one reversible replacement, named by the module where the symbol is *looked up*
+  (accelerate's `accelerator` module imports `fsdp2_prepare_model` by name, so patching
+  `fsdp_utils` alone would change nothing).
+- `LaunchContext`: what the launcher decided (process count, accelerator present). Predicates
+  read it as an argument, so `explain` can ask "what would 8 processes get?" without writing
+  `WORLD_SIZE` into its own environment.
+- `Plan` -> `install` / `switch` / `uninstall`: every target is resolved and guarded before
+  anything changes; a failure never leaves a half-patched process; uninstall puts back the
+  exact original objects and environment values.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from packaging.version import Version
+
+from fsdp_offload_cfg.config import FSDPOffloadConfig
+
+# Tested ranges (inclusive lower bound, exclusive upper bound). Upper bounds are the next major
+# release: patched internals (`fsdp2_prepare_model`, `AcceleratorState.__init__`) may change there.
+SUPPORTED_VERSIONS: dict[str, tuple[str, str]] = {
+    "torch": ("2.6", "3"),
+    "accelerate": ("1.10", "2"),
+    "transformers": ("4.57", "6"),
+}
+
+
+class UnsupportedVersionError(RuntimeError):
+    """An installed library is outside the range this plugin's patches were written against."""
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What the launcher (torchrun / accelerate launch), not the config, decides."""
+
+    world_size: int = 1
+    launcher: bool = False  # started by a launcher (LOCAL_RANK set), even as a single process
+    accelerator: bool = False  # a device accelerate would pick over the CPU (CUDA, XPU, NPU)
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process, or a launcher's worker: collectives are in play."""
+        return self.world_size > 1 or self.launcher
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> LaunchContext:
+        try:
+            world_size = int(environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            world_size = 1
+        return cls(world_size, environ.get("LOCAL_RANK") is not None, has_accelerator_device())
+
+    @classmethod
+    def for_processes(cls, num_processes: int | None) -> LaunchContext:
+        """The context a launch of `num_processes` would give on this machine (for `explain`)."""
+        count = max(num_processes or 1, 1)
+        return cls(count, count > 1, has_accelerator_device())
+
+
+def has_accelerator_device() -> bool:
+    """Any device accelerate would pick over the CPU (CUDA, XPU, NPU; MPS excluded on purpose)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    for name in ("xpu", "npu"):
+        backend = getattr(torch, name, None)
+        if backend is not None and backend.is_available():
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement: `module.attribute` (attribute may be `Class.method`) wrapped by `build`."""
+
+    name: str
+    module: str
+    attribute: str
+    build: Callable[[Any, FSDPOffloadConfig], Any]  # (original function, config) -> replacement
+    enabled: Callable[[FSDPOffloadConfig, LaunchContext], bool]
+    requires: tuple[str, ...]  # distributions whose version guards this patch
+    description: str
+    # (module, attribute) of functions the replacement swaps only while it runs (for the
+    # installed versions): checked to exist with the patch itself, before anything changes.
+    swaps: Callable[[FSDPOffloadConfig], list[tuple[str, str]]] = lambda cfg: []
+    # The replacement does not depend on the config: a config switch leaves it installed. The
+    # Trainer's patch is one, and switches the config from inside its own replacement.
+    config_free: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one config needs here, after every check that can refuse it."""
+
+    config: FSDPOffloadConfig
+    source: str
+    patches: list[Patch]
+    env: dict[str, str]  # variables to export (what accelerate launch would have exported)
+
+
+@dataclass
+class _Applied:
+    patch: Patch
+    owner: Any  # module or class the attribute lives on
+    attr: str
+    original: Any  # the raw object from owner.__dict__ (classmethod objects kept as such)
+
+
+@dataclass
+class PatchSession:
+    """What `patch()` applied; also a context manager that undoes it on exit."""
+
+    config: FSDPOffloadConfig
+    source: str
+    applied: list[_Applied]
+    env_before: dict[str, str | None]  # every variable this session set, as it was before
+    on_exit: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    @property
+    def patch_names(self) -> list[str]:
+        return [a.patch.name for a in self.applied]
+
+    def __enter__(self) -> PatchSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.on_exit()
+
+
+_ACTIVE: PatchSession | None = None  # the installed session; replacements read its config live
+
+
+def active() -> PatchSession | None:
+    return _ACTIVE
+
+
+# -------------------------------------------------------------------------------------------
+# Checks
+# -------------------------------------------------------------------------------------------
+
+
+def check_versions(distributions: set[str]) -> None:
+    """Raise `UnsupportedVersionError` naming every installed library outside its tested range."""
+    problems = []
+    for dist in sorted(distributions):
+        low, high = SUPPORTED_VERSIONS[dist]
+        try:
+            installed = Version(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            problems.append(f"{dist} is not installed (need >={low},<{high})")
+            continue
+        if not (Version(low) <= Version(installed.base_version) < Version(high)):
+            problems.append(f"{dist}=={installed} is outside the supported range >={low},<{high}")
+    if problems:
+        raise UnsupportedVersionError(
+            "fsdp_offload_cfg cannot patch this environment: " + "; ".join(problems)
+            + ". Install a supported version or pin fsdp-offload-cfg to one that supports yours."
+        )
+
+
+def resolve(patch: Patch) -> tuple[Any, str, Any]:
+    """(owner, attribute, raw original) of a patch target; `UnsupportedVersionError` if absent."""
+    module = importlib.import_module(patch.module)
+    *owner_path, attr = patch.attribute.split(".")
+    owner: Any = module
+    for part in owner_path:
+        owner = getattr(owner, part)
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    if raw is None:
+        raise UnsupportedVersionError(
+            f"patch {patch.name!r}: {patch.module}.{patch.attribute} does not exist in the installed "
+            "version; this release of fsdp_offload_cfg does not support it"
+        )
+    return owner, attr, raw
+
+
+def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
+    if not callable(getattr(importlib.import_module(module), attribute, None)):
+        raise UnsupportedVersionError(
+            f"patch {patch.name!r} replaces or calls {module}.{attribute} during a load, and the installed version does not "
+            "have it; this release of fsdp_offload_cfg does not support it"
+        )
+
+
+def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchContext,
+         env: dict[str, str]) -> Plan:
+    """The patches `cfg` needs in `ctx`, with versions in range and every target present."""
+    wanted = [p for p in patches if p.enabled(cfg, ctx)]
+    check_versions({dist for p in wanted for dist in p.requires})
+    for p in wanted:
+        resolve(p)
+        for module, attribute in p.swaps(cfg):
+            _resolve_swap(p, module, attribute)
+    return Plan(cfg, source, wanted, env)
+
+
+# -------------------------------------------------------------------------------------------
+# Install, switch, uninstall
+# -------------------------------------------------------------------------------------------
+
+
+def install(new: Plan, on_exit: Callable[[], None]) -> PatchSession:
+    """Install a plan as the active session (none may be active); all or nothing."""
+    global _ACTIVE
+    assert _ACTIVE is None, "uninstall the active session first"
+    env_before = _export(new.env)
+    applied: list[_Applied] = []
+    try:
+        _install_all(new, new.patches, applied)
+    except BaseException:
+        _revert(applied, env_before)
+        raise
+    _ACTIVE = PatchSession(new.config, new.source, applied, env_before, on_exit)
+    return _ACTIVE
+
+
+def switch(new: Plan) -> PatchSession:
+    """Make `new` the active session's config, leaving config-free patches in place.
+
+    The Trainer's patch calls this from inside its own replacement: that replacement stays
+    installed (and running) throughout; only the config-dependent patches are swapped.
+    """
+    session = _ACTIVE
+    assert session is not None, "switch needs an active session"
+    kept = [a for a in session.applied if a.patch.config_free and a.patch in new.patches]
+    dropped = [a for a in session.applied if a not in kept]
+    _revert(dropped, {})
+    _restore_env({k: v for k, v in session.env_before.items() if k not in new.env})
+    for key, value in _export(new.env).items():
+        session.env_before.setdefault(key, value)
+    applied = list(kept)
+    kept_patches = {a.patch for a in kept}
+    try:
+        _install_all(new, [p for p in new.patches if p not in kept_patches], applied)
+    except BaseException:
+        _revert([a for a in applied if a not in kept], {})
+        raise
+    order = {p.name: i for i, p in enumerate(new.patches)}
+    session.applied = sorted(applied, key=lambda a: order[a.patch.name])
+    session.config, session.source = new.config, new.source
+    return session
+
+
+def uninstall() -> None:
+    """Restore every patched object and environment variable exactly; a no-op when none is active."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _revert(_ACTIVE.applied, _ACTIVE.env_before)
+        _ACTIVE = None
+
+
+def _install_all(new: Plan, patches: list[Patch], applied: list[_Applied]) -> None:
+    resolved = [(p, *resolve(p)) for p in patches]  # every target exists before anything changes
+    for p, owner, attr, raw in resolved:
+        if isinstance(raw, classmethod):
+            replacement: Any = classmethod(p.build(raw.__func__, new.config))
+        elif isinstance(raw, staticmethod):
+            replacement = staticmethod(p.build(raw.__func__, new.config))
+        else:
+            replacement = p.build(raw, new.config)
+        setattr(owner, attr, replacement)
+        applied.append(_Applied(p, owner, attr, raw))
+
+
+def _export(env: Mapping[str, str]) -> dict[str, str | None]:
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    return before
+
+
+def _restore_env(before: Mapping[str, str | None]) -> None:
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _revert(applied: list[_Applied], env_before: Mapping[str, str | None]) -> None:
+    for a in reversed(applied):
+        setattr(a.owner, a.attr, a.original)
+    _restore_env(env_before)
