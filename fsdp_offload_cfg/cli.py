@@ -7,14 +7,13 @@ command line is wrong (argparse's usage errors).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, as_config_file, load_config
+from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, as_config_file, load_config, normalized_dict
 from fsdp_offload_cfg.config.schema import schema_text
 
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
@@ -126,10 +125,8 @@ def _explain(args: argparse.Namespace) -> int:
 def _defaults_taken(config: FSDPOffloadConfig) -> dict[str, Any]:
     """The keys `config` leaves at their defaults, with those defaults (what `config` does not show)."""
     written = as_config_file(config)
-    written = written.get("fsdp_config", written)
-    data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in written}
-    return json.loads(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                                  for k, v in data.items() if k != "source" and not isinstance(v, type(None))}))
+    written = {**written, **written.get("fsdp_config", {})}  # launch keys and fsdp_config keys
+    return {k: v for k, v in normalized_dict(config).items() if k not in written and k != "source" and v is not None}
 
 
 def _describe_patches(config: FSDPOffloadConfig) -> list[str]:

@@ -81,10 +81,10 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
     new = integrations.plan_for(cfg, source, ctx)
     unpatch()
     try:
-        session = registry.install(new, unpatch)
+        session = registry.install(new)
     except BaseException:
         if previous is not None:  # all or nothing: the config that worked stays in force
-            registry.install(integrations.plan_for(previous.config, previous.source, ctx), unpatch)
+            registry.install(integrations.plan_for(previous.config, previous.source, ctx))
         raise
     clean_exit.install()
     _log(session)

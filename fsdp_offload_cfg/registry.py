@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -126,7 +126,6 @@ class PatchSession:
     source: str
     applied: list[_Applied]
     env_before: dict[str, str | None]  # every variable this session set, as it was before
-    on_exit: Callable[[], None] = field(default=lambda: None, repr=False)
 
     @property
     def patch_names(self) -> list[str]:
@@ -136,7 +135,7 @@ class PatchSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.on_exit()
+        uninstall()
 
 
 _ACTIVE: PatchSession | None = None  # the installed session; replacements read its config live
@@ -211,7 +210,7 @@ def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchC
 # -------------------------------------------------------------------------------------------
 
 
-def install(new: Plan, on_exit: Callable[[], None]) -> PatchSession:
+def install(new: Plan) -> PatchSession:
     """Install a plan as the active session (none may be active); all or nothing."""
     global _ACTIVE
     assert _ACTIVE is None, "uninstall the active session first"
@@ -222,7 +221,7 @@ def install(new: Plan, on_exit: Callable[[], None]) -> PatchSession:
     except BaseException:
         _revert(applied, env_before)
         raise
-    _ACTIVE = PatchSession(new.config, new.source, applied, env_before, on_exit)
+    _ACTIVE = PatchSession(new.config, new.source, applied, env_before)
     return _ACTIVE
 
 

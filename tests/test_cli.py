@@ -99,7 +99,10 @@ def test_explain_yaml_and_json(capsys: pytest.CaptureFixture[str]):
     assert data["defaults"]["forward_prefetch"] is False  # what the file leaves unset, with its value
     assert data["patches"] and all(isinstance(p, str) for p in data["patches"])
     assert cli.main(["explain", "--format", "json", EXAMPLES[2]]) == 0
-    assert json.loads(capsys.readouterr().out)["config"]["num_processes"] == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["num_processes"] == 2
+    written = set(data["config"]) | set(data["config"]["fsdp_config"])
+    assert not written & set(data["defaults"]), "a key the config writes is not a default"
 
 
 TRAINER_JSON = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "activation_cpu_offload": {"mode": "sync"}}}

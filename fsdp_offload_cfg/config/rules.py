@@ -27,6 +27,7 @@ class RuleContext:
     written: Mapping[str, str]  # canonical key -> its path as the user spelled it
     layout: Layout
     prefixed: bool  # the source spells fsdp_config keys with `fsdp_`
+    fsdp_keys_given: bool  # the source has a non-empty fsdp_config (not one rebuilt from a config object)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -120,10 +121,10 @@ RULES: tuple[Rule, ...] = (
     Rule("no-xla", ("xla",), "xla", lambda c: c["xla"] is True,
          lambda c: "XLA FSDP bypasses accelerate's FSDP plugin, so fsdp_offload_cfg cannot act on it; set it to false"),
     Rule("fsdp-needs-distributed-type", ("distributed_type",), "distributed_type",
-         lambda c: c.layout == "accelerate" and c["fsdp_keys_given"] and c["distributed_type"] is None,
+         lambda c: c.layout == "accelerate" and c.fsdp_keys_given and c["distributed_type"] is None,
          lambda c: "missing: accelerate requires it; set distributed_type: FSDP"),
     Rule("fsdp-config-needs-fsdp", ("distributed_type",), "distributed_type",
-         lambda c: c.layout == "accelerate" and c["fsdp_keys_given"] and c["distributed_type"] not in (None, "FSDP"),
+         lambda c: c.layout == "accelerate" and c.fsdp_keys_given and c["distributed_type"] not in (None, "FSDP"),
          lambda c: f"is {c['distributed_type']}, so accelerate ignores fsdp_config; set distributed_type: FSDP"),
 )
 

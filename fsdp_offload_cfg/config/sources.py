@@ -466,9 +466,9 @@ def _build(given: _Values, launch: dict[str, Any], layout: Layout, file: str, pr
             kwargs.setdefault(key, value)
 
     effective = {f.name: getattr(FSDPOffloadConfig(), f.name) for f in dataclasses.fields(FSDPOffloadConfig)}
-    effective.update(kwargs, xla=values.get("xla", False), fsdp_keys_given=fsdp_keys_given)
+    effective.update(kwargs, xla=values.get("xla", False))  # xla: a Trainer-only key, not a field
     ctx = RuleContext(effective, frozenset(values) | frozenset(launch), {**given.raw, **launch_raw}, where,
-                      layout, given.prefixed)
+                      layout, given.prefixed, fsdp_keys_given)
     problems.extend(Problem(file, at, message) for at, message in broken_rules(ctx, bad))
     if problems:
         raise ConfigError(problems)
