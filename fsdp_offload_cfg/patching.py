@@ -7,6 +7,7 @@ discover the config, refuse what cannot work, plan, install, log.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,7 +66,7 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
     `UnsupportedVersionError` on untested library versions and `RuntimeError` once an
     `Accelerator` exists, before changing anything: a failing call leaves the previous
     `patch()` in force, all or nothing. Under a launcher, a `ConfigError` nobody catches ends
-    the process with the problems and exit status 1, not a traceback per rank.
+    the process with its problems and exit status 1, not a traceback.
 
     A successful call also makes the process wait at exit until gloo's worker threads are idle
     (`clean_exit`: otherwise a finished run can abort at exit); `unpatch()` leaves that in place.
@@ -120,8 +121,13 @@ def _log(session: PatchSession) -> None:
 
 
 def _report_uncaught_config_errors() -> None:
-    """Under a launcher, print an uncaught `ConfigError` as its problems, once, instead of a traceback
-    on every rank. The exception still propagates (a script may catch it); the process exits 1."""
+    """Under a launcher, print an uncaught `ConfigError` as its problems instead of a traceback.
+
+    Every rank prints its own, prefixed with its rank: the launcher kills the other ranks as soon
+    as one exits, so a rank that stays silent and exits first would take the only message with
+    it (seen as a flaky launch test when only rank 0 spoke). The exception still propagates (a
+    script may catch it); the process exits 1.
+    """
     if getattr(sys.excepthook, "_fsdp_offload_cfg", False):
         return
     previous = sys.excepthook
@@ -129,8 +135,9 @@ def _report_uncaught_config_errors() -> None:
     def excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         if not isinstance(error, ConfigError):
             previous(kind, error, tb)
-        elif is_rank0():
-            print(f"fsdp_offload_cfg: invalid config, nothing was patched:\n{error}", file=sys.stderr)
+            return
+        rank = os.environ.get("RANK", "?")
+        print(f"[fsdp_offload_cfg rank {rank}] invalid config, nothing was patched:\n{error}", file=sys.stderr)
 
     excepthook._fsdp_offload_cfg = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook
