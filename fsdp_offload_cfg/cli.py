@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-offload-cfg", description=__doc__.splitlines()[0])
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{validate,schema,explain}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{validate,schema,explain,estimate}")
 
     validate = verbs.add_parser("validate", help="check config files; exit 0 valid, 1 invalid, 2 unreadable")
     validate.add_argument("files", nargs="+", metavar="FILE")
@@ -47,6 +47,20 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--format", choices=("yaml", "json"), default="yaml")
     _add_set(explain)
     explain.set_defaults(run=_explain)
+
+    estimate = verbs.add_parser("estimate", help="per-rank device and host memory of a run of this config")
+    estimate.add_argument("file", metavar="CONFIG")
+    estimate.add_argument("--model", required=True, metavar="DIR_OR_CONFIG_JSON",
+                          help="a local model directory, or its config.json (nothing is downloaded)")
+    estimate.add_argument("--seq-len", type=int, required=True, metavar="N")
+    estimate.add_argument("--batch-size", type=int, required=True, metavar="B", help="micro-batch per rank")
+    estimate.add_argument("--num-processes", type=int, metavar="P", help="ranks (default: the config's num_processes)")
+    estimate.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    estimate.add_argument("--device", choices=("cuda", "cpu"), help="where it runs (default: cpu if use_cpu, else cuda)")
+    estimate.add_argument("--dtype", help="load dtype (default: the model config's dtype, else float32)")
+    estimate.add_argument("--format", choices=("table", "json"), default="table")
+    _add_set(estimate)
+    estimate.set_defaults(run=_estimate)
     return parser
 
 
@@ -120,6 +134,27 @@ def _explain(args: argparse.Namespace) -> int:
     import yaml
 
     return _print(yaml.safe_dump(data, sort_keys=False), end="")
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
+    from fsdp_offload_cfg.estimate.model import ModelSourceError
+    from fsdp_offload_cfg.estimate.report import format_table
+
+    try:
+        report = estimate_memory(load_config(args.file, args.overrides), args.model, seq_len=args.seq_len,
+                                 batch_size=args.batch_size, num_processes=args.num_processes,
+                                 optimizer=args.optimizer, device=args.device, dtype=args.dtype)
+    except ConfigError as error:
+        _print(str(error), file=sys.stderr)
+        return _exit_code(error)
+    except ModelSourceError as error:
+        _print(f"fsdp-offload-cfg estimate: {error}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    except EstimateError as error:
+        _print(f"fsdp-offload-cfg estimate: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
 
 
 def _defaults_taken(config: FSDPOffloadConfig) -> dict[str, Any]:

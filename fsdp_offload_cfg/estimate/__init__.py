@@ -1,0 +1,82 @@
+"""`estimate_memory`: per-rank device and host memory of an FSDP2 run, before it is launched.
+
+The steps, each in its own module:
+1. `model`: the user's model on `meta` with its real class, one rank's batch;
+2. `probe`: one forward on `meta` under saved-tensor hooks: what autograd keeps, per group;
+3. `activations`: that record replayed under checkpointing and the activation CPU offload;
+4. `states`: sharded parameters, gradients, optimizer state and the unsharded transients;
+5. `loading`: the host peak of each loading strategy;
+6. `report`: the JSON document (stable keys, `docs/estimate.md`) and its table.
+
+The config goes through the same `load_config` as `patch()` and `validate`, so a config the run
+would refuse is refused here with the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdp_offload_cfg.config import FSDPOffloadConfig
+
+OPTIMIZERS = ("adamw", "sgd")
+DEVICES = ("cuda", "cpu")
+_MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class EstimateError(ValueError):
+    """The estimate cannot be made; the message says which input to change."""
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    load: torch.dtype  # what from_pretrained materialises (and the checkpoint converts to)
+    storage: torch.dtype  # sharded parameters, gradients, optimizer moments
+    compute: torch.dtype  # gathered parameters and activations
+
+
+def resolve_dtypes(config: FSDPOffloadConfig, model_config: Any, dtype: str | None) -> Dtypes:
+    """accelerate's rule: mixed precision computes in bf16/fp16 over fp32 master weights;
+    without it, everything stays in the load dtype (`dtype`, else the config.json's, as
+    transformers 5 `from_pretrained(dtype="auto")` does, else fp32)."""
+    name = dtype or _config_dtype(model_config) or "float32"
+    if name not in _DTYPES:
+        raise EstimateError(f"--dtype: expected one of {', '.join(sorted(_DTYPES))}, got {name!r}")
+    load = _DTYPES[name]
+    mixed = _MIXED.get(config.mixed_precision or "no")
+    return Dtypes(load, torch.float32 if mixed else load, mixed or load)
+
+
+def _config_dtype(model_config: Any) -> str | None:
+    value = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    return str(value).removeprefix("torch.") if value is not None else None
+
+
+def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batch_size: int,
+                    num_processes: int | None = None, optimizer: str = "adamw", device: str | None = None,
+                    dtype: str | None = None) -> dict[str, Any]:
+    """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints."""
+    from fsdp_offload_cfg.estimate.report import build_report
+
+    ranks = num_processes or config.num_processes
+    _check_inputs(ranks, seq_len, batch_size, optimizer, device)
+    return build_report(config, model, ranks=ranks, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
+                        device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype)
+
+
+def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None) -> None:
+    if not ranks or ranks < 1:
+        raise EstimateError("the number of ranks is unknown: the config has no num_processes; pass --num-processes")
+    if seq_len < 1 or batch_size < 1:
+        raise EstimateError(f"--seq-len and --batch-size must be >= 1 (got {seq_len} and {batch_size})")
+    if optimizer not in OPTIMIZERS:
+        raise EstimateError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if device is not None and device not in DEVICES:
+        raise EstimateError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
+
+
+__all__ = ["EstimateError", "estimate_memory"]

@@ -1,0 +1,87 @@
+"""Replay a measured `ActivationProfile` under checkpointing and the activation CPU offload.
+
+The profile is one forward's saved storages with their offload group. Checkpointing and the
+offload only decide *which* of those stay on the device and when, by rules simple enough to
+replay exactly:
+
+- Checkpointing (accelerate's `fsdp2_apply_ac`, transformers' gradient checkpointing) keeps a
+  layer's inputs instead of what the layer saves inside; backward recomputes one layer at a time,
+  so that layer's inside saves come back, one layer at a time.
+- The offload (`offload/handlers.py`) keeps on the device: non-float storages, storages under
+  `min_tensor_bytes`, everything of the last group (unless `offload_last_group`) and after it, and
+  whatever does not fit under `max_pinned_bytes`. Backward reloads a group plus `prefetch_groups`
+  ahead (async; the sync handler reloads on demand, one group at a time).
+
+What is replayed is the device-resident activation bytes at the end of forward and at each group
+of backward; the peak is the larger of those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_offload_cfg.estimate.probe import ActivationProfile, SavedStorage
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.offload.pool import round_size
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Activation bytes under one setting."""
+
+    saved_bytes: int  # saved for backward at the end of forward, wherever they sit
+    forward_end_device_bytes: int  # on the device when forward ends (all kept saves still alive)
+    device_peak_bytes: int  # on the device, at the worst moment of forward end or backward
+    host_bytes: int  # offloaded to the host pool (pool bytes, rounded as the pool rounds)
+
+
+def checkpointed_storages(profile: ActivationProfile) -> list[SavedStorage]:
+    """What a checkpointed forward saves: every save outside the groups, plus each group's inputs
+    (in the group whose checkpoint first takes them, as the offload would number them)."""
+    out: dict[int, SavedStorage] = {}
+    for key, s in zip(profile.keys, profile.saved):
+        if not s.inside:
+            out[key] = s
+    for key, (nbytes, group, floating) in profile.input_bytes.items():
+        out.setdefault(key, SavedStorage(nbytes, group, floating, inside=False))
+    return list(out.values())
+
+
+def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOffloadConfig | None,
+              async_reload: bool, recompute: list[int] | None = None) -> Residency:
+    """Replay the offload's keep/offload decisions and backward's walk over the groups."""
+    kept = [0] * (n_groups + 1)
+    offloaded = [0] * (n_groups + 1)
+    pool = 0
+    n_offloadable = 0 if offload is None else (n_groups if offload.offload_last_group else n_groups - 1)
+    for s in storages:
+        size = round_size(s.nbytes)
+        offloadable = (offload is not None and s.floating and s.nbytes >= offload.min_tensor_bytes
+                       and s.group < n_offloadable)
+        if offloadable and (offload.max_pinned_bytes is None or pool + size <= offload.max_pinned_bytes):
+            pool += size
+            offloaded[s.group] += s.nbytes
+        else:
+            kept[s.group] += s.nbytes
+    window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
+    recompute = recompute or [0] * n_groups
+    peak = sum(kept)  # end of forward: everything kept is still there
+    for i in range(n_groups - 1, -1, -1):  # backward at group i: later groups' saves are freed
+        reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
+        peak = max(peak, sum(kept[: i + 1]) + reloaded + recompute[i])
+    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool)
+
+
+def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async_reload: bool) -> dict[str, Residency]:
+    """Residency under the four combinations of checkpointing and offload."""
+    n = len(profile.groups)
+    plain = profile.saved
+    ckpt = checkpointed_storages(profile)
+    recompute = profile.inside_bytes_per_group()
+    enabled = offload if offload.enabled else ActivationOffloadConfig(enabled=True)
+    return {
+        "plain": residency(plain, n, None, async_reload),
+        "checkpointing": residency(ckpt, n, None, async_reload, recompute),
+        "offload": residency(plain, n, enabled, async_reload),
+        "checkpointing_and_offload": residency(ckpt, n, enabled, async_reload, recompute),
+    }

@@ -1,0 +1,57 @@
+"""Host memory peak while loading, per strategy, for rank 0 and for the other ranks.
+
+The model of each strategy follows what the loader does (`loading/broadcast.py`,
+`loading/sharded.py`) and was checked against `benchmarks/load_memory.py` (peak RSS):
+
+- broadcast: rank 0 runs `from_pretrained` on the CPU. A checkpoint already in the load dtype
+  is memory-mapped, so its pages count in rank 0's RSS (F) and stay mapped until the load ends;
+  a checkpoint in another dtype is converted, so the converted copy (M) comes on top of the
+  mapped pages while `from_pretrained` runs, and the copy shrinks while it is sent. Rank 0 packs
+  one bucket per destination rank and receives one; every other rank holds its shard and one
+  receive bucket.
+- sharded: every rank reads its own slices with `pread` (nothing mapped), straight into its shard
+  when the dtypes match, else through one staging block of at most a bucket.
+- plain (`cpu_ram_efficient_loading: false`): every rank loads the whole model like rank 0.
+
+Where the shards live: on the host when the run is on the CPU or with `offload_params`;
+otherwise on the device, and the staging buckets with them (broadcast scatters device buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STRATEGIES = ("broadcast", "sharded")
+
+
+@dataclass(frozen=True)
+class LoadingInputs:
+    checkpoint_bytes: int  # F: bytes of the tensors in the checkpoint files, as stored
+    loaded_bytes: int  # M: the whole model as `from_pretrained` materialises it (params + buffers)
+    converting: bool  # the checkpoint dtype differs from the load dtype
+    shard_bytes: int  # S: one rank's shard (storage dtype) plus the replicated buffers
+    shards_on_host: bool
+    bucket_bytes: int
+    world: int
+
+
+@dataclass(frozen=True)
+class LoadingPeak:
+    rank0: int
+    others: int
+
+
+def peak(strategy: str, x: LoadingInputs) -> LoadingPeak:
+    """Peak host bytes above a rank's baseline for `strategy` ("broadcast", "sharded", "plain")."""
+    shard = x.shard_bytes if x.shards_on_host else 0
+    staging = min(x.bucket_bytes, x.shard_bytes) if x.shards_on_host else 0  # broadcast's buckets
+    full = x.checkpoint_bytes + (x.loaded_bytes if x.converting else 0)
+    if strategy == "sharded":
+        block = min(x.bucket_bytes, x.shard_bytes)  # pread's staging block (host), when one is needed
+        every = shard + (block if x.converting or not x.shards_on_host else 0)
+        return LoadingPeak(every, every)
+    if strategy == "broadcast":
+        sending = (x.loaded_bytes if x.converting else x.checkpoint_bytes + shard) + staging * (x.world + 1)
+        return LoadingPeak(max(full, sending), shard + staging)
+    plain = max(full, (x.loaded_bytes if x.converting else x.checkpoint_bytes) + shard)
+    return LoadingPeak(plain, plain)

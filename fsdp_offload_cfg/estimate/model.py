@@ -1,0 +1,127 @@
+"""The user's model, built on `meta` with its real class, and one batch of inputs for it.
+
+Why the real class and not a formula: parameter counts of MoE models (shared and routed experts,
+dense first layers), tied embeddings, vision towers and projectors come out right only from the
+module tree `from_pretrained` would build. On `meta` that tree costs no memory, so an estimate of
+a 70B model runs on a laptop. Nothing is downloaded: the model is a local directory with a
+`config.json`, or the `config.json` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_offload_cfg.compat.model_init import after_init, meta_init
+
+
+class ModelSourceError(ValueError):
+    """The model path cannot be read as a transformers config; the message names the path."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model came from: its config, and the safetensors files next to it (if any)."""
+
+    path: str
+    config: Any  # transformers PretrainedConfig
+    checkpoint_files: tuple[str, ...]
+
+
+def read_model(path: str) -> ModelSource:
+    """Read `path` (a model directory or a `config.json`) without touching any weight."""
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"{config_file}: cannot read the model config ({exc}); pass a model directory "
+                               "with a config.json, or the config.json itself") from exc
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ModelSourceError(f"{config_file}: no 'model_type' key; is this a transformers config.json?")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(data.pop("model_type"), **data)
+    except (KeyError, ValueError) as exc:
+        raise ModelSourceError(f"{config_file}: transformers cannot build this config ({exc})") from exc
+    folder = os.path.dirname(os.path.abspath(config_file))
+    files = tuple(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")))
+    return ModelSource(path, config, files)
+
+
+def model_class(config: Any) -> type[nn.Module]:
+    """The class `from_pretrained` would instantiate: the config's first `architectures` entry,
+    else the causal-LM (then image-text) auto class for its model type."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
+        mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
+        if mapping is not None and type(config) in mapping:
+            return mapping[type(config)]
+    raise ModelSourceError(f"no transformers model class for model_type {config.model_type!r} "
+                           f"(architectures: {getattr(config, 'architectures', None)})")
+
+
+def build_on_meta(source: ModelSource, dtype: torch.dtype) -> nn.Module:
+    """The model skeleton on `meta` in `dtype`, built as `from_pretrained` builds it."""
+    cls = model_class(source.config)
+    with meta_init(cls, dtype):
+        model = cls(source.config)
+    after_init(model)
+    model.to(device="meta")  # transformers 4.x leaves buffers on the CPU
+    for p in model.parameters():  # buffers keep their own dtype (RoPE's inv_freq stays fp32)
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return model
+
+
+def layer_class_names(model: nn.Module, configured: tuple[str, ...] | None) -> list[str]:
+    """The FSDP unit classes accelerate wraps: `transformer_layer_cls_to_wrap`, else the model's
+    `_no_split_modules` (accelerate's `fsdp2_prepare_auto_wrap_policy`)."""
+    return list(configured) if configured else sorted(getattr(model, "_no_split_modules", None) or [])
+
+
+def image_tokens_per_image(config: Any) -> int | None:
+    """Placeholder tokens one image takes in a Llava-family prompt; None for other models.
+
+    Llava replaces each image token by one projected patch feature: (image_size/patch_size)^2,
+    plus the CLS feature under `vision_feature_select_strategy: full`.
+    """
+    vision = getattr(config, "vision_config", None)
+    strategy = getattr(config, "vision_feature_select_strategy", None)
+    if vision is None or strategy is None or _image_token_id(config) is None:
+        return None
+    patches = (vision.image_size // vision.patch_size) ** 2
+    return patches + (1 if strategy == "full" else 0)
+
+
+def _image_token_id(config: Any) -> int | None:
+    for name in ("image_token_id", "image_token_index"):  # transformers 5 / 4 names
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def example_batch(source: ModelSource, batch_size: int, seq_len: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One training batch per rank: token ids on the CPU (real values, so masks and routing
+    bookkeeping that reads them work), images on `meta`. A Llava-family model gets one image per
+    sample at the start of the sequence, which needs `seq_len` to hold its placeholder tokens."""
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    per_image = image_tokens_per_image(source.config)
+    if per_image is not None and per_image <= seq_len:
+        ids[:, :per_image] = _image_token_id(source.config)
+        size = source.config.vision_config.image_size
+        batch["pixel_values"] = torch.empty(batch_size, 3, size, size, dtype=dtype, device="meta")
+    return batch

@@ -1,0 +1,206 @@
+"""Measure what one forward saves for backward: run it on `meta` under saved-tensor hooks.
+
+Why measure instead of a formula (`34*T*h` per layer): what a layer saves depends on its code
+(MLA attention, MoE routing, gated MLPs, vision towers, dtype casts, the loss upcast) and on the
+transformers version. Autograd tells us exactly, for free on `meta`: every tensor autograd keeps
+goes through the pack hook, with its dtype, shape and storage. Storages are counted once
+(`x` and `x.t()`), parameters never (the weights live on the device anyway).
+
+What `meta` alone would get wrong, and how:
+- Attention. `scaled_dot_product_attention` on `meta` takes the math path and saves the T x T
+  probabilities; a GPU runs a fused kernel (flash, memory-efficient, cuDNN) that saves q, k, v,
+  the output and a float32 log-sum-exp. During the probe the function is swapped for a stand-in
+  that saves exactly those. For a CPU target the backend torch would pick is asked of torch
+  itself (`torch._fused_sdp_choice` on tiny real tensors), and the math path is kept when that
+  is what the CPU would run.
+- Storage identity. Every `meta` storage has address 0, so storages are told apart by their
+  StorageImpl (`untyped_storage()._cdata`), alive for as long as autograd holds the tensor.
+
+The groups are found and numbered exactly as the activation offload numbers them
+(`offload.groups`), and each saved storage is assigned to a group by the offload's own rule
+(a tensor saved between groups belongs to the next one; after the last, to none), so the
+offload's device/host split can be replayed on the record (`offload_model.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from fsdp_offload_cfg.offload.filter import _is_param_like
+from fsdp_offload_cfg.offload.groups import find_units, lift_to_boundaries
+
+
+@dataclass
+class SavedStorage:
+    """One storage autograd keeps for backward."""
+
+    nbytes: int
+    group: int  # offload frame: index of the group it belongs to; len(groups) = after the last group
+    floating: bool
+    inside: bool  # saved while a group's forward ran (False: embedding, head, loss, between groups)
+
+
+@dataclass
+class ActivationProfile:
+    """What one forward of one rank's batch saves, storage by storage, in the order first saved."""
+
+    groups: list[str]  # qualified names of the groups (decoder layers, vision layers), forward order
+    saved: list[SavedStorage] = field(default_factory=list)
+    group_inputs: list[list[int]] = field(default_factory=list)  # per group: keys of its input storages
+    input_bytes: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # key -> (nbytes, group, floating)
+    keys: list[int] = field(default_factory=list)  # storage key of each `saved` entry
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.saved)
+
+    def bytes_per_group(self) -> list[int]:
+        """Saved bytes by offload frame: one entry per group, then the part after the last group."""
+        out = [0] * (len(self.groups) + 1)
+        for s in self.saved:
+            out[s.group] += s.nbytes
+        return out
+
+    def inside_bytes_per_group(self) -> list[int]:
+        """Bytes saved inside each group's own forward (what checkpointing recomputes)."""
+        out = [0] * len(self.groups)
+        for s in self.saved:
+            if s.inside:
+                out[s.group] += s.nbytes
+        return out
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Stand-in for a fused SDPA kernel: saves q, k, v, the output and a float32 log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # pragma: no cover - the probe never runs backward
+        raise RuntimeError("the estimate's attention stand-in has no backward")
+
+
+def _cpu_would_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, dropout_p: float,
+                    is_causal: bool, scale: Any, enable_gqa: bool) -> bool:
+    """Ask torch which SDPA backend a CPU run takes for these shapes' head dims and dtypes."""
+    def tiny(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((1, t.shape[-3] if t.dim() >= 3 else 1, 8, t.shape[-1]), dtype=t.dtype)
+
+    mask = None if attn_mask is None else torch.zeros((1, 1, 8, 8), dtype=attn_mask.dtype)
+    kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}
+    choice = torch._fused_sdp_choice(tiny(q), tiny(k), tiny(v), mask, dropout_p, is_causal, scale, **kwargs)
+    return choice != int(torch.nn.attention.SDPBackend.MATH)
+
+
+@contextmanager
+def _attention_as_on(target: str) -> Iterator[None]:
+    """Swap `F.scaled_dot_product_attention` for the saves of the kernel `target` would run."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Any:
+        if query.device.type == "meta" and (
+            target == "cuda" or _cpu_would_fuse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        ):
+            return _FusedAttention.apply(query, key, value)
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+class _Recorder:
+    """The pack hook and the group hooks of one probe forward."""
+
+    def __init__(self, model: nn.Module, groups: list[nn.Module], names: list[str]) -> None:
+        self.profile = ActivationProfile(names, group_inputs=[[] for _ in groups])
+        self.param_keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        self.seen: dict[int, SavedStorage] = {}
+        self.current = 0  # offload frame of what is saved now
+        self.inside = False
+        self._hold: list[torch.Tensor] = []  # keeps every recorded storage alive, so keys stay unique
+
+    def is_activation(self, t: torch.Tensor) -> bool:
+        return not _is_param_like(t) and _storage_key(t) not in self.param_keys
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.is_activation(t) and _storage_key(t) not in self.seen:
+            record = SavedStorage(t.untyped_storage().nbytes(), self.current, t.is_floating_point(), self.inside)
+            self.seen[_storage_key(t)] = record
+            self.profile.saved.append(record)
+            self.profile.keys.append(_storage_key(t))
+            self._hold.append(t)
+        return t
+
+    def enter(self, index: int, args: tuple, kwargs: dict) -> None:
+        self.current, self.inside = index, True
+        for t in _tensors((args, kwargs)):
+            if self.is_activation(t):
+                key = _storage_key(t)
+                self.profile.group_inputs[index].append(key)
+                self.profile.input_bytes.setdefault(key, (t.untyped_storage().nbytes(), index, t.is_floating_point()))
+                self._hold.append(t)
+
+    def exit(self, index: int) -> None:
+        self.current, self.inside = index + 1, False
+
+
+def offload_groups(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Module]:
+    """The groups the activation offload (and checkpointing) would use on this model."""
+    return lift_to_boundaries(model, find_units(model, layer_classes or None))
+
+
+def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_classes: list[str] | None,
+                        target: str = "cuda") -> ActivationProfile:
+    """Run one training forward (loss included) of `model` on `meta` and record what it saves."""
+    groups = offload_groups(model, layer_classes)
+    names = {id(m): n for n, m in model.named_modules()}
+    recorder = _Recorder(model, groups, [names[id(g)] for g in groups])
+    hooks = []
+    for i, g in enumerate(groups):
+        hooks.append(g.register_forward_pre_hook(lambda _m, a, k, i=i: recorder.enter(i, a, k), with_kwargs=True))
+        hooks.append(g.register_forward_hook(lambda _m, _a, _o, i=i: recorder.exit(i)))
+    was_training = model.training
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    try:
+        with _attention_as_on(target), saved_tensors_hooks(recorder.pack, lambda t: t), torch.enable_grad():
+            model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return recorder.profile

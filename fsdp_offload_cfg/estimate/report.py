@@ -1,0 +1,236 @@
+"""Assemble the estimate into its JSON document, and print it as a table.
+
+The JSON keys are a stable interface (documented in `docs/estimate.md`): scripts that size jobs
+read them. Every byte count is an integer and every key ending in `_bytes` is bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.estimate import Dtypes, EstimateError, resolve_dtypes
+from fsdp_offload_cfg.estimate.activations import Residency, settings
+from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
+from fsdp_offload_cfg.estimate.model import (
+    ModelSource,
+    build_on_meta,
+    example_batch,
+    image_tokens_per_image,
+    layer_class_names,
+    read_model,
+)
+from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
+from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
+from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
+
+
+def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_len: int, batch_size: int,
+                 optimizer: str, device: str, dtype: str | None) -> dict[str, Any]:
+    source = read_model(model_path)
+    dtypes = resolve_dtypes(config, source.config, dtype)
+    model = build_on_meta(source, dtypes.compute)
+    layers = layer_class_names(model, config.transformer_layer_cls_to_wrap)
+    _check_layer_classes(model, layers)
+    profile = _measure(model, source, layers, batch_size, seq_len, dtypes.compute, device)
+    states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer)
+    offload = config.activation_cpu_offload
+    async_reload = offload.mode == "async" or (offload.mode == "auto" and device == "cuda")
+    by_setting = settings(profile, offload, async_reload)
+    chosen = _setting_name(config)
+    return {
+        "ranks": ranks,
+        "model": {"path": model_path, "class": type(model).__name__, "parameters": states.param_count,
+                  "groups": len(profile.groups), "layer_classes": layers},
+        "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
+                   "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),
+                   "compute_dtype": _name(dtypes.compute), "activation_setting": chosen},
+        "per_rank": _per_rank(config, states, by_setting, chosen, profile),
+        "activations": _activations(profile, by_setting),
+        "loading": _loading(config, source, states, dtypes, ranks, device),
+        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch_size),
+    }
+
+
+def _check_layer_classes(model: torch.nn.Module, layers: list[str]) -> None:
+    """accelerate refuses a `transformer_layer_cls_to_wrap` the model does not have; so do we."""
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in layers if name not in present]
+    if missing:
+        known = sorted(getattr(model, "_no_split_modules", None) or [])
+        raise EstimateError(f"transformer_layer_cls_to_wrap: {', '.join(missing)} is not a module class of "
+                            f"{type(model).__name__}; its layer classes are {', '.join(known) or 'unknown'} "
+                            "(fix the key, or drop it to use those)")
+
+
+def _measure(model: torch.nn.Module, source: ModelSource, layers: list[str], batch_size: int, seq_len: int,
+             dtype: torch.dtype, device: str) -> ActivationProfile:
+    batch = example_batch(source, batch_size, seq_len, dtype)
+    try:
+        return measure_activations(model, batch, layers, target=device)
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's model code, reported with its class
+        raise EstimateError(f"{type(model).__name__}: one forward on the meta device failed, so the activations "
+                            f"cannot be measured ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
+
+
+def _setting_name(config: FSDPOffloadConfig) -> str:
+    ckpt, offload = config.activation_checkpointing, config.activation_cpu_offload.enabled
+    return {(False, False): "plain", (True, False): "checkpointing", (False, True): "offload",
+            (True, True): "checkpointing_and_offload"}[(ckpt, offload)]
+
+
+def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict[str, Residency], chosen: str,
+              profile: ActivationProfile) -> dict[str, int]:
+    """Per-rank figures; `peak_device_bytes` adds the resident states, the gathered units and the
+    activations at their worst moment (the head's backward allocates the logits' gradient while
+    everything saved is still there)."""
+    on_device = by_setting[chosen]
+    resident_states = 0 if config.offload_params else states.params + states.grads + states.optimizer
+    gathered = states.always_gathered + 2 * states.unit_max + states.unit_max  # current + prefetched + its grads
+    head = max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
+    activations_peak = max(on_device.device_peak_bytes, on_device.forward_end_device_bytes + head)
+    host = on_device.host_bytes + (states.params + states.grads + states.optimizer if config.offload_params else 0)
+    return {
+        "params_bytes": states.params,
+        "grads_bytes": states.grads,
+        "optimizer_bytes": states.optimizer,
+        "buffers_bytes": states.buffers,
+        "gathered_params_bytes": gathered,
+        "activations_bytes": by_setting["plain"].saved_bytes,
+        "activations_on_device_bytes": on_device.device_peak_bytes,
+        "pinned_host_bytes": on_device.host_bytes,
+        "host_bytes": host,
+        "peak_device_bytes": resident_states + states.buffers + gathered + activations_peak,
+    }
+
+
+def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -> dict[str, Any]:
+    per_group = profile.bytes_per_group()
+    inside = profile.inside_bytes_per_group()
+    return {
+        "per_group": [{"name": name, "saved_bytes": per_group[i], "inside_bytes": inside[i]}
+                      for i, name in enumerate(profile.groups)],
+        "after_last_group_bytes": per_group[-1],
+        "settings": {name: {"saved_bytes": r.saved_bytes, "device_peak_bytes": r.device_peak_bytes,
+                            "host_bytes": r.host_bytes} for name, r in by_setting.items()},
+    }
+
+
+def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStates, dtypes: Dtypes, ranks: int,
+             device: str) -> dict[str, Any]:
+    checkpoint, converting = _checkpoint_bytes(source, states, dtypes)
+    inputs = LoadingInputs(
+        checkpoint_bytes=checkpoint,
+        loaded_bytes=states.param_count * _size(dtypes.load) + states.buffers,
+        converting=converting,
+        shard_bytes=states.params + states.buffers,
+        shards_on_host=device == "cpu" or bool(config.offload_params),
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
+        world=ranks,
+    )
+    strategy = config.load_strategy if config.cpu_ram_efficient_loading else "plain"
+    chosen = peak(strategy, inputs)
+    return {
+        "strategy": strategy,
+        "rank0_host_peak_bytes": chosen.rank0,
+        "other_host_peak_bytes": chosen.others,
+        "checkpoint_bytes": checkpoint,
+        "by_strategy": {s: {"rank0_host_peak_bytes": p.rank0, "other_host_peak_bytes": p.others}
+                        for s in (*STRATEGIES, "plain") for p in [peak(s, inputs)]},
+    }
+
+
+def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes) -> tuple[int, bool]:
+    """(bytes stored, whether loading converts them): from the safetensors headers when the
+    directory has weights, else the parameters in the config's dtype."""
+    if source.checkpoint_files:
+        from fsdp_offload_cfg.loading.safetensors_index import read_headers
+
+        tensors = read_headers(list(source.checkpoint_files)).values()
+        stored = sum(_size(t.dtype) * _numel(t.shape) for t in tensors)
+        return stored, any(t.dtype.is_floating_point and t.dtype != dtypes.load for t in tensors)
+    return states.param_count * _size(dtypes.load), False
+
+
+def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
+                 batch_size: int) -> list[str]:
+    out = [
+        f"per rank = rank 0, which holds the largest dim-0 shard of every parameter (FSDP2 Shard(0)); "
+        f"batch_size={batch_size} is one rank's micro-batch",
+        f"parameters, gradients and optimizer state in {_name(dtypes.storage)}; gathered parameters and "
+        f"activations in {_name(dtypes.compute)} (mixed_precision: {config.mixed_precision or 'no'})",
+        "all parameters trainable (full fine-tuning); " + {
+            "adamw": "AdamW keeps two moments per parameter (its scalar step counters are not counted)",
+            "sgd": "SGD without momentum keeps no state"}[optimizer],
+        "activations measured by one forward with labels on the meta device under saved-tensor hooks; "
+        + ("attention as a fused SDPA kernel (flash / memory-efficient: saves q, k, v, output, log-sum-exp)"
+           if device == "cuda" else "attention as torch's CPU SDPA backend for these shapes"),
+        "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
+        "and one-op temporaries other than the logits' gradient",
+        "loading figures are host RSS above each rank's baseline after imports; on a GPU run the shards and "
+        "the broadcast buckets live on the device unless offload_params",
+    ]
+    if not source.checkpoint_files:
+        out.append(f"no safetensors next to {source.path}: checkpoint assumed stored in {_name(dtypes.load)}")
+    if image_tokens_per_image(source.config) is None and hasattr(source.config, "vision_config"):
+        out.append("text-only batch: this model's image inputs are not modelled, so the vision tower's activations "
+                   "are not included")
+    elif hasattr(source.config, "vision_config"):
+        out.append("one image per sample, its placeholder tokens at the start of the sequence")
+    return out
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------------------ table
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report for people: per-rank memory, the four activation settings, loading."""
+    r, inputs = report["per_rank"], report["inputs"]
+    lines = [
+        f"{report['model']['class']} ({report['model']['parameters'] / 1e6:,.1f}M parameters) on {report['ranks']} "
+        f"ranks, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, {inputs['optimizer']}, "
+        f"{inputs['device']}, compute {inputs['compute_dtype']}",
+        "",
+        "| per rank | bytes |",
+        "|---|---|",
+    ]
+    rows = [("parameters (sharded)", "params_bytes"), ("gradients (sharded)", "grads_bytes"),
+            ("optimizer state (sharded)", "optimizer_bytes"), ("buffers (replicated)", "buffers_bytes"),
+            ("gathered parameters (transient)", "gathered_params_bytes"),
+            ("activations saved, no checkpointing or offload", "activations_bytes"),
+            (f"activations on the device ({inputs['activation_setting']})", "activations_on_device_bytes"),
+            ("pinned host pool", "pinned_host_bytes"), ("host memory for training", "host_bytes"),
+            ("peak device memory", "peak_device_bytes")]
+    lines += [f"| {label} | {_gib(r[key])} |" for label, key in rows]
+    lines += ["", "| activations | saved | on the device at peak | host |", "|---|---|---|---|"]
+    for name, s in report["activations"]["settings"].items():
+        lines.append(f"| {name.replace('_', ' ')} | {_gib(s['saved_bytes'])} | {_gib(s['device_peak_bytes'])} "
+                     f"| {_gib(s['host_bytes'])} |")
+    loading = report["loading"]
+    lines += ["", "| loading (host peak) | rank 0 | each other rank |", "|---|---|---|"]
+    for name, p in loading["by_strategy"].items():
+        mark = " (this config)" if name == loading["strategy"] else ""
+        lines.append(f"| {name}{mark} | {_gib(p['rank0_host_peak_bytes'])} | {_gib(p['other_host_peak_bytes'])} |")
+    lines += ["", "Assumptions:"] + [f"- {a}" for a in report["assumptions"]]
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""Parameters, gradients and optimizer state per rank under FSDP2, and the unsharded transients.
+
+FSDP2 (`fully_shard`) shards every parameter on dim 0: each rank holds ceil(rows / world) rows
+(the last ranks may hold fewer; rank 0 always holds the full chunk, so rank 0 is the rank
+reported). Gradients and AdamW's two moments take the same shape and dtype as the sharded
+parameter. Buffers are not sharded: every rank holds all of them.
+
+Dtypes follow accelerate: with `mixed_precision` bf16/fp16, `fsdp2_prepare_model` upcasts the
+trainable parameters to fp32 before sharding (fp32 master weights) and FSDP2 gathers them in the
+low precision for compute; without it, parameters stay in the dtype they were loaded in.
+
+Units (what is gathered at once) follow accelerate's `fsdp2_prepare_model`: one per layer class,
+the input embedding when untied, a tail of [final norm, lm_head] (plus the embedding when tied)
+kept unsharded from forward to backward (`reshard_after_forward=False`), and the root, which holds
+what is left and also stays unsharded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_offload_cfg.offload.groups import find_units
+
+
+@dataclass(frozen=True)
+class ShardedStates:
+    params: int  # rank 0's sharded parameters
+    grads: int
+    optimizer: int
+    buffers: int  # replicated on every rank
+    full_params: int  # all parameters, unsharded, in the storage dtype (what the checkpoint becomes)
+    unit_max: int  # largest layer/embedding unit, unsharded in the compute dtype
+    always_gathered: int  # tail + root leftovers, unsharded in the compute dtype for the whole step
+    param_count: int
+
+
+def shard_numel(shape: torch.Size, world: int) -> int:
+    """Elements of rank 0's dim-0 shard (FSDP2 `Shard(0)`; a scalar counts as one row)."""
+    rows = shape[0] if len(shape) else 1
+    rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return math.ceil(rows / world) * rest
+
+
+def _unit_params(model: nn.Module, layer_classes: list[str]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+    """Parameters per gathered-and-freed unit, and those gathered for the whole step."""
+    seen: set[int] = set()
+
+    def take(module: nn.Module | None) -> list[nn.Parameter]:
+        if module is None:
+            return []
+        out = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in out)
+        return out
+
+    units = [take(m) for m in find_units(model, layer_classes or None)]
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    tied = embed is not None and head is not None and getattr(embed, "weight", None) is getattr(head, "weight", 0)
+    if not tied:
+        units.append(take(embed))
+    always = take(head) + (take(embed) if tied else [])
+    always += [p for p in model.parameters() if id(p) not in seen]  # final norm and root leftovers
+    return units, always
+
+
+def sharded_states(model: nn.Module, layer_classes: list[str], world: int, storage_dtype: torch.dtype,
+                   compute_dtype: torch.dtype, optimizer: str) -> ShardedStates:
+    """Per-rank bytes of everything FSDP2 and the optimizer keep for `model` on `world` ranks."""
+    params = list(model.parameters())  # tied parameters once
+    size = torch.empty((), dtype=storage_dtype).element_size()
+    compute = torch.empty((), dtype=compute_dtype).element_size()
+
+    def stored(p: nn.Parameter) -> int:
+        return p.element_size() if not p.is_floating_point() else size
+
+    sharded = sum(shard_numel(p.shape, world) * stored(p) for p in params)
+    trainable = sum(shard_numel(p.shape, world) * stored(p) for p in params if p.requires_grad)
+    moments = {"adamw": 2, "sgd": 0}[optimizer]
+    units, always = _unit_params(model, layer_classes)
+    return ShardedStates(
+        params=sharded,
+        grads=trainable,
+        optimizer=moments * trainable,
+        buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
+        full_params=sum(p.numel() * stored(p) for p in params),
+        unit_max=max((sum(p.numel() for p in unit) * compute for unit in units), default=0),
+        always_gathered=sum(p.numel() for p in always) * compute,
+        param_count=sum(p.numel() for p in params),
+    )
