@@ -78,6 +78,8 @@ def build_on_meta(source: ModelSource, dtype: torch.dtype) -> nn.Module:
     with meta_init(cls, dtype):
         model = cls(source.config)
     after_init(model)
+    if hasattr(model, "tie_weights"):  # from_pretrained ties after loading; the init context does not
+        model.tie_weights()
     model.to(device="meta")  # transformers 4.x leaves buffers on the CPU
     for p in model.parameters():  # buffers keep their own dtype (RoPE's inv_freq stays fp32)
         if p.is_floating_point():

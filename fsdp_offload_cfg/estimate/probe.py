@@ -56,6 +56,7 @@ class ActivationProfile:
     group_inputs: list[list[int]] = field(default_factory=list)  # per group: keys of its input storages
     input_bytes: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # key -> (nbytes, group, floating)
     keys: list[int] = field(default_factory=list)  # storage key of each `saved` entry
+    trained: set[int] = field(default_factory=set)  # id() of the parameters the loss reaches (get a gradient)
 
     @property
     def total_bytes(self) -> int:
@@ -99,8 +100,8 @@ def _cpu_would_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
         return torch.zeros((1, t.shape[-3] if t.dim() >= 3 else 1, 8, t.shape[-1]), dtype=t.dtype)
 
     mask = None if attn_mask is None else torch.zeros((1, 1, 8, 8), dtype=attn_mask.dtype)
-    kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}
-    choice = torch._fused_sdp_choice(tiny(q), tiny(k), tiny(v), mask, dropout_p, is_causal, scale, **kwargs)
+    kwargs = {"scale": scale, **({"enable_gqa": True} if enable_gqa else {})}
+    choice = torch._fused_sdp_choice(tiny(q), tiny(k), tiny(v), mask, dropout_p, is_causal, **kwargs)
     return choice != int(torch.nn.attention.SDPBackend.MATH)
 
 
@@ -177,6 +178,24 @@ class _Recorder:
         self.current, self.inside = index + 1, False
 
 
+def _parameters_reached(loss: torch.Tensor | None) -> set[int]:
+    """id() of every parameter the loss's graph reaches: only those get a gradient, and only
+    those get optimizer state (a vision layer whose output is never used gets neither)."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn] if loss is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it feeds
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
+
+
 def offload_groups(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Module]:
     """The groups the activation offload (and checkpointing) would use on this model."""
     return lift_to_boundaries(model, find_units(model, layer_classes or None))
@@ -198,7 +217,8 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
         p.requires_grad_(True)
     try:
         with _attention_as_on(target), saved_tensors_hooks(recorder.pack, lambda t: t), torch.enable_grad():
-            model(**batch)
+            output = model(**batch)
+        recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
     finally:
         for h in hooks:
             h.remove()

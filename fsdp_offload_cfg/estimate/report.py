@@ -33,9 +33,9 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap)
-    _check_layer_classes(model, layers)
+    _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()))
     profile = _measure(model, source, layers, batch_size, seq_len, dtypes.compute, device)
-    states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer)
+    states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained)
     offload = config.activation_cpu_offload
     async_reload = offload.mode == "async" or (offload.mode == "auto" and device == "cuda")
     by_setting = settings(profile, offload, async_reload)
@@ -161,7 +161,7 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         f"batch_size={batch_size} is one rank's micro-batch",
         f"parameters, gradients and optimizer state in {_name(dtypes.storage)}; gathered parameters and "
         f"activations in {_name(dtypes.compute)} (mixed_precision: {config.mixed_precision or 'no'})",
-        "all parameters trainable (full fine-tuning); " + {
+        "full fine-tuning: every parameter the loss reaches gets a gradient; " + {
             "adamw": "AdamW keeps two moments per parameter (its scalar step counters are not counted)",
             "sgd": "SGD without momentum keeps no state"}[optimizer],
         "activations measured by one forward with labels on the meta device under saved-tensor hooks; "

@@ -68,8 +68,11 @@ def _unit_params(model: nn.Module, layer_classes: list[str]) -> tuple[list[list[
 
 
 def sharded_states(model: nn.Module, layer_classes: list[str], world: int, storage_dtype: torch.dtype,
-                   compute_dtype: torch.dtype, optimizer: str) -> ShardedStates:
-    """Per-rank bytes of everything FSDP2 and the optimizer keep for `model` on `world` ranks."""
+                   compute_dtype: torch.dtype, optimizer: str, trained: set[int] | None = None) -> ShardedStates:
+    """Per-rank bytes of everything FSDP2 and the optimizer keep for `model` on `world` ranks.
+
+    `trained`: id() of the parameters that get a gradient (the probe's loss graph); a parameter
+    the loss never reaches gets no gradient and no optimizer state. None: all of them."""
     params = list(model.parameters())  # tied parameters once
     size = torch.empty((), dtype=storage_dtype).element_size()
     compute = torch.empty((), dtype=compute_dtype).element_size()
@@ -78,7 +81,8 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
         return p.element_size() if not p.is_floating_point() else size
 
     sharded = sum(shard_numel(p.shape, world) * stored(p) for p in params)
-    trainable = sum(shard_numel(p.shape, world) * stored(p) for p in params if p.requires_grad)
+    trainable = sum(shard_numel(p.shape, world) * stored(p) for p in params
+                    if p.requires_grad and (trained is None or id(p) in trained))
     moments = {"adamw": 2, "sgd": 0}[optimizer]
     units, always = _unit_params(model, layer_classes)
     return ShardedStates(

@@ -1,0 +1,238 @@
+"""How close `fsdp-offload-cfg estimate` comes to what real runs measure, figure by figure.
+
+For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two sequence lengths:
+
+  activations     one forward of the real model (bf16, CPU), saved bytes through saved-tensor hooks
+                  (`SavedBytesMeter`, storages once, parameters excluded) against `activations_bytes`;
+  checkpointing   the same with torch's non-reentrant `checkpoint_wrapper` on every layer, as
+                  accelerate applies it, against the estimate's `checkpointing` saved bytes;
+  offload         `enable_activation_offload` (async handler, CPU proxy), forward + backward:
+                  `offload_stats()` peak resident bytes and pool bytes against
+                  `activations_on_device_bytes` and `pinned_host_bytes`;
+  params/grads/optimizer
+                  2 gloo ranks, `fully_shard` per layer and root with bf16 mixed precision over
+                  fp32 weights, one AdamW step: rank 0's local storages of parameters, gradients
+                  and optimizer state against `params_bytes`, `grads_bytes`, `optimizer_bytes`;
+  loading         `benchmarks/load_memory.py` (~320M Llama, peak RSS above baseline, broadcast
+                  and sharded, fp32 and bf16->fp32 checkpoints) against the loading peaks.
+
+Each row prints estimate, measured, and estimate/measured. Targets: within 10% for parameters,
+gradients, optimizer and activations; within 20% for the loading peaks.
+
+    OMP_NUM_THREADS=1 python benchmarks/estimate_accuracy.py                 # everything (~4 min here)
+    OMP_NUM_THREADS=1 python benchmarks/estimate_accuracy.py --skip-loading  # ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+MODELS = ("llama", "qwen2_tied", "deepseek_v3", "llava")
+BATCH = 2
+RANKS = 2
+
+
+def bench_config(**fsdp: object):
+    from fsdp_offload_cfg import load_config
+
+    mixed = fsdp.pop("mixed_precision", "bf16")
+    base = {"version": 2, "activation_cpu_offload": {"enabled": True, "mode": "async"},
+            "cpu_ram_efficient_loading": True, "load_strategy": "broadcast"}
+    return load_config({"distributed_type": "FSDP", "mixed_precision": mixed, "fsdp_config": {**base, **fsdp}})
+
+
+def estimate(model_dir: str, seq_len: int, **fsdp: object) -> dict:
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    return estimate_memory(bench_config(**fsdp), model_dir, seq_len=seq_len, batch_size=BATCH, num_processes=RANKS,
+                           device="cpu")
+
+
+# ------------------------------------------------------------------------------ real runs
+
+
+def _load(model_dir: str, dtype: torch.dtype):
+    from fsdp_offload_cfg.estimate.model import model_class, read_model
+
+    source = read_model(model_dir)
+    model = model_class(source.config).from_pretrained(model_dir, dtype=dtype)
+    return source, model
+
+
+def _batch(source, seq_len: int, dtype: torch.dtype) -> dict:
+    from fsdp_offload_cfg.estimate.model import example_batch
+
+    batch = example_batch(source, BATCH, seq_len, dtype)
+    if "pixel_values" in batch:
+        batch["pixel_values"] = torch.randn(batch["pixel_values"].shape, dtype=dtype)
+    return batch
+
+
+def measured_activations(model_dir: str, seq_len: int, layers: list[str]) -> dict[str, int]:
+    """Saved bytes plain and checkpointed, and the offload's counters, on the real model (bf16)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fsdp_offload_cfg.estimate.probe import offload_groups
+    from fsdp_offload_cfg.offload import enable_activation_offload
+    from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+    from fsdp_offload_cfg.offload.stats import SavedBytesMeter, offload_stats, reset_offload_stats
+
+    source, model = _load(model_dir, torch.bfloat16)
+    model.train()
+    batch = _batch(source, seq_len, torch.bfloat16)
+    with SavedBytesMeter(model) as meter:
+        loss = model(**batch).loss
+    plain = meter.peak_bytes
+    loss.backward()
+
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"), layer_classes=layers)
+    reset_offload_stats()
+    model(**batch).loss.backward()
+    stats = offload_stats()
+    handle.remove()
+
+    for group in offload_groups(model, layers):  # accelerate's fsdp2_apply_ac: non-reentrant, per layer
+        parent_name, _, child = next(n for n, m in model.named_modules() if m is group).rpartition(".")
+        setattr(model.get_submodule(parent_name), child, checkpoint_wrapper(group))
+    with SavedBytesMeter(model) as meter:
+        model(**batch)  # saved bytes at the end of forward; the recompute is not needed for them
+    return {"activations": plain, "checkpointed": meter.peak_bytes,
+            "offload_on_device": stats["peak_resident_bytes"], "pool": stats["pinned_pool_bytes"]}
+
+
+def _states_worker(rank: int, world: int, model_dir: str, layers: list[str]) -> dict[str, int]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_offload_cfg.estimate.probe import offload_groups
+
+    source, model = _load(model_dir, torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for group in offload_groups(model, layers):
+        fully_shard(group, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**_batch(source, 16, torch.bfloat16)).loss.backward()
+    optimizer.step()
+
+    def storages(tensors) -> int:
+        seen = {}
+        for t in tensors:
+            local = getattr(t, "_local_tensor", t)
+            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step" and torch.is_tensor(t)]
+    return {"params": storages(params), "grads": storages(p.grad for p in params if p.grad is not None),
+            "optimizer": storages(state)}
+
+
+def measured_states(model_dir: str, layers: list[str]) -> dict[str, int]:
+    from _dist import run_workers
+
+    return run_workers(_states_worker, RANKS, model_dir, layers, timeout=300)[0]
+
+
+# ------------------------------------------------------------------------------ table
+
+
+def row(model: str, seq: object, figure: str, est: int, real: int, target: float) -> str:
+    ratio = est / real if real else float("nan")
+    ok = "yes" if abs(ratio - 1) <= target else "**no**"
+    return f"| {model} | {seq} | {figure} | {est:,} | {real:,} | {ratio:.3f} | {ok} |"
+
+
+HEADER = ["| model | seq | figure | estimate bytes | measured bytes | estimate / measured | within target |",
+          "|---|---|---|---|---|---|---|"]
+
+
+def model_rows(name: str, model_dir: str, seq_lens: list[int]) -> list[str]:
+    rows = []
+    for seq in seq_lens:
+        report = estimate(model_dir, seq)
+        layers = report["model"]["layer_classes"]
+        real = measured_activations(model_dir, seq, layers)
+        per, acts = report["per_rank"], report["activations"]["settings"]
+        rows += [
+            row(name, seq, "activations_bytes", per["activations_bytes"], real["activations"], 0.10),
+            row(name, seq, "checkpointing saved_bytes", acts["checkpointing"]["saved_bytes"], real["checkpointed"], 0.10),
+            row(name, seq, "activations_on_device_bytes (offload)", per["activations_on_device_bytes"],
+                real["offload_on_device"], 0.10),
+            row(name, seq, "pinned_host_bytes", per["pinned_host_bytes"], real["pool"], 0.10),
+        ]
+    states = measured_states(model_dir, layers)
+    for figure in ("params", "grads", "optimizer"):
+        rows.append(row(name, "-", f"{figure}_bytes", report["per_rank"][f"{figure}_bytes"], states[figure], 0.10))
+    return rows
+
+
+def loading_rows(work: Path, ranks: list[int]) -> list[str]:
+    import load_memory
+
+    rows = []
+    for checkpoint in load_memory.CHECKPOINTS:
+        model_dir = work / ("llama-300m-" + checkpoint.replace("->", "-to-"))
+        if not (model_dir / "config.json").exists():
+            load_memory.build_model(model_dir, checkpoint)
+        for world in ranks:
+            for method, strategy in (("ours", "broadcast"), ("sharded", "sharded")):
+                load_memory.warm_page_cache(model_dir)
+                results = load_memory.launch(method, world, model_dir, work / f"{method}-{world}", 600)
+                crashed = [r["crash"] for r in results if "crash" in r]
+                if crashed:
+                    raise RuntimeError(f"load_memory {method} crashed: {crashed[0]}")
+                from fsdp_offload_cfg.estimate import estimate_memory
+
+                config = bench_config(mixed_precision="no", load_strategy=strategy)
+                report = estimate_memory(config, str(model_dir), seq_len=16, batch_size=1, num_processes=world,
+                                         device="cpu", dtype="float32")
+                loading = report["loading"]
+                label = f"llama-300m {checkpoint}, {world} ranks"
+                rows.append(row(label, "-", f"{strategy} rank0_host_peak_bytes", loading["rank0_host_peak_bytes"],
+                                results[0]["peak_rss"], 0.20))
+                rows.append(row(label, "-", f"{strategy} other_host_peak_bytes", loading["other_host_peak_bytes"],
+                                max(r["peak_rss"] for r in results[1:]), 0.20))
+                print(rows[-2], rows[-1], sep="\n", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs=2, default=[128, 512])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--loading-ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--skip-loading", action="store_true")
+    parser.add_argument("--work-dir", help="keep the built models here (the 300M Llama takes a while to write)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import _models
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        paths = _models.build_all(str(work / "tiny"), list(args.models))
+        lines = list(HEADER)
+        for name in args.models:
+            for line in model_rows(name, paths[name], args.seq_lens):
+                print(line, flush=True)
+                lines.append(line)
+        if not args.skip_loading:
+            lines += loading_rows(work, args.loading_ranks)
+    print(f"\n{time.perf_counter() - started:.0f} s in all; batch {BATCH} per rank, {RANKS} ranks for the states\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
