@@ -20,6 +20,7 @@ otherwise on the device, and the staging buckets with them (broadcast scatters d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 STRATEGIES = ("broadcast", "sharded")
 
@@ -35,8 +36,7 @@ class LoadingInputs:
     world: int
 
 
-@dataclass(frozen=True)
-class LoadingPeak:
+class LoadingPeak(NamedTuple):
     rank0: int
     others: int
 

@@ -70,7 +70,7 @@ def _measure(model: torch.nn.Module, source: ModelSource, layers: list[str], bat
     batch = example_batch(source, batch_size, seq_len, dtype)
     try:
         return measure_activations(model, batch, layers, target=device)
-    except Exception as exc:  # noqa: BLE001 - any failure of the user's model code, reported with its class
+    except Exception as exc:  # any failure of the user's model code, reported with its class
         raise EstimateError(f"{type(model).__name__}: one forward on the meta device failed, so the activations "
                             f"cannot be measured ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
 

@@ -1,0 +1,317 @@
+"""`fsdp-offload-cfg estimate`: each figure against what a real run of the same model measures.
+
+The real runs are the tiny models of `_models.py`, on the CPU: saved bytes through saved-tensor
+hooks (`SavedBytesMeter`), the offload's own counters (`offload_stats()`), and rank 0's local
+storages after `fully_shard` and one AdamW step on 2 gloo ranks. `benchmarks/estimate_accuracy.py`
+runs the same comparisons at two sequence lengths and adds the loading peaks (RSS).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from _dist import run_workers
+from _models import build_all
+from fsdp_offload_cfg import cli, load_config
+from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
+from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
+from fsdp_offload_cfg.estimate.model import example_batch, model_class, read_model
+from fsdp_offload_cfg.estimate.probe import offload_groups
+from fsdp_offload_cfg.estimate.states import shard_numel
+from fsdp_offload_cfg.offload import enable_activation_offload
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.offload.stats import SavedBytesMeter, offload_stats, reset_offload_stats
+
+NAMES = ["llama", "qwen2_tied", "deepseek_v3", "llava"]
+SEQ, BATCH = 96, 2
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return build_all(str(tmp_path_factory.mktemp("estimate")), NAMES)
+
+
+def config(**fsdp: object):
+    mixed = fsdp.pop("mixed_precision", "bf16")
+    base = {"version": 2, "activation_cpu_offload": {"enabled": True, "mode": "async"}}
+    return load_config({"distributed_type": "FSDP", "mixed_precision": mixed, "num_processes": 2,
+                        "fsdp_config": {**base, **fsdp}})
+
+
+def estimate(path: str, **kwargs: object) -> dict:
+    return estimate_memory(config(), path, seq_len=kwargs.pop("seq_len", SEQ), batch_size=BATCH, device="cpu",
+                           **kwargs)
+
+
+def real_model(path: str, dtype: torch.dtype = torch.bfloat16):
+    source = read_model(path)
+    model = model_class(source.config).from_pretrained(path, dtype=dtype)
+    batch = example_batch(source, BATCH, SEQ, dtype)
+    if "pixel_values" in batch:
+        batch["pixel_values"] = torch.randn(batch["pixel_values"].shape, dtype=dtype)
+    return model.train(), batch
+
+
+def close(estimated: int, measured: int, tolerance: float = 0.10) -> bool:
+    return measured > 0 and abs(estimated / measured - 1) <= tolerance
+
+
+# ------------------------------------------------------------------------------ activations
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_activations_match_what_the_real_forward_saves(models: dict[str, str], name: str):
+    report = estimate(models[name])
+    model, batch = real_model(models[name])
+    with SavedBytesMeter(model) as meter:
+        model(**batch)
+    assert close(report["per_rank"]["activations_bytes"], meter.peak_bytes), (report["per_rank"], meter.peak_bytes)
+
+
+@pytest.mark.parametrize("name", ["llama", "llava"])
+def test_checkpointed_activations_match_checkpoint_wrapper(models: dict[str, str], name: str):
+    report = estimate(models[name])
+    model, batch = real_model(models[name])
+    for group in offload_groups(model, report["model"]["layer_classes"]):
+        parent, _, child = next(n for n, m in model.named_modules() if m is group).rpartition(".")
+        setattr(model.get_submodule(parent), child, checkpoint_wrapper(group))
+    with SavedBytesMeter(model) as meter:
+        model(**batch)
+    saved = report["activations"]["settings"]["checkpointing"]["saved_bytes"]
+    assert close(saved, meter.peak_bytes), (saved, meter.peak_bytes)
+    assert saved < report["per_rank"]["activations_bytes"] / 2
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_offload_figures_match_offload_stats(models: dict[str, str], name: str):
+    report = estimate(models[name])
+    model, batch = real_model(models[name])
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"),
+                                       layer_classes=report["model"]["layer_classes"])
+    try:
+        reset_offload_stats()
+        model(**batch).loss.backward()
+        stats = offload_stats()
+    finally:
+        handle.remove()
+    per_rank = report["per_rank"]
+    assert close(per_rank["activations_on_device_bytes"], stats["peak_resident_bytes"]), (per_rank, stats)
+    assert close(per_rank["pinned_host_bytes"], stats["pinned_pool_bytes"]), (per_rank, stats)
+    assert per_rank["activations_on_device_bytes"] < per_rank["activations_bytes"]
+
+
+def test_gpu_target_counts_fused_attention_linear_in_sequence_length(models: dict[str, str]):
+    """On `meta`, SDPA would take the math path and save T x T probabilities; a GPU's fused kernel
+    saves O(T). Doubling the sequence must about double the estimate, not quadruple it."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    short = estimate_memory(config(), models["llama"], seq_len=512, batch_size=1, device="cuda")
+    long = estimate_memory(config(), models["llama"], seq_len=1024, batch_size=1, device="cuda")
+    ratio = long["per_rank"]["activations_bytes"] / short["per_rank"]["activations_bytes"]
+    assert 1.9 < ratio < 2.1, ratio
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # swapped back
+
+
+def test_per_group_figures_cover_every_layer_and_the_vision_tower(models: dict[str, str]):
+    report = estimate(models["llava"])
+    names = [g["name"] for g in report["activations"]["per_group"]]
+    assert any("vision_tower" in n for n in names) and any("language_model" in n for n in names), names
+    assert all(g["saved_bytes"] > 0 for g in report["activations"]["per_group"])
+    assert sum(g["saved_bytes"] for g in report["activations"]["per_group"]) + \
+        report["activations"]["after_last_group_bytes"] == report["per_rank"]["activations_bytes"]
+
+
+# ------------------------------------------------------------------------------ sharded states
+
+
+def _states_worker(rank: int, world: int, path: str, layers: list[str]) -> dict[str, int]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model, batch = real_model(path, torch.float32)
+    batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for group in offload_groups(model, layers):
+        fully_shard(group, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(**batch).loss.backward()
+    optimizer.step()
+
+    def storages(tensors) -> int:  # each storage once: several local tensors may view one allocation
+        locals_ = [t._local_tensor.untyped_storage() for t in tensors]
+        return sum({s.data_ptr(): s.nbytes() for s in locals_}.values())
+
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
+    return {"params": storages(params), "grads": storages(p.grad for p in params if p.grad is not None),
+            "optimizer": storages(state)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["qwen2_tied", "llava"])
+def test_sharded_states_equal_rank0_after_fully_shard_and_a_step(models: dict[str, str], name: str):
+    """Tied weights count once; a vision layer the loss never reaches (Llava reads layer -2)
+    gets neither a gradient nor optimizer state."""
+    report = estimate(models[name])
+    real = run_workers(_states_worker, 2, models[name], report["model"]["layer_classes"])[0]
+    per_rank = report["per_rank"]
+    assert (per_rank["params_bytes"], per_rank["grads_bytes"], per_rank["optimizer_bytes"]) == (
+        real["params"], real["grads"], real["optimizer"])
+
+
+def test_shard_rows_round_up_like_fsdp2():
+    assert shard_numel(torch.Size([97, 32]), 2) == 49 * 32
+    assert shard_numel(torch.Size([97, 32]), 8) == 13 * 32
+    assert shard_numel(torch.Size([]), 4) == 1
+
+
+def test_sgd_keeps_no_state_and_more_ranks_shard_more(models: dict[str, str]):
+    two = estimate(models["llama"], optimizer="sgd")
+    four = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, num_processes=4, device="cpu")
+    assert two["per_rank"]["optimizer_bytes"] == 0
+    assert four["per_rank"]["params_bytes"] < two["per_rank"]["params_bytes"]
+    assert four["per_rank"]["activations_bytes"] == two["per_rank"]["activations_bytes"]
+
+
+def test_without_mixed_precision_states_stay_in_the_load_dtype(models: dict[str, str]):
+    bf16_model = models["deepseek_v3"]  # saved in bf16: config.json says so
+    mixed = estimate_memory(config(), bf16_model, seq_len=SEQ, batch_size=BATCH, device="cpu")
+    plain = estimate_memory(config(mixed_precision="no"), bf16_model, seq_len=SEQ, batch_size=BATCH, device="cpu")
+    assert mixed["inputs"]["storage_dtype"] == "float32" and plain["inputs"]["storage_dtype"] == "bfloat16"
+    assert mixed["per_rank"]["params_bytes"] == 2 * plain["per_rank"]["params_bytes"]
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def _inputs(**changes: object) -> LoadingInputs:
+    base = dict(checkpoint_bytes=1000, loaded_bytes=1000, converting=False, shard_bytes=500, shards_on_host=True,
+                bucket_bytes=10, world=2)
+    return LoadingInputs(**{**base, **changes})
+
+
+def test_loading_peaks_follow_the_measured_shape_of_each_strategy():
+    """The shape `benchmarks/load_memory.py` measured (docs/benchmarks.md): broadcast rank 0 holds
+    the mapped checkpoint, its shard and 3 buckets; the others a shard and a bucket; sharded, a
+    shard each; a converted checkpoint adds the converted copy on top of the mapped pages."""
+    assert peak("broadcast", _inputs()) == (1000 + 500 + 30, 510)
+    assert peak("sharded", _inputs()) == (500, 500)
+    assert peak("broadcast", _inputs(checkpoint_bytes=500, converting=True)).rank0 == 1500
+    assert peak("sharded", _inputs(converting=True)) == (510, 510)
+    assert peak("plain", _inputs()) == (1500, 1500)
+    on_gpu = peak("broadcast", _inputs(shards_on_host=False))
+    assert on_gpu == (1000, 0)
+
+
+def test_loading_follows_the_configs_strategy(models: dict[str, str]):
+    cfg = config(cpu_ram_efficient_loading=True, load_strategy="sharded")
+    report = estimate_memory(cfg, models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu")
+    loading = report["loading"]
+    assert loading["strategy"] == "sharded"
+    assert loading["rank0_host_peak_bytes"] == loading["by_strategy"]["sharded"]["rank0_host_peak_bytes"]
+    plain = estimate_memory(config(cpu_ram_efficient_loading=False), models["llama"], seq_len=SEQ, batch_size=BATCH)
+    assert plain["loading"]["strategy"] == "plain"
+    assert loading["checkpoint_bytes"] == sum(p.stat().st_size for p in Path(models["llama"]).glob("*.safetensors")) \
+        - _header_bytes(models["llama"])
+
+
+def _header_bytes(path: str) -> int:
+    import struct
+
+    total = 0
+    for f in Path(path).glob("*.safetensors"):
+        with f.open("rb") as fh:
+            total += 8 + struct.unpack("<Q", fh.read(8))[0]
+    return total
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def _yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+CONFIG_YAML = """distributed_type: FSDP
+mixed_precision: bf16
+num_processes: 8
+fsdp_config:
+  fsdp_version: 2
+  fsdp_activation_cpu_offload: true
+  fsdp_cpu_ram_efficient_loading: true
+"""
+
+
+def test_cli_json_has_the_documented_keys(models: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    code = cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "64",
+                     "--batch-size", "1", "--format", "json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ranks"] == 8
+    assert set(report["per_rank"]) >= {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                                       "activations_on_device_bytes", "pinned_host_bytes", "peak_device_bytes"}
+    assert set(report["loading"]) >= {"rank0_host_peak_bytes", "other_host_peak_bytes"}
+    assert report["assumptions"] and all(isinstance(a, str) for a in report["assumptions"])
+    assert all(isinstance(v, int) and v >= 0 for v in report["per_rank"].values())
+    per = report["per_rank"]
+    assert per["peak_device_bytes"] > per["params_bytes"] + per["grads_bytes"] + per["optimizer_bytes"]
+
+
+def test_cli_reads_a_bare_config_json_like_the_directory(models: dict[str, str], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]):
+    args = ["estimate", _yaml(tmp_path, CONFIG_YAML), "--seq-len", "32", "--batch-size", "1", "--format", "json"]
+    assert cli.main([*args, "--model", models["qwen2_tied"]]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    alone = tmp_path / "config.json"
+    alone.write_text((Path(models["qwen2_tied"]) / "config.json").read_text())
+    assert cli.main([*args, "--model", str(alone)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert from_file["per_rank"] == from_dir["per_rank"]
+    assert any("no safetensors" in a for a in from_file["assumptions"])
+
+
+def test_cli_table_names_every_figure(models: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["deepseek_v3"], "--seq-len", "32",
+                     "--batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    for label in ("parameters (sharded)", "optimizer state", "peak device memory", "checkpointing and offload",
+                  "broadcast (this config)", "Assumptions:"):
+        assert label in out
+
+
+def test_cli_errors_name_what_to_fix(models: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    good = _yaml(tmp_path, CONFIG_YAML)
+    base = ["--seq-len", "32", "--batch-size", "1"]
+    assert cli.main(["estimate", good, "--model", str(tmp_path / "missing"), *base]) == 2
+    assert "missing" in capsys.readouterr().err
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(CONFIG_YAML + "  fsdp_activaton_cpu_offload: true\n")
+    assert cli.main(["estimate", str(typo), "--model", models["llama"], *base]) == 1
+    assert "activaton_cpu_offload" in capsys.readouterr().err
+    wrong_layer = ["--set", "fsdp_config.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"]
+    assert cli.main(["estimate", good, "--model", models["llama"], *base, *wrong_layer]) == 1
+    err = capsys.readouterr().err
+    assert "transformer_layer_cls_to_wrap" in err and "LlamaDecoderLayer" in err
+    no_ranks = tmp_path / "noranks.yaml"
+    no_ranks.write_text(CONFIG_YAML.replace("num_processes: 8\n", ""))
+    assert cli.main(["estimate", str(no_ranks), "--model", models["llama"], *base]) == 1
+    assert "--num-processes" in capsys.readouterr().err
+    assert cli.main(["estimate", good, "--model", models["llama"], "--seq-len", "0", "--batch-size", "1"]) == 1
+    assert "--seq-len" in capsys.readouterr().err
+
+
+def test_a_forward_that_fails_on_meta_is_reported_with_the_model_class(models: dict[str, str], monkeypatch):
+    cls = model_class(read_model(models["llama"]).config)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("data-dependent branch")
+
+    monkeypatch.setattr(cls, "forward", broken)
+    with pytest.raises(EstimateError, match="LlamaForCausalLM: one forward on the meta device failed"):
+        estimate(models["llama"])
