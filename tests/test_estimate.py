@@ -8,6 +8,7 @@ runs the same comparisons at two sequence lengths and adds the loading peaks (RS
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from _dist import run_workers
-from _models import build_all
+from _models import build_all, save_llama
 from fsdp_offload_cfg import cli, load_config
 from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
 from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
@@ -27,6 +28,15 @@ from fsdp_offload_cfg.offload import enable_activation_offload
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.stats import SavedBytesMeter, offload_stats, reset_offload_stats
 
+# transformers 4.x routes MoE tokens with a Python loop over `nonzero()` and merges Llava's image
+# features with a boolean index computed on the embeddings' device: both data-dependent, so no
+# forward on meta (the estimate says so, naming the class). transformers 5's model code (the
+# experts interface of `integrations/moe.py` is the marker) has static shapes on both.
+META_FORWARD_5X = importlib.util.find_spec("transformers.integrations.moe") is not None
+ONLY_5X = pytest.mark.skipif(not META_FORWARD_5X, reason="transformers 4.x MoE / Llava code is data-dependent on "
+                             "meta (docs/estimate.md, Limits)")
+DEEPSEEK = pytest.param("deepseek_v3", marks=ONLY_5X)
+LLAVA = pytest.param("llava", marks=ONLY_5X)
 NAMES = ["llama", "qwen2_tied", "deepseek_v3", "llava"]
 SEQ, BATCH = 96, 2
 
@@ -64,7 +74,7 @@ def close(estimated: int, measured: int, tolerance: float = 0.10) -> bool:
 # ------------------------------------------------------------------------------ activations
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", DEEPSEEK, LLAVA])
 def test_activations_match_what_the_real_forward_saves(models: dict[str, str], name: str):
     report = estimate(models[name])
     model, batch = real_model(models[name])
@@ -73,7 +83,7 @@ def test_activations_match_what_the_real_forward_saves(models: dict[str, str], n
     assert close(report["per_rank"]["activations_bytes"], meter.peak_bytes), (report["per_rank"], meter.peak_bytes)
 
 
-@pytest.mark.parametrize("name", ["llama", "llava"])
+@pytest.mark.parametrize("name", ["llama", LLAVA])
 def test_checkpointed_activations_match_checkpoint_wrapper(models: dict[str, str], name: str):
     report = estimate(models[name])
     model, batch = real_model(models[name])
@@ -87,7 +97,7 @@ def test_checkpointed_activations_match_checkpoint_wrapper(models: dict[str, str
     assert saved < report["per_rank"]["activations_bytes"] / 2
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["llama", DEEPSEEK])
 def test_offload_figures_match_offload_stats(models: dict[str, str], name: str):
     report = estimate(models[name])
     model, batch = real_model(models[name])
@@ -116,6 +126,7 @@ def test_gpu_target_counts_fused_attention_linear_in_sequence_length(models: dic
     assert torch.nn.functional.scaled_dot_product_attention is sdpa  # swapped back
 
 
+@ONLY_5X
 def test_per_group_figures_cover_every_layer_and_the_vision_tower(models: dict[str, str]):
     report = estimate(models["llava"])
     names = [g["name"] for g in report["activations"]["per_group"]]
@@ -152,7 +163,7 @@ def _states_worker(rank: int, world: int, path: str, layers: list[str]) -> dict[
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["qwen2_tied", "llava"])
+@pytest.mark.parametrize("name", ["qwen2_tied", LLAVA])
 def test_sharded_states_equal_rank0_after_fully_shard_and_a_step(models: dict[str, str], name: str):
     """Tied weights count once; a vision layer the loss never reaches (Llava reads layer -2)
     gets neither a gradient nor optimizer state."""
@@ -177,8 +188,8 @@ def test_sgd_keeps_no_state_and_more_ranks_shard_more(models: dict[str, str]):
     assert four["per_rank"]["activations_bytes"] == two["per_rank"]["activations_bytes"]
 
 
-def test_without_mixed_precision_states_stay_in_the_load_dtype(models: dict[str, str]):
-    bf16_model = models["deepseek_v3"]  # saved in bf16: config.json says so
+def test_without_mixed_precision_states_stay_in_the_load_dtype(models: dict[str, str], tmp_path: Path):
+    bf16_model = save_llama(str(tmp_path / "llama_bf16"), dtype=torch.bfloat16)  # config.json says bfloat16
     mixed = estimate_memory(config(), bf16_model, seq_len=SEQ, batch_size=BATCH, device="cpu")
     plain = estimate_memory(config(mixed_precision="no"), bf16_model, seq_len=SEQ, batch_size=BATCH, device="cpu")
     assert mixed["inputs"]["storage_dtype"] == "float32" and plain["inputs"]["storage_dtype"] == "bfloat16"
@@ -277,7 +288,7 @@ def test_cli_reads_a_bare_config_json_like_the_directory(models: dict[str, str],
 
 
 def test_cli_table_names_every_figure(models: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["deepseek_v3"], "--seq-len", "32",
+    assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["qwen2_tied"], "--seq-len", "32",
                      "--batch-size", "1"]) == 0
     out = capsys.readouterr().out
     for label in ("parameters (sharded)", "optimizer state", "peak device memory", "checkpointing and offload",

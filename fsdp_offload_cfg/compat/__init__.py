@@ -3,7 +3,7 @@
 The rest of the package calls these functions and never compares versions itself:
 
 - `model_init`: how transformers builds a model skeleton on `meta` (init contexts, config base
-  class, post-construction patches);
+  class, post-construction patches, what a forward on `meta` needs: `meta_forward`);
 - `checkpoint_reading`: which transformers functions read checkpoint data during
   `from_pretrained`, so that `load_strategy: sharded` can swap them for a no-read recorder.
 

@@ -80,3 +80,24 @@ def meta_safe_creation() -> Iterator[None]:
 
 def is_config(value: Any) -> bool:
     return isinstance(value, config_base_class())
+
+
+class _AutocastAcceptingMeta(torch.autocast):
+    """`torch.autocast` that treats device type "meta" as "cpu" (there is no meta autocast)."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextmanager
+def meta_forward() -> Iterator[None]:
+    """What a forward on `meta` needs across the range: transformers 4.x RoPE opens
+    `torch.autocast(device_type=x.device.type, enabled=False)`, which raises for "meta"
+    (5.x checks the device type first). Only the device name is mapped; `enabled=False` still
+    disables autocast, so nothing the forward computes changes."""
+    original = torch.autocast
+    torch.autocast = _AutocastAcceptingMeta  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.autocast = original  # type: ignore[misc]

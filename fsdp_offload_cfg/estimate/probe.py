@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from fsdp_offload_cfg.compat.model_init import meta_forward
 from fsdp_offload_cfg.offload.filter import _is_param_like
 from fsdp_offload_cfg.offload.groups import find_units, lift_to_boundaries
 
@@ -216,7 +217,8 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     for p in model.parameters():
         p.requires_grad_(True)
     try:
-        with _attention_as_on(target), saved_tensors_hooks(recorder.pack, lambda t: t), torch.enable_grad():
+        with meta_forward(), _attention_as_on(target), saved_tensors_hooks(recorder.pack, lambda t: t), \
+                torch.enable_grad():
             output = model(**batch)
         recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
     finally:
