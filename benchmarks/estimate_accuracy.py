@@ -62,86 +62,23 @@ def estimate(model_dir: str, seq_len: int, **fsdp: object) -> dict:
 # ------------------------------------------------------------------------------ real runs
 
 
-def _load(model_dir: str, dtype: torch.dtype):
-    from fsdp_offload_cfg.estimate.model import model_class, read_model
-
-    source = read_model(model_dir)
-    model = model_class(source.config).from_pretrained(model_dir, dtype=dtype)
-    return source, model
-
-
-def _batch(source, seq_len: int, dtype: torch.dtype) -> dict:
-    from fsdp_offload_cfg.estimate.model import example_batch
-
-    batch = example_batch(source, BATCH, seq_len, dtype)
-    if "pixel_values" in batch:
-        batch["pixel_values"] = torch.randn(batch["pixel_values"].shape, dtype=dtype)
-    return batch
-
-
 def measured_activations(model_dir: str, seq_len: int, layers: list[str]) -> dict[str, int]:
     """Saved bytes plain and checkpointed, and the offload's counters, on the real model (bf16)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from _real_runs import checkpoint_every_group, offload_counters, real_model, saved_bytes
 
-    from fsdp_offload_cfg.estimate.probe import offload_groups
-    from fsdp_offload_cfg.offload import enable_activation_offload
-    from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
-    from fsdp_offload_cfg.offload.stats import SavedBytesMeter, offload_stats, reset_offload_stats
-
-    source, model = _load(model_dir, torch.bfloat16)
-    model.train()
-    batch = _batch(source, seq_len, torch.bfloat16)
-    with SavedBytesMeter(model) as meter:
-        loss = model(**batch).loss
-    plain = meter.peak_bytes
-    loss.backward()
-
-    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"), layer_classes=layers)
-    reset_offload_stats()
-    model(**batch).loss.backward()
-    stats = offload_stats()
-    handle.remove()
-
-    for group in offload_groups(model, layers):  # accelerate's fsdp2_apply_ac: non-reentrant, per layer
-        parent_name, _, child = next(n for n, m in model.named_modules() if m is group).rpartition(".")
-        setattr(model.get_submodule(parent_name), child, checkpoint_wrapper(group))
-    with SavedBytesMeter(model) as meter:
-        model(**batch)  # saved bytes at the end of forward; the recompute is not needed for them
-    return {"activations": plain, "checkpointed": meter.peak_bytes,
+    model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq_len)
+    plain = saved_bytes(model, batch)
+    stats = offload_counters(model, batch, layers)
+    checkpoint_every_group(model, layers)
+    return {"activations": plain, "checkpointed": saved_bytes(model, batch),
             "offload_on_device": stats["peak_resident_bytes"], "pool": stats["pinned_pool_bytes"]}
-
-
-def _states_worker(rank: int, world: int, model_dir: str, layers: list[str]) -> dict[str, int]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from fsdp_offload_cfg.estimate.probe import offload_groups
-
-    source, model = _load(model_dir, torch.float32)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for group in offload_groups(model, layers):
-        fully_shard(group, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(**_batch(source, 16, torch.bfloat16)).loss.backward()
-    optimizer.step()
-
-    def storages(tensors) -> int:
-        seen = {}
-        for t in tensors:
-            local = getattr(t, "_local_tensor", t)
-            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-        return sum(seen.values())
-
-    params = list(model.parameters())
-    state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step" and torch.is_tensor(t)]
-    return {"params": storages(params), "grads": storages(p.grad for p in params if p.grad is not None),
-            "optimizer": storages(state)}
 
 
 def measured_states(model_dir: str, layers: list[str]) -> dict[str, int]:
     from _dist import run_workers
+    from _real_runs import states_after_one_step
 
-    return run_workers(_states_worker, RANKS, model_dir, layers, timeout=300)[0]
+    return run_workers(states_after_one_step, RANKS, model_dir, layers, timeout=300)[0]
 
 
 # ------------------------------------------------------------------------------ table

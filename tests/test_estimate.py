@@ -14,19 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from _dist import run_workers
 from _models import build_all, save_llama
+from _real_runs import checkpoint_every_group, offload_counters, real_model, saved_bytes, states_after_one_step
 from fsdp_offload_cfg import cli, load_config
 from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
 from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
-from fsdp_offload_cfg.estimate.model import example_batch, model_class, read_model
-from fsdp_offload_cfg.estimate.probe import offload_groups
+from fsdp_offload_cfg.estimate.model import model_class, read_model
 from fsdp_offload_cfg.estimate.states import shard_numel
-from fsdp_offload_cfg.offload import enable_activation_offload
-from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
-from fsdp_offload_cfg.offload.stats import SavedBytesMeter, offload_stats, reset_offload_stats
 
 # transformers 4.x routes MoE tokens with a Python loop over `nonzero()` and merges Llava's image
 # features with a boolean index computed on the embeddings' device: both data-dependent, so no
@@ -58,15 +54,6 @@ def estimate(path: str, **kwargs: object) -> dict:
                            **kwargs)
 
 
-def real_model(path: str, dtype: torch.dtype = torch.bfloat16):
-    source = read_model(path)
-    model = model_class(source.config).from_pretrained(path, dtype=dtype)
-    batch = example_batch(source, BATCH, SEQ, dtype)
-    if "pixel_values" in batch:
-        batch["pixel_values"] = torch.randn(batch["pixel_values"].shape, dtype=dtype)
-    return model.train(), batch
-
-
 def close(estimated: int, measured: int, tolerance: float = 0.10) -> bool:
     return measured > 0 and abs(estimated / measured - 1) <= tolerance
 
@@ -77,38 +64,26 @@ def close(estimated: int, measured: int, tolerance: float = 0.10) -> bool:
 @pytest.mark.parametrize("name", ["llama", "qwen2_tied", DEEPSEEK, LLAVA])
 def test_activations_match_what_the_real_forward_saves(models: dict[str, str], name: str):
     report = estimate(models[name])
-    model, batch = real_model(models[name])
-    with SavedBytesMeter(model) as meter:
-        model(**batch)
-    assert close(report["per_rank"]["activations_bytes"], meter.peak_bytes), (report["per_rank"], meter.peak_bytes)
+    measured = saved_bytes(*real_model(models[name], torch.bfloat16, BATCH, SEQ))
+    assert close(report["per_rank"]["activations_bytes"], measured), (report["per_rank"], measured)
 
 
 @pytest.mark.parametrize("name", ["llama", LLAVA])
 def test_checkpointed_activations_match_checkpoint_wrapper(models: dict[str, str], name: str):
     report = estimate(models[name])
-    model, batch = real_model(models[name])
-    for group in offload_groups(model, report["model"]["layer_classes"]):
-        parent, _, child = next(n for n, m in model.named_modules() if m is group).rpartition(".")
-        setattr(model.get_submodule(parent), child, checkpoint_wrapper(group))
-    with SavedBytesMeter(model) as meter:
-        model(**batch)
+    model, batch = real_model(models[name], torch.bfloat16, BATCH, SEQ)
+    checkpoint_every_group(model, report["model"]["layer_classes"])
+    measured = saved_bytes(model, batch)
     saved = report["activations"]["settings"]["checkpointing"]["saved_bytes"]
-    assert close(saved, meter.peak_bytes), (saved, meter.peak_bytes)
+    assert close(saved, measured), (saved, measured)
     assert saved < report["per_rank"]["activations_bytes"] / 2
 
 
 @pytest.mark.parametrize("name", ["llama", DEEPSEEK])
 def test_offload_figures_match_offload_stats(models: dict[str, str], name: str):
     report = estimate(models[name])
-    model, batch = real_model(models[name])
-    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"),
-                                       layer_classes=report["model"]["layer_classes"])
-    try:
-        reset_offload_stats()
-        model(**batch).loss.backward()
-        stats = offload_stats()
-    finally:
-        handle.remove()
+    model, batch = real_model(models[name], torch.bfloat16, BATCH, SEQ)
+    stats = offload_counters(model, batch, report["model"]["layer_classes"])
     per_rank = report["per_rank"]
     assert close(per_rank["activations_on_device_bytes"], stats["peak_resident_bytes"]), (per_rank, stats)
     assert close(per_rank["pinned_host_bytes"], stats["pinned_pool_bytes"]), (per_rank, stats)
@@ -139,36 +114,13 @@ def test_per_group_figures_cover_every_layer_and_the_vision_tower(models: dict[s
 # ------------------------------------------------------------------------------ sharded states
 
 
-def _states_worker(rank: int, world: int, path: str, layers: list[str]) -> dict[str, int]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    model, batch = real_model(path, torch.float32)
-    batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for group in offload_groups(model, layers):
-        fully_shard(group, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(**batch).loss.backward()
-    optimizer.step()
-
-    def storages(tensors) -> int:  # each storage once: several local tensors may view one allocation
-        locals_ = [t._local_tensor.untyped_storage() for t in tensors]
-        return sum({s.data_ptr(): s.nbytes() for s in locals_}.values())
-
-    params = list(model.parameters())
-    state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
-    return {"params": storages(params), "grads": storages(p.grad for p in params if p.grad is not None),
-            "optimizer": storages(state)}
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["qwen2_tied", LLAVA])
 def test_sharded_states_equal_rank0_after_fully_shard_and_a_step(models: dict[str, str], name: str):
     """Tied weights count once; a vision layer the loss never reaches (Llava reads layer -2)
     gets neither a gradient nor optimizer state."""
     report = estimate(models[name])
-    real = run_workers(_states_worker, 2, models[name], report["model"]["layer_classes"])[0]
+    real = run_workers(states_after_one_step, 2, models[name], report["model"]["layer_classes"])[0]
     per_rank = report["per_rank"]
     assert (per_rank["params_bytes"], per_rank["grads_bytes"], per_rank["optimizer_bytes"]) == (
         real["params"], real["grads"], real["optimizer"])
@@ -326,3 +278,20 @@ def test_a_forward_that_fails_on_meta_is_reported_with_the_model_class(models: d
     monkeypatch.setattr(cls, "forward", broken)
     with pytest.raises(EstimateError, match="LlamaForCausalLM: one forward on the meta device failed"):
         estimate(models["llama"])
+
+
+def test_a_sequence_too_short_for_an_image_is_said_to_be_text_only(models: dict[str, str]):
+    """The tiny Llava's image takes 4 tokens: at 3 tokens the batch has no image, and the
+    assumptions must say so instead of claiming one image per sample."""
+    short = estimate(models["llava"], seq_len=3)["assumptions"]
+    assert any("text-only batch: one image takes 4 tokens" in a for a in short), short
+    assert not any("one image per sample" in a for a in short)
+
+
+def test_the_offload_rows_use_the_configs_knobs_even_when_it_leaves_offload_off(models: dict[str, str]):
+    off = {"enabled": False, "min_tensor_bytes": 2**40}  # every tensor would stay on the device
+    report = estimate_memory(config(activation_cpu_offload=off), models["llama"], seq_len=SEQ, batch_size=BATCH,
+                             device="cpu")
+    assert report["inputs"]["activation_setting"] == "plain"
+    assert report["activations"]["settings"]["offload"]["host_bytes"] == 0
+    assert report["per_rank"]["pinned_host_bytes"] == 0

@@ -18,6 +18,7 @@ of backward; the peak is the larger of those.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, SavedStorage
@@ -38,12 +39,9 @@ class Residency:
 def checkpointed_storages(profile: ActivationProfile) -> list[SavedStorage]:
     """What a checkpointed forward saves: every save outside the groups, plus each group's inputs
     (in the group whose checkpoint first takes them, as the offload would number them)."""
-    out: dict[int, SavedStorage] = {}
-    for key, s in zip(profile.keys, profile.saved):
-        if not s.inside:
-            out[key] = s
-    for key, (nbytes, group, floating) in profile.input_bytes.items():
-        out.setdefault(key, SavedStorage(nbytes, group, floating, inside=False))
+    out = {s.key: s for s in profile.saved if not s.inside}
+    for key, s in profile.inputs.items():  # recorded at group entry, hence marked inside
+        out.setdefault(key, dataclasses.replace(s, inside=False))
     return list(out.values())
 
 
@@ -78,7 +76,7 @@ def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async
     plain = profile.saved
     ckpt = checkpointed_storages(profile)
     recompute = profile.inside_bytes_per_group()
-    enabled = offload if offload.enabled else ActivationOffloadConfig(enabled=True)
+    enabled = dataclasses.replace(offload, enabled=True)  # the config's knobs, even where it leaves it off
     return {
         "plain": residency(plain, n, None, async_reload),
         "checkpointing": residency(ckpt, n, None, async_reload, recompute),

@@ -40,8 +40,9 @@ from fsdp_offload_cfg.offload.groups import find_units, lift_to_boundaries
 
 @dataclass
 class SavedStorage:
-    """One storage autograd keeps for backward."""
+    """One storage autograd keeps for backward (or a group takes as input)."""
 
+    key: int  # StorageImpl address (`_storage_key`): one record per storage
     nbytes: int
     group: int  # offload frame: index of the group it belongs to; len(groups) = after the last group
     floating: bool
@@ -54,14 +55,10 @@ class ActivationProfile:
 
     groups: list[str]  # qualified names of the groups (decoder layers, vision layers), forward order
     saved: list[SavedStorage] = field(default_factory=list)
-    group_inputs: list[list[int]] = field(default_factory=list)  # per group: keys of its input storages
-    input_bytes: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # key -> (nbytes, group, floating)
-    keys: list[int] = field(default_factory=list)  # storage key of each `saved` entry
+    # the activation storages passed into the groups, each numbered with the first group taking
+    # it: what a checkpointed layer keeps instead of its inside saves
+    inputs: dict[int, SavedStorage] = field(default_factory=dict)
     trained: set[int] = field(default_factory=set)  # id() of the parameters the loss reaches (get a gradient)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.nbytes for s in self.saved)
 
     def bytes_per_group(self) -> list[int]:
         """Saved bytes by offload frame: one entry per group, then the part after the last group."""
@@ -146,10 +143,10 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 class _Recorder:
     """The pack hook and the group hooks of one probe forward."""
 
-    def __init__(self, model: nn.Module, groups: list[nn.Module], names: list[str]) -> None:
-        self.profile = ActivationProfile(names, group_inputs=[[] for _ in groups])
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.profile = ActivationProfile(names)
         self.param_keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-        self.seen: dict[int, SavedStorage] = {}
+        self.seen: set[int] = set()
         self.current = 0  # offload frame of what is saved now
         self.inside = False
         self._hold: list[torch.Tensor] = []  # keeps every recorded storage alive, so keys stay unique
@@ -157,23 +154,22 @@ class _Recorder:
     def is_activation(self, t: torch.Tensor) -> bool:
         return not _is_param_like(t) and _storage_key(t) not in self.param_keys
 
+    def record(self, t: torch.Tensor) -> SavedStorage:
+        self._hold.append(t)
+        return SavedStorage(_storage_key(t), t.untyped_storage().nbytes(), self.current, t.is_floating_point(),
+                            self.inside)
+
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.is_activation(t) and _storage_key(t) not in self.seen:
-            record = SavedStorage(t.untyped_storage().nbytes(), self.current, t.is_floating_point(), self.inside)
-            self.seen[_storage_key(t)] = record
-            self.profile.saved.append(record)
-            self.profile.keys.append(_storage_key(t))
-            self._hold.append(t)
+            self.seen.add(_storage_key(t))
+            self.profile.saved.append(self.record(t))
         return t
 
     def enter(self, index: int, args: tuple, kwargs: dict) -> None:
         self.current, self.inside = index, True
         for t in _tensors((args, kwargs)):
-            if self.is_activation(t):
-                key = _storage_key(t)
-                self.profile.group_inputs[index].append(key)
-                self.profile.input_bytes.setdefault(key, (t.untyped_storage().nbytes(), index, t.is_floating_point()))
-                self._hold.append(t)
+            if self.is_activation(t) and _storage_key(t) not in self.profile.inputs:
+                self.profile.inputs[_storage_key(t)] = self.record(t)
 
     def exit(self, index: int) -> None:
         self.current, self.inside = index + 1, False
@@ -207,7 +203,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     """Run one training forward (loss included) of `model` on `meta` and record what it saves."""
     groups = offload_groups(model, layer_classes)
     names = {id(m): n for n, m in model.named_modules()}
-    recorder = _Recorder(model, groups, [names[id(g)] for g in groups])
+    recorder = _Recorder(model, [names[id(g)] for g in groups])
     hooks = []
     for i, g in enumerate(groups):
         hooks.append(g.register_forward_pre_hook(lambda _m, a, k, i=i: recorder.enter(i, a, k), with_kwargs=True))

@@ -6,6 +6,7 @@ read them. Every byte count is an integer and every key ending in `_bytes` is by
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     model = build_on_meta(source, dtypes.compute)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap)
     _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()))
-    profile = _measure(model, source, layers, batch_size, seq_len, dtypes.compute, device)
+    batch = example_batch(source, batch_size, seq_len, dtypes.compute)
+    profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained)
     offload = config.activation_cpu_offload
     async_reload = offload.mode == "async" or (offload.mode == "auto" and device == "cuda")
@@ -50,7 +52,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         "per_rank": _per_rank(config, states, by_setting, chosen, profile),
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
-        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch_size),
+        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch),
     }
 
 
@@ -65,9 +67,8 @@ def _check_layer_classes(model: torch.nn.Module, layers: list[str]) -> None:
                             "(fix the key, or drop it to use those)")
 
 
-def _measure(model: torch.nn.Module, source: ModelSource, layers: list[str], batch_size: int, seq_len: int,
-             dtype: torch.dtype, device: str) -> ActivationProfile:
-    batch = example_batch(source, batch_size, seq_len, dtype)
+def _measure(model: torch.nn.Module, batch: dict[str, torch.Tensor], layers: list[str],
+             device: str) -> ActivationProfile:
     try:
         return measure_activations(model, batch, layers, target=device)
     except Exception as exc:  # any failure of the user's model code, reported with its class
@@ -88,7 +89,7 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
     everything saved is still there)."""
     on_device = by_setting[chosen]
     resident_states = 0 if config.offload_params else states.params + states.grads + states.optimizer
-    gathered = states.always_gathered + 2 * states.unit_max + states.unit_max  # current + prefetched + its grads
+    gathered = states.always_gathered + 3 * states.unit_max  # current + prefetched unit, and one unit's grads
     head = max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
     activations_peak = max(on_device.device_peak_bytes, on_device.forward_end_device_bytes + head)
     host = on_device.host_bytes + (states.params + states.grads + states.optimizer if config.offload_params else 0)
@@ -123,7 +124,7 @@ def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStat
     checkpoint, converting = _checkpoint_bytes(source, states, dtypes)
     inputs = LoadingInputs(
         checkpoint_bytes=checkpoint,
-        loaded_bytes=states.param_count * _size(dtypes.load) + states.buffers,
+        loaded_bytes=states.param_count * dtypes.load.itemsize + states.buffers,
         converting=converting,
         shard_bytes=states.params + states.buffers,
         shards_on_host=device == "cpu" or bool(config.offload_params),
@@ -149,13 +150,14 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
         from fsdp_offload_cfg.loading.safetensors_index import read_headers
 
         tensors = read_headers(list(source.checkpoint_files)).values()
-        stored = sum(_size(t.dtype) * _numel(t.shape) for t in tensors)
+        stored = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         return stored, any(t.dtype.is_floating_point and t.dtype != dtypes.load for t in tensors)
-    return states.param_count * _size(dtypes.load), False
+    return states.param_count * dtypes.load.itemsize, False
 
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
-                 batch_size: int) -> list[str]:
+                 batch: dict[str, torch.Tensor]) -> list[str]:
+    batch_size = batch["input_ids"].shape[0]
     out = [
         f"per rank = rank 0, which holds the largest dim-0 shard of every parameter (FSDP2 Shard(0)); "
         f"batch_size={batch_size} is one rank's micro-batch",
@@ -174,23 +176,16 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
     ]
     if not source.checkpoint_files:
         out.append(f"no safetensors next to {source.path}: checkpoint assumed stored in {_name(dtypes.load)}")
-    if image_tokens_per_image(source.config) is None and hasattr(source.config, "vision_config"):
+    per_image = image_tokens_per_image(source.config)
+    if "pixel_values" in batch:
+        out.append("one image per sample, its placeholder tokens at the start of the sequence")
+    elif per_image is not None:
+        out.append(f"text-only batch: one image takes {per_image} tokens, more than --seq-len, so the vision "
+                   "tower's activations are not included")
+    elif hasattr(source.config, "vision_config"):
         out.append("text-only batch: this model's image inputs are not modelled, so the vision tower's activations "
                    "are not included")
-    elif hasattr(source.config, "vision_config"):
-        out.append("one image per sample, its placeholder tokens at the start of the sequence")
     return out
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _name(dtype: torch.dtype) -> str:

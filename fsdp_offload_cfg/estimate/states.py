@@ -32,7 +32,6 @@ class ShardedStates:
     grads: int
     optimizer: int
     buffers: int  # replicated on every rank
-    full_params: int  # all parameters, unsharded, in the storage dtype (what the checkpoint becomes)
     unit_max: int  # largest layer/embedding unit, unsharded in the compute dtype
     always_gathered: int  # tail + root leftovers, unsharded in the compute dtype for the whole step
     param_count: int
@@ -74,8 +73,7 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
     `trained`: id() of the parameters that get a gradient (the probe's loss graph); a parameter
     the loss never reaches gets no gradient and no optimizer state. None: all of them."""
     params = list(model.parameters())  # tied parameters once
-    size = torch.empty((), dtype=storage_dtype).element_size()
-    compute = torch.empty((), dtype=compute_dtype).element_size()
+    size, compute = storage_dtype.itemsize, compute_dtype.itemsize
 
     def stored(p: nn.Parameter) -> int:
         return p.element_size() if not p.is_floating_point() else size
@@ -90,7 +88,6 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
         grads=trainable,
         optimizer=moments * trainable,
         buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
-        full_params=sum(p.numel() * stored(p) for p in params),
         unit_max=max((sum(p.numel() for p in unit) * compute for unit in units), default=0),
         always_gathered=sum(p.numel() for p in always) * compute,
         param_count=sum(p.numel() for p in params),
