@@ -21,6 +21,7 @@ import torch
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, env_values, load_config, read_config_file
+from fsdp_offload_cfg.dtype_groups import one_dtype_per_group, swap_target
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 
 logger = get_logger("fsdp_offload_cfg.integrations")
@@ -237,12 +238,13 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
         if _fill_through_loader(model, plugin, cfg):
 
             def shard(m: torch.nn.Module) -> torch.nn.Module:
-                with _stock_loading_off(plugin):
+                with _stock_loading_off(plugin), one_dtype_per_group(m):
                     return original(accelerator, m)
 
             model = _load_through_loader(model, shard, plugin, cfg)
         else:
-            model = original(accelerator, model)
+            with one_dtype_per_group(model):
+                model = original(accelerator, model)
         if cfg.activation_cpu_offload.enabled:
             _enable_offload(model, cfg)
         return model
@@ -287,9 +289,14 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
         from torch.distributed.fsdp import FSDPModule
 
         plugin = accelerator.state.fsdp_plugin
+
+        def shard(m: torch.nn.Module) -> torch.nn.Module:
+            with one_dtype_per_group(m):
+                return original(m, accelerator)
+
         if isinstance(model, FSDPModule) or plugin.fsdp_version != 2 or not _fill_through_loader(model, plugin, cfg):
-            return original(model, accelerator)
-        return _load_through_loader(model, lambda m: original(m, accelerator), plugin, cfg)
+            return shard(model)
+        return _load_through_loader(model, shard, plugin, cfg)
 
     return prepare_fsdp
 
@@ -388,9 +395,13 @@ def _offload_fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
 
 
 def _fsdp2_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
-    return fsdp_requested(cfg) and cfg.version == 2 and (
-        cfg.cpu_ram_efficient_loading or cfg.activation_cpu_offload.enabled
-    )
+    """Every FSDP2 run: besides loading and offload, prepare gives odd-dtype modules their own
+    group (`dtype_groups`), which stock accelerate needs as much with the loader off."""
+    return fsdp_requested(cfg) and cfg.version == 2
+
+
+def _fully_shard_swap(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
+    return [swap_target()]
 
 
 def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
@@ -425,17 +436,21 @@ def _patches() -> list[Patch]:
               build_prepare_fsdp2, loader_enabled, acc, "keep optimizer remapping right for meta parameters"),
         Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
               _fsdp2_prepare_needed, acc,
-              "shard on meta and load params + all buffers from rank 0; enable activation offload"),
+              "one fully_shard group per dtype; shard on meta and load params + all buffers from rank 0; "
+              "enable activation offload", swaps=_fully_shard_swap),
         # Frameworks call it directly (LlamaFactory's DPO reference model, TRL, ms-swift):
         Patch("fsdp2-prepare-model-utils", "accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
-              build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for direct calls"),
+              build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for direct calls",
+              swaps=_fully_shard_swap),
         Patch("fsdp2-prepare-model-utils-export", "accelerate.utils", "fsdp2_prepare_model",
-              build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for `accelerate.utils.` calls"),
+              build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for `accelerate.utils.` calls",
+              swaps=_fully_shard_swap),
         # Imports TRL at patch() time where it is installed (a few seconds), so that its trainers,
         # imported afterwards, bind the replacement (`from ..models import prepare_fsdp`).
         Patch("trl-prepare-fsdp", "trl.models.utils", "prepare_fsdp", build_trl_prepare_fsdp,
               _trl_prepare_needed, acc,
-              "fill loader-built reference/teacher models that TRL shards itself"),
+              "fill loader-built reference/teacher models that TRL shards itself; one group per dtype",
+              swaps=_fully_shard_swap),
         Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
               build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
         Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",

@@ -17,6 +17,8 @@ from transformers import (
     CLIPVisionConfig,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     LlavaConfig,
@@ -216,18 +218,44 @@ def build_all(root: str, names: list[str] | None = None) -> dict[str, str]:
 # ---- checkpoint layouts for load_strategy "sharded" (each rank reads its own slices) ----
 
 
-def save_deepseek_v3_fused(path: str) -> str:
-    """The tiny DeepseekV3 of `save_deepseek_v3` stored in the model's own key layout (experts
-    fused into `gate_up_proj`/`down_proj`): transformers loads it without a WeightConverter, so a
-    per-rank slice reader can read it. (`save_pretrained` writes per-expert keys, which are
-    fused on load.)"""
+def save_glm4_moe(path: str, dtype: torch.dtype | None = torch.bfloat16) -> str:
+    """Tiny GLM-4.5 MoE (one dense layer, one MoE layer), saved in bf16: transformers 5.24 keeps
+    its router gate (`mlp.gate.weight`) and `e_score_correction_bias` in float32."""
+    torch.manual_seed(6)
+    config = Glm4MoeConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Glm4MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.linspace(-0.3, 0.3, buf.numel()))
+    return _save(model, path, dtype)
+
+
+def _resave_in_model_layout(path: str, cls: type[PreTrainedModel]) -> str:
+    """Rewrite the checkpoint at `path` in the model's own key layout (experts fused into
+    `gate_up_proj`/`down_proj`): transformers loads it without a WeightConverter, so a per-rank
+    slice reader can read it. (`save_pretrained` writes per-expert keys, which are fused on load.)"""
     from safetensors.torch import save_file
 
-    save_deepseek_v3(path)
-    model = DeepseekV3ForCausalLM.from_pretrained(path)
+    model = cls.from_pretrained(path)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
     return path
+
+
+def save_deepseek_v3_fused(path: str) -> str:
+    """The tiny DeepseekV3 of `save_deepseek_v3` in the model's own key layout."""
+    return _resave_in_model_layout(save_deepseek_v3(path), DeepseekV3ForCausalLM)
+
+
+def save_glm4_moe_fused(path: str) -> str:
+    """The tiny GLM-4.5 MoE of `save_glm4_moe` in the model's own key layout."""
+    return _resave_in_model_layout(save_glm4_moe(path), Glm4MoeForCausalLM)
 
 
 def save_llama_multi_file(path: str) -> str:

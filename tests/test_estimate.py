@@ -148,6 +148,21 @@ def test_without_mixed_precision_states_stay_in_the_load_dtype(models: dict[str,
     assert mixed["per_rank"]["params_bytes"] == 2 * plain["per_rank"]["params_bytes"]
 
 
+@pytest.mark.parametrize("name", [DEEPSEEK])
+def test_parameters_kept_in_float32_count_in_float32(models: dict[str, str], name: str):
+    """Without mixed precision a bf16 DeepSeek-V3 keeps its router gate in float32 (transformers
+    >= 5.24): the estimate's parameter bytes equal what a real bf16 load holds, byte for byte."""
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.bfloat16)
+    held = sum(p.numel() * p.element_size() for p in real.parameters())
+    report = estimate_memory(config(mixed_precision="no"), models[name], seq_len=SEQ, batch_size=BATCH,
+                             num_processes=1, device="cpu", dtype="bfloat16")
+    assert report["per_rank"]["params_bytes"] == held
+    float32 = [n for n, p in real.named_parameters() if p.dtype == torch.float32]
+    assert float32 == [] or all(n.endswith("gate.weight") for n in float32), float32
+
+
 # ------------------------------------------------------------------------------ loading
 
 

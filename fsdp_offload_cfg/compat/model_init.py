@@ -11,7 +11,8 @@ from rank 0's spec afterwards, so both end in the same place.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -76,6 +77,30 @@ def meta_safe_creation() -> Iterator[None]:
         else:
             with meta_device_safe_creation_ops():
                 yield
+
+
+def kept_in_float32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Which parameter names `from_pretrained(dtype=dtype)` keeps in float32 (the model's
+    `_keep_in_fp32_modules_strict` for bf16/fp16, `_keep_in_fp32_modules` for fp16), matched the
+    way the installed transformers matches them: 5.x globs from `_get_dtype_plan`, 4.x a regex
+    over whole module names built inside `from_pretrained`."""
+    get_plan = getattr(model, "_get_dtype_plan", None)
+    if get_plan is not None:
+        plan = [name for name, kept in get_plan(dtype).items() if kept == torch.float32]
+        if not plan:
+            return lambda name: False
+        from transformers.core_model_loading import build_glob_alternation
+
+        pattern = build_glob_alternation(plan)[0]
+        return lambda name: pattern.search(name) is not None
+    modules = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) if dtype in (
+        torch.float16, torch.bfloat16) else []
+    if dtype == torch.float16:
+        modules += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if not modules:
+        return lambda name: False
+    pattern = re.compile("|".join(rf"((^|\.){m}($|\.))" for m in modules))
+    return lambda name: pattern.search(name) is not None
 
 
 def is_config(value: Any) -> bool:

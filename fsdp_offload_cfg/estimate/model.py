@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_offload_cfg.compat.model_init import after_init, meta_init
+from fsdp_offload_cfg.compat.model_init import after_init, kept_in_float32, meta_init
 
 
 class ModelSourceError(ValueError):
@@ -72,8 +72,10 @@ def model_class(config: Any) -> type[nn.Module]:
                            f"(architectures: {getattr(config, 'architectures', None)})")
 
 
-def build_on_meta(source: ModelSource, dtype: torch.dtype) -> nn.Module:
-    """The model skeleton on `meta` in `dtype`, built as `from_pretrained` builds it."""
+def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dtype | None = None) -> nn.Module:
+    """The model skeleton on `meta` in `dtype`, built as `from_pretrained` builds it; the
+    parameters `from_pretrained(dtype=load_dtype)` keeps in float32 (a MoE router gate in a bf16
+    model, transformers >= 5.24) stay float32, so their bytes are counted as the run holds them."""
     cls = model_class(source.config)
     with meta_init(cls, dtype):
         model = cls(source.config)
@@ -81,9 +83,10 @@ def build_on_meta(source: ModelSource, dtype: torch.dtype) -> nn.Module:
     if hasattr(model, "tie_weights"):  # from_pretrained ties after loading; the init context does not
         model.tie_weights()
     model.to(device="meta")  # transformers 4.x leaves buffers on the CPU
-    for p in model.parameters():  # buffers keep their own dtype (RoPE's inv_freq stays fp32)
+    kept = kept_in_float32(model, load_dtype or dtype)
+    for name, p in model.named_parameters():  # buffers keep their own dtype (RoPE's inv_freq stays fp32)
         if p.is_floating_point():
-            p.data = p.data.to(dtype)
+            p.data = p.data.to(torch.float32 if kept(name) else dtype)
     return model
 
 

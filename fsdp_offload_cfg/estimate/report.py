@@ -32,7 +32,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
                  optimizer: str, device: str, dtype: str | None) -> dict[str, Any]:
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
-    model = build_on_meta(source, dtypes.compute)
+    model = build_on_meta(source, dtypes.compute, dtypes.load)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap)
     _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()))
     batch = example_batch(source, batch_size, seq_len, dtypes.compute)

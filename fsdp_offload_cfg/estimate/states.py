@@ -7,7 +7,9 @@ parameter. Buffers are not sharded: every rank holds all of them.
 
 Dtypes follow accelerate: with `mixed_precision` bf16/fp16, `fsdp2_prepare_model` upcasts the
 trainable parameters to fp32 before sharding (fp32 master weights) and FSDP2 gathers them in the
-low precision for compute; without it, parameters stay in the dtype they were loaded in.
+low precision for compute; without it, parameters stay in the dtype they were loaded in, and one
+the load keeps in float32 (a MoE router gate in a bf16 model) stays float32, in its own group
+(`dtype_groups`), gathered in float32. The model passed in carries those float32 parameters.
 
 Units (what is gathered at once) follow accelerate's `fsdp2_prepare_model`: one per layer class,
 the input embedding when untied, a tail of [final norm, lm_head] (plus the embedding when tied)
@@ -73,10 +75,14 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
     `trained`: id() of the parameters that get a gradient (the probe's loss graph); a parameter
     the loss never reaches gets no gradient and no optimizer state. None: all of them."""
     params = list(model.parameters())  # tied parameters once
-    size, compute = storage_dtype.itemsize, compute_dtype.itemsize
+    size = storage_dtype.itemsize
+    mixed = storage_dtype != compute_dtype  # FSDP2 gathers every parameter in the compute dtype
 
     def stored(p: nn.Parameter) -> int:
-        return p.element_size() if not p.is_floating_point() else size
+        return max(size, p.element_size()) if p.is_floating_point() else p.element_size()
+
+    def gathered(unit: list[nn.Parameter]) -> int:
+        return sum(p.numel() * (compute_dtype.itemsize if mixed else stored(p)) for p in unit)
 
     sharded = sum(shard_numel(p.shape, world) * stored(p) for p in params)
     trainable = sum(shard_numel(p.shape, world) * stored(p) for p in params
@@ -88,7 +94,7 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
         grads=trainable,
         optimizer=moments * trainable,
         buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
-        unit_max=max((sum(p.numel() for p in unit) * compute for unit in units), default=0),
-        always_gathered=sum(p.numel() for p in always) * compute,
+        unit_max=max((gathered(unit) for unit in units), default=0),
+        always_gathered=gathered(always),
         param_count=sum(p.numel() for p in params),
     )
