@@ -114,10 +114,13 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from fsdp_offload_cfg.discovery import with_launch_overrides
+    from fsdp_offload_cfg.discovery import find_accelerate_launch, override_keys, with_launch_overrides
 
+    launch = find_accelerate_launch()
     try:
-        config, changed = with_launch_overrides(load_config(args.file, args.overrides))
+        config, changed = with_launch_overrides(load_config(args.file, args.overrides),
+                                                typed=launch.typed if launch is not None else None,
+                                                keep=override_keys(args.overrides))
     except ConfigError as error:
         _print(str(error), file=sys.stderr)
         return _exit_code(error)

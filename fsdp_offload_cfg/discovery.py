@@ -5,30 +5,40 @@ Order, first hit wins: explicit argument; env `FSDP_OFFLOAD_CFG`; the `--config_
 default config file when that launch named none; accelerate's exported `FSDP_*` variables.
 The `FSDP_*` variables are the last resort because `accelerate launch` drops every key it does
 not know (this plugin's keys and typos alike) when exporting them.
+
+Which value wins is a separate rule, accelerate's: code (`patch()` keywords, a mapping or config
+object passed to `patch()`) > the launch command line (its exported variables) > a file, however
+the file was found. A log line names an override only where the user typed the flag.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from fsdp_offload_cfg import registry
 from fsdp_offload_cfg.config import (
     ENV_VARS,
     FSDP1_ONLY_ENV_KEYS,
     LAUNCH_ENV_VARS,
     PLUGIN_KEYS,
+    ConfigError,
     FSDPOffloadConfig,
+    Problem,
     config_from_env,
     load_config,
 )
+from fsdp_offload_cfg.config.keys import ALIASES
+from fsdp_offload_cfg.config.reading import plain
 
 ENV_CONFIG_PATH = "FSDP_OFFLOAD_CFG"
 _MAX_ANCESTORS = 6
+_FIND = object()  # discover_config's default: look for the accelerate launch ancestor
 
 
 def _is_accelerate_launch(cmdline: Sequence[str]) -> bool:
@@ -54,8 +64,16 @@ def _config_file_arg(cmdline: Sequence[str]) -> str | None:
     return None
 
 
-def accelerate_launch_config_file() -> Path | None:
-    """The config file of the `accelerate launch` ancestor of this process, if there is one."""
+@dataclass(frozen=True)
+class AccelerateLaunch:
+    """The `accelerate launch` process this one descends from, as far as its command line says."""
+
+    config_file: Path | None  # its --config_file (absolute), or accelerate's default file; None: neither
+    typed: frozenset[str]  # config keys given as flags on its command line (`--mixed_precision bf16`)
+
+
+def find_accelerate_launch() -> AccelerateLaunch | None:
+    """The `accelerate launch` ancestor of this process, if there is one."""
     try:
         ancestors = psutil.Process().parents()[:_MAX_ANCESTORS]
     except psutil.Error:
@@ -67,12 +85,49 @@ def accelerate_launch_config_file() -> Path | None:
                 continue
             arg = _config_file_arg(cmdline)
             if arg is None:
-                return _accelerate_default_config_file()
-            path = Path(arg)
-            return path if path.is_absolute() else Path(proc.cwd()) / path
+                path = _accelerate_default_config_file()
+            else:
+                path = Path(arg) if Path(arg).is_absolute() else Path(proc.cwd()) / arg
+            return AccelerateLaunch(path, typed_launch_keys(cmdline))
         except psutil.Error:
             continue
     return None
+
+
+def accelerate_launch_config_file() -> Path | None:
+    """The config file of the `accelerate launch` ancestor of this process, if there is one."""
+    launch = find_accelerate_launch()
+    return launch.config_file if launch is not None else None
+
+
+def typed_launch_keys(cmdline: Sequence[str]) -> frozenset[str]:
+    """Config keys the user typed as `accelerate launch` flags (`--mixed_precision`, `--cpu`,
+    `--fsdp_<key>`), in either spelling (`--fsdp_version 2`, `--fsdp-version=2`). Only the
+    launcher's own arguments count: everything after the script path belongs to the script."""
+    flags = {"mixed_precision": "mixed_precision", "cpu": "use_cpu", "num_processes": "num_processes"}
+    flags.update({f"fsdp_{key}": key for key in ENV_VARS.values()})
+    flags["fsdp_transformer_layer_cls_to_wrap"] = "transformer_layer_cls_to_wrap"
+    typed = set()
+    for arg in _launcher_args(cmdline):
+        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
+        if name in flags:
+            typed.add(flags[name])
+    return frozenset(typed)
+
+
+def _launcher_args(cmdline: Sequence[str]) -> list[str]:
+    """The arguments of `accelerate launch` up to the training script (the first `.py` or the
+    first positional argument after the flags that take none)."""
+    args = []
+    started = False
+    for arg in cmdline:
+        if not started:
+            started = arg == "launch" or arg.endswith(("accelerate-launch", "accelerate.commands.launch", "launch.py"))
+            continue
+        if arg.endswith(".py") or arg == "-m":
+            break
+        args.append(arg)
+    return args
 
 
 def _accelerate_default_config_file() -> Path | None:
@@ -83,16 +138,28 @@ def _accelerate_default_config_file() -> Path | None:
 
 
 def with_launch_overrides(
-    cfg: FSDPOffloadConfig, environ: Mapping[str, str] = os.environ
+    cfg: FSDPOffloadConfig,
+    environ: Mapping[str, str] | None = None,
+    *,
+    typed: frozenset[str] | None = None,
+    keep: frozenset[str] = frozenset(),
 ) -> tuple[FSDPOffloadConfig, dict[str, tuple[Any, Any]]]:
-    """`cfg` (read from the launch's config file) with the values the launcher actually exported.
+    """`cfg` (read from a config file) with the values the launcher exported: accelerate's order,
+    the launch command line over the file.
 
     `accelerate launch --config_file f.yaml --mixed_precision bf16 --fsdp_activation_checkpointing
     true` exports the command line's values over the file's; accelerate runs with those, so the
     plugin must too (re-exporting the file's would silently undo the command line). The file still
-    supplies the plugin's own keys, which accelerate never exports. Returns the merged config and
-    `{key: (file value, launch value)}` for every key the launch changed.
+    supplies the plugin's own keys, which accelerate never exports; `keep` names keys given in code
+    (`patch()` keywords, `--set`), which win over both. The merge is validated again.
+
+    Returns the merged config and `{key: (file value, launch value)}` for what the user typed:
+    the flags in `typed` (the launch's command line) when it is known, otherwise every value the
+    environment changed that the file had set (accelerate's own default for a key the file leaves
+    unset is taken silently: nobody typed it). `environ` defaults to the environment as it was
+    before any `patch()` exported into it.
     """
+    environ = registry.environ_before_patching() if environ is None else environ
     launched = config_from_env(environ)
     if launched is None:
         return cfg, {}
@@ -100,14 +167,53 @@ def with_launch_overrides(
     present = {key for var, key in ENV_VARS.items() if var in environ} - ignored | {
         key for key, var in LAUNCH_ENV_VARS.items() if var in environ and key != "num_processes"
     }
-    changed = {
+    adopted = {
         key: (getattr(cfg, key), getattr(launched, key))
-        for key in sorted(present - PLUGIN_KEYS)  # accelerate never exports the plugin's keys: the file is their source
+        for key in sorted(present - PLUGIN_KEYS - keep)  # accelerate never exports the plugin's keys
         if getattr(launched, key) != getattr(cfg, key)
     }
-    if not changed:
+    if not adopted:
         return cfg, {}
-    return dataclasses.replace(cfg, **{key: new for key, (_, new) in changed.items()}), changed
+    try:
+        merged = load_config(cfg, {_dotted_key(key): plain(new) for key, (_, new) in adopted.items()})
+    except ConfigError as error:  # say which values came from the launch, not only the file
+        launch_problems = [
+            Problem("the accelerate launch", _flag(key), f"{new!r} over {cfg.source}'s {old!r}")
+            for key, (old, new) in adopted.items()
+        ]
+        raise ConfigError([*error.problems, *launch_problems]) from error
+    reported = {key: values for key, values in adopted.items()
+                if (key in typed if typed is not None else values[0] is not None)}
+    return merged, reported
+
+
+def _flag(key: str) -> str:
+    """The `accelerate launch` flag (and exported variable) that carries `key`."""
+    var = LAUNCH_ENV_VARS.get(key) or next(v for v, k in ENV_VARS.items() if k == key)
+    flag = {"use_cpu": "--cpu", "mixed_precision": "--mixed_precision"}.get(key, f"--fsdp_{key}")
+    return f"{flag} (${var})"
+
+
+def _dotted_key(key: str) -> str:
+    return key if key in LAUNCH_ENV_VARS else f"fsdp_config.{key}"
+
+
+def override_keys(overrides: Mapping[str, Any] | Sequence[str] | None) -> frozenset[str]:
+    """The config keys a set of overrides (`patch()` keywords, `--set K=V`) names, canonical."""
+    if not overrides:
+        return frozenset()
+    if isinstance(overrides, Mapping):
+        dotted = list(overrides)
+        nested = [k for k, v in overrides.items() if k == "fsdp_config" and isinstance(v, Mapping)]
+        dotted += [str(k) for name in nested for k in overrides[name]]
+    else:
+        dotted = [str(item).partition("=")[0] for item in ([overrides] if isinstance(overrides, str) else overrides)]
+    keys = set()
+    for item in dotted:
+        name = str(item).strip().split(".")[-1 if not str(item).startswith("fsdp_config.") else 1]
+        name = name.removeprefix("fsdp_")
+        keys.add(ALIASES.get(name, name))
+    return frozenset(keys)
 
 
 def describe_overrides(changed: Mapping[str, tuple[Any, Any]]) -> str:
@@ -120,23 +226,43 @@ def describe_overrides(changed: Mapping[str, tuple[Any, Any]]) -> str:
 def discover_config(
     config: str | os.PathLike[str] | Mapping[str, Any] | FSDPOffloadConfig | None,
     overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    launch: AccelerateLaunch | object | None = _FIND,
 ) -> tuple[FSDPOffloadConfig, str]:
-    """Return the validated config and a sentence saying where it came from."""
+    """Return the validated config and a sentence saying where it came from.
+
+    Precedence is accelerate's: code (`overrides`, and a mapping or config object passed as
+    `config`) over the launch command line over a file. So a file, wherever it was named (the
+    argument, `$FSDP_OFFLOAD_CFG`, the launch's `--config_file`), takes the launch's exported
+    values over its own. `launch` defaults to this process's `accelerate launch` ancestor.
+    """
     overrides = dict(overrides or {})
-    if config is not None:
+    if config is not None and not isinstance(config, (str, os.PathLike)):  # written in code: wins over the launch
         cfg = load_config(config, overrides or None)
         return cfg, f"argument ({cfg.source})"
-    env_path = os.environ.get(ENV_CONFIG_PATH)
-    if env_path:
-        return load_config(env_path, overrides or None), f"${ENV_CONFIG_PATH}={env_path}"
-    launch_file = accelerate_launch_config_file()
-    if launch_file is not None:
-        cfg, changed = with_launch_overrides(load_config(launch_file, overrides or None))
-        return cfg, f"accelerate launch --config_file {launch_file}" + describe_overrides(changed)
-    env_cfg = config_from_env()
+    if launch is _FIND:
+        launch = find_accelerate_launch()
+    assert launch is None or isinstance(launch, AccelerateLaunch)
+    env_path = (environ if environ is not None else os.environ).get(ENV_CONFIG_PATH)
+    if config is not None:
+        file, label = config, f"argument ({os.fspath(config)})"
+    elif env_path:
+        file, label = env_path, f"${ENV_CONFIG_PATH}={env_path}"
+    elif launch is not None and launch.config_file is not None:
+        file, label = launch.config_file, f"accelerate launch --config_file {launch.config_file}"
+    else:
+        file, label = None, ""
+    if file is not None:
+        cfg, changed = with_launch_overrides(load_config(file, overrides or None), environ,
+                                             typed=launch.typed if launch is not None else None,
+                                             keep=override_keys(overrides))
+        return cfg, label + describe_overrides(changed)
+    env_cfg = config_from_env(registry.environ_before_patching() if environ is None else environ)
     if env_cfg is not None:
         if overrides:
             env_cfg = load_config(env_cfg, overrides)
         return env_cfg, "accelerate's FSDP_* environment variables"
     cfg = load_config({}, overrides or None) if overrides else FSDPOffloadConfig(source="<none found>")
     return cfg, "no config found (nothing to patch for FSDP)"
+

@@ -145,6 +145,20 @@ def active() -> PatchSession | None:
     return _ACTIVE
 
 
+def environ_before_patching() -> dict[str, str]:
+    """The environment as it was before the active session exported its variables: what the
+    launcher and the user set. A second `patch()` must not read the first one's exports back as
+    the launch command line's values."""
+    environ = dict(os.environ)
+    if _ACTIVE is not None:
+        for key, value in _ACTIVE.env_before.items():
+            if value is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = value
+    return environ
+
+
 # -------------------------------------------------------------------------------------------
 # Checks
 # -------------------------------------------------------------------------------------------

@@ -78,18 +78,22 @@ def _reports(launch: Launch) -> list[dict]:
     return reports
 
 
-def _accelerate_launch(config: Path, *script_args: str, flags: tuple[str, ...] = ()) -> Launch:
+def _accelerate_launch(config: Path, *script_args: str, flags: tuple[str, ...] = (), **env: str) -> Launch:
     return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config), *flags,
-                 "--main_process_port", str(free_port()), str(PROBE), *script_args])
+                 "--main_process_port", str(free_port()), str(PROBE), *script_args], **env)
 
 
-def test_launch_command_line_overrides_win_over_the_file(tmp_path: Path, checkpoint: str) -> None:
+@pytest.mark.parametrize("named", ["launch", "argument", "env"])
+def test_launch_command_line_overrides_win_over_the_file(tmp_path: Path, checkpoint: str, named: str) -> None:
     """`patch()` used to re-export every value of the file, undoing the command line: the run had
-    mixed precision "no", RAM-efficient loading on and no checkpointing."""
+    mixed precision "no", RAM-efficient loading on and no checkpointing. Until issue 22 it still
+    did when the script named the file itself (`patch("f.yaml")`) or through `$FSDP_OFFLOAD_CFG`."""
     config = _write(tmp_path, "f.yaml", loading="true", extra="  activation_cpu_offload: true\n")
     flags = ("--mixed_precision", "bf16", "--fsdp_activation_checkpointing", "true",
              "--fsdp_cpu_ram_efficient_loading", "false")  # fmt: skip
-    launch = _accelerate_launch(config, checkpoint, "--steps", "1", flags=flags)
+    args = ("--config", str(config)) if named == "argument" else ()
+    env = {"FSDP_OFFLOAD_CFG": str(config)} if named == "env" else {}
+    launch = _accelerate_launch(config, checkpoint, "--steps", "1", *args, flags=flags, **env)
     for r in _reports(launch):
         assert (r["mixed_precision"], r["plugin_cpu_ram_efficient_loading"], r["plugin_activation_checkpointing"]) == (
             "bf16", False, True), r
@@ -281,6 +285,7 @@ def test_accelerate_launch_loads_exactly_what_a_plain_load_gives(tmp_path: Path,
         "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n", ""))
     reports = _reports(_accelerate_launch(config, checkpoint, "--steps", "1"))
     for r in reports:
+        assert "overridden" not in r["source"], r["source"]  # nothing typed: accelerate's own exports are no override
         assert r["state_digests"] == expected, sorted(
             k for k in expected if r["state_digests"].get(k) != expected[k])
         reads_weights = strategy == "broadcast" and r["rank"] == 0

@@ -11,7 +11,13 @@ import pytest
 
 import fsdp_offload_cfg
 from fsdp_offload_cfg import ConfigError, FSDPOffloadConfig, integrations, patching, registry
-from fsdp_offload_cfg.discovery import _config_file_arg, _is_accelerate_launch, discover_config
+from fsdp_offload_cfg.discovery import (
+    AccelerateLaunch,
+    _config_file_arg,
+    _is_accelerate_launch,
+    discover_config,
+    typed_launch_keys,
+)
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
 EVERYTHING_ON = FSDPOffloadConfig(
@@ -252,6 +258,94 @@ def test_discovery_order_argument_then_env_path_then_fsdp_env(tmp_path, monkeypa
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     cfg, source = discover_config(None, {})
     assert "no config found" in source and not integrations.fsdp_requested(cfg)
+
+
+# ---- precedence: patch() keywords > launch command line > file, wherever the file was named ----
+
+LAUNCH_FILE = """distributed_type: FSDP
+mixed_precision: 'no'
+fsdp_config:
+  fsdp_version: 2
+  fsdp_activation_checkpointing: false
+  fsdp_cpu_ram_efficient_loading: true
+  activation_cpu_offload: true
+"""
+# What `accelerate launch --config_file f.yaml --mixed_precision fp16 --fsdp_activation_checkpointing true`
+# exports: the flags' values, the file's others, and accelerate's own default for min_num_params.
+LAUNCH_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "fp16",
+              "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+              "FSDP_MIN_NUM_PARAMS": "100000000"}
+TYPED = AccelerateLaunch(None, frozenset({"mixed_precision", "activation_checkpointing"}))
+
+
+@pytest.mark.parametrize("named", ["argument", "env", "launch"])
+def test_command_line_flags_win_over_the_file_wherever_it_is_named(tmp_path, named: str):
+    """The file named by `patch("f.yaml")` or `$FSDP_OFFLOAD_CFG` used to be taken as written,
+    undoing the command line (the run had no checkpointing and no fp16)."""
+    path = tmp_path / "f.yaml"
+    path.write_text(LAUNCH_FILE)
+    environ = dict(LAUNCH_ENV, **({"FSDP_OFFLOAD_CFG": str(path)} if named == "env" else {}))
+    launch = AccelerateLaunch(path if named == "launch" else None, TYPED.typed)
+    cfg, source = discover_config(path if named == "argument" else None, {}, environ=environ, launch=launch)
+    assert (cfg.mixed_precision, cfg.activation_checkpointing) == ("fp16", True)
+    assert cfg.activation_cpu_offload.enabled and cfg.cpu_ram_efficient_loading  # the file's other keys stay
+    assert "overridden by the launch command line: activation_checkpointing: True (the file says False), " \
+           "mixed_precision: 'fp16' (the file says 'no')" in source
+    assert "min_num_params" not in source  # accelerate's own export of a key nobody typed: taken silently
+    assert cfg.min_num_params == 100000000  # ... as accelerate itself runs with it
+
+
+def test_nothing_typed_reports_no_override(tmp_path):
+    path = tmp_path / "f.yaml"
+    path.write_text(LAUNCH_FILE)
+    environ = {**LAUNCH_ENV, "ACCELERATE_MIXED_PRECISION": "no", "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+    cfg, source = discover_config(None, {}, environ=environ, launch=AccelerateLaunch(path, frozenset()))
+    assert "overridden" not in source, source
+    assert (cfg.mixed_precision, cfg.activation_checkpointing) == ("no", False)
+
+
+def test_patch_keywords_win_over_the_command_line(tmp_path):
+    path = tmp_path / "f.yaml"
+    path.write_text(LAUNCH_FILE)
+    cfg, source = discover_config(path, {"mixed_precision": "bf16"}, environ=LAUNCH_ENV, launch=TYPED)
+    assert (cfg.mixed_precision, cfg.activation_checkpointing) == ("bf16", True)
+    assert "mixed_precision" not in source  # the keyword, not the launch, decided it
+
+
+def test_the_merged_config_is_validated_again(tmp_path):
+    """`--fsdp_version 1` over a file that asks for the FSDP2-only sharded loader: refused, as the
+    file alone with version 1 would be, instead of a silently inconsistent config."""
+    path = tmp_path / "f.yaml"
+    path.write_text(LAUNCH_FILE.replace("  fsdp_version: 2\n", "  fsdp_version: 2\n  load_strategy: sharded\n"))
+    environ = {**LAUNCH_ENV, "FSDP_VERSION": "1"}
+    with pytest.raises(ConfigError, match="load_strategy") as info:
+        discover_config(path, {}, environ=environ, launch=AccelerateLaunch(None, frozenset({"version"})))
+    assert f"the accelerate launch: --fsdp_version ($FSDP_VERSION): 1 over {path}'s 2" in str(info.value)
+
+
+def test_a_second_patch_does_not_read_the_first_ones_exports_as_the_launch(tmp_path):
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text(LAUNCH_FILE.replace("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true"))
+    second.write_text(LAUNCH_FILE)
+    assert fsdp_offload_cfg.patch(first).config.activation_checkpointing is True
+    assert os.environ["FSDP_ACTIVATION_CHECKPOINTING"] == "true"  # exported for processes it starts
+    session = fsdp_offload_cfg.patch(second)
+    assert session.config.activation_checkpointing is False and "overridden" not in session.source
+
+
+@pytest.mark.parametrize(
+    "cmdline, typed",
+    [
+        (["accelerate", "launch", "--config_file", "f.yaml", "--mixed_precision", "fp16",
+          "--fsdp_activation_checkpointing", "true", "train.py", "--mixed_precision", "no"],
+         {"mixed_precision", "activation_checkpointing"}),
+        (["python", "-m", "accelerate.commands.launch", "--fsdp-version=2", "--cpu", "-m", "pkg.train"],
+         {"version", "use_cpu"}),
+        (["accelerate", "launch", "train.py"], set()),
+    ],
+)
+def test_typed_launch_flags_stop_at_the_script(cmdline: list[str], typed: set[str]):
+    assert typed_launch_keys(cmdline) == typed
 
 
 def test_keyword_overrides_reach_the_config():

@@ -59,15 +59,17 @@ class Rank0Mailbox:
     collective that long is killed by the watchdog. The store has no such limit.
 
     One mailbox per call: its slot is the call's `key` (the same on every rank for the same
-    call: class and checkpoint, never object ids) plus how many times this rank has made that
-    call before, so repeated loads of one checkpoint keep their order. Rank 0 marks the slot
+    call: `pairing.LoadCall.digest` of class, checkpoint and shaping arguments, never object ids)
+    plus how many times this rank has made that call before, so repeats of one call keep their
+    order and a load with other arguments never takes this call's slot. Rank 0 marks the slot
     started before its work and fills it after, error or not; a waiting rank gives up when
     rank 0 has not even started within the process-group timeout (it is not making this call).
     """
 
     def __init__(self, key: str, what: str) -> None:
         self.what = what
-        self.slot = f"fsdp_offload_cfg/rank0/{key}/{next(_calls.setdefault(key, itertools.count()))}"
+        self.repeat = next(_calls.setdefault(key, itertools.count()))  # earlier calls with this key on this rank
+        self.slot = f"fsdp_offload_cfg/rank0/{key}/{self.repeat}"
         self.store = dist.distributed_c10d._get_default_store()
 
     def start(self) -> None:

@@ -17,12 +17,15 @@ and a clear error if it waits on a rank 0 that never loads):
      `_keep_in_fp32_modules`, ties);
   3. a model still on meta refuses its forward until `prepare` fills it (`load_into_sharded`
      checks every rank's model against rank 0's, in collectives that every rank reaches).
+A load pairs with rank 0's load of the same call (class, checkpoint, shaping arguments), not
+with rank 0's load of the same position (`pairing.py`).
 The non-zero ranks never open a weight file, and hold zero parameter or buffer bytes.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 import threading
@@ -39,6 +42,7 @@ from fsdp_offload_cfg.compat import model_init
 from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import NeedsBroadcast, meta_from_pretrained
 from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
+from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
@@ -106,7 +110,7 @@ def rank0_from_pretrained(original_from_pretrained: Callable[..., Any], cls: typ
         init_kwargs = _model_init_kwargs(original_from_pretrained, kwargs, built.config)
         return _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
 
-    return _rank0_or_meta(load, build, f"load {source}", f"{_qualname(cls)}:{source}")
+    return _rank0_or_meta(load, build, f"load {source}", load_call(cls, "from_pretrained", args, kwargs))
 
 
 def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -139,7 +143,9 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
         return rank0_from_pretrained(original_from_pretrained, cls, *args, **kwargs)
     if error is not None:
         raise error
-    _mark(result[0] if isinstance(result, tuple) else result, f"load {source}")
+    model = result[0] if isinstance(result, tuple) else result
+    _mark(model, f"load {source}")
+    setattr(model, CALL_ATTR, load_call(cls, "from_pretrained", args, kwargs))  # each rank built its own: unpaired
     if dist.get_rank() == 0:
         logger.info("sharded loading: %s built on meta on every rank; each rank reads its own shards", source)
     return result
@@ -160,12 +166,15 @@ def rank0_from_config(original_from_config: Callable[..., Any], cls: type, confi
         return _conform(model, built)
 
     what = f"initialise {cls.__name__} from its config"
-    return _rank0_or_meta(load, build, what, f"{_qualname(cls)}:from_config:{type(config).__name__}")
+    return _rank0_or_meta(load, build, what, load_call(cls, "_from_config", (config,), kwargs))
 
 
-def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Module], what: str, key: str) -> Any:
-    """The protocol of this module's docstring; returns what `load` would have."""
-    mailbox = Rank0Mailbox(key, what)
+def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Module], what: str,
+                   call: LoadCall) -> Any:
+    """The protocol of this module's docstring; returns what `load` would have. `call` pairs
+    this load with rank 0's load of the same call (`pairing.py`)."""
+    mailbox = Rank0Mailbox(call.digest, what)
+    call = dataclasses.replace(call, repeat=mailbox.repeat)
     if dist.get_rank() == 0:
         mailbox.start()
         with _nested():
@@ -179,6 +188,7 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
         model = result[0] if isinstance(result, tuple) else result
         logger.info("rank-0 loading: %s done on rank 0 (%.2f GiB); other ranks are on meta", what, built.spec.nbytes / 2**30)
         setattr(model, SOURCE_ATTR, True)
+        setattr(model, CALL_ATTR, call)
         return result
     message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
     if message is not None:
@@ -187,6 +197,7 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
         model = build(built)
     torch.set_rng_state(built.rng_state)
     _mark(model, what)
+    setattr(model, CALL_ATTR, call)
     return (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
 
 
@@ -216,10 +227,6 @@ def release_meta_guards(model: nn.Module) -> None:
         handle = module.__dict__.pop(_GUARD_ATTR, None)
         if handle is not None:
             handle.remove()
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _summarize(result: Any) -> _Rank0Built:

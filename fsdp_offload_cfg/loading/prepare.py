@@ -44,6 +44,7 @@ from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR
 from fsdp_offload_cfg.loading.layout import Target, plan
 from fsdp_offload_cfg.loading.meta import release_meta_guards
+from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, pair_problem, repeat_shift
 from fsdp_offload_cfg.loading.spec import (
     ModelSpec,
     TensorSpec,
@@ -96,9 +97,16 @@ def load_into_sharded(
         return LoadReport(shard_fn(model) or model, None, None)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    spec = _share_rank0_spec(model)
-    problem = mismatch(spec, describe(model), what=f"rank {rank}'s model does not match rank 0's")
-    raise_if_any_failed(_error(problem), "matching parameter and buffer names with rank 0")
+    spec, rank0_call = _share_rank0_spec(model)
+    own_call = getattr(model, CALL_ATTR, None)
+    problem = pair_problem(own_call, rank0_call, rank) or mismatch(
+        spec, describe(model), what=f"rank {rank}'s model does not match rank 0's")
+    raise_if_any_failed(_error(problem), "matching this rank's model with rank 0's")
+    if repeat_shift(own_call, rank0_call):
+        logger.warning("rank %d prepares its load #%d of %s, rank 0 its load #%d of the same call: rank 0 made it "
+                       "alone before (load such copies inside `fsdp_offload_cfg.local_loading()`); the weights come "
+                       "from rank 0's prepared model", rank, own_call.repeat + 1, own_call.description,
+                       rank0_call.repeat + 1)  # fmt: skip
     sources = sharded.agree_sources(model, spec)
     if strategy == "sharded" and not sources.files and rank == 0:
         logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
@@ -154,15 +162,16 @@ def _error(problem: str | None) -> BaseException | None:
     return RuntimeError(problem) if problem is not None else None
 
 
-def _share_rank0_spec(model: nn.Module) -> ModelSpec:
-    """Rank 0's spec on every rank."""
+def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None]:
+    """Rank 0's spec, and the load call its model came from, on every rank."""
     spec, error = None, None
     if dist.get_rank() == 0:
         spec, error = attempt(lambda: describe(model))
-    message, spec = broadcast_from_rank0((describe_error(error) if error is not None else None, spec))
+    call = getattr(model, CALL_ATTR, None) if dist.get_rank() == 0 else None
+    message, spec, call = broadcast_from_rank0((describe_error(error) if error is not None else None, spec, call))
     if message is not None:
         raise RuntimeError(f"rank 0 cannot describe its model: {message}") from error
-    return spec
+    return spec, call
 
 
 def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str]) -> dict[str, torch.Tensor] | None:
