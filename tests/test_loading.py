@@ -666,6 +666,85 @@ def test_a_rank0_failure_before_the_scatter_raises_on_every_rank(checkpoints: di
             assert seconds < pg_timeout / 2, f"rank {rank}, {case}: took {seconds:.1f}s"
 
 
+# (module, function, which call fails, words of the step in the message, strategies), injected on one rank
+STEP_FAULTS = [
+    ("prepare", "describe", 1, "matching this rank's model with rank 0's", STRATEGIES),
+    ("prepare", "rebuild_on_meta", 1, "sharding the model on meta (rebuild, shard_fn)", STRATEGIES),
+    ("prepare", "_materialize", 1, "allocating the sharded model", STRATEGIES),
+    ("prepare", "plan", 1, "allocating the sharded model", STRATEGIES),
+    ("sharded", "_own_sources", 1, "finding each tensor in the checkpoint record", ["sharded"]),
+    ("sharded", "fill_own", 1, "reading this rank's shards from the checkpoint", ["sharded"]),
+    ("broadcast", "_pack", 2, "receiving the weights from rank 0 (bucket by bucket)", ["broadcast"]),
+    ("broadcast", "_unpack", 2, "receiving the weights from rank 0 (bucket by bucket)", ["broadcast"]),
+    ("prepare", "meta_tensor_names", 1, "checking the loaded model", STRATEGIES),
+]
+
+
+def _step_fault_worker(rank: int, world_size: int, path: str) -> dict[str, tuple[str, float]]:
+    """For each step of `load_into_sharded`, under each strategy, one rank's call of the step's
+    function raises (the n-th call: the scatter fails in its second bucket); the other ranks run
+    normally. What every rank raised, and when."""
+    import importlib
+
+    from transformers import LlamaForCausalLM
+
+    from fsdp_offload_cfg.loading import load_into_sharded
+
+    out: dict[str, tuple[str, float]] = {}
+    for module_name, function, nth, _, strategies in STEP_FAULTS:
+        module = importlib.import_module(f"fsdp_offload_cfg.loading.{module_name}")
+        real = getattr(module, function)
+        for strategy in strategies:
+            _install_patches(strategy)
+            for failing in (0, 1):
+                if function == "_pack" and failing == 1:
+                    continue  # only rank 0 packs
+                calls = {"n": 0}
+
+                def fault(*args: Any, _real: Any = real, _nth: int = nth, _calls: dict = calls, _name: str = function,
+                          **kwargs: Any) -> Any:
+                    _calls["n"] += 1
+                    if _calls["n"] == _nth:
+                        raise RuntimeError(f"injected fault in {_name}")
+                    return _real(*args, **kwargs)
+
+                model = LlamaForCausalLM.from_pretrained(path)
+                dist.barrier()
+                if rank == failing:
+                    setattr(module, function, fault)
+                start = time.monotonic()
+                try:
+                    load_into_sharded(model, lambda m: _shard(m, {"LlamaDecoderLayer"}), strategy=strategy,
+                                      bucket_bytes=BUCKET)
+                    message = "no error"
+                except Exception as exc:  # noqa: BLE001
+                    message = f"{type(exc).__name__}: {exc}"
+                out[f"{strategy}/{function}/rank{failing}"] = (message, time.monotonic() - start)
+                setattr(module, function, real)
+                dist.barrier()  # still in step: the next case starts together
+    return out
+
+
+def test_a_failure_at_any_step_raises_on_every_rank_naming_the_rank_and_step(checkpoints: dict[str, Any]) -> None:
+    """Issue 22: steps outside an agreement (rebuild, the scatter loop, the final check) used to
+    leave the other ranks waiting in a collective until the process-group timeout."""
+    pg_timeout = 30.0
+    results = run_workers(_step_fault_worker, 2, checkpoints["paths"]["llama"], pg_timeout=pg_timeout, timeout=400)
+    steps = {function: words for _, function, _, words, _ in STEP_FAULTS}
+    for rank, out in enumerate(results):
+        assert len(out) == sum(len(s) * (1 if f == "_pack" else 2) for _, f, _, _, s in STEP_FAULTS)
+        for case, (message, seconds) in out.items():
+            _, function, failing = case.split("/")
+            assert f"injected fault in {function}" in message, (rank, case, message)
+            if case.endswith("describe/rank0"):  # rank 0 describes its model for everyone first
+                assert "rank 0 cannot describe its model" in message, (rank, case, message)
+            else:
+                assert f"{steps[function]} failed on {failing.replace('rank', 'rank ')}:" in message, (rank, case, message)
+            if function in ("_pack", "_unpack"):
+                assert "bucket 2/" in message, (rank, case, message)
+            assert seconds < pg_timeout / 2, f"rank {rank}, {case}: took {seconds:.1f}s"
+
+
 def _plain_load_error(path: str) -> str:
     """The exception type a plain load raises (OSError; HFValidationError on transformers 4.57)."""
     from transformers import LlamaForCausalLM

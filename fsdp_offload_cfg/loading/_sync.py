@@ -168,3 +168,13 @@ def raise_if_any_failed(error: BaseException | None, what: str) -> None:
         return
     summary = f"{what} failed on " + "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
     raise RuntimeError(summary) from error
+
+
+def agreed(what: str, fn: Callable[[], T]) -> T:
+    """Run the step `fn` on every rank, then agree: if it failed on any rank, every rank raises
+    (`raise_if_any_failed`, naming the step as `what` and each failing rank). The one way a step
+    that can fail on some ranks runs between two collectives."""
+    result, error = attempt(fn)
+    raise_if_any_failed(error, what)
+    return result  # type: ignore[return-value]
+

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
+from fsdp_offload_cfg.loading._sync import agreed, attempt, describe_error, raise_if_any_failed
 from fsdp_offload_cfg.loading.layout import Target
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
 
 ALIGN = 16  # byte offset of every tensor in a bucket: viewing bytes as any dtype needs alignment
+HEADER = ALIGN  # each rank's part of a bucket starts with it; byte 0: 1 if rank 0 could not pack the bucket
 
 
 @dataclass
@@ -31,8 +34,6 @@ class TransferStats:
     bytes_sent: int = 0  # by rank 0, summed over destination ranks
     buckets: int = 0
     seconds: float = 0.0
-
-
 
 
 def _aligned(n: int) -> int:
@@ -55,7 +56,7 @@ def buckets(targets: list[Target], bucket_bytes: int, rank: int = 0) -> list[lis
 
 
 def _offsets(bucket: list[Target], rank: int) -> tuple[list[int], int]:
-    offsets, pos = [], 0
+    offsets, pos = [], HEADER
     for t in bucket:
         offsets.append(pos)
         pos += _aligned(t.nbytes_on(rank))
@@ -88,13 +89,35 @@ def _allocate_staging(nbytes: int, destinations: int, device: torch.device) -> t
 
 
 def _pack(bucket: list[Target], source: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> None:
-    """Rank 0: write each destination rank's parts into its byte buffer (`_check_source` ran)."""
+    """Rank 0: write each destination rank's parts into its byte buffer (`_check_source` ran),
+    then drop each source tensor whose last part this was (its memory is freed now)."""
     offsets = [_offsets(bucket, rank)[0] for rank in range(len(buffers))]
     for i, t in enumerate(bucket):
         full = source[t.spec.name]
         for rank, buffer in enumerate(buffers):
             piece = _as_bytes(full[t.regions[rank]])
             buffer[offsets[rank][i] : offsets[rank][i] + piece.numel()].copy_(piece)
+    for t in bucket:
+        if t.last:
+            del source[t.spec.name]  # rank 0's last reference
+
+
+def _unpack(bucket: list[Target], received: torch.Tensor, rank: int) -> None:
+    """Copy this rank's parts out of the received bytes into its shards (floats cast to the
+    shard's dtype: a bf16 checkpoint into fp32 master weights)."""
+    for t, offset in zip(bucket, _offsets(bucket, rank)[0]):
+        raw = received[offset : offset + t.nbytes_on(rank)]
+        t.dest.copy_(raw.view(t.spec.dtype).view(t.dest.shape))
+
+
+def _in_bucket(k: int, n: int, step: Callable[..., None], *args: Any) -> BaseException | None:
+    """Run one rank's part of bucket `k`, `step(*args)`; its failure (named with the bucket), or None."""
+    _, error = attempt(lambda: step(*args))
+    if error is None:
+        return None
+    failure = RuntimeError(f"bucket {k + 1}/{n}: {describe_error(error)}")
+    failure.__cause__ = error
+    return failure
 
 
 @torch.no_grad()
@@ -120,23 +143,24 @@ def scatter_from_rank0(
             _check_source(targets, source)
         return _allocate_staging(max(sizes, default=0), world if rank == 0 else 0, device)
 
-    buffers, error = attempt(get_ready)
-    raise_if_any_failed(error, "getting ready to receive from rank 0 (checking its tensors, allocating staging)")
-    staging, outgoing = buffers
-    for bucket, size in zip(plan, sizes):
+    staging, outgoing = agreed("getting ready to receive from rank 0 (checking its tensors, allocating staging)",
+                               get_ready)
+    # Inside the loop no rank raises alone: a rank that fails keeps taking part in every scatter
+    # (doing no more work) and all ranks agree after the loop. Rank 0's failure stops everyone at
+    # once through the header byte of the bucket it could not pack.
+    failure: BaseException | None = None  # this rank's first failure in the loop
+    for k, (bucket, size) in enumerate(zip(plan, sizes)):
         received = staging[:size]
         packed = None
         if rank == 0:
             packed = [buffer[:size] for buffer in outgoing]
-            _pack(bucket, source, packed)
-            for t in bucket:
-                if t.last:
-                    del source[t.spec.name]  # rank 0's last reference: its memory is freed now
+            failure = failure or _in_bucket(k, len(plan), _pack, bucket, source, packed)
+            for buffer in packed:
+                buffer[0] = 0 if failure is None else 1
         dist.scatter(received, packed, src=0)
-        own_offsets, _ = _offsets(bucket, rank)
-        for t, offset in zip(bucket, own_offsets):
-            raw = received[offset : offset + t.nbytes_on(rank)]
-            t.dest.copy_(raw.view(t.spec.dtype).view(t.dest.shape))
+        if received[0].item() != 0:
+            break
+        failure = failure or _in_bucket(k, len(plan), _unpack, bucket, received, rank)
         stats.tensors += sum(t.last for t in bucket)
         stats.bytes_sent += sum(t.nbytes_on(r) for t in bucket for r in range(1, world))
         stats.buckets += 1
@@ -146,5 +170,6 @@ def scatter_from_rank0(
                 "rank-0 loading: %d/%d buckets, %d tensors, %.2f GiB sent, %.1fs",
                 stats.buckets, len(plan), stats.tensors, stats.bytes_sent / 2**30, time.perf_counter() - start,
             )  # fmt: skip
+    raise_if_any_failed(failure, "receiving the weights from rank 0 (bucket by bucket)")
     stats.seconds = time.perf_counter() - start
     return stats

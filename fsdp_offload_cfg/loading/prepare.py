@@ -16,8 +16,10 @@
 Under "sharded" (a model built by `sharded_from_pretrained`), step 4 is hybrid: tensors in the
 checkpoint record are read by each rank from the files (`sharded.py`), non-persistent buffers are
 each rank's own, and only the rest is scattered from rank 0.
-Each step that can fail on some ranks ends with an all-rank agreement, so failures raise
-everywhere at once.
+Every step runs on every rank and ends with an all-rank agreement (`_sync.agreed`), so a failure
+on any rank raises on all of them at once, naming the step and the failing ranks; no rank is left
+waiting in a collective. The scatter agrees once before its first bucket and once after its last
+(a failure on rank 0 mid-way travels in the buckets' header: `broadcast.py`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_offload_cfg.loading import sharded
 from fsdp_offload_cfg.loading._sync import (
+    agreed,
     attempt,
     broadcast_from_rank0,
     describe_error,
     distributed_ready,
-    raise_if_any_failed,
 )
 from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR
@@ -92,55 +94,76 @@ def load_into_sharded(
     """
     if strategy not in ("broadcast", "sharded"):
         raise ValueError(f"unknown load strategy {strategy!r}; expected 'broadcast' or 'sharded'")
-    release_meta_guards(model)
     if not distributed_ready():
+        release_meta_guards(model)
         return LoadReport(shard_fn(model) or model, None, None)
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    # 1. rank 0's description; every rank checks its model against it (same call, names, shapes)
     spec, rank0_call = _share_rank0_spec(model)
+    agreed("matching this rank's model with rank 0's", lambda: _match_rank0(model, spec, rank0_call, rank))
+    # 2. where each tensor comes from: this rank's checkpoint reads, or rank 0
+    sources = sharded.agree_sources(model, spec)
+    if strategy == "sharded" and not sources.files and rank == 0:
+        logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
+    source = _rank0_source(model, spec, skip=sources.names())
+    # 3. meta tensors tied as on rank 0, then fully_shard on meta
+    sharded_model = agreed("sharding the model on meta (rebuild, shard_fn)", lambda: _shard_on_meta(model, spec, shard_fn))
+    # 4. storage for this rank's shards
+    targets, device = agreed("allocating the sharded model",
+                             lambda: _allocate(sharded_model, spec, cpu_offload, rank, world))
+    # 5. this rank's own reads, then rank 0's scatter of the rest (its own agreements, bucket by bucket)
+    read_stats = agreed("reading this rank's shards from the checkpoint",
+                        lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
+    from_rank0 = [t for t in targets if t.spec.name not in sources.names()]
+    stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=bucket_bytes)
+    _log(stats, read_stats, world)
+    # 6. nothing left on meta, every name, dtype and tie as rank 0 described it
+    agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
+    return LoadReport(sharded_model, stats, read_stats)
+
+
+def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None, rank: int) -> None:
+    """This rank's model is the model of rank 0's call, with its names and shapes."""
+    release_meta_guards(model)  # it is being filled: its forward may run again afterwards
     own_call = getattr(model, CALL_ATTR, None)
     problem = pair_problem(own_call, rank0_call, rank) or mismatch(
         spec, describe(model), what=f"rank {rank}'s model does not match rank 0's")
-    raise_if_any_failed(_error(problem), "matching this rank's model with rank 0's")
+    if problem is not None:
+        raise RuntimeError(problem)
     if repeat_shift(own_call, rank0_call):
         logger.warning("rank %d prepares its load #%d of %s, rank 0 its load #%d of the same call: rank 0 made it "
                        "alone before (load such copies inside `fsdp_offload_cfg.local_loading()`); the weights come "
                        "from rank 0's prepared model", rank, own_call.repeat + 1, own_call.description,
                        rank0_call.repeat + 1)  # fmt: skip
-    sources = sharded.agree_sources(model, spec)
-    if strategy == "sharded" and not sources.files and rank == 0:
-        logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
-    source = _rank0_source(model, spec, skip=sources.names())
 
+
+def _shard_on_meta(model: nn.Module, spec: ModelSpec, shard_fn: Callable[[nn.Module], nn.Module | None]) -> nn.Module:
     rebuild_on_meta(model, spec)
-    sharded_model, error = attempt(lambda: shard_fn(model) or model)
-    raise_if_any_failed(error, "sharding the model (shard_fn)")
+    return shard_fn(model) or model
 
-    def materialize() -> list[Target]:
-        problem = mismatch(spec, describe(sharded_model), what="sharded model", check_dtype=True)
-        if problem is not None:
-            raise RuntimeError(problem)
-        _materialize(sharded_model, *_devices(sharded_model, cpu_offload))
-        retie(sharded_model, spec)
-        return plan(sharded_model, spec, rank, world)
 
-    targets, error = attempt(materialize)
-    raise_if_any_failed(error, "allocating the sharded model")
+def _allocate(model: nn.Module, spec: ModelSpec, cpu_offload: bool, rank: int,
+              world: int) -> tuple[list[Target], torch.device]:
+    """Uninitialised storage for this rank's shards and the buffers; what each rank fills where,
+    and the device the scatter's buffers live on."""
+    problem = mismatch(spec, describe(model), what="sharded model", check_dtype=True)
+    if problem is not None:
+        raise RuntimeError(problem)
+    param_device, device = _devices(model, cpu_offload)
+    _materialize(model, param_device, device)
+    retie(model, spec)
+    return plan(model, spec, rank, world), device
 
-    read_stats, error = attempt(lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
-    raise_if_any_failed(error, "reading this rank's shards from the checkpoint")
-    from_rank0 = [t for t in targets if t.spec.name not in sources.names()]
-    device = _devices(sharded_model, cpu_offload)[1]
-    stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=bucket_bytes)
-    _log(stats, read_stats, world)
 
-    left = meta_tensor_names(sharded_model)
+def _check_loaded(model: nn.Module, spec: ModelSpec) -> None:
+    left = meta_tensor_names(model)
     problem = f"still on meta after loading: {left}" if left else None
-    problem = problem or mismatch(spec, describe(sharded_model), what="after loading", check_dtype=True)
-    raise_if_any_failed(_error(problem), "checking the loaded model")
-    for module in sharded_model.modules():  # the record points at meta tensors that are gone now
+    problem = problem or mismatch(spec, describe(model), what="after loading", check_dtype=True)
+    if problem is not None:
+        raise RuntimeError(problem)
+    for module in model.modules():  # the record points at meta tensors that are gone now
         module.__dict__.pop(CHECKPOINT_ATTR, None)
-    return LoadReport(sharded_model, stats, read_stats)
 
 
 def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> None:
@@ -156,10 +179,6 @@ def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> No
             "rank-0 loading: sent %d tensors (%.2f GiB to %d ranks) in %d buckets in %.2fs",
             stats.tensors, stats.bytes_sent / 2**30, world - 1, stats.buckets, stats.seconds,
         )  # fmt: skip
-
-
-def _error(problem: str | None) -> BaseException | None:
-    return RuntimeError(problem) if problem is not None else None
 
 
 def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None]:
