@@ -7,7 +7,7 @@ Each rule guards a known failure of earlier offloaders (docs/offload.md, "What i
   so a copy taken in forward would be restored over a storage FSDP manages itself;
 - tensor subclasses (DTensor, NF4, float8) and non-strided layouts: their storage is not the
   whole story, a byte copy would not restore them;
-- non-floating tensors (masks, indices) and storages under `min_tensor_bytes`: the copy costs a
+- integer and bool tensors (masks, indices) and storages under `min_tensor_bytes`: the copy costs a
   launch and a pool slot for nothing (torchtune's 1 KB floor). The storage decides, not the view:
   keeping a 16-byte slice of a 1 MB activation keeps the whole megabyte on the device;
 - tensors not on the compute device: on a CUDA run, CPU tensors are already on the host. On a
@@ -88,7 +88,7 @@ def keep_reason(
         return "parameter"
     if t.device != compute_device:
         return "other_device"
-    if not t.is_floating_point():
+    if not (t.is_floating_point() or t.is_complex()):  # complex: RoPE via `view_as_complex` saves big ones
         return "non_float"
     storage = t.untyped_storage()
     if storage.nbytes() < min_bytes or storage.data_ptr() == 0:
