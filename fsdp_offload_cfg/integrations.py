@@ -308,9 +308,11 @@ def _trl_installed() -> bool:
 
 
 def _enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
+    """Offload on a model the patches prepared; `unpatch()` removes it again (and with the last
+    handle, the dynamo registration the offload makes)."""
     from fsdp_offload_cfg.offload import enable_activation_offload
 
-    enable_activation_offload(model, cfg.activation_cpu_offload)
+    registry.on_uninstall(enable_activation_offload(model, cfg.activation_cpu_offload).remove)
 
 
 def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -382,8 +384,24 @@ def _adopt_trainer_config(fsdp: Any, fsdp_config: Any) -> None:
         fsdp_config = read_config_file(path)
     trainer_cfg = load_config({"fsdp": fsdp, "fsdp_config": dict(fsdp_config or {})}, name=name)
     session = registry.active()
-    if session is not None and session.config != trainer_cfg:
-        registry.switch(plan_for(dataclasses.replace(trainer_cfg, source=source), source, LaunchContext.from_environ()))
+    if session is None or session.config == trainer_cfg:
+        return
+    if accelerator_state_exists():  # a second TrainingArguments (a framework's copy, an eval run) mid-run
+        if is_rank0():
+            logger.warning("%s differs from the active config (%s), but an Accelerator already runs with that "
+                           "one: keeping it. Pass the same fsdp_config to every TrainingArguments.", source,
+                           session.source)  # fmt: skip
+        return
+    registry.switch(plan_for(dataclasses.replace(trainer_cfg, source=source), source, LaunchContext.from_environ()))
+
+
+def accelerator_state_exists() -> bool:
+    """An `Accelerator` (accelerate's shared `AcceleratorState`) was built in this process: it has
+    read its settings, so patches and config can no longer change under it."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    return state is not None and bool(state.AcceleratorState._shared_state)
 
 
 def _always(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:

@@ -97,17 +97,11 @@ def unpatch() -> None:
     registry.uninstall()
 
 
-def accelerator_state_exists() -> bool:
-    """An `Accelerator` (accelerate's shared `AcceleratorState`) was built in this process."""
-    state = sys.modules.get("accelerate.state")
-    return state is not None and bool(state.AcceleratorState._shared_state)
-
-
 def _refuse_after_accelerator(source: str) -> None:
     """`Accelerator()` reads the config when it is built: patching afterwards leaves ranks on
     different paths (rank 1 crashes in `prepare`, rank 0 trains without FSDP). Every rank built
     its Accelerator, so every rank refuses here alike."""
-    if accelerator_state_exists():
+    if integrations.accelerator_state_exists():
         raise RuntimeError(
             f"fsdp_offload_cfg.patch() (config from {source}) was called after Accelerator() was created; "
             "the Accelerator has already read its settings. Call fsdp_offload_cfg.patch() first, at the top "

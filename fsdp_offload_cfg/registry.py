@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -126,6 +126,9 @@ class PatchSession:
     source: str
     applied: list[_Applied]
     env_before: dict[str, str | None]  # every variable this session set, as it was before
+    # what the patches did to objects while the session was active (activation offload enabled
+    # on prepared models): undone by `uninstall`, last first
+    undo: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def patch_names(self) -> list[str]:
@@ -267,11 +270,20 @@ def switch(new: Plan) -> PatchSession:
 
 
 def uninstall() -> None:
-    """Restore every patched object and environment variable exactly; a no-op when none is active."""
+    """Restore every patched object and environment variable exactly, and undo what the patches
+    did while active (`on_uninstall`); a no-op when none is active."""
     global _ACTIVE
     if _ACTIVE is not None:
+        while _ACTIVE.undo:
+            _ACTIVE.undo.pop()()
         _revert(_ACTIVE.applied, _ACTIVE.env_before)
         _ACTIVE = None
+
+
+def on_uninstall(undo: Callable[[], None]) -> None:
+    """Have `uninstall` call `undo` (a replacement that changed an object, e.g. hooked a model)."""
+    if _ACTIVE is not None:
+        _ACTIVE.undo.append(undo)
 
 
 def _install_all(new: Plan, patches: list[Patch], applied: list[_Applied]) -> None:

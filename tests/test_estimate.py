@@ -291,8 +291,11 @@ def test_a_forward_that_fails_on_meta_is_reported_with_the_model_class(models: d
         raise RuntimeError("data-dependent branch")
 
     monkeypatch.setattr(cls, "forward", broken)
+    sdpa, autocast = torch.nn.functional.scaled_dot_product_attention, torch.autocast
     with pytest.raises(EstimateError, match="LlamaForCausalLM: one forward on the meta device failed"):
         estimate(models["llama"])
+    # the probe swaps them process-wide for its forward: a failing forward puts them back too
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa and torch.autocast is autocast
 
 
 def test_a_sequence_too_short_for_an_image_is_said_to_be_text_only(models: dict[str, str]):

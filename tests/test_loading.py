@@ -545,10 +545,17 @@ def test_with_accelerates_fsdp2_prepare_model(matrix: list[dict[str, Any]], stra
 def _failure_worker(rank: int, world_size: int, cases: dict[str, str], late: str) -> dict[str, Any]:
     """Every case under both strategies, then (sharded only) a file truncated between
     `from_pretrained` and `load_into_sharded`: the reader's error must reach every rank."""
+    import importlib
+
     from transformers import LlamaForCausalLM
 
+    from fsdp_offload_cfg.compat.checkpoint_reading import swap_targets
     from fsdp_offload_cfg.loading import load_into_sharded
 
+    def swappable() -> dict[tuple[str, str], Any]:  # what the sharded meta load swaps for its call
+        return {(m, a): getattr(importlib.import_module(m), a) for m, a in swap_targets()}
+
+    originals = swappable()
     out: dict[str, Any] = {}
     for strategy in STRATEGIES:
         _install_patches(strategy)
@@ -560,6 +567,7 @@ def _failure_worker(rank: int, world_size: int, cases: dict[str, str], late: str
             except Exception as exc:  # noqa: BLE001
                 message = f"{type(exc).__name__}: {exc}"
             out[f"{strategy}/{case}"] = (message, time.monotonic() - start)
+            assert swappable() == originals, f"{strategy}/{case} left transformers' loaders swapped"
             dist.barrier()  # the ranks are still in step: the next case starts together
     model = LlamaForCausalLM.from_pretrained(late)  # still "sharded"
     dist.barrier()

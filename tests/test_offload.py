@@ -474,6 +474,21 @@ def test_any_strided_views_of_one_storage_restore_exactly(views: list, dtype: to
     handle.remove()
 
 
+def test_dynamo_registration_lives_exactly_as_long_as_a_handle() -> None:
+    import torch._dynamo
+
+    from fsdp_offload_cfg.offload.api import _whole_model_compile_notice
+
+    registered = torch._dynamo.config.reorderable_logging_functions
+    first, second = Net(n=2), Net(n=2)
+    handles = [enable_activation_offload(m, ON, layer_classes=[Block]) for m in (first, second)]
+    handles[0].remove()
+    assert _whole_model_compile_notice in registered  # the second model's forward may still call it
+    handles[1].remove()
+    handles[1].remove()  # idempotent: the count does not go below zero
+    assert _whole_model_compile_notice not in registered
+
+
 # ---------------------------------------------------------------- view bits (negative, conjugate)
 def _complex_block_net(view: str) -> nn.Module:
     """Each block saves a view that carries a bit: `z.conj().imag` (a float view with the negative

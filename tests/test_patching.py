@@ -440,6 +440,23 @@ def test_the_trainer_switches_the_config_without_unpatching_itself(single_proces
     assert TrainingArguments.__dict__["__post_init__"] is not trainer_patch
 
 
+def test_a_training_arguments_made_after_the_accelerator_does_not_switch_the_config(single_process: dict):
+    """Issue 22: a second TrainingArguments (a framework's copy, an eval run) switched the patches
+    under an Accelerator that had already read the first config."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import TrainingArguments
+
+    session = fsdp_offload_cfg.patch(EVERYTHING_ON)
+    names = list(session.patch_names)
+    try:
+        Accelerator(cpu=True)
+        TrainingArguments(fsdp=True, fsdp_config={"version": 2, "activation_cpu_offload": False}, **single_process)
+        assert fsdp_offload_cfg.active_config() is EVERYTHING_ON and session.patch_names == names
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 def test_trainer_config_errors_name_the_training_arguments(single_process: dict, tmp_path: Any):
     from transformers import TrainingArguments
 
@@ -498,3 +515,24 @@ def test_the_patch_modules_import_in_one_direction():
                                    for m in ("keys", "model", "schema", "reading", "sources", "rules")))
     assert not any(n.startswith(("fsdp_offload_cfg.patching", "fsdp_offload_cfg.integrations",
                                  "fsdp_offload_cfg.registry")) for n in config_imports)
+
+
+def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
+    """Issue 22: the dynamo config `enable_activation_offload` extends stayed extended after
+    `unpatch()`, and the models prepared under the patch kept their hooks."""
+    import torch._dynamo
+
+    from _offload_models import tiny_llama
+    from fsdp_offload_cfg.offload import get_offload_handle
+    from fsdp_offload_cfg.offload.api import _whole_model_compile_notice
+
+    registered = torch._dynamo.config.reorderable_logging_functions
+    before = set(registered)
+    fsdp_offload_cfg.patch(EVERYTHING_ON)
+    model = tiny_llama(2)
+    integrations._enable_offload(model, fsdp_offload_cfg.active_config())  # what the prepare patch calls
+    assert get_offload_handle(model) is not None and _whole_model_compile_notice in registered
+    fsdp_offload_cfg.unpatch()
+    assert get_offload_handle(model) is None and "forward" not in model.__dict__
+    assert set(registered) == before
+

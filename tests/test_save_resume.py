@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import accelerate
 import pytest
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 
 from _dist import run_workers
 
@@ -37,6 +39,11 @@ CONFIG = {
 STOCK = {**CONFIG, "fsdp_config": {k: v for k, v in CONFIG["fsdp_config"].items() if k != "activation_cpu_offload"}
          | {"fsdp_cpu_ram_efficient_loading": False}}  # fmt: skip
 STEPS = 4  # the interrupted runs stop after STEPS // 2 and resume
+# accelerate 1.10 itself does not resume FSDP2 bit for bit from a SHARDED_STATE_DICT (nor the
+# Trainer, which saves one); FULL_STATE_DICT it does. Measured with stock accelerate on every CI
+# leg (1.10.1 inexact; 1.13.0 and 1.15.0 exact for both), so each test states what must hold
+# on its leg instead of deriving it from the run.
+SHARDED_RESUME_EXACT = Version(accelerate.__version__) >= Version("1.11")
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +175,16 @@ def _resume_worker(rank: int, world_size: int, path: str, out_root: str, config:
 
 def test_save_state_and_load_state_resume_bit_for_bit(checkpoints: dict[str, str], tmp_path) -> None:
     """Resumed losses equal the uninterrupted run's, and both equal the stock run's. (accelerate
-    1.10 itself does not resume FSDP2 bit for bit: there the plugin matches stock's resume.)"""
+    1.10 itself does not resume FSDP2 bit for bit from a sharded state: there the plugin matches
+    stock's resume, and the test says that it is inexact, so a change either way is seen.)"""
     path = checkpoints["qwen2_tied"]
     results = run_workers(_resume_worker, 2, path, str(tmp_path / "plugin"), CONFIG, timeout=300)
     stock = run_workers(_resume_worker, 2, path, str(tmp_path / "stock"), STOCK, timeout=300)
     for rank, result in enumerate(results):
         assert result == stock[rank], (rank, result, stock[rank])
-        for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-            if stock[rank][state_dict_type] == stock[rank]["uninterrupted"]:  # stock resumes exactly
-                assert result[state_dict_type] == result["uninterrupted"], (rank, state_dict_type, result)
+        assert result["FULL_STATE_DICT"] == result["uninterrupted"], (rank, result)
+        exact = result["SHARDED_STATE_DICT"] == result["uninterrupted"]
+        assert exact is SHARDED_RESUME_EXACT, (rank, accelerate.__version__, result)
     assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # the ranks saw different data
 
 
@@ -222,5 +230,5 @@ def test_trainer_resume_from_checkpoint_bit_for_bit(checkpoints: dict[str, str],
         full = result["uninterrupted"]
         assert len(full) == STEPS, result
         assert result == stock[rank], (rank, result, stock[rank])  # what the Trainer gives without the plugin
-        if stock[rank]["resumed"][-(STEPS // 2) :] == stock[rank]["uninterrupted"][STEPS // 2 :]:
-            assert result["resumed"][-(STEPS // 2) :] == full[STEPS // 2 :], (rank, result)
+        exact = result["resumed"][-(STEPS // 2) :] == full[STEPS // 2 :]
+        assert exact is SHARDED_RESUME_EXACT, (rank, accelerate.__version__, result)  # its checkpoint is sharded

@@ -134,11 +134,14 @@ def _unprepared_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
     fsdp_offload_cfg.patch(CONFIG)
     out: dict[str, Any] = {}
     teacher = AutoModelForCausalLM.from_pretrained(path)
-    try:
-        teacher(IDS)
-        out["unprepared"] = "no error"
-    except RuntimeError as exc:
-        out["unprepared"] = str(exc)
+    calls = {"unprepared": lambda: teacher(IDS), "unprepared_body": lambda: teacher.model(IDS),
+             "unprepared_head": lambda: teacher.lm_head(torch.zeros(1, teacher.config.hidden_size))}
+    for name, call in calls.items():  # the model, and parts of it called on their own
+        try:
+            call()
+            out[name] = "no error"
+        except RuntimeError as exc:
+            out[name] = str(exc)
     torch.manual_seed(0)  # the classifier head is not in the checkpoint: every rank draws it alike
     with fsdp_offload_cfg.local_loading():
         local = AutoModelForCausalLM.from_pretrained(path)
@@ -155,10 +158,13 @@ def _unprepared_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
 
 def test_an_unprepared_model_refuses_its_forward_and_local_loading_gives_a_full_copy(llama: str) -> None:
     rank0, rank1 = run_workers(_unprepared_worker, 2, llama, timeout=120)
-    assert rank0["unprepared"] == "no error"  # rank 0 read the checkpoint: a plain model there
+    assert rank0["unprepared"] == rank0["unprepared_body"] == rank0["unprepared_head"] == "no error"  # plain there
     message = rank1["unprepared"]
     assert "still on the meta device on rank 1" in message, message
     assert "prepare" in message and "local_loading()" in message and llama in message
+    # issue 22: the guard sat on the top module only; its parts reached meta tensors
+    assert "still on the meta device on rank 1 (its part `model.embed_tokens`" in rank1["unprepared_body"], rank1
+    assert "still on the meta device on rank 1 (its part `lm_head`" in rank1["unprepared_head"], rank1
     for out in (rank0, rank1):
         assert out["local_meta"] == 0 and out["local_same_on_every_rank"] and out["classifier_same_on_every_rank"]
 

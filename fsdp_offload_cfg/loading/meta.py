@@ -202,23 +202,28 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
 
 
 def _mark(model: nn.Module, what: str) -> None:
-    """Flag `model` as the loader's; while it holds meta tensors, its forward raises (item: a
-    model loaded but never prepared would otherwise return meta outputs without a word)."""
+    """Flag `model` as the loader's; while it holds meta tensors, its forward raises, and so does
+    the forward of every sub-module that holds one (`model.model(...)`, `model.lm_head(...)`): a
+    model loaded but never prepared would otherwise return meta outputs without a word."""
     setattr(model, SOURCE_ATTR, True)
-    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return
     rank = dist.get_rank()
+    names = {id(m): n for n, m in model.named_modules()}
 
     def refuse_meta_forward(module: nn.Module, args: Any) -> None:
         left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
         if left:
+            part = f"its part `{names.get(id(module), type(module).__name__)}`, " if module is not model else ""
             raise RuntimeError(
                 f"fsdp_offload_cfg: the model made by `{what}` is still on the meta device on rank {rank} "
-                f"({len(left)} tensors, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
+                f"({part}{len(left)} tensors, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
                 f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}"
             )
 
-    model.__dict__[_GUARD_ATTR] = model.register_forward_pre_hook(refuse_meta_forward)
+    for module in model.modules():
+        if module is model or any(t.is_meta for t in [*module.parameters(recurse=False),
+                                                      *module.buffers(recurse=False)]):
+            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+                module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(refuse_meta_forward)
 
 
 def release_meta_guards(model: nn.Module) -> None:

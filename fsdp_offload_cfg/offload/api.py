@@ -49,6 +49,7 @@ class OffloadHandle:
             h.remove()
         self._hooks.clear()
         if self._forward is not None:
+            _release_compile_notice()
             if self.model.__dict__.get("forward") is self._forward:
                 if self._previous_forward is None:
                     del self.model.forward
@@ -151,10 +152,7 @@ def _make_handler(model: nn.Module, config: ActivationOffloadConfig, n_groups: i
 
 
 def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
-    import torch._dynamo  # here, not at import: `import fsdp_offload_cfg` stays light
-
-    # traced, the notice would break the graph; registered, dynamo calls it after the graph
-    torch._dynamo.config.reorderable_logging_functions.add(_whole_model_compile_notice)
+    _hold_compile_notice()
     model = handle.model
     handle._previous_forward = model.__dict__.get("forward")
     inner = model.forward
@@ -192,6 +190,28 @@ def _whole_model_compile_notice() -> None:
 
 
 _noticed_whole_model_compile = False
+# Live handles whose forward wrapper may call the notice: it is registered with dynamo (traced,
+# the notice would break the graph; registered, dynamo calls it after the graph) exactly while
+# one exists, so that removing the last handle leaves dynamo's config as it found it.
+_notice_holders = 0
+
+
+def _hold_compile_notice() -> None:
+    global _notice_holders
+    import torch._dynamo  # here, not at import: `import fsdp_offload_cfg` stays light
+
+    if _notice_holders == 0:
+        torch._dynamo.config.reorderable_logging_functions.add(_whole_model_compile_notice)
+    _notice_holders += 1
+
+
+def _release_compile_notice() -> None:
+    global _notice_holders
+    import torch._dynamo
+
+    _notice_holders -= 1
+    if _notice_holders == 0:
+        torch._dynamo.config.reorderable_logging_functions.discard(_whole_model_compile_notice)
 
 
 def get_offload_handle(model: nn.Module) -> OffloadHandle | None:
