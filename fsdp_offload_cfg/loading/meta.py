@@ -219,11 +219,12 @@ def _mark(model: nn.Module, what: str) -> None:
                 f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}"
             )
 
-    for module in model.modules():
-        if module is model or any(t.is_meta for t in [*module.parameters(recurse=False),
-                                                      *module.buffers(recurse=False)]):
-            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-                module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(refuse_meta_forward)
+    def holds_meta(module: nn.Module, recurse: bool) -> bool:
+        return any(t.is_meta for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)])
+
+    for module in model.modules():  # the model, and each part that holds a meta tensor itself
+        if holds_meta(module, recurse=module is model):
+            module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(refuse_meta_forward)
 
 
 def release_meta_guards(model: nn.Module) -> None:
