@@ -68,6 +68,27 @@ def test_activations_match_what_the_real_forward_saves(models: dict[str, str], n
     assert close(report["per_rank"]["activations_bytes"], measured), (report["per_rank"], measured)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", DEEPSEEK, LLAVA])
+def test_a_config_without_cache_is_estimated_like_the_run(models: dict[str, str], name: str, tmp_path: Path):
+    """Issue 24: `use_cache: false` (training checkpoints often carry it) made every estimate fail
+    in transformers' packed-sequence check, a `.item()` on the meta position ids."""
+    import shutil
+
+    from transformers import masking_utils
+
+    path = tmp_path / name
+    shutil.copytree(models[name], path)
+    config = json.loads((path / "config.json").read_text())
+    for section in (config, config.get("text_config") or {}):
+        section["use_cache"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    check = masking_utils.find_packed_sequence_indices
+    report = estimate(str(path))
+    assert masking_utils.find_packed_sequence_indices is check  # answered for the probe only
+    measured = saved_bytes(*real_model(str(path), torch.bfloat16, BATCH, SEQ))
+    assert close(report["per_rank"]["activations_bytes"], measured), (report["per_rank"], measured)
+
+
 @pytest.mark.parametrize("name", ["llama", LLAVA])
 def test_checkpointed_activations_match_checkpoint_wrapper(models: dict[str, str], name: str):
     report = estimate(models[name])

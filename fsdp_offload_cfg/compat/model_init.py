@@ -114,15 +114,47 @@ class _AutocastAcceptingMeta(torch.autocast):
         super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
 
 
+def _one_sequence_per_row(find: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """`find_packed_sequence_indices` answering for position ids that pack nothing (0..T-1 in
+    every row) without reading them: the installed version's own answer for such ids (5.x: None;
+    4.57: a tensor of zeros, which then shapes its mask), on the ids' device."""
+
+    def unpacked(position_ids: torch.Tensor) -> Any:
+        answer = find(torch.arange(position_ids.shape[-1]).expand(position_ids.shape))
+        return answer.to(position_ids.device) if isinstance(answer, torch.Tensor) else answer
+
+    return unpacked
+
+
 @contextmanager
 def meta_forward() -> Iterator[None]:
-    """What a forward on `meta` needs across the range: transformers 4.x RoPE opens
-    `torch.autocast(device_type=x.device.type, enabled=False)`, which raises for "meta"
-    (5.x checks the device type first). Only the device name is mapped; `enabled=False` still
-    disables autocast, so nothing the forward computes changes."""
+    """What a forward on `meta` needs across the range, without changing what it computes:
+
+    - transformers 4.x RoPE opens `torch.autocast(device_type=x.device.type, enabled=False)`,
+      which raises for "meta" (5.x checks the device type first). Only the device name is
+      mapped; `enabled=False` still disables autocast.
+    - without a cache (`use_cache: false`, as training checkpoints often say) transformers looks
+      for packed sequences in the position ids (`masking_utils.find_packed_sequence_indices`),
+      a data-dependent `.all()` that cannot run on meta. The estimate's batch holds one sequence
+      per row: the check gets the answer it gives for such ids, without reading them.
+    Both are put back when the block ends, whatever it raises (not thread-safe: process-wide)."""
     original = torch.autocast
     torch.autocast = _AutocastAcceptingMeta  # type: ignore[misc]
+    masking = _masking_utils()
+    packed = getattr(masking, "find_packed_sequence_indices", None)
+    if packed is not None:
+        masking.find_packed_sequence_indices = _one_sequence_per_row(packed)
     try:
         yield
     finally:
         torch.autocast = original  # type: ignore[misc]
+        if packed is not None:
+            masking.find_packed_sequence_indices = packed
+
+
+def _masking_utils() -> Any:
+    try:
+        from transformers import masking_utils
+    except ImportError:  # a transformers without it has no packed-sequence check
+        return None
+    return masking_utils
