@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -62,6 +63,23 @@ def _worker(
             dist.destroy_process_group()
 
 
+@contextmanager
+def _cpu_only_children() -> Iterator[None]:
+    """The ranks are gloo CPU ranks whatever this machine has: they start with no GPU visible,
+    so that nothing in them (FSDP2's default mesh takes the accelerator when one is visible) puts
+    tensors on a device gloo cannot serve. A spawned interpreter takes the parent's environment
+    when it starts, before it imports torch."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def run_workers(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -90,8 +108,9 @@ def run_workers(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    with _cpu_only_children():
+        for p in procs:
+            p.start()
     results: dict[int, tuple[str, Any]] = {}
     import time
 

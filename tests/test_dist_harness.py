@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,3 +25,19 @@ def test_gloo_allreduce_is_real():
 def test_rank_error_is_reported():
     with pytest.raises(AssertionError, match="boom on rank 1"):
         run_workers(_fail_on_rank1, 2)
+
+
+def _devices_seen(rank: int, world_size: int) -> tuple[str | None, int]:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+
+
+def test_gloo_ranks_see_no_gpu_whatever_the_machine_has():
+    """Issue 23: on a GPU machine the gloo ranks put FSDP2's default mesh on CUDA and died
+    (SIGSEGV) or hung; they are CPU ranks, and the parent's own view is left as it was."""
+    import os
+
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert run_workers(_devices_seen, 2) == [("", 0), ("", 0)]
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before

@@ -60,7 +60,9 @@ class Launch:
 def _run(cmd: list[str], timeout: float = 240, **extra_env: str) -> Launch:
     out_dir = Path(tempfile.mkdtemp(prefix="probe_"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PROBE_DIR=str(out_dir))
+    # CPU launches (gloo) whatever the machine has: a visible GPU would give every rank a CUDA device
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PROBE_DIR=str(out_dir),
+               CUDA_VISIBLE_DEVICES="")
     env.update(extra_env)
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE.parent)

@@ -70,10 +70,15 @@ def _net_saving(make: callable, n: int = 3) -> tuple[Net, list[torch.Tensor]]:  
 
 
 def test_offload_copy_waits_for_the_producing_stream() -> None:
+    """(Issue 23: `torch.mul(..., out=)` on a tensor that requires grad raised under autograd, so
+    this test never reached the stream wait. The product is saved by Probe, which needs no grad:
+    it is computed outside autograd, late on the compute stream.)"""
+
     def slow_product(y: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(y)
-        torch.cuda._sleep(STALL)  # the producer is late: a copy that did not wait reads garbage
-        return torch.mul(y, 2.0, out=out)
+        with torch.no_grad():
+            out = torch.empty_like(y)
+            torch.cuda._sleep(STALL)  # the producer is late: a copy that did not wait reads garbage
+            return torch.mul(y, 2.0, out=out)
 
     net, refs = _net_saving(slow_product)
     enable_activation_offload(net, ASYNC, layer_classes=[Block])
@@ -130,12 +135,28 @@ def test_host_tensors_stay_put_on_a_cuda_run() -> None:
     assert restored[1].is_cuda and offload_stats()["kept_tensors"]["other_device"] == 3
 
 
+def test_pinned_pool_cap_is_honoured_and_the_rest_stays_on_the_device() -> None:
+    ids = _cuda_batch()
+    ref, ref2 = tiny_llama(4).cuda(), tiny_llama(4).cuda()
+    for reference in (ref, ref2):
+        llama_step(reference, ids)
+    model = tiny_llama(4).cuda()
+    cap = 64 * 1024
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async", max_pinned_bytes=cap))
+    llama_step(model, ids)
+    torch.cuda.synchronize()
+    stats = offload_stats()
+    assert handle.handler.pool.total_bytes <= cap and stats["offloaded_bytes"] > 0
+    assert stats["kept_tensors"]["pool_full"] > 0
+    _assert_matches_reference(grads(model), grads(ref), grads(ref2))
+
+
 def test_device_memory_and_pinned_pool_flat_over_steps() -> None:
     model = tiny_llama(3).cuda()
     handle = enable_activation_offload(model, ASYNC)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     allocated, pool = [], []
-    for step in range(20):
+    for step in range(50):
         llama_step(model, _cuda_batch(seed=step))
         opt.step()
         opt.zero_grad(set_to_none=True)
