@@ -22,6 +22,7 @@ from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, env_values, load_config, read_config_file
 from fsdp_offload_cfg.dtype_groups import one_dtype_per_group, swap_target
+from fsdp_offload_cfg.loading.adapters import build_inject_adapter
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 
 logger = get_logger("fsdp_offload_cfg.integrations")
@@ -307,6 +308,13 @@ def _trl_installed() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
+def _peft_adapters_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    """The loader builds meta models and PEFT (which would move new adapters onto them) is there."""
+    import importlib.util
+
+    return loader_enabled(cfg) and importlib.util.find_spec("peft") is not None
+
+
 def _enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     """Offload on a model the patches prepared; `unpatch()` removes it again (and with the last
     handle, the dynamo registration the offload makes)."""
@@ -469,6 +477,9 @@ def _patches() -> list[Patch]:
               _trl_prepare_needed, acc,
               "fill loader-built reference/teacher models that TRL shards itself; one group per dtype",
               swaps=_fully_shard_swap),
+        Patch("peft-adapters-on-host", "peft.tuners.tuners_utils", "BaseTuner.inject_adapter",
+              build_inject_adapter, _peft_adapters_needed, ("torch",),
+              "new PEFT adapters on a meta base keep the values PEFT drew (on the host) instead of moving to meta"),
         Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
               build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
         Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",

@@ -63,6 +63,12 @@ def _install_patches(strategy: str = "broadcast") -> None:
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
     PreTrainedModel._from_config = classmethod(lambda cls, c, **k: rank0_from_config(orig_config, cls, c, **k))
     PreTrainedModel._test_patched = True
+    PreTrainedModel._test_original_from_pretrained = orig_pretrained
+    from peft.tuners.tuners_utils import BaseTuner
+
+    from fsdp_offload_cfg.loading.adapters import build_inject_adapter
+
+    BaseTuner.inject_adapter = build_inject_adapter(BaseTuner.inject_adapter, None)  # as patch() does
 
 
 class _Warnings(logging.Handler):
@@ -113,6 +119,13 @@ def _all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         t = named[name]
         out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
     return out
+
+
+def _plain_model(path: str) -> nn.Module:
+    """What a plain single-process load gives, in a rank whose loaders are patched."""
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+    return PreTrainedModel._test_original_from_pretrained(LlamaForCausalLM, path)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -255,8 +268,14 @@ def _lora_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
     from fsdp_offload_cfg.loading import load_into_sharded
 
     base = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(11)  # every rank draws the adapters, as a plain run with one seed does
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
     before = {n: _digest(p) for n, p in model.named_parameters() if "lora_" in n and not p.is_meta}
+    plain_base = _plain_model(path)
+    torch.manual_seed(11)
+    plain = get_peft_model(plain_base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights="gaussian"))
+    plain_adapters = {n: _digest(p) for n, p in plain.named_parameters() if "lora_" in n}
     model = load_into_sharded(
         model, lambda m: _shard(m, {"LlamaDecoderLayer"}, upcast=True), strategy=strategy, bucket_bytes=BUCKET
     ).model
@@ -268,6 +287,7 @@ def _lora_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
     wrong = sorted(n for n in set(ref) | set(base) if n not in base or n not in ref or not torch.equal(base[n], ref[n]))
     return {
         "lora_before": before,
+        "lora_plain": plain_adapters,
         "lora_after": {n: _digest(t) for n, t in full.items() if "lora_" in n},
         "lora_B_zero": all(not t.any() for n, t in full.items() if "lora_B" in n),
         "lora_A_std": [t.float().std().item() for n, t in full.items() if "lora_A" in n],
@@ -501,12 +521,13 @@ def test_cpu_offload_keeps_params_on_cpu(matrix: list[dict[str, Any]], strategy:
 def test_lora_adapters_identical_on_every_rank(matrix: list[dict[str, Any]], strategy: str) -> None:
     rank0, rank1 = _by_rank(matrix, strategy, "lora")
     assert rank0["lora_after"] and rank0["lora_after"] == rank1["lora_after"]
-    if strategy == "broadcast":
-        assert rank0["lora_before"] and rank1["lora_before"] == {}, "rank 1's adapters should start on meta"
-        assert rank0["lora_after"] == rank0["lora_before"], "adapters changed in transit"
-    else:  # on meta everywhere (PEFT follows the base weight): rank 0 draws them as PEFT does
-        assert rank0["lora_before"] == {} and rank1["lora_before"] == {}
-        assert rank0["lora_B_zero"] and all(0.15 < std < 0.35 for std in rank0["lora_A_std"]), rank0["lora_A_std"]
+    # every rank keeps the adapters PEFT drew (a meta base used to take them to meta, and under
+    # "sharded" rank 0 drew them again at prepare: not what the same seed gives), and they arrive
+    # unchanged: what a plain load + get_peft_model with the same seed holds
+    for r in (rank0, rank1):
+        assert r["lora_before"] == r["lora_plain"], "adapters differ from a plain run's"
+        assert r["lora_after"] == r["lora_before"], "adapters changed in transit"
+    assert rank0["lora_B_zero"] and all(0.15 < std < 0.35 for std in rank0["lora_A_std"]), rank0["lora_A_std"]
     for rank, r in enumerate((rank0, rank1)):
         assert r["meta_left"] == []
         assert r["base_wrong"] == [], f"rank {rank}: base weights differ from a plain load: {r['base_wrong']}"

@@ -477,16 +477,18 @@ def test_any_strided_views_of_one_storage_restore_exactly(views: list, dtype: to
 def test_dynamo_registration_lives_exactly_as_long_as_a_handle() -> None:
     import torch._dynamo
 
-    from fsdp_offload_cfg.offload.api import _whole_model_compile_notice
+    from fsdp_offload_cfg.offload import api
 
     registered = torch._dynamo.config.reorderable_logging_functions
+    holders = api._notice_holders  # handles other tests left on their models still hold it
     first, second = Net(n=2), Net(n=2)
     handles = [enable_activation_offload(m, ON, layer_classes=[Block]) for m in (first, second)]
     handles[0].remove()
-    assert _whole_model_compile_notice in registered  # the second model's forward may still call it
+    assert api._whole_model_compile_notice in registered  # the second model's forward may still call it
     handles[1].remove()
     handles[1].remove()  # idempotent: the count does not go below zero
-    assert _whole_model_compile_notice not in registered
+    assert api._notice_holders == holders
+    assert (api._whole_model_compile_notice in registered) is (holders > 0)
 
 
 # ---------------------------------------------------------------- view bits (negative, conjugate)

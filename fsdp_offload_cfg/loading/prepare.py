@@ -42,6 +42,7 @@ from fsdp_offload_cfg.loading._sync import (
     describe_error,
     distributed_ready,
 )
+from fsdp_offload_cfg.loading.adapters import meta_adapter_problem
 from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR
 from fsdp_offload_cfg.loading.layout import Target, plan
@@ -49,7 +50,6 @@ from fsdp_offload_cfg.loading.meta import release_meta_guards
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, pair_problem, repeat_shift
 from fsdp_offload_cfg.loading.spec import (
     ModelSpec,
-    TensorSpec,
     describe,
     meta_tensor_names,
     mismatch,
@@ -202,13 +202,12 @@ def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str]) -> dict[str
 
         def collect() -> dict[str, torch.Tensor]:
             wanted = {t.name for t in spec.tensors} - skip
-            on_meta = {t.name for t in spec.tensors if t.name in wanted and _get(model, t).is_meta}
-            sharded.init_meta_adapters(model, on_meta)
             named = {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()] if n in wanted}
             left = sorted(n for n, t in named.items() if t.is_meta)
             if left:
                 hint = " (not in the checkpoint record either)" if skip else ""
-                raise RuntimeError(f"rank 0's model has meta tensors, nothing to send{hint}: {left[:20]}")
+                why = meta_adapter_problem(model, left)
+                raise RuntimeError(why or f"rank 0's model has meta tensors, nothing to send{hint}: {left[:20]}")
             return named
 
         source, error = attempt(collect)
@@ -216,10 +215,6 @@ def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str]) -> dict[str
     if message is not None:
         raise RuntimeError(f"rank 0 cannot provide the weights: {message}") from error
     return source
-
-
-def _get(model: nn.Module, t: TensorSpec) -> torch.Tensor:
-    return model.get_parameter(t.name) if t.is_param else model.get_buffer(t.name)
 
 
 def _devices(model: nn.Module, cpu_offload: bool) -> tuple[torch.device, torch.device]:

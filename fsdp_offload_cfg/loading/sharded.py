@@ -6,8 +6,9 @@ Where each tensor comes from (decided identically on every rank, from one `all_g
            (`checkpoint.CheckpointRecord`): each rank reads `Target.regions[rank]` itself;
   - local: a non-persistent buffer every rank computed itself in `from_pretrained` (RoPE
            `inv_freq`, ...): each rank keeps its own, after checking its checksum equals rank 0's;
-  - rank 0: anything else (LoRA adapters, keys missing from the checkpoint, every tensor of a
-           model without a record): sent by the broadcast strategy's scatter.
+  - rank 0: anything else (LoRA adapters, which stay on the host with the values PEFT drew:
+           `adapters.py`; keys missing from the checkpoint; every tensor of a model without a
+           record): sent by the broadcast strategy's scatter.
 
 The reader (`read_own_shards`) sorts the reads by file and byte offset (sequential, page-cache
 friendly), splits large parts into blocks of at most `bucket_bytes`, and reads a contiguous
@@ -23,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -61,8 +61,6 @@ class ReadStats:
     largest_read: int = 0  # bytes of the largest single read: bounded by about one bucket
     files: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
 
 
 def _tensor(model: nn.Module, t: TensorSpec) -> torch.Tensor:
@@ -124,54 +122,6 @@ def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
         raise RuntimeError("sharded loading: " + "; ".join(problems))
     # a buffer computed on rank 0 but left on meta elsewhere still comes from rank 0
     return Sources(sources.files, {n: v for n, v in sources.local.items() if n in local})
-
-
-def init_meta_adapters(model: nn.Module, names: set[str]) -> None:
-    """Rank 0: initialise LoRA adapters that are on meta, the way PEFT does.
-
-    Why: PEFT creates adapters on the device of the base weight, which under "sharded" is meta
-    on every rank, so no rank holds their initial values. PEFT's own `reset_lora_parameters`
-    draws them (A: kaiming or gaussian, B: zeros) from rank 0's RNG; they are then sent to every
-    rank. Inits that need the base weights (PiSSA, OLoRA, LoftQ, ...) are refused by name.
-    """
-    lora = sys.modules.get("peft.tuners.lora")  # no PEFT imported: no adapters (and no import cost)
-    if not names or lora is None:
-        return
-    LoraLayer = lora.LoraLayer  # noqa: N806
-    configs = getattr(model, "peft_config", None) or {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        for adapter in sorted({*module.lora_A.keys(), *module.lora_embedding_A.keys()}):
-            on_meta = {
-                f"{prefix}.{attr}.{n}"
-                for attr in _LORA_ATTRS
-                for n, p in getattr(module, attr).named_parameters()
-                if n.split(".")[0] == adapter and p.is_meta
-            }
-            if not on_meta & names:
-                continue
-            init = getattr(configs.get(adapter), "init_lora_weights", True)
-            if init is not True and init != "gaussian":
-                raise NotImplementedError(
-                    f"LoRA adapter {adapter!r} uses init_lora_weights={init!r}, which needs the base weights; "
-                    "they are not on rank 0 under load_strategy 'sharded': use 'broadcast'"
-                )
-            for attr in _LORA_ATTRS:
-                container = getattr(module, attr)
-                if adapter in container:
-                    container[adapter] = _materialized(container[adapter])
-            module.reset_lora_parameters(adapter, init)
-
-
-_LORA_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
-
-
-def _materialized(value: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
-    """A CPU copy of a meta module or parameter (uninitialised; the caller initialises it)."""
-    if isinstance(value, nn.Parameter):
-        return nn.Parameter(torch.empty_like(value, device="cpu"), requires_grad=value.requires_grad)
-    return value.to_empty(device="cpu")
 
 
 # ------------------------------------------------------------------------------------ the reader
