@@ -23,6 +23,7 @@ from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, env_values, load_config, read_config_file
 from fsdp_offload_cfg.dtype_groups import one_dtype_per_group, swap_target
 from fsdp_offload_cfg.loading.adapters import build_inject_adapter
+from fsdp_offload_cfg.loading.resize import build_resize_token_embeddings
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 
 logger = get_logger("fsdp_offload_cfg.integrations")
@@ -477,6 +478,9 @@ def _patches() -> list[Patch]:
               _trl_prepare_needed, acc,
               "fill loader-built reference/teacher models that TRL shards itself; one group per dtype",
               swaps=_fully_shard_swap),
+        Patch("resize-token-embeddings", "transformers.modeling_utils", "PreTrainedModel.resize_token_embeddings",
+              build_resize_token_embeddings, loader_enabled, tf,
+              "resizing a loader-built model's embeddings: the shape on every rank, the values from rank 0"),
         Patch("peft-adapters-on-host", "peft.tuners.tuners_utils", "BaseTuner.inject_adapter",
               build_inject_adapter, _peft_adapters_needed, ("torch",),
               "new PEFT adapters on a meta base keep the values PEFT drew (on the host) instead of moving to meta"),

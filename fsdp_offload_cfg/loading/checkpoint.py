@@ -47,6 +47,11 @@ class CheckpointRecord:
         entry = self._by_id.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else None
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """`tensor` no longer matches its checkpoint tensor (it was resized): rank 0 sends it."""
+        if self.lookup(tensor) is not None:
+            del self._by_id[id(tensor)]
+
     def __len__(self) -> int:
         return len(self._by_id)
 

@@ -1,0 +1,95 @@
+"""New tokens on a loader-built model: `resize_token_embeddings` between `from_pretrained` and
+`prepare` gives the embeddings (and the head, tied or not) a plain run gives, bit for bit.
+
+On 2 real gloo ranks through `patch()` and `accelerator.prepare`, one seed, the loader off,
+"broadcast" and "sharded": every tensor after prepare, the RNG stream after it, and the losses of
+two steps are equal. Every rank other than 0 used to die in transformers' mean resizing
+("Tensor.item() cannot be called on meta tensors"), and every rank under "sharded".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+MODES = ["loader_off", "broadcast", "sharded"]
+RESIZES = {  # (model, resize_token_embeddings keyword arguments)
+    "llama_mean": ("llama", {"new_num_tokens": 104}),
+    "qwen2_tied_mean": ("qwen2_tied", {"new_num_tokens": 101}),
+    "llama_padded_plain_init": ("llama", {"new_num_tokens": 99, "pad_to_multiple_of": 8, "mean_resizing": False}),
+}
+
+
+def _config(mode: str) -> dict[str, Any]:
+    fsdp = {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": mode != "loader_off",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    if mode != "loader_off":
+        fsdp["load_strategy"] = mode
+    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return f"{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _worker(rank: int, world_size: int, mode: str, paths: dict[str, str]) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(_config(mode))
+    out: dict[str, Any] = {}
+    for case, (name, kwargs) in RESIZES.items():
+        accelerator = Accelerator()
+        accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = None  # the singleton keeps the first
+        torch.manual_seed(3)  # one seed on every rank, as a training script sets it
+        model = AutoModelForCausalLM.from_pretrained(paths[name])
+        model.resize_token_embeddings(**kwargs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
+        after = torch.rand(4).tolist()  # the RNG stream every rank continues with
+        losses = []
+        for step in range(2):
+            ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(step + rank))
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        tied = model.get_input_embeddings().weight is getattr(model.get_output_embeddings(), "weight", None)
+        out[case] = {"state": state, "rng": after, "losses": losses, "tied": tied,
+                     "vocab": model.config.vocab_size}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    from _models import save_llama, save_qwen2_tied
+
+    root = tmp_path_factory.mktemp("resize")
+    paths = {"llama": save_llama(str(root / "llama")), "qwen2_tied": save_qwen2_tied(str(root / "qwen2"))}
+    return {mode: run_workers(_worker, 2, mode, paths, timeout=300) for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "sharded"])
+@pytest.mark.parametrize("case", list(RESIZES))
+def test_resized_embeddings_equal_the_run_without_the_loader(runs: dict[str, Any], mode: str, case: str):
+    plain0 = runs["loader_off"][0][case]
+    assert plain0["state"], "get_state_dict gave nothing to compare"
+    assert runs[mode][0][case]["state"] == plain0["state"]  # get_state_dict gathers on rank 0
+    for rank in (0, 1):
+        plain, ours = runs["loader_off"][rank][case], runs[mode][rank][case]
+        assert ours["vocab"] == plain["vocab"] > 97
+        assert ours["rng"] == plain["rng"], f"rank {rank}: the RNG stream after the resize differs"
+        assert ours["losses"] == plain["losses"], (rank, ours["losses"], plain["losses"])
+        assert ours["tied"] == plain["tied"] == case.startswith("qwen2_tied")
