@@ -84,6 +84,9 @@ def meta_adapter_problem(model: nn.Module, names: Iterable[str]) -> str | None:
             continue
         init = getattr(config, "init_lora_weights", True)
         need = []
+        copies = sorted({n.split(".modules_to_save.")[0].rsplit(".", 1)[-1] for n in own if ".modules_to_save." in n})
+        if copies:
+            need.append(f"modules_to_save={copies} (trainable copies of base weights)")
         if getattr(config, "use_dora", False):
             need.append("use_dora=True (its magnitude is a norm of the base weight)")
         if init not in _INITS_DRAWN_ALONE:

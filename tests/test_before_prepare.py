@@ -1,0 +1,156 @@
+"""What frameworks do to a model between `from_pretrained` and `prepare`, on a loader-built model,
+against the same run with the loader off (docs/loading.md, "Between from_pretrained and prepare").
+
+On 2 real gloo ranks through `patch()` and `accelerator.prepare`, one seed: every tensor after
+prepare, the RNG stream after it and the losses of two steps are bit-equal under "broadcast" and
+"sharded", or, where the op needs values no rank holds, every rank stops at prepare naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+MODES = ["loader_off", "broadcast", "sharded"]
+
+
+def _config(mode: str) -> dict[str, Any]:
+    fsdp = {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": mode != "loader_off",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    if mode != "loader_off":
+        fsdp["load_strategy"] = mode
+    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
+
+
+def _causal(path: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
+def _classifier(path: str) -> nn.Module:
+    """A score head the checkpoint does not have: transformers draws it (rank 0's is sent)."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=3, pad_token_id=0)
+
+
+def _bf16(path: str) -> nn.Module:
+    return _causal(path).to(torch.bfloat16)
+
+
+def _frozen_by_name(path: str) -> nn.Module:
+    model = _causal(path)
+    for name, p in model.named_parameters():
+        p.requires_grad_("layers.1." in name or "lm_head" in name)
+    return model
+
+
+def _input_grads_and_checkpointing(path: str) -> nn.Module:
+    model = _causal(path)
+    model.enable_input_require_grads()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _two_adapters(path: str) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_causal(path), LoraConfig(r=4, target_modules=["q_proj"]))
+    model.add_adapter("second", LoraConfig(r=2, target_modules=["v_proj"], init_lora_weights="gaussian"))
+    model.set_adapter("second")
+    return model
+
+
+def _modules_to_save(path: str) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_causal(path), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+
+
+CASES: dict[str, Callable[[str], nn.Module]] = {
+    "classifier_head": _classifier,
+    "to_bf16": _bf16,
+    "frozen_by_name": _frozen_by_name,
+    "input_grads_and_checkpointing": _input_grads_and_checkpointing,
+    "two_adapters": _two_adapters,
+    "modules_to_save": _modules_to_save,
+}
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
+    from accelerate import Accelerator
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(_config(mode))
+    out: dict[str, Any] = {}
+    for case, build in CASES.items():
+        accelerator = Accelerator()
+        torch.manual_seed(5)  # one seed on every rank, as a training script sets it
+        model = build(path)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        try:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        except RuntimeError as exc:
+            out[case] = {"error": str(exc)}
+            continue
+        state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
+        rng = torch.rand(4).tolist()
+        model.train()
+        losses = []
+        for step in range(2):
+            ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(step + rank))
+            labels = ids[:, 0] % 3 if case == "classifier_head" else ids
+            loss = model(input_ids=ids, labels=labels).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[case] = {"state": state, "rng": rng, "losses": losses}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    from _models import save_llama
+
+    path = save_llama(str(tmp_path_factory.mktemp("before_prepare") / "llama"))
+    return {mode: run_workers(_worker, 2, mode, path, timeout=400) for mode in MODES}
+
+
+EQUAL = [(case, mode) for case in CASES for mode in ("broadcast", "sharded")
+         if (case, mode) != ("modules_to_save", "sharded")]
+
+
+@pytest.mark.parametrize(("case", "mode"), EQUAL)
+def test_the_op_gives_what_the_run_without_the_loader_gives(runs: dict[str, Any], case: str, mode: str):
+    plain0, ours0 = runs["loader_off"][0][case], runs[mode][0][case]
+    assert "error" not in plain0 and "error" not in ours0, (plain0.get("error"), ours0.get("error"))
+    assert plain0["state"] and ours0["state"] == plain0["state"]  # get_state_dict gathers on rank 0
+    for rank in (0, 1):
+        plain, ours = runs["loader_off"][rank][case], runs[mode][rank][case]
+        assert ours["rng"] == plain["rng"], f"rank {rank}: the RNG stream differs"
+        assert ours["losses"] == plain["losses"], (rank, ours["losses"], plain["losses"])
+
+
+def test_modules_to_save_under_sharded_stops_every_rank_naming_the_copies(runs: dict[str, Any]):
+    """PEFT copies the saved module's base weights; under "sharded" no rank holds them before prepare."""
+    for rank in (0, 1):
+        error = runs["sharded"][rank]["modules_to_save"].get("error", "")
+        assert "adapter 'default' needs modules_to_save=['lm_head'] (trainable copies of base weights)" in error, error
+        assert "Use load_strategy: broadcast" in error, (rank, error)
