@@ -16,23 +16,26 @@ behind `get_peft_model`, `add_adapter` and `load_adapter` of every tuner type), 
 mode turns a move of a real tensor to `meta` into a no-op (a dtype cast still happens). One
 interception point for all tuners, instead of each tuner's own move.
 
-What needs the base weights cannot be had on meta: DoRA's magnitude (a norm of the base rows)
-and inits computed from them (PiSSA, OLoRA, LoftQ, ...). Such adapters are injected as PEFT does
-it: on meta wherever the base is, real on rank 0 under "broadcast" (which sends them at prepare);
-under "sharded" no rank holds them and prepare says so, naming the adapter and the strategy that
-works (`meta_adapter_problem`), before any data moves.
+What needs the base weights cannot be had on meta: DoRA's magnitude (a norm of the base rows),
+inits computed from them (PiSSA, OLoRA, LoftQ, ...) and `modules_to_save` copies. For such an
+adapter rank 0 first reads the base model whole from the checkpoint files (the copy a plain load
+holds, under either strategy), so PEFT computes it from real weights there; the other ranks
+compute it on meta and receive rank 0's at prepare.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from fsdp_offload_cfg._logging import get_logger
+
+logger = get_logger("fsdp_offload_cfg.loading")
 
 _INITS_DRAWN_ALONE = (True, "gaussian")  # LoRA inits that need no base weight
 
@@ -55,7 +58,10 @@ def build_inject_adapter(original: Callable[..., Any], cfg: Any) -> Callable[...
     @functools.wraps(original)
     def inject_adapter(self: Any, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
         config = (getattr(self, "peft_config", None) or {}).get(adapter_name)
-        if not any(p.is_meta for p in model.parameters()) or _needs_base_weights(config):
+        if not any(p.is_meta for p in model.parameters()):
+            return original(self, model, adapter_name, *args, **kwargs)
+        if _needs_base_weights(config):
+            _read_whole_on_rank0(model, adapter_name)
             return original(self, model, adapter_name, *args, **kwargs)
         with _KeepOffMeta():
             return original(self, model, adapter_name, *args, **kwargs)
@@ -64,36 +70,25 @@ def build_inject_adapter(original: Callable[..., Any], cfg: Any) -> Callable[...
 
 
 def _needs_base_weights(config: Any) -> bool:
-    """DoRA, or a LoRA init computed from the base weight: on a meta base such an adapter is
-    computed on meta as PEFT does (rank 0 holds the real one under "broadcast")."""
-    return bool(getattr(config, "use_dora", False)) or getattr(config, "init_lora_weights", True) not in _INITS_DRAWN_ALONE
+    """DoRA, a LoRA init computed from the base weight, or `modules_to_save` (trainable copies of
+    base modules): the adapter's values come from base weights."""
+    return (bool(getattr(config, "use_dora", False)) or bool(getattr(config, "modules_to_save", None))
+            or getattr(config, "init_lora_weights", True) not in _INITS_DRAWN_ALONE)
 
 
-def meta_adapter_problem(model: nn.Module, names: Iterable[str]) -> str | None:
-    """Why adapter tensors among `names` (on meta on rank 0) have no values anywhere, naming the
-    adapter, its init and what to use instead; None when none of `names` is an adapter's."""
-    lora = sys.modules.get("peft.tuners.lora")
-    names = set(names)
-    if lora is None or not names:
-        return None
-    configs = getattr(model, "peft_config", None) or {}
-    problems = []
-    for adapter, config in sorted(configs.items()):
-        own = sorted(n for n in names if f".{adapter}." in f".{n}." or n.endswith(f".{adapter}"))
-        if not own:
-            continue
-        init = getattr(config, "init_lora_weights", True)
-        need = []
-        copies = sorted({n.split(".modules_to_save.")[0].rsplit(".", 1)[-1] for n in own if ".modules_to_save." in n})
-        if copies:
-            need.append(f"modules_to_save={copies} (trainable copies of base weights)")
-        if getattr(config, "use_dora", False):
-            need.append("use_dora=True (its magnitude is a norm of the base weight)")
-        if init not in _INITS_DRAWN_ALONE:
-            need.append(f"init_lora_weights={init!r} (computed from the base weight)")
-        what = " and ".join(need) or "its values"
-        problems.append(f"adapter {adapter!r} needs {what}, which no rank holds before prepare under "
-                        f"load_strategy 'sharded' ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''})")
-    if not problems:
-        return None
-    return "; ".join(problems) + ". Use load_strategy: broadcast (rank 0 holds the base weights) for such adapters."
+def _read_whole_on_rank0(model: nn.Module, adapter_name: str) -> None:
+    """Rank 0 reads the base model whole from the checkpoint files (the copy a plain load holds)
+    so that PEFT computes the adapter from real weights there; `load_into_sharded` sends rank 0's
+    model then. The other ranks compute it on meta, as PEFT does, and receive it."""
+    import torch.distributed as dist
+
+    from fsdp_offload_cfg.loading._sync import distributed_ready
+    from fsdp_offload_cfg.loading.checkpoint import materialize_from_files, record_of
+
+    if not distributed_ready() or dist.get_rank() != 0 or record_of(model) is None:
+        return
+    nbytes = materialize_from_files(model)
+    if nbytes:
+        logger.info("adapter %r is computed from the base weights (DoRA, its init, or modules_to_save): rank 0 "
+                    "read the base model whole from the files (%.2f GiB) and sends it at prepare", adapter_name,
+                    nbytes / 2**30)  # fmt: skip

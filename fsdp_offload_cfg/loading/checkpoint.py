@@ -94,3 +94,33 @@ def _record(model: nn.Module, capture: Capture) -> CheckpointRecord:
         if name in capture.keymap:
             record.add(tensor, capture.keymap[name])
     return record
+
+
+def materialize_from_files(model: nn.Module) -> int:
+    """Read every meta tensor of `model` that its record backs, whole, on this rank (the copy a
+    plain load holds); returns the bytes read. For a loader-built model used before `prepare`
+    (rank 0 alone exporting or evaluating it): each tensor becomes a real one on every module
+    that holds it (ties kept) and leaves the record, so that a later `prepare` sends it."""
+    from safetensors import safe_open
+
+    record = record_of(model)
+    if record is None:
+        return 0
+    pending = [(t, w) for _, t in _named_tensors(model) if t.is_meta and (w := record.lookup(t)) is not None]
+    done: dict[int, torch.Tensor] = {}
+    read = 0
+    for t, where in pending:
+        if id(t) in done:
+            continue
+        with safe_open(where.path, framework="pt") as f:
+            value = f.get_tensor(where.key).to(t.dtype)
+        read += value.numel() * value.element_size()
+        done[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+        record.forget(t)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, held in table.items():
+                if held is not None and id(held) in done and held.is_meta:
+                    table[name] = done[id(held)]
+    return read
+

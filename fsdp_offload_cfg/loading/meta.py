@@ -40,7 +40,12 @@ from torch import nn
 
 from fsdp_offload_cfg.compat import model_init
 from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
-from fsdp_offload_cfg.loading.checkpoint import NeedsBroadcast, meta_from_pretrained
+from fsdp_offload_cfg.loading.checkpoint import (
+    NeedsBroadcast,
+    materialize_from_files,
+    meta_from_pretrained,
+    record_of,
+)
 from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
@@ -49,6 +54,7 @@ logger = logging.getLogger("fsdp_offload_cfg.loading")
 
 SOURCE_ATTR = "_fsdp_offload_cfg_rank0_source"
 _GUARD_ATTR = "_fsdp_offload_cfg_meta_guard"  # the forward pre-hook handle of a model still on meta
+_STATE_GUARD_ATTR = "_fsdp_offload_cfg_state_guard"  # its state_dict pre-hook (fills it from the files)
 LOCAL_LOADING_HINT = (
     "If only some ranks load this model (an eval copy, a teacher or reference model that is never passed "
     "to prepare), load it inside `with fsdp_offload_cfg.local_loading():` for a full copy on the ranks "
@@ -104,13 +110,30 @@ def rank0_from_pretrained(original_from_pretrained: Callable[..., Any], cls: typ
     kwargs = {k: v for k, v in kwargs.items() if k != "device_map"}
 
     def load() -> Any:
-        return _call(original_from_pretrained, cls, *args, **kwargs)
+        return _described_from_files(lambda: _call(original_from_pretrained, cls, *args, **kwargs), source)
 
     def build(built: _Rank0Built) -> nn.Module:
         init_kwargs = _model_init_kwargs(original_from_pretrained, kwargs, built.config)
         return _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
 
     return _rank0_or_meta(load, build, f"load {source}", load_call(cls, "from_pretrained", args, kwargs))
+
+
+def _described_from_files(load: Callable[[], Any], source: Any) -> Any:
+    """Rank 0 under "broadcast": transformers' own load with no weight read (meta, with the
+    checkpoint record), so rank 0 holds no more than any rank and streams the weights from the
+    files at prepare; the full load where the checkpoint cannot be read slice by slice (`.bin`,
+    keys converted on load), with one log line saying why."""
+    rng = torch.get_rng_state()  # a fallback load draws what the attempt drew (keys missing from the files)
+    with transformers_fsdp_gate_off():
+        result, error = attempt(lambda: meta_from_pretrained(load))
+    if isinstance(error, NeedsBroadcast):
+        logger.info("rank-0 loading: %s cannot be read slice by slice (%s): rank 0 loads it whole", source, error.reason)
+        torch.set_rng_state(rng)
+        return load()
+    if error is not None:
+        raise error
+    return result
 
 
 def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -134,12 +157,14 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
     def meta_load() -> Any:
         return meta_from_pretrained(lambda: _call(original_from_pretrained, cls, *args, **plain_kwargs))
 
+    rng = torch.get_rng_state()
     with _nested(), transformers_fsdp_gate_off():  # every rank loads like rank 0, reading nothing
         result, error = attempt(meta_load)
     if isinstance(error, NeedsBroadcast):  # every rank sees the same files and decides alike
         if dist.get_rank() == 0:
             logger.warning("load_strategy=sharded: %s: falling back to broadcast (rank 0 reads it): %s",
                            source, error.reason)  # fmt: skip
+        torch.set_rng_state(rng)
         return rank0_from_pretrained(original_from_pretrained, cls, *args, **kwargs)
     if error is not None:
         raise error
@@ -186,8 +211,11 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
         if error is not None:
             raise error
         model = result[0] if isinstance(result, tuple) else result
-        logger.info("rank-0 loading: %s done on rank 0 (%.2f GiB); other ranks are on meta", what, built.spec.nbytes / 2**30)
-        setattr(model, SOURCE_ATTR, True)
+        streams = record_of(model) is not None
+        logger.info("rank-0 loading: %s %s (%.2f GiB); other ranks are on meta", what,
+                    "described on rank 0, which streams the weights from the files at prepare" if streams else
+                    "done on rank 0", built.spec.nbytes / 2**30)  # fmt: skip
+        _mark(model, what)
         setattr(model, CALL_ATTR, call)
         return result
     message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
@@ -202,14 +230,22 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
 
 
 def _mark(model: nn.Module, what: str) -> None:
-    """Flag `model` as the loader's; while it holds meta tensors, its forward raises, and so does
-    the forward of every sub-module that holds one (`model.model(...)`, `model.lm_head(...)`): a
-    model loaded but never prepared would otherwise return meta outputs without a word."""
+    """Flag `model` as the loader's and guard its use before `prepare` while it holds meta tensors
+    (a model loaded but never prepared would otherwise return meta outputs without a word):
+
+    - where this rank's checkpoint record backs every meta tensor (rank 0 under "broadcast", every
+      rank under "sharded"), the first forward or `state_dict()` reads the model whole from the
+      files on this rank, with one warning: a load made on this rank alone (an export, an
+      evaluation on the main process) then behaves like a plain load;
+    - elsewhere the forward of the model, and of every part that holds a meta tensor
+      (`model.model(...)`, `model.lm_head(...)`), raises, saying to prepare it first."""
     setattr(model, SOURCE_ATTR, True)
     rank = dist.get_rank()
     names = {id(m): n for n, m in model.named_modules()}
 
-    def refuse_meta_forward(module: nn.Module, args: Any) -> None:
+    def fill_or_refuse(module: nn.Module, *_: Any) -> None:
+        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]) or _fill_from_files(model, what, rank):
+            return
         left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
         if left:
             part = f"its part `{names.get(id(module), type(module).__name__)}`, " if module is not model else ""
@@ -224,15 +260,32 @@ def _mark(model: nn.Module, what: str) -> None:
 
     for module in model.modules():  # the model, and each part that holds a meta tensor itself
         if holds_meta(module, recurse=module is model):
-            module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(refuse_meta_forward)
+            module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(fill_or_refuse)
+    if _GUARD_ATTR in model.__dict__ and record_of(model) is not None:
+        model.__dict__[_STATE_GUARD_ATTR] = model.register_state_dict_pre_hook(fill_or_refuse)
 
 
-def release_meta_guards(model: nn.Module) -> None:
+def _fill_from_files(model: nn.Module, what: str, rank: int) -> bool:
+    """Read `model` whole from the files on this rank if its record backs every meta tensor;
+    True when nothing is left on meta."""
+    record = record_of(model)
+    tensors = [*model.parameters(), *model.buffers()]
+    if record is None or any(t.is_meta and record.lookup(t) is None for t in tensors):
+        return False
+    nbytes = materialize_from_files(model)
+    release_meta_guards(model, forward_only=True)  # a state_dict hook cannot remove itself while it runs
+    logger.warning("rank %d uses the model made by `%s` before prepare: it read it whole from the files "
+                   "(%.2f GiB, as a plain load). %s", rank, what, nbytes / 2**30, LOCAL_LOADING_HINT)  # fmt: skip
+    return True
+
+
+def release_meta_guards(model: nn.Module, forward_only: bool = False) -> None:
     """Called by `load_into_sharded`: the model is being filled, its forward may run again."""
     for module in model.modules():
-        handle = module.__dict__.pop(_GUARD_ATTR, None)
-        if handle is not None:
-            handle.remove()
+        for attr in (_GUARD_ATTR,) if forward_only else (_GUARD_ATTR, _STATE_GUARD_ATTR):
+            handle = module.__dict__.pop(attr, None)
+            if handle is not None:
+                handle.remove()
 
 
 def _summarize(result: Any) -> _Rank0Built:

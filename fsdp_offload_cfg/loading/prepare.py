@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,8 @@ from fsdp_offload_cfg.loading._sync import (
     describe_error,
     distributed_ready,
 )
-from fsdp_offload_cfg.loading.adapters import meta_adapter_problem
 from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
-from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR
+from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR, FileTensor
 from fsdp_offload_cfg.loading.layout import Target, plan
 from fsdp_offload_cfg.loading.meta import release_meta_guards
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, pair_problem, repeat_shift
@@ -106,7 +105,7 @@ def load_into_sharded(
     sources = sharded.agree_sources(model, spec)
     if strategy == "sharded" and not sources.files and rank == 0:
         logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
-    source = _rank0_source(model, spec, skip=sources.names())
+    source = _rank0_source(model, spec, skip=sources.names(), streamed=sources.streamed)
     # 3. meta tensors tied as on rank 0, then fully_shard on meta
     sharded_model = agreed("sharding the model on meta (rebuild, shard_fn)", lambda: _shard_on_meta(model, spec, shard_fn))
     # 4. storage for this rank's shards
@@ -193,21 +192,25 @@ def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None]:
     return spec, call
 
 
-def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str]) -> dict[str, torch.Tensor] | None:
+def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str],
+                  streamed: dict[str, FileTensor]) -> dict[str, torch.Tensor | sharded.FileSlice] | None:
     """On rank 0, its tensors by name (references, not copies) for every spec tensor not in `skip`
-    (those are read from the files or computed locally); None elsewhere. Raises on every rank if
-    one of them is on meta on rank 0."""
+    (those are read from the files or computed locally), the ones in `streamed` as `FileSlice`s it
+    reads while it sends them; None elsewhere. Raises on every rank if one of them is on meta on
+    rank 0 with no file behind it."""
     source, error = None, None
     if dist.get_rank() == 0:
 
-        def collect() -> dict[str, torch.Tensor]:
+        def collect() -> dict[str, torch.Tensor | sharded.FileSlice]:
             wanted = {t.name for t in spec.tensors} - skip
-            named = {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()] if n in wanted}
-            left = sorted(n for n, t in named.items() if t.is_meta)
+            named: dict[str, Any] = {
+                n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()] if n in wanted}
+            dtypes = {t.name: t.dtype for t in spec.tensors}
+            named.update({n: sharded.FileSlice(where, dtypes[n]) for n, where in streamed.items() if n in named})
+            left = sorted(n for n, t in named.items() if getattr(t, "is_meta", False))
             if left:
                 hint = " (not in the checkpoint record either)" if skip else ""
-                why = meta_adapter_problem(model, left)
-                raise RuntimeError(why or f"rank 0's model has meta tensors, nothing to send{hint}: {left[:20]}")
+                raise RuntimeError(f"rank 0's model has meta tensors, nothing to send{hint}: {left[:20]}")
             return named
 
         source, error = attempt(collect)

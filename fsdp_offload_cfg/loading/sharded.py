@@ -2,8 +2,11 @@
 rank ever holds the full model and no weight crosses the network.
 
 Where each tensor comes from (decided identically on every rank, from one `all_gather`):
-  - file:  the model was built by `sharded_from_pretrained` and records the checkpoint tensor
-           (`checkpoint.CheckpointRecord`): each rank reads `Target.regions[rank]` itself;
+  - file:  every rank's model records the checkpoint tensor (`checkpoint.CheckpointRecord`: built
+           by `sharded_from_pretrained`): each rank reads `Target.regions[rank]` itself;
+  - streamed: only rank 0's model records it (rank 0 built on meta under "broadcast", the other
+           ranks from its description): rank 0 reads each rank's region while it sends it
+           (`FileSlice`), bucket by bucket;
   - local: a non-persistent buffer every rank computed itself in `from_pretrained` (RoPE
            `inv_freq`, ...): each rank keeps its own, after checking its checksum equals rank 0's;
   - rank 0: anything else (LoRA adapters, which stay on the host with the values PEFT drew:
@@ -42,12 +45,15 @@ logger = logging.getLogger("fsdp_offload_cfg.loading")
 
 @dataclass
 class Sources:
-    """Per spec name: the file tensor to read, or this rank's own computed value."""
+    """Per spec name: the file tensor to read, or this rank's own computed value; and on rank 0,
+    under a streamed broadcast, the file tensors it reads for every rank."""
 
     files: dict[str, FileTensor] = field(default_factory=dict)
     local: dict[str, torch.Tensor] = field(default_factory=dict)
+    streamed: dict[str, FileTensor] = field(default_factory=dict)  # rank 0 only; sent by the scatter
 
     def names(self) -> set[str]:
+        """What this rank fills itself (the same names on every rank)."""
         return set(self.files) | set(self.local)
 
 
@@ -96,23 +102,25 @@ def _own_sources(model: nn.Module, spec: ModelSpec) -> tuple[bool, Sources, dict
 def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
     """Where every tensor comes from, the same on every rank (see the module docstring).
 
-    Raises on every rank if the ranks' records disagree, or if a non-persistent buffer computed
-    on some rank differs from rank 0's (named, with the ranks).
+    Raises on every rank if a non-persistent buffer computed on some rank differs from rank 0's
+    (named, with the ranks).
     """
     mine, error = attempt(lambda: _own_sources(model, spec))
     raise_if_any_failed(error, "finding each tensor in the checkpoint record")
     has_record, sources, checksums = mine
-    summary = sorted((n, f.key, f.shape, str(f.dtype)) for n, f in sources.files.items())
+    summary = [(n, f.key, f.shape, str(f.dtype)) for n, f in sorted(sources.files.items())]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (has_record, summary, checksums))
     if not gathered[0][0]:
         return Sources()  # rank 0 has no record: every tensor comes from rank 0
-    problems = [f"rank {r} has no checkpoint record" for r, (has, _, _) in enumerate(gathered) if not has]
-    problems += [
-        f"rank {r} maps other tensors to the checkpoint: {sorted(set(s) ^ set(gathered[0][1]))[:5]}"
-        for r, (has, s, _) in enumerate(gathered)
-        if has and s != gathered[0][1]
-    ]
+    # Read by every rank itself: what every rank's record maps alike. The rest of rank 0's record
+    # rank 0 reads and sends (a rank built from rank 0's description under "broadcast" has no
+    # record; a rank that filled some tensors before prepare no longer maps them).
+    common = set.intersection(*(set(summary if has else ()) for has, summary, _ in gathered))
+    shared = {entry[0] for entry in common}
+    files = {n: f for n, f in sources.files.items() if n in shared}
+    streamed = {n: f for n, f in sources.files.items() if n not in shared} if dist.get_rank() == 0 else {}
+    problems = []
     local = set(gathered[0][2]).intersection(*(c for _, _, c in gathered))
     for name in sorted(local):
         differ = [r for r, (_, _, c) in enumerate(gathered) if c[name] != gathered[0][2][name]]
@@ -121,7 +129,7 @@ def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
     if problems:
         raise RuntimeError("sharded loading: " + "; ".join(problems))
     # a buffer computed on rank 0 but left on meta elsewhere still comes from rank 0
-    return Sources(sources.files, {n: v for n, v in sources.local.items() if n in local})
+    return Sources(files, {n: v for n, v in sources.local.items() if n in local}, streamed)
 
 
 # ------------------------------------------------------------------------------------ the reader
@@ -152,6 +160,33 @@ def _contiguous_range(region: Region, shape: tuple[int, ...], itemsize: int) -> 
     for n in lengths:
         numel *= n
     return start * itemsize, numel * itemsize
+
+
+class FileSlice:
+    """Rank 0's stand-in for a checkpoint tensor it has not read (streamed broadcast): the
+    scatter asks it for each rank's region, bucket by bucket, and gets those bytes read from the
+    file, converted to `dtype` the way transformers converts (`Tensor.to`). So rank 0 never holds
+    more of the checkpoint than the bucket being sent."""
+
+    def __init__(self, where: FileTensor, dtype: torch.dtype) -> None:
+        self.where, self.dtype, self.shape = where, dtype, torch.Size(where.shape)
+
+    def __getitem__(self, region: Region) -> torch.Tensor:
+        where = self.where
+        shape = tuple(s.stop - s.start for s in region)
+        byte_range = _contiguous_range(region, where.shape, where.dtype.itemsize)
+        if byte_range is None:
+            from safetensors import safe_open
+
+            with safe_open(where.path, framework="pt") as f:
+                return f.get_slice(where.key)[region].to(self.dtype)
+        raw = torch.empty(byte_range[1], dtype=torch.uint8)
+        fd = os.open(where.path, os.O_RDONLY)
+        try:
+            _pread(fd, _as_bytes(raw), where.offset + byte_range[0], where.path)
+        finally:
+            os.close(fd)
+        return raw.view(where.dtype).view(shape).to(self.dtype)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
