@@ -169,10 +169,11 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
             return _shard_on_read(original, cfg, cls, *args, **kwargs)
         if not _rank0_loading_active(cfg):
             return original(cls, *args, **kwargs)
-        from fsdp_offload_cfg.loading import rank0_from_pretrained, sharded_from_pretrained
+        from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
 
         ensure_process_group()
-        load = sharded_from_pretrained if cfg.load_strategy == "sharded" else rank0_from_pretrained
+        load = {"sharded": sharded_from_pretrained, "broadcast": rank0_from_pretrained}.get(
+            cfg.load_strategy, auto_from_pretrained)
         return load(original, cls, *args, **kwargs)
 
     return from_pretrained
@@ -432,9 +433,7 @@ def _fully_shard_swap(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
 
 
 def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
-    """The transformers functions `load_strategy: sharded` swaps while `from_pretrained` runs."""
-    if cfg.load_strategy != "sharded":
-        return []
+    """The transformers functions the no-read load (every strategy) swaps while `from_pretrained` runs."""
     from fsdp_offload_cfg.compat.checkpoint_reading import swap_targets
 
     return swap_targets()

@@ -45,7 +45,7 @@ def test_validate_invalid_exit_1_with_one_line_per_problem(invalid: str, capsys:
     assert out == [
         f"{EXAMPLES[0]}: OK",
         f"{invalid}: activaton_cpu_offload: unknown key; did you mean 'activation_cpu_offload'?",
-        f'{invalid}: load_strategy: expected one of broadcast, sharded; got "scatter"',
+        f'{invalid}: load_strategy: expected one of auto, broadcast, sharded; got "scatter"',
     ]
 
 
@@ -62,7 +62,7 @@ def test_validate_json_format(invalid: str, unparsable: str, capsys: pytest.Capt
     assert files[0]["problems"] == []
     assert files[1]["problems"] == [
         {"path": "activaton_cpu_offload", "message": "unknown key; did you mean 'activation_cpu_offload'?"},
-        {"path": "load_strategy", "message": 'expected one of broadcast, sharded; got "scatter"'},
+        {"path": "load_strategy", "message": 'expected one of auto, broadcast, sharded; got "scatter"'},
     ]
     assert [f["unreadable"] for f in files] == [False, False, True]
 

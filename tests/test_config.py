@@ -154,7 +154,7 @@ BAD = [
     ({"activation_cpu_offload": {"prefetch_groups": 0}}, "activation_cpu_offload.prefetch_groups", "an integer >= 1; got 0"),
     ({"activation_cpu_offload": {"offload_last_group": "no way"}}, "activation_cpu_offload.offload_last_group", "true or false"),
     ({"activation_cpu_offload": {"enabeld": True}}, "activation_cpu_offload.enabeld", "did you mean 'enabled'?"),
-    ({"cpu_ram_efficient_loading": True, "load_strategy": "scatter"}, "load_strategy", "one of broadcast, sharded"),
+    ({"cpu_ram_efficient_loading": True, "load_strategy": "scatter"}, "load_strategy", "one of auto, broadcast, sharded"),
     ({"xla_fsdp_settings": "fast"}, "xla_fsdp_settings", "expected a mapping"),
 ]
 
@@ -249,7 +249,7 @@ def test_accelerate_yaml_file_reads_fsdp_config_and_launch_keys():
     assert (config.version, config.reshard_after_forward, config.auto_wrap_policy) == (2, True, "TRANSFORMER_BASED_WRAP")
     assert config.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer",)
     assert config.state_dict_type == "SHARDED_STATE_DICT"
-    assert config.cpu_ram_efficient_loading and config.load_strategy == "broadcast"
+    assert config.cpu_ram_efficient_loading and config.load_strategy == "auto"
     assert config.activation_cpu_offload == ActivationOffloadConfig(enabled=True, max_pinned_bytes=16 << 30)
 
 

@@ -194,16 +194,20 @@ def _inputs(**changes: object) -> LoadingInputs:
 
 
 def test_loading_peaks_follow_the_measured_shape_of_each_strategy():
-    """The shape `benchmarks/load_memory.py` measured (docs/benchmarks.md): broadcast rank 0 holds
-    the mapped checkpoint, its shard and 3 buckets; the others a shard and a bucket; sharded, a
-    shard each; a converted checkpoint adds the converted copy on top of the mapped pages."""
-    assert peak("broadcast", _inputs()) == (1000 + 500 + 30, 510)
-    assert peak("sharded", _inputs()) == (500, 500)
-    assert peak("broadcast", _inputs(checkpoint_bytes=500, converting=True)).rank0 == 1500
+    """The shape `benchmarks/load_memory.py` measured (docs/benchmarks.md): broadcast rank 0 streams
+    from the files, holding its shard and 3 buckets (plus one converted region); the others a
+    shard and a bucket; sharded, a shard each; auto is sharded. A checkpoint that cannot be read
+    slice by slice makes rank 0 hold the mapped checkpoint (and a converted copy on top)."""
+    assert peak("broadcast", _inputs()) == (500 + 30, 510)
+    assert peak("broadcast", _inputs(converting=True)) == (500 + 30 + 10, 510)
+    assert peak("sharded", _inputs()) == peak("auto", _inputs()) == (500, 500)
     assert peak("sharded", _inputs(converting=True)) == (510, 510)
     assert peak("plain", _inputs()) == (1500, 1500)
-    on_gpu = peak("broadcast", _inputs(shards_on_host=False))
-    assert on_gpu == (1000, 0)
+    whole = _inputs(sliceable=False)
+    assert peak("broadcast", whole) == peak("auto", whole) == peak("sharded", whole) == (1000 + 500 + 30, 510)
+    assert peak("broadcast", _inputs(sliceable=False, checkpoint_bytes=500, converting=True)).rank0 == 1500
+    assert peak("broadcast", _inputs(sliceable=False, shards_on_host=False)) == (1000, 0)
+    assert peak("broadcast", _inputs(shards_on_host=False)) == (0, 0)
 
 
 def test_loading_follows_the_configs_strategy(models: dict[str, str]):
@@ -280,7 +284,7 @@ def test_cli_table_names_every_figure(models: dict[str, str], tmp_path: Path, ca
                      "--batch-size", "1"]) == 0
     out = capsys.readouterr().out
     for label in ("parameters (sharded)", "optimizer state", "peak device memory", "checkpointing and offload",
-                  "broadcast (this config)", "Assumptions:"):
+                  "auto (this config)", "broadcast", "Assumptions:"):
         assert label in out
 
 

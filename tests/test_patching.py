@@ -84,7 +84,7 @@ def test_functions_swapped_during_a_sharded_load_are_declared_and_exist():
     swaps = loader.swaps(sharded)
     assert ("transformers.modeling_utils", "_get_resolved_checkpoint_files") in swaps and len(swaps) >= 2
     assert all(callable(getattr(importlib.import_module(m), a)) for m, a in swaps)
-    assert loader.swaps(EVERYTHING_ON) == []  # broadcast swaps nothing
+    assert loader.swaps(EVERYTHING_ON) == swaps  # every strategy builds without reading where it can
 
 
 def test_a_missing_swap_target_refuses_before_anything_changes(monkeypatch: pytest.MonkeyPatch):

@@ -94,9 +94,11 @@ KEYS: tuple[Key, ...] = (
         owner="plugin", default=ActivationOffloadConfig(), annotation="ActivationOffloadConfig",
         env="FSDP_ACTIVATION_CPU_OFFLOAD", schema_default=False),
     Key("load_strategy", "load_strategy",
-        "fsdp_offload_cfg: how non-zero ranks get weights under cpu_ram_efficient_loading: broadcast from rank 0, "
-        "or each rank reads its own shards.",
-        owner="plugin", default="broadcast", annotation="str", env="FSDP_LOAD_STRATEGY"),
+        "fsdp_offload_cfg: how the ranks get their weights under cpu_ram_efficient_loading: auto (each rank "
+        "reads its own slices where it can, rank 0 streams them to any rank that cannot, rank 0 loads whole "
+        "where the checkpoint cannot be read slice by slice), broadcast (rank 0 reads and sends), or sharded "
+        "(every rank reads its own slices).",
+        owner="plugin", default="auto", annotation="str", env="FSDP_LOAD_STRATEGY"),
     _trainer_only("limit_all_gathers", "boolish",
                   "transformers Trainer, FSDP1 only: rate-limit all-gathers. Accepted and not used by this plugin."),
     _trainer_only("xla", "boolish", "transformers Trainer: use PyTorch/XLA FSDP instead of accelerate's FSDP. "
@@ -202,7 +204,7 @@ TYPES: dict[str, dict[str, Any]] = {
     "positive_int": {"description": "an integer >= 1", "type": "integer", "minimum": 1},
     "regex": {"description": "a non-empty regular expression string", "type": "string", "minLength": 1},
     "mapping": {"description": "a mapping", "type": "object"},
-    "load_strategy": {"description": "one of broadcast, sharded", "enum": ["broadcast", "sharded"]},
+    "load_strategy": {"description": "one of auto, broadcast, sharded", "enum": ["auto", "broadcast", "sharded"]},
     "offload_mode": {"description": "one of " + ", ".join(MODES), "enum": list(MODES)},
     "activation_cpu_offload": {
         "if": {"type": "object"},

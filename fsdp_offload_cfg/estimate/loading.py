@@ -1,16 +1,21 @@
 """Host memory peak while loading, per strategy, for rank 0 and for the other ranks.
 
 The model of each strategy follows what the loader does (`loading/broadcast.py`,
-`loading/sharded.py`) and was checked against `benchmarks/load_memory.py` (peak RSS):
+`loading/sharded.py`) and is checked against `benchmarks/load_memory.py` (peak RSS):
 
-- broadcast: rank 0 runs `from_pretrained` on the CPU. A checkpoint already in the load dtype
-  is memory-mapped, so its pages count in rank 0's RSS (F) and stay mapped until the load ends;
-  a checkpoint in another dtype is converted, so the converted copy (M) comes on top of the
-  mapped pages while `from_pretrained` runs, and the copy shrinks while it is sent. Rank 0 packs
-  one bucket per destination rank and receives one; every other rank holds its shard and one
-  receive bucket.
+- broadcast, where the checkpoint can be read slice by slice (safetensors): rank 0 builds on meta
+  like the others and, at prepare, reads each rank's region of each tensor while it sends it
+  (`pread`, nothing mapped): it holds its shard, one send bucket per rank and a receive bucket,
+  plus one region being converted when the checkpoint dtype differs. Every other rank holds its
+  shard and one receive bucket.
+- broadcast of a checkpoint that cannot be read slice by slice (`.bin`): rank 0 runs
+  `from_pretrained` on the CPU. A checkpoint already in the load dtype is memory-mapped, so its
+  pages count in rank 0's RSS (F) and stay mapped until the load ends; a checkpoint in another
+  dtype is converted, so the converted copy (M) comes on top of the mapped pages while
+  `from_pretrained` runs, and the copy shrinks while it is sent.
 - sharded: every rank reads its own slices with `pread` (nothing mapped), straight into its shard
   when the dtypes match, else through one staging block of at most a bucket.
+- auto (the default): sharded where the checkpoint can be read slice by slice, else broadcast.
 - plain (`cpu_ram_efficient_loading: false`): every rank loads the whole model like rank 0.
 
 Where the shards live: on the host when the run is on the CPU or with `offload_params`;
@@ -22,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-STRATEGIES = ("broadcast", "sharded")
+STRATEGIES = ("auto", "broadcast", "sharded")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class LoadingInputs:
     shards_on_host: bool
     bucket_bytes: int
     world: int
+    sliceable: bool = True  # safetensors: read slice by slice (a `.bin` is not)
 
 
 class LoadingPeak(NamedTuple):
@@ -46,11 +52,16 @@ def peak(strategy: str, x: LoadingInputs) -> LoadingPeak:
     shard = x.shard_bytes if x.shards_on_host else 0
     staging = min(x.bucket_bytes, x.shard_bytes) if x.shards_on_host else 0  # broadcast's buckets
     full = x.checkpoint_bytes + (x.loaded_bytes if x.converting else 0)
-    if strategy == "sharded":
+    if strategy == "auto":
+        strategy = "sharded" if x.sliceable else "broadcast"
+    if strategy == "sharded" and x.sliceable:
         block = min(x.bucket_bytes, x.shard_bytes)  # pread's staging block (host), when one is needed
         every = shard + (block if x.converting or not x.shards_on_host else 0)
         return LoadingPeak(every, every)
-    if strategy == "broadcast":
+    if strategy in ("broadcast", "sharded") and x.sliceable:  # rank 0 streams from the files
+        region = min(x.bucket_bytes, x.shard_bytes) if x.converting else 0  # one region read and converted
+        return LoadingPeak(shard + staging * (x.world + 1) + region, shard + staging)
+    if strategy in ("broadcast", "sharded"):  # rank 0 loads whole
         sending = (x.loaded_bytes if x.converting else x.checkpoint_bytes + shard) + staging * (x.world + 1)
         return LoadingPeak(max(full, sending), shard + staging)
     plain = max(full, (x.loaded_bytes if x.converting else x.checkpoint_bytes) + shard)

@@ -7,6 +7,7 @@ read them. Every byte count is an integer and every key ending in `_bytes` is by
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -130,6 +131,7 @@ def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStat
         shards_on_host=device == "cpu" or bool(config.offload_params),
         bucket_bytes=DEFAULT_BUCKET_BYTES,
         world=ranks,
+        sliceable=_sliceable(source),
     )
     strategy = config.load_strategy if config.cpu_ram_efficient_loading else "plain"
     chosen = peak(strategy, inputs)
@@ -141,6 +143,15 @@ def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStat
         "by_strategy": {s: {"rank0_host_peak_bytes": p.rank0, "other_host_peak_bytes": p.others}
                         for s in (*STRATEGIES, "plain") for p in [peak(s, inputs)]},
     }
+
+
+def _sliceable(source: ModelSource) -> bool:
+    """Safetensors files next to the config, or no weights at all (a config.json alone: the
+    checkpoint the user will load is assumed to be safetensors, as hub checkpoints are)."""
+    folder = os.path.dirname(os.path.abspath(source.path if not os.path.isdir(source.path)
+                                             else os.path.join(source.path, "config.json")))
+    legacy = any(n.endswith((".bin", ".pt", ".gguf")) for n in os.listdir(folder))
+    return bool(source.checkpoint_files) or not legacy
 
 
 def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes) -> tuple[int, bool]:

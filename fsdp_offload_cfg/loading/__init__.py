@@ -4,6 +4,8 @@
   "broadcast": rank 0 reads, the others build on meta).
 - `sharded_from_pretrained`: the `from_pretrained` patch body for strategy "sharded" (every rank
   builds on meta and records where each tensor is in the safetensors files).
+- `auto_from_pretrained`: for strategy "auto" (the default): as "sharded" on every rank that can
+  read the files, from rank 0's description on a rank that cannot.
 - `load_into_sharded`: the prepare step (capture, meta, `fully_shard`, materialise, fill); it
   returns a `LoadReport` (the model, what rank 0 sent, what this rank read).
 - `local_loading`: the stock loaders for the loads inside the block (`local.py`).
@@ -20,6 +22,7 @@ from typing import Any
 
 _EXPORTS = {
     "CHECKPOINT_ATTR": "checkpoint",
+    "auto_from_pretrained": "meta",
     "DEFAULT_BUCKET_BYTES": "prepare",
     "LoadReport": "prepare",
     "SOURCE_ATTR": "meta",

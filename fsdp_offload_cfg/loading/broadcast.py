@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from fsdp_offload_cfg.loading._sync import agreed, attempt, describe_error, raise_if_any_failed
 from fsdp_offload_cfg.loading.layout import Target
+from fsdp_offload_cfg.loading.progress import Progress
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
 
@@ -149,6 +150,8 @@ def scatter_from_rank0(
     # (doing no more work) and all ranks agree after the loop. Rank 0's failure stops everyone at
     # once through the header byte of the bucket it could not pack.
     failure: BaseException | None = None  # this rank's first failure in the loop
+    total = sum(t.nbytes_on(r) for t in targets for r in range(1, world))
+    progress = Progress(total if rank == 0 else 0, f"rank 0 sending to {world - 1} ranks")
     for k, (bucket, size) in enumerate(zip(plan, sizes)):
         received = staging[:size]
         packed = None
@@ -161,15 +164,12 @@ def scatter_from_rank0(
         if received[0].item() != 0:
             break
         failure = failure or _in_bucket(k, len(plan), _unpack, bucket, received, rank)
+        sent = sum(t.nbytes_on(r) for t in bucket for r in range(1, world))
         stats.tensors += sum(t.last for t in bucket)
-        stats.bytes_sent += sum(t.nbytes_on(r) for t in bucket for r in range(1, world))
+        stats.bytes_sent += sent
         stats.buckets += 1
-        # progress about every 10% of a long load; the final summary is logged by the caller
-        if rank == 0 and stats.buckets < len(plan) and stats.buckets % max(1, len(plan) // 10) == 0:
-            logger.info(
-                "rank-0 loading: %d/%d buckets, %d tensors, %.2f GiB sent, %.1fs",
-                stats.buckets, len(plan), stats.tensors, stats.bytes_sent / 2**30, time.perf_counter() - start,
-            )  # fmt: skip
+        progress.update(sent, sum(t.last for t in bucket))  # a bar on a terminal; the caller logs the summary
+    progress.close()
     raise_if_any_failed(failure, "receiving the weights from rank 0 (bucket by bucket)")
     stats.seconds = time.perf_counter() - start
     return stats

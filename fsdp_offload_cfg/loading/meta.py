@@ -176,6 +176,61 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
     return result
 
 
+def auto_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
+    """`cls.from_pretrained(*args, **kwargs)` for `load_strategy="auto"` (the default): the lightest
+    strategy the checkpoint and the ranks allow, with one rank-0 log line saying which and why.
+
+    Every rank tries to build the model on meta from the files itself (as "sharded"). Rank 0 also
+    posts its description (as "broadcast"), so a rank that cannot read the files (no shared
+    storage on its node, a path that exists only on rank 0's) builds from it instead of failing;
+    at prepare, tensors every rank can read are read by every rank, the rest rank 0 streams from
+    the files. A checkpoint that cannot be read slice by slice (`.bin`, keys converted on load)
+    is loaded whole by rank 0 and sent, as "broadcast" does with such files.
+    """
+    if not distributed_ready() or _inside():
+        return _call(original_from_pretrained, cls, *args, **kwargs)
+    source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    plain_kwargs = {k: v for k, v in kwargs.items() if k != "device_map"}
+    rng = torch.get_rng_state()
+    with _nested(), transformers_fsdp_gate_off():
+        result, error = attempt(lambda: meta_from_pretrained(
+            lambda: _call(original_from_pretrained, cls, *args, **plain_kwargs)))
+    if isinstance(error, NeedsBroadcast):  # every rank sees the same files and decides alike
+        if dist.get_rank() == 0:
+            logger.info("load_strategy auto: %s cannot be read slice by slice (%s): rank 0 loads it whole and "
+                        "sends it", source, error.reason)  # fmt: skip
+        torch.set_rng_state(rng)
+        return rank0_from_pretrained(original_from_pretrained, cls, *args, **kwargs)
+    call = load_call(cls, "from_pretrained", args, kwargs)
+    what = f"load {source}"
+    mailbox = Rank0Mailbox(f"described:{call.digest}", f"describe {source}")
+    if dist.get_rank() == 0:
+        mailbox.start()
+        built = None
+        if error is None:
+            built, error = attempt(lambda: _summarize(result))
+        error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
+        if error is not None:
+            raise error
+        logger.info("load_strategy auto: %s built on meta on every rank that can read it; each reads its own "
+                    "slices at prepare, rank 0 streams them to any rank that cannot", source)  # fmt: skip
+    elif error is not None:  # this rank cannot read the files: it builds from rank 0's description
+        message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
+        if message is not None:
+            raise RuntimeError(f"rank 0 failed to {what}: {message}") from error
+        logger.warning("rank %d cannot read %s itself (%s): it builds the model from rank 0's description; rank 0 "
+                       "sends it its weights at prepare", dist.get_rank(), source, describe_error(error))  # fmt: skip
+        init_kwargs = _model_init_kwargs(original_from_pretrained, plain_kwargs, built.config)
+        with _nested():
+            model = _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
+        torch.set_rng_state(built.rng_state)
+        result = (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
+    model = result[0] if isinstance(result, tuple) else result
+    _mark(model, what)
+    setattr(model, CALL_ATTR, call)  # built by each rank (or from rank 0's description): unpaired
+    return result
+
+
 def rank0_from_config(original_from_config: Callable[..., Any], cls: type, config: Any, **kwargs: Any) -> Any:
     """`cls._from_config(config, **kwargs)` (init from scratch) on rank 0; the same call on `meta`
     elsewhere. Rank 0's random init is what `load_into_sharded` later sends to every rank."""

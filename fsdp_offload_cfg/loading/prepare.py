@@ -74,7 +74,7 @@ def load_into_sharded(
     model: nn.Module,
     shard_fn: Callable[[nn.Module], nn.Module | None],
     *,
-    strategy: Literal["broadcast", "sharded"] = "broadcast",
+    strategy: Literal["auto", "broadcast", "sharded"] = "broadcast",
     cpu_offload: bool = False,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> LoadReport:
@@ -91,8 +91,8 @@ def load_into_sharded(
     None). Bit-exact for every tensor whose dtype is unchanged; floats are cast to the sharded
     dtype; other dtypes must match. Without a multi-rank process group this is just `shard_fn(model)`.
     """
-    if strategy not in ("broadcast", "sharded"):
-        raise ValueError(f"unknown load strategy {strategy!r}; expected 'broadcast' or 'sharded'")
+    if strategy not in ("auto", "broadcast", "sharded"):
+        raise ValueError(f"unknown load strategy {strategy!r}; expected 'auto', 'broadcast' or 'sharded'")
     if not distributed_ready():
         release_meta_guards(model)
         return LoadReport(shard_fn(model) or model, None, None)
@@ -103,7 +103,10 @@ def load_into_sharded(
     agreed("matching this rank's model with rank 0's", lambda: _match_rank0(model, spec, rank0_call, rank))
     # 2. where each tensor comes from: this rank's checkpoint reads, or rank 0
     sources = sharded.agree_sources(model, spec)
-    if strategy == "sharded" and not sources.files and rank == 0:
+    if rank == 0 and sources.streamed:
+        logger.info("rank-0 loading: rank 0 streams %d tensors from the checkpoint files (every rank reads %d "
+                    "itself)", len(sources.streamed), len(sources.files))  # fmt: skip
+    elif strategy == "sharded" and not sources.files and rank == 0:
         logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
     source = _rank0_source(model, spec, skip=sources.names(), streamed=sources.streamed)
     # 3. meta tensors tied as on rank 0, then fully_shard on meta

@@ -37,6 +37,7 @@ from torch import nn
 from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
 from fsdp_offload_cfg.loading.checkpoint import record_of
 from fsdp_offload_cfg.loading.layout import Region, Target
+from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.loading.safetensors_index import FileTensor
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
 
@@ -218,16 +219,19 @@ def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: i
     staging_bytes = max((r[1] for r, (b, w) in zip(ranges, blocks) if r and not _direct(b.dest, w)), default=0)
     staging = torch.empty(staging_bytes, dtype=torch.uint8)
     fds: dict[str, int] = {}
+    total = sum(b.dest.numel() * w.dtype.itemsize for b, w in blocks)
     try:
-        for i in order:
-            block, where = blocks[i]
-            if where.path not in fds:
-                fds[where.path] = os.open(where.path, os.O_RDONLY)
-                stats.files.append(where.path)
-            nbytes = _read_block(block, where, ranges[i], fds[where.path], staging, rank)
-            stats.reads += 1
-            stats.bytes_read += nbytes
-            stats.largest_read = max(stats.largest_read, nbytes)
+        with Progress(total, f"rank {rank} reading its shards") as progress:
+            for i in order:
+                block, where = blocks[i]
+                if where.path not in fds:
+                    fds[where.path] = os.open(where.path, os.O_RDONLY)
+                    stats.files.append(where.path)
+                nbytes = _read_block(block, where, ranges[i], fds[where.path], staging, rank)
+                stats.reads += 1
+                stats.bytes_read += nbytes
+                stats.largest_read = max(stats.largest_read, nbytes)
+                progress.update(nbytes, int(block.last))
     finally:
         for fd in fds.values():
             os.close(fd)
