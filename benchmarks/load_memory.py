@@ -5,10 +5,13 @@ Methods (each in its own `torchrun` launch, CPU + gloo):
   stock     transformers + accelerate as shipped with `cpu_ram_efficient_loading`
             (ACCELERATE_USE_FSDP / FSDP_CPU_RAM_EFFICIENT_LOADING set, then `fsdp2_prepare_model`
             with `cpu_ram_efficient_loading=True`); "crash" if it raises;
-  ours      `rank0_from_pretrained` + `load_into_sharded` (accelerate's `fsdp2_prepare_model`,
-            stock loading off, as the shard_fn): load_strategy "broadcast";
+  broadcast `rank0_from_pretrained` + `load_into_sharded` (accelerate's `fsdp2_prepare_model`,
+            stock loading off, as the shard_fn): rank 0 builds on meta too and streams every
+            rank its slices from the files at prepare (the full rank-0 load of earlier versions
+            happens only for checkpoints that cannot be read slice by slice);
   sharded   `sharded_from_pretrained` + `load_into_sharded(strategy="sharded")`: every rank
-            builds on meta and reads only its own slices from the safetensors file.
+            builds on meta and reads only its own slices from the safetensors file;
+  auto      `auto_from_pretrained` (the default): here, as sharded (every rank can read).
 
 Checkpoints: `fp32` (loaded as saved: transformers maps the safetensors file and FSDP copies
 only each rank's rows, so plain loading costs little *anonymous* memory) and `bf16->fp32` (a
@@ -18,18 +21,18 @@ materialise converted copies).
 Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken after imports,
 process-group init and Accelerator creation; see `PeakMemory`), and the load wall time (from
 `from_pretrained` to the end of `fsdp2_prepare_model`/`load_into_sharded`, slowest rank), with
-two of its parts: `from_pretrained`, and moving the weight bytes (ours: rank 0's scatter;
+two of its parts: `from_pretrained`, and moving the weight bytes (broadcast: rank 0's scatter;
 sharded: each rank's own reads, plus any scatter), the only part the strategy changes. `loss` (one forward on fixed tokens) shows that the
 methods load the same model. Model bytes = parameters + buffers as loaded (fp32).
 
-Each configuration runs `--repeat` times, the methods interleaved (plain, stock, ours, sharded,
+Each configuration runs `--repeat` times, the methods interleaved (plain, stock, broadcast, sharded,
 plain, ...) so that a slow spell of the machine hits all of them; before each launch the
 checkpoint is read once so that every method starts with it in the page cache. Times are the
-median over the repeats, memory the largest peak seen; "vs ours" is the median time divided by
-the median time of `ours` (broadcast) of the same configuration in the same run.
+median over the repeats, memory the largest peak seen; "vs broadcast" is the median time divided by
+the median time of `broadcast` of the same configuration in the same run.
 
     python benchmarks/load_memory.py                 # 2 and 4 ranks, all methods, 3 repeats (~15 min here)
-    python benchmarks/load_memory.py --ranks 4 --methods ours sharded --repeat 5
+    python benchmarks/load_memory.py --ranks 4 --methods broadcast sharded --repeat 5
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("plain", "stock", "ours", "sharded")
+METHODS = ("plain", "stock", "broadcast", "sharded", "auto")
 GIB = 2**30
 
 
@@ -145,11 +148,11 @@ def _from_pretrained(method: str, model_dir: str):
     import torch
     from transformers import LlamaForCausalLM, PreTrainedModel
 
-    from fsdp_offload_cfg.loading import rank0_from_pretrained, sharded_from_pretrained
+    from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
 
     if method in ("plain", "stock"):
         return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    load = rank0_from_pretrained if method == "ours" else sharded_from_pretrained
+    load = {"broadcast": rank0_from_pretrained, "sharded": sharded_from_pretrained}.get(method, auto_from_pretrained)
     return load(PreTrainedModel.from_pretrained, LlamaForCausalLM, model_dir, dtype=torch.float32)
 
 
@@ -160,7 +163,7 @@ def _prepare(method: str, model, accelerator):
 
     if method in ("plain", "stock"):
         return fsdp2_prepare_model(accelerator, model)
-    strategy = "broadcast" if method == "ours" else "sharded"
+    strategy = method
     return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy=strategy)
 
 
@@ -257,7 +260,7 @@ class Summary:
     others_anon: int = 0
     seconds: float = 0.0  # median over repeats of the slowest rank's time
     build_seconds: float = 0.0  # the same run's `from_pretrained` share (slowest rank)
-    move_seconds: float | None = None  # the same run's scatter/read share (slowest rank; ours and sharded)
+    move_seconds: float | None = None  # the same run's scatter/read share (slowest rank; the loader's methods)
     loss: float = 0.0
     model_bytes: int = 0
 
@@ -301,7 +304,7 @@ HEADER = [
     (
         "| checkpoint | method | ranks | rank 0 peak RSS GiB (x model) | rank 0 peak anon | "
         "other ranks: max peak RSS | other ranks: max peak anon | time s (median) | of which from_pretrained s "
-        "| of which moving bytes s | time vs ours | loss | note |"
+        "| of which moving bytes s | time vs broadcast | loss | note |"
     ),
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
@@ -342,7 +345,7 @@ def main() -> None:
                 model_bytes = model_bytes or next((s.model_bytes for s in summaries.values() if s.model_bytes), None)
                 for method in args.methods:
                     lines.append(
-                        row(checkpoint, method, ranks, summaries[method], summaries.get("ours"), model_bytes or 1)
+                        row(checkpoint, method, ranks, summaries[method], summaries.get("broadcast"), model_bytes or 1)
                     )
                     print(lines[-1], flush=True)
         if model_bytes:

@@ -97,9 +97,8 @@ def _direct_prepare_worker(rank: int, world_size: int, path: str) -> dict[str, A
 def test_fsdp2_prepare_model_called_directly_fills_a_loader_model(llama: str) -> None:
     """Stock: rank 1 failed with `Cannot copy out of meta tensor` (the direct call bypassed the patch)."""
     results = run_workers(_direct_prepare_worker, 2, llama, timeout=180)
-    for rank, r in enumerate(results):
-        assert r["reference_meta_before"] == (0 if rank == 0 else r["reference_meta_before"]) and (
-            rank == 0 or r["reference_meta_before"] > 0), r
+    for r in results:
+        assert r["reference_meta_before"] > 0, r  # on meta on every rank (rank 0 included) until prepare
         assert r["reference_meta_after"] == 0 and r["second_meta_after"] == 0, r
         assert r["reference_wrong"] == [] and r["second_wrong"] == [], r
     assert results[0]["reference_loss"] == results[1]["reference_loss"]
@@ -149,8 +148,7 @@ def test_disable_fsdp_ram_efficient_loading_is_honoured_by_loading_and_prepare(l
         assert r["meta_after_load"] == 0, f"rank {rank}: the switch is off, every rank loads in full"
         assert r["meta_after_prepare"] == 0 and r["wrong"] == [], r
         assert r["meta_after_reenabled_prepare"] == 0 and r["reenabled_wrong"] == [], r
-    assert results[1]["meta_after_reenabled_load"] > 0, "switched back on: rank 1 builds on meta again"
-    assert results[0]["meta_after_reenabled_load"] == 0
+    assert all(r["meta_after_reenabled_load"] > 0 for r in results), "switched back on: the ranks build on meta again"
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from _dist import free_port
-from _models import save_deepseek_v3, save_deepseek_v3_fused, save_llama, save_qwen2_tied
+from _models import EXPERTS_FUSED_ON_LOAD, save_deepseek_v3, save_deepseek_v3_fused, save_llama, save_qwen2_tied
 
 pytestmark = pytest.mark.distributed
 
@@ -145,9 +145,8 @@ def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoi
                     extra="  activation_cpu_offload: true\n  load_strategy: broadcast\n")
     reports = _reports(_accelerate_launch(config, checkpoint))
     _assert_fsdp2_sharded(reports)
-    rank0, rank1 = reports
-    assert rank0["meta_numel_after_from_pretrained"] == 0
-    assert rank1["meta_numel_after_from_pretrained"] == rank1["full_numel"]  # zero parameter bytes
+    for r in reports:  # zero parameter bytes on every rank, rank 0 included: it streams them at prepare
+        assert r["meta_numel_after_from_pretrained"] == r["full_numel"]
     for r in reports:
         assert r["offload_enabled"] and r["offload_stats"]["offloaded_bytes"] > 0, r
 
@@ -184,8 +183,7 @@ def test_from_pretrained_before_accelerator_brings_the_process_group_up(tmp_path
     config = _write(tmp_path, "load_first.yaml", loading="true")
     reports = _reports(_accelerate_launch(config, checkpoint, "--load-before-accelerator"))
     _assert_fsdp2_sharded(reports)
-    assert reports[0]["meta_numel_after_from_pretrained"] == 0
-    assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]
+    assert all(r["meta_numel_after_from_pretrained"] == r["full_numel"] for r in reports)
 
 
 def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoint: str):
@@ -290,7 +288,8 @@ def test_accelerate_launch_loads_exactly_what_a_plain_load_gives(tmp_path: Path,
         assert "overridden" not in r["source"], r["source"]  # nothing typed: accelerate's own exports are no override
         assert r["state_digests"] == expected, sorted(
             k for k in expected if r["state_digests"].get(k) != expected[k])
-        reads_weights = strategy == "broadcast" and r["rank"] == 0
+        # rank 0 loads whole only what cannot be read slice by slice (per-expert keys fused on load)
+        reads_weights = builder is save_deepseek_v3 and EXPERTS_FUSED_ON_LOAD and r["rank"] == 0
         assert r["meta_numel_after_from_pretrained"] == (0 if reads_weights else r["full_numel"])
         assert r["losses_finite"], r
     if builder is save_qwen2_tied:

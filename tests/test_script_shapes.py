@@ -31,6 +31,18 @@ CONFIG = {
 IDS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
 
 
+def _config(strategy: str | None) -> dict[str, Any]:
+    """CONFIG (load_strategy auto, the default), or with `strategy` written."""
+    if strategy is None:
+        return CONFIG
+    return {**CONFIG, "fsdp_config": {**CONFIG["fsdp_config"], "load_strategy": strategy}}
+
+
+def _meta_params(model: torch.nn.Module) -> int:
+    """Parameters on meta, counted without `state_dict()` (which reads an unprepared model whole)."""
+    return sum(p.is_meta for p in model.parameters())
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     from _models import save_llama
@@ -72,8 +84,8 @@ def _main_process_only_worker(rank: int, world_size: int, path: str) -> dict[str
     out["seconds"] = time.monotonic() - start
     # the ranks stay in step afterwards: a load that every rank makes still works
     model = AutoModelForCausalLM.from_pretrained(path)
-    out["all_rank_load_meta"] = sum(t.is_meta for t in model.state_dict().values())
-    out["all_rank_load_tensors"] = len(model.state_dict())
+    out["all_rank_load_meta"] = _meta_params(model)
+    out["all_rank_load_tensors"] = len(list(model.parameters()))
     return out
 
 
@@ -84,17 +96,17 @@ def test_a_load_on_the_main_process_only_is_a_plain_load(llama: str) -> None:
     assert rank0["ref_meta"] == 0 and rank0["scratch_meta"] == 0
     assert rank0["logits_finite"] and rank0["equal_to_plain"]
     assert rank1["seconds"] < 30, "rank 1 waited for rank 0's solo load"
-    assert rank0["all_rank_load_meta"] == 0
-    assert rank1["all_rank_load_meta"] == rank1["all_rank_load_tensors"] > 0  # loader still on for rank 1
+    for r in (rank0, rank1):  # the loader is still on: every rank, rank 0 included, is on meta until prepare
+        assert r["all_rank_load_meta"] == r["all_rank_load_tensors"] > 0
 
 
-def _other_rank_only_worker(rank: int, world_size: int, path: str) -> str:
+def _other_rank_only_worker(rank: int, world_size: int, path: str, strategy: str | None) -> str:
     from transformers import AutoModelForCausalLM
 
     import fsdp_offload_cfg
     import fsdp_offload_cfg.loading._sync as sync
 
-    fsdp_offload_cfg.patch(CONFIG)
+    fsdp_offload_cfg.patch(_config(strategy))
     sync.WAIT_LOG_EVERY_S = 1.0
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -111,8 +123,10 @@ def _other_rank_only_worker(rank: int, world_size: int, path: str) -> str:
 
 
 def test_a_load_that_rank_0_skips_raises_naming_the_checkpoint_and_local_loading(llama: str) -> None:
+    """Under broadcast rank 1 builds from rank 0's description, which never comes."""
     pg_timeout = 5.0
-    results = run_workers(_other_rank_only_worker, 2, llama, pg_timeout=pg_timeout, expect_errors=True, timeout=90)
+    results = run_workers(_other_rank_only_worker, 2, llama, "broadcast", pg_timeout=pg_timeout, expect_errors=True,
+                          timeout=90)  # fmt: skip
     seconds, warned, message = results[1].split("|", 2)
     assert message.startswith("RuntimeError: rank 1 waited"), message
     assert llama in message and "local_loading()" in message and "rank 0 never started it" in message
@@ -121,17 +135,22 @@ def test_a_load_that_rank_0_skips_raises_naming_the_checkpoint_and_local_loading
     assert "no error" not in results[0]  # rank 0's barrier timed out: no rank is left waiting
 
 
+def test_a_load_that_rank_0_skips_is_a_load_of_its_own_under_auto(llama: str) -> None:
+    """Under auto (the default) rank 1 builds from the files itself: nothing waits on rank 0."""
+    assert run_workers(_other_rank_only_worker, 2, llama, None, pg_timeout=30, timeout=90) == ["no error"] * 2
+
+
 # --------------------------------------------------------------------------------------------
 # a model loaded on every rank but never prepared; local_loading()
 # --------------------------------------------------------------------------------------------
 
 
-def _unprepared_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+def _unprepared_worker(rank: int, world_size: int, path: str, strategy: str | None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     import fsdp_offload_cfg
 
-    fsdp_offload_cfg.patch(CONFIG)
+    fsdp_offload_cfg.patch(_config(strategy))
     out: dict[str, Any] = {}
     teacher = AutoModelForCausalLM.from_pretrained(path)
     calls = {"unprepared": lambda: teacher(IDS), "unprepared_body": lambda: teacher.model(IDS),
@@ -157,7 +176,9 @@ def _unprepared_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
 
 
 def test_an_unprepared_model_refuses_its_forward_and_local_loading_gives_a_full_copy(llama: str) -> None:
-    rank0, rank1 = run_workers(_unprepared_worker, 2, llama, timeout=120)
+    """Under broadcast rank 1 holds a description, not the files: its unprepared model refuses.
+    Rank 0 holds the checkpoint record: it reads the model whole at the first forward."""
+    rank0, rank1 = run_workers(_unprepared_worker, 2, llama, "broadcast", timeout=120)
     assert rank0["unprepared"] == rank0["unprepared_body"] == rank0["unprepared_head"] == "no error"  # plain there
     message = rank1["unprepared"]
     assert "still on the meta device on rank 1" in message, message
@@ -167,6 +188,13 @@ def test_an_unprepared_model_refuses_its_forward_and_local_loading_gives_a_full_
     assert "still on the meta device on rank 1 (its part `lm_head`" in rank1["unprepared_head"], rank1
     for out in (rank0, rank1):
         assert out["local_meta"] == 0 and out["local_same_on_every_rank"] and out["classifier_same_on_every_rank"]
+
+
+def test_an_unprepared_model_under_auto_is_read_whole_where_it_is_used(llama: str) -> None:
+    """Under auto every rank holds the checkpoint record: an unprepared model (a teacher used
+    without prepare) reads itself whole from the files on the rank that calls it, like a plain load."""
+    for out in run_workers(_unprepared_worker, 2, llama, None, timeout=120):
+        assert out["unprepared"] == out["unprepared_body"] == out["unprepared_head"] == "no error", out
 
 
 # --------------------------------------------------------------------------------------------
