@@ -6,8 +6,8 @@ The model of each strategy follows what the loader does (`loading/broadcast.py`,
 - broadcast, where the checkpoint can be read slice by slice (safetensors): rank 0 builds on meta
   like the others and, at prepare, reads each rank's region of each tensor while it sends it
   (`pread`, nothing mapped): it holds its shard, one send bucket per rank and a receive bucket,
-  plus one region being converted when the checkpoint dtype differs. Every other rank holds its
-  shard and one receive bucket.
+  plus the one region being read (on the host even when the shards live on the device; twice
+  when it is converted). Every other rank holds its shard and one receive bucket.
 - broadcast of a checkpoint that cannot be read slice by slice (`.bin`): rank 0 runs
   `from_pretrained` on the CPU. A checkpoint already in the load dtype is memory-mapped, so its
   pages count in rank 0's RSS (F) and stay mapped until the load ends; a checkpoint in another
@@ -59,7 +59,8 @@ def peak(strategy: str, x: LoadingInputs) -> LoadingPeak:
         every = shard + (block if x.converting or not x.shards_on_host else 0)
         return LoadingPeak(every, every)
     if strategy in ("broadcast", "sharded") and x.sliceable:  # rank 0 streams from the files
-        region = min(x.bucket_bytes, x.shard_bytes) if x.converting else 0  # one region read and converted
+        # one rank's region at a time is read into host memory (and converted: a second copy)
+        region = min(x.bucket_bytes, x.shard_bytes) * (2 if x.converting else 1)
         return LoadingPeak(shard + staging * (x.world + 1) + region, shard + staging)
     if strategy in ("broadcast", "sharded"):  # rank 0 loads whole
         sending = (x.loaded_bytes if x.converting else x.checkpoint_bytes + shard) + staging * (x.world + 1)
