@@ -440,7 +440,9 @@ def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
 
 
 def _trl_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
-    return loader_enabled(cfg) and _trl_installed()
+    """Every FSDP2 run where TRL is installed: it fills loader-built models and splits dtype
+    groups (lazy: TRL is patched when it is imported, never imported by `patch()`)."""
+    return _fsdp2_prepare_needed(cfg, ctx) and _trl_installed()
 
 
 def _patches() -> list[Patch]:
@@ -471,18 +473,19 @@ def _patches() -> list[Patch]:
         Patch("fsdp2-prepare-model-utils-export", "accelerate.utils", "fsdp2_prepare_model",
               build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for `accelerate.utils.` calls",
               swaps=_fully_shard_swap),
-        # Imports TRL at patch() time where it is installed (a few seconds), so that its trainers,
-        # imported afterwards, bind the replacement (`from ..models import prepare_fsdp`).
+        # Lazy: patch() never imports TRL (or PEFT); the replacement goes in as soon as the module
+        # is imported, before TRL's trainers bind it (`from ..models import prepare_fsdp`).
         Patch("trl-prepare-fsdp", "trl.models.utils", "prepare_fsdp", build_trl_prepare_fsdp,
               _trl_prepare_needed, acc,
               "fill loader-built reference/teacher models that TRL shards itself; one group per dtype",
-              swaps=_fully_shard_swap),
+              swaps=_fully_shard_swap, lazy=True),
         Patch("resize-token-embeddings", "transformers.modeling_utils", "PreTrainedModel.resize_token_embeddings",
               build_resize_token_embeddings, loader_enabled, tf,
               "resizing a loader-built model's embeddings: the shape on every rank, the values from rank 0"),
         Patch("peft-adapters-on-host", "peft.tuners.tuners_utils", "BaseTuner.inject_adapter",
               build_inject_adapter, _peft_adapters_needed, ("torch",),
-              "new PEFT adapters on a meta base keep the values PEFT drew (on the host) instead of moving to meta"),
+              "new PEFT adapters on a meta base keep the values PEFT drew (on the host) instead of moving to meta",
+              lazy=True),
         Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
               build_prepare_model, _offload_fsdp1, acc, "enable activation offload on FSDP1 models"),
         Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",

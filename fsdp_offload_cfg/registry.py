@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -98,6 +99,9 @@ class Patch:
     # The replacement does not depend on the config: a config switch leaves it installed. The
     # Trainer's patch is one, and switches the config from inside its own replacement.
     config_free: bool = False
+    # The target is a framework's (TRL, PEFT): `patch()` never imports it; the replacement goes in
+    # when the module is first imported, by whoever imports it (`post_import`).
+    lazy: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,13 @@ class PatchSession:
     # what the patches did to objects while the session was active (activation offload enabled
     # on prepared models): undone by `uninstall`, last first
     undo: list[Callable[[], None]] = field(default_factory=list)
+    # lazy patches whose module nobody has imported yet, with the callback that installs each
+    pending: list[tuple[Patch, Callable[[Any], None]]] = field(default_factory=list)
 
     @property
     def patch_names(self) -> list[str]:
-        return [a.patch.name for a in self.applied]
+        """The patches in force, and those that go in when their framework is imported."""
+        return [a.patch.name for a in self.applied] + [p.name for p, _ in self.pending]
 
     def __enter__(self) -> PatchSession:
         return self
@@ -216,6 +223,8 @@ def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchC
     wanted = [p for p in patches if p.enabled(cfg, ctx)]
     check_versions({dist for p in wanted for dist in p.requires})
     for p in wanted:
+        if p.lazy and p.module not in sys.modules:
+            continue  # checked when its framework is imported
         resolve(p)
         for module, attribute in p.swaps(cfg):
             _resolve_swap(p, module, attribute)
@@ -239,6 +248,7 @@ def install(new: Plan) -> PatchSession:
         _revert(applied, env_before)
         raise
     _ACTIVE = PatchSession(new.config, new.source, applied, env_before)
+    _install_later(_ACTIVE, new.patches)
     return _ACTIVE
 
 
@@ -256,6 +266,7 @@ def switch(new: Plan) -> PatchSession:
     _restore_env({k: v for k, v in session.env_before.items() if k not in new.env})
     for key, value in _export(new.env).items():
         session.env_before.setdefault(key, value)
+    _cancel_pending(session)
     applied = list(kept)
     kept_patches = {a.patch for a in kept}
     try:
@@ -266,6 +277,7 @@ def switch(new: Plan) -> PatchSession:
     order = {p.name: i for i, p in enumerate(new.patches)}
     session.applied = sorted(applied, key=lambda a: order[a.patch.name])
     session.config, session.source = new.config, new.source
+    _install_later(session, new.patches)
     return session
 
 
@@ -276,6 +288,7 @@ def uninstall() -> None:
     if _ACTIVE is not None:
         while _ACTIVE.undo:
             _ACTIVE.undo.pop()()
+        _cancel_pending(_ACTIVE)
         _revert(_ACTIVE.applied, _ACTIVE.env_before)
         _ACTIVE = None
 
@@ -287,16 +300,47 @@ def on_uninstall(undo: Callable[[], None]) -> None:
 
 
 def _install_all(new: Plan, patches: list[Patch], applied: list[_Applied]) -> None:
-    resolved = [(p, *resolve(p)) for p in patches]  # every target exists before anything changes
+    """Every patch whose target is imported (lazy ones whose framework is not wait: `_install_later`)."""
+    now = [p for p in patches if not (p.lazy and p.module not in sys.modules)]
+    resolved = [(p, *resolve(p)) for p in now]  # every target exists before anything changes
     for p, owner, attr, raw in resolved:
-        if isinstance(raw, classmethod):
-            replacement: Any = classmethod(p.build(raw.__func__, new.config))
-        elif isinstance(raw, staticmethod):
-            replacement = staticmethod(p.build(raw.__func__, new.config))
-        else:
-            replacement = p.build(raw, new.config)
-        setattr(owner, attr, replacement)
-        applied.append(_Applied(p, owner, attr, raw))
+        _apply(p, owner, attr, raw, new.config, applied)
+
+
+def _apply(p: Patch, owner: Any, attr: str, raw: Any, config: FSDPOffloadConfig, applied: list[_Applied]) -> None:
+    if isinstance(raw, classmethod):
+        replacement: Any = classmethod(p.build(raw.__func__, config))
+    elif isinstance(raw, staticmethod):
+        replacement = staticmethod(p.build(raw.__func__, config))
+    else:
+        replacement = p.build(raw, config)
+    setattr(owner, attr, replacement)
+    applied.append(_Applied(p, owner, attr, raw))
+
+
+def _install_later(session: PatchSession, patches: list[Patch]) -> None:
+    """Lazy patches whose framework is not imported yet go in right after its import."""
+    from fsdp_offload_cfg import post_import
+
+    installed = {a.patch for a in session.applied}
+    for p in patches:
+        if p.lazy and p not in installed:
+
+            def on_import(module: Any, p: Patch = p) -> None:
+                session.pending[:] = [(q, cb) for q, cb in session.pending if q is not p]
+                if _ACTIVE is session:
+                    _apply(p, *resolve(p), session.config, session.applied)
+
+            session.pending.append((p, on_import))
+            post_import.when_imported(p.module, on_import)
+
+
+def _cancel_pending(session: PatchSession) -> None:
+    from fsdp_offload_cfg import post_import
+
+    for p, callback in session.pending:
+        post_import.cancel(p.module, callback)
+    session.pending.clear()
 
 
 def _export(env: Mapping[str, str]) -> dict[str, str | None]:

@@ -536,3 +536,31 @@ def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
     assert get_offload_handle(model) is None and "forward" not in model.__dict__
     assert set(registered) == before
 
+
+
+def test_patch_imports_no_framework_and_patches_it_when_it_is_imported():
+    """Issue 27: `patch()` imported TRL (and PEFT) itself, before a framework imported later could
+    set up what TRL caches at its import (LlamaFactory's shim of transformers' package checks)."""
+    import subprocess
+    import sys
+
+    code = """
+import os, sys
+os.environ.update(WORLD_SIZE="2", LOCAL_RANK="0")
+import fsdp_offload_cfg
+session = fsdp_offload_cfg.patch({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,
+                                  "fsdp_cpu_ram_efficient_loading": True}})
+assert "trl" not in sys.modules  # (transformers' own training_args imports PEFT: that one is patched at once)
+assert {"trl-prepare-fsdp", "peft-adapters-on-host"} <= set(session.patch_names), session.patch_names
+import trl.models.utils as utils
+from trl.models import prepare_fsdp
+from peft.tuners.tuners_utils import BaseTuner
+assert prepare_fsdp is utils.prepare_fsdp and hasattr(prepare_fsdp, "__wrapped__"), prepare_fsdp
+assert hasattr(BaseTuner.inject_adapter, "__wrapped__")
+fsdp_offload_cfg.unpatch()
+assert not hasattr(utils.prepare_fsdp, "__wrapped__") and not hasattr(BaseTuner.inject_adapter, "__wrapped__")
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
