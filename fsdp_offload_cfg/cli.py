@@ -1,4 +1,5 @@
-"""`fsdp-offload-cfg`: validate config files, print the schema, explain what a config turns on.
+"""`fsdp-offload-cfg`: validate config files, print the schema, explain what a config turns on,
+estimate memory, and run a command with the plugin on (`run`, `install-hook`).
 
 Exit codes: 0 all valid; 1 some config is invalid; 2 a file cannot be read or parsed, or the
 command line is wrong (argparse's usage errors).
@@ -31,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-offload-cfg", description=__doc__.splitlines()[0])
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{validate,schema,explain,estimate}")
+    verbs = parser.add_subparsers(dest="verb", required=True,
+                                  metavar="{validate,schema,explain,estimate,run,install-hook,uninstall-hook}")
 
     validate = verbs.add_parser("validate", help="check config files; exit 0 valid, 1 invalid, 2 unreadable")
     validate.add_argument("files", nargs="+", metavar="FILE")
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     explain = verbs.add_parser("explain", help="print the effective config and the patches it turns on")
     explain.add_argument("file", metavar="FILE")
     explain.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    explain.add_argument("--num-processes", type=int, metavar="P",
+                         help="ranks of the launch to plan for (default: the config's num_processes, else 1)")
     _add_set(explain)
     explain.set_defaults(run=_explain)
 
@@ -61,6 +65,18 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--format", choices=("table", "json"), default="table")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
+
+    run = verbs.add_parser("run", help="run a command with patch() first in every Python process it starts",
+                           usage="fsdp-offload-cfg run [--config FILE] -- COMMAND [ARG ...]")
+    run.add_argument("--config", metavar="FILE", help="the config (default: found as patch() finds it)")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND")
+    run.set_defaults(run=_run)
+
+    for verb, action in (("install-hook", "install"), ("uninstall-hook", "remove")):
+        hook = verbs.add_parser(verb, help=f"{action} the .pth line that runs patch() in every Python process "
+                                "where FSDP_OFFLOAD_CFG_AUTOPATCH=1 is set")
+        hook.add_argument("--target", metavar="DIR", help="site-packages folder (default: this environment's)")
+        hook.set_defaults(run=_install_hook if verb == "install-hook" else _uninstall_hook)
     return parser
 
 
@@ -124,11 +140,13 @@ def _explain(args: argparse.Namespace) -> int:
     except ConfigError as error:
         _print(str(error), file=sys.stderr)
         return _exit_code(error)
+    processes = args.num_processes or config.num_processes or 1
     data: dict[str, Any] = {
         "source": config.source,
         "config": as_config_file(config),  # a file `validate` accepts and that loads back to this config
         "defaults": _defaults_taken(config),
-        "patches": _describe_patches(config),
+        "processes": processes,
+        "patches": _describe_patches(config, processes),
     }
     if changed:  # run inside `accelerate launch`: its command line wins over the file, as in patch()
         data["overridden_by_launch"] = {key: {"file": old, "launch": new} for key, (old, new) in changed.items()}
@@ -161,16 +179,75 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _defaults_taken(config: FSDPOffloadConfig) -> dict[str, Any]:
-    """The keys `config` leaves at their defaults, with those defaults (what `config` does not show)."""
+    """The keys `config` leaves at their defaults, with those defaults (what `config` does not show;
+    `load_strategy` only where meta loading is on: elsewhere it does nothing)."""
+    from fsdp_offload_cfg.integrations import loader_enabled
+
     written = as_config_file(config)
     written = {**written, **written.get("fsdp_config", {})}  # launch keys and fsdp_config keys
-    return {k: v for k, v in normalized_dict(config).items() if k not in written and k != "source" and v is not None}
+    unused = set() if loader_enabled(config) else {"load_strategy"}
+    return {k: v for k, v in normalized_dict(config).items()
+            if k not in written and k not in unused and k != "source" and v is not None}
 
 
-def _describe_patches(config: FSDPOffloadConfig) -> list[str]:
+def _describe_patches(config: FSDPOffloadConfig, processes: int) -> list[str]:
     """The patches a launch of this config would apply on this machine: inside a launch, this
-    process's context; otherwise the file's `num_processes` (this CLI runs as one process)."""
+    process's context; otherwise a launch of `processes` ranks (this CLI runs as one process)."""
     from fsdp_offload_cfg.patching import LaunchContext, describe_patches
 
     here = LaunchContext.from_environ()
-    return describe_patches(config, here if here.distributed else LaunchContext.for_processes(config.num_processes))
+    return describe_patches(config, here if here.distributed else LaunchContext.for_processes(processes))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Exec COMMAND with the autopatch switch on and `_bootstrap` first on PYTHONPATH."""
+    from fsdp_offload_cfg import autopatch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        _print("fsdp-offload-cfg run: no command given (usage: fsdp-offload-cfg run [--config FILE] -- COMMAND ...)",
+               file=sys.stderr)
+        return EXIT_UNREADABLE
+    env = dict(os.environ)
+    if args.config is not None:
+        try:
+            load_config(args.config)  # a bad file stops here, before any process starts
+        except ConfigError as error:
+            _print(str(error), file=sys.stderr)
+            return _exit_code(error)
+        env["FSDP_OFFLOAD_CFG"] = os.path.abspath(args.config)
+    bootstrap = os.path.join(os.path.dirname(os.path.abspath(autopatch.__file__)), "_bootstrap")
+    env["PYTHONPATH"] = os.pathsep.join([bootstrap, *filter(None, [env.get("PYTHONPATH")])])
+    env[autopatch.SWITCH] = "1"
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as exc:
+        _print(f"fsdp-offload-cfg run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+    return EXIT_OK  # not reached: exec replaced this process
+
+
+def _hook_path(args: argparse.Namespace) -> str:
+    import sysconfig
+
+    from fsdp_offload_cfg.autopatch import PTH_NAME
+
+    return os.path.join(args.target or sysconfig.get_paths()["purelib"], PTH_NAME)
+
+
+def _install_hook(args: argparse.Namespace) -> int:
+    from fsdp_offload_cfg.autopatch import PTH_LINE, SWITCH
+
+    path = _hook_path(args)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(PTH_LINE)
+    return _print(f"{path}: every Python process of this environment now calls fsdp_offload_cfg.patch() first "
+                  f"when {SWITCH}=1 is set (and imports nothing otherwise)")
+
+
+def _uninstall_hook(args: argparse.Namespace) -> int:
+    path = _hook_path(args)
+    if os.path.exists(path):
+        os.remove(path)
+        return _print(f"{path}: removed")
+    return _print(f"{path}: not installed")

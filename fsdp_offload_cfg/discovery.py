@@ -264,5 +264,6 @@ def discover_config(
             env_cfg = load_config(env_cfg, overrides)
         return env_cfg, "accelerate's FSDP_* environment variables"
     cfg = load_config({}, overrides or None) if overrides else FSDPOffloadConfig(source="<none found>")
-    return cfg, "no config found (nothing to patch for FSDP)"
+    return cfg, ("no config found yet (nothing to patch for FSDP until TrainingArguments(fsdp=..., fsdp_config=...) "
+                 "brings one)")
 

@@ -323,6 +323,25 @@ def _enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     from fsdp_offload_cfg.offload import enable_activation_offload
 
     registry.on_uninstall(enable_activation_offload(model, cfg.activation_cpu_offload).remove)
+    _summarize_offload_at_exit()
+
+
+@functools.cache
+def _summarize_offload_at_exit() -> None:
+    """Once per process: rank 0 says at exit what the activation offload moved (registered by the
+    first model the patches enable it on)."""
+    import atexit
+
+    def summary() -> None:
+        from fsdp_offload_cfg.offload import offload_stats
+
+        stats = offload_stats()
+        if is_rank0():
+            logger.info("activation offload moved %.2f GiB to the host (%d tensors) and %.2f GiB back; pinned host "
+                        "pool peaked at %.2f GiB", stats["offloaded_bytes"] / 2**30, stats["offloaded_tensors"],
+                        stats["reloaded_bytes"] / 2**30, stats["pinned_pool_peak_bytes"] / 2**30)  # fmt: skip
+
+    atexit.register(summary)
 
 
 def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -402,7 +421,22 @@ def _adopt_trainer_config(fsdp: Any, fsdp_config: Any) -> None:
                            "one: keeping it. Pass the same fsdp_config to every TrainingArguments.", source,
                            session.source)  # fmt: skip
         return
-    registry.switch(plan_for(dataclasses.replace(trainer_cfg, source=source), source, LaunchContext.from_environ()))
+    log_active(registry.switch(plan_for(dataclasses.replace(trainer_cfg, source=source), source,
+                                        LaunchContext.from_environ())))
+
+
+def log_active(session: registry.PatchSession) -> None:
+    """Rank 0's one line when a config becomes active: where it came from, what it does, the patches."""
+    if not is_rank0():
+        return
+    cfg = session.config
+    if not fsdp_requested(cfg):
+        logger.info("config from %s; patches: %s", session.source, ", ".join(session.patch_names) or "none")
+        return
+    loading = cfg.load_strategy if loader_enabled(cfg) else "off"
+    offload = "on" if cfg.activation_cpu_offload.enabled else "off"
+    logger.info("config from %s (FSDP%d, meta loading: %s, activation offload: %s); patches: %s", session.source,
+                cfg.version, loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip
 
 
 def accelerator_state_exists() -> bool:
@@ -464,8 +498,8 @@ def _patches() -> list[Patch]:
               build_prepare_fsdp2, loader_enabled, acc, "keep optimizer remapping right for meta parameters"),
         Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
               _fsdp2_prepare_needed, acc,
-              "one fully_shard group per dtype; shard on meta and load params + all buffers from rank 0; "
-              "enable activation offload", swaps=_fully_shard_swap),
+              "one fully_shard group per dtype; with meta loading, shard on meta and fill params + all buffers "
+              "(read by each rank or sent by rank 0); with activation offload, enable it", swaps=_fully_shard_swap),
         # Frameworks call it directly (LlamaFactory's DPO reference model, TRL, ms-swift):
         Patch("fsdp2-prepare-model-utils", "accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
               build_fsdp2_prepare_model, _fsdp2_prepare_needed, acc, "the same, for direct calls",

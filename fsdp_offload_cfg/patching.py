@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from fsdp_offload_cfg import clean_exit, integrations, registry
-from fsdp_offload_cfg._logging import get_logger, is_rank0
+from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.discovery import discover_config
 from fsdp_offload_cfg.registry import (
@@ -110,8 +110,7 @@ def _refuse_after_accelerator(source: str) -> None:
 
 
 def _log(session: PatchSession) -> None:
-    if is_rank0():
-        logger.info("config from %s; patches: %s", session.source, ", ".join(session.patch_names) or "none")
+    integrations.log_active(session)
 
 
 def _report_uncaught_config_errors() -> None:

@@ -178,3 +178,20 @@ def test_installed_console_script(invalid: str):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert [f["valid"] for f in json.loads(proc.stdout)["files"]] == [True, True, True, False]
+
+
+def test_explain_plans_the_launch_it_is_asked_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Issue 27: explain assumed one process (no gloo patches for a 2-rank run) and listed
+    `load_strategy` for a config whose meta loading is off."""
+    path = tmp_path / "offload_only.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  activation_cpu_offload: true\n")
+    assert cli.main(["explain", "--format", "json", str(path), "--num-processes", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [p.split(":")[0] for p in data["patches"]]
+    assert data["processes"] == 2
+    if not torch.cuda.is_available():
+        assert {"cpu-fsdp-state", "cpu-fsdp-accelerator-state"} <= set(names), names
+    assert "load_strategy" not in data["defaults"], data["defaults"]
+    assert cli.main(["explain", "--format", "json", str(path)]) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert single["processes"] == 1 and "cpu-fsdp-state" not in [p.split(":")[0] for p in single["patches"]]

@@ -440,6 +440,27 @@ def test_the_trainer_switches_the_config_without_unpatching_itself(single_proces
     assert TrainingArguments.__dict__["__post_init__"] is not trainer_patch
 
 
+def test_the_trainers_config_says_that_it_is_on(single_process: dict):
+    """Issue 27: under `swift sft` / `llamafactory-cli` the only line was "no config found", printed
+    before the trainer arguments existed; the switch to their fsdp_config logged nothing."""
+    import logging
+
+    from transformers import TrainingArguments
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fsdp_offload_cfg").addHandler(handler)
+    try:
+        fsdp_offload_cfg.patch()
+        TrainingArguments(fsdp=True, fsdp_config={"version": 2, "activation_cpu_offload": True}, **single_process)
+    finally:
+        logging.getLogger("fsdp_offload_cfg").removeHandler(handler)
+    assert any("no config found yet" in line and "TrainingArguments" in line for line in lines), lines
+    assert any(line.startswith("config from TrainingArguments.fsdp_config (FSDP2, meta loading: off, activation "
+                               "offload: on); patches: ") for line in lines), lines
+
+
 def test_a_training_arguments_made_after_the_accelerator_does_not_switch_the_config(single_process: dict):
     """Issue 22: a second TrainingArguments (a framework's copy, an eval run) switched the patches
     under an Accelerator that had already read the first config."""

@@ -60,6 +60,7 @@ def offload_stats() -> dict[str, Any]:
         "resident_bytes": RESIDENT.current,
         "peak_resident_bytes": RESIDENT.peak,
         "pinned_pool_bytes": POOL.current,
+        "pinned_pool_peak_bytes": POOL.peak,
         "kept_tensors": dict(KEPT),
     }
 
