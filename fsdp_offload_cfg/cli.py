@@ -114,19 +114,43 @@ def _validate(args: argparse.Namespace) -> int:
     for file in args.files:
         try:
             load_config(file, args.overrides)
-            results.append({"file": file, "valid": True, "unreadable": False, "problems": []})
+            results.append({"file": file, "valid": True, "unreadable": False, "problems": [],
+                            "warnings": spelling_warnings(file)})
         except ConfigError as error:
             code = max(code, _exit_code(error))
             results.append({"file": file, "valid": False, "unreadable": error.unreadable,
-                            "problems": [{"path": p.path, "message": p.message} for p in error.problems]})
+                            "problems": [{"path": p.path, "message": p.message} for p in error.problems],
+                            "warnings": []})
     if args.format == "json":
         _print(json.dumps({"files": results}, indent=2))
     for result in results if args.format == "text" else []:
         if result["valid"]:
             _print(f"{result['file']}: OK")
+        for warning in result["warnings"]:
+            _print(f"{result['file']}: warning: {warning}")
         for problem in result["problems"]:
             _print(": ".join(part for part in (result["file"], problem["path"], problem["message"]) if part))
     return code
+
+
+def spelling_warnings(file: str) -> list[str]:
+    """Valid spellings that also switch something else on. The unprefixed `activation_cpu_offload`
+    in a TrainingArguments-style file (ms-swift's `--fsdp` JSON, a Trainer `fsdp_config`) is
+    ms-swift's own key too: it turns ms-swift's offloader on beside this plugin's."""
+    from fsdp_offload_cfg.config import read_config_file
+
+    try:
+        top = read_config_file(file)
+    except ConfigError:
+        return []
+    if "distributed_type" in top or "compute_environment" in top:
+        return []  # an accelerate file: only this plugin reads its plugin keys
+    fsdp = top.get("fsdp_config") if isinstance(top.get("fsdp_config"), dict) else top
+    if "activation_cpu_offload" not in fsdp:
+        return []
+    return ["fsdp_config.activation_cpu_offload is also ms-swift's own key: under `swift sft` it turns on "
+            "ms-swift's offloader as well, and the run stops (two offloaders on one model). Spell it "
+            "fsdp_activation_cpu_offload, which only this plugin reads."]
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -148,6 +172,8 @@ def _explain(args: argparse.Namespace) -> int:
         "processes": processes,
         "patches": _describe_patches(config, processes),
     }
+    if warnings := spelling_warnings(args.file):
+        data["warnings"] = warnings
     if changed:  # run inside `accelerate launch`: its command line wins over the file, as in patch()
         data["overridden_by_launch"] = {key: {"file": old, "launch": new} for key, (old, new) in changed.items()}
     if args.format == "json":

@@ -195,3 +195,19 @@ def test_explain_plans_the_launch_it_is_asked_about(tmp_path: Path, capsys: pyte
     assert cli.main(["explain", "--format", "json", str(path)]) == 0
     single = json.loads(capsys.readouterr().out)
     assert single["processes"] == 1 and "cpu-fsdp-state" not in [p.split(":")[0] for p in single["patches"]]
+
+
+def test_validate_and_explain_warn_on_a_spelling_another_framework_reads(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]):
+    """ms-swift reads the unprefixed `activation_cpu_offload` of its --fsdp JSON itself (issue 27)."""
+    colliding = tmp_path / "swift_fsdp.json"
+    colliding.write_text('{"fsdp": "full_shard auto_wrap", "fsdp_config": {"activation_cpu_offload": true}}')
+    assert cli.main(["validate", str(colliding)]) == 0
+    out = capsys.readouterr().out
+    assert f"{colliding}: warning: fsdp_config.activation_cpu_offload is also ms-swift's own key" in out, out
+    assert cli.main(["explain", "--format", "json", str(colliding)]) == 0
+    assert "fsdp_activation_cpu_offload" in json.loads(capsys.readouterr().out)["warnings"][0]
+    prefixed = tmp_path / "ours_only.json"
+    prefixed.write_text('{"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_activation_cpu_offload": true}}')
+    assert cli.main(["validate", str(prefixed)]) == 0 and "warning" not in capsys.readouterr().out
+    assert cli.main(["validate", EXAMPLES[2]]) == 0 and "warning" not in capsys.readouterr().out  # accelerate YAML

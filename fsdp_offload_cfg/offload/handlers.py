@@ -28,6 +28,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fsdp_offload_cfg.offload.collisions import refuse_other_offloader
 from fsdp_offload_cfg.offload.filter import ParamStorages, keep_reason
 from fsdp_offload_cfg.offload.pool import HostBlock, HostPool
 from fsdp_offload_cfg.offload.stats import COUNTS, KEPT, RESIDENT
@@ -172,6 +173,7 @@ class OffloadHandler:
         if self._pass is not None or not torch.is_grad_enabled() or in_backward():
             yield  # nested call, no_grad/eval, or recomputation: nothing to do
             return
+        refuse_other_offloader("around the model's forward")
         self._pass = _Pass(ParamStorages(self.root))
         try:
             with saved_tensors_hooks(self.pack, self.unpack):
@@ -183,6 +185,7 @@ class OffloadHandler:
         p = self._pass
         if p is None or in_backward():
             return
+        refuse_other_offloader(f"inside {type(module).__name__}")
         COUNTS["groups_entered"] += 1
         p.current = p.frame(index)
         p.group_params = ParamStorages(module)
