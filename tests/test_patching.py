@@ -551,7 +551,7 @@ def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
     before = set(registered)
     fsdp_offload_cfg.patch(EVERYTHING_ON)
     model = tiny_llama(2)
-    integrations._enable_offload(model, fsdp_offload_cfg.active_config())  # what the prepare patch calls
+    integrations.enable_offload(model, fsdp_offload_cfg.active_config())  # what the prepare patch calls
     assert get_offload_handle(model) is not None and _whole_model_compile_notice in registered
     fsdp_offload_cfg.unpatch()
     assert get_offload_handle(model) is None and "forward" not in model.__dict__

@@ -1,0 +1,197 @@
+"""accelerate: FSDP2 on a CPU-only machine (gloo), `fsdp2_prepare_model` (dtype groups, the loader's
+fill, activation offload), the optimizer remapping of meta parameters, FSDP1's offload."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.dtype_groups import one_dtype_per_group
+from fsdp_offload_cfg.integrations.common import (
+    cpu_fsdp_needed,
+    enable_offload,
+    fsdp2_prepare_needed,
+    fsdp_requested,
+    fully_shard_swap,
+    loader_enabled,
+    logger,
+)
+from fsdp_offload_cfg.registry import LaunchContext, Patch
+
+
+def build_partial_state_init(original: Callable[..., None], cfg: FSDPOffloadConfig) -> Callable[..., None]:
+    """Force `cpu=True` so the process group comes up on gloo instead of `distributed_type NO`."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:  # noqa: N807 - replaces __init__
+        original(self, cpu or cpu_fsdp_needed(cfg, LaunchContext.from_environ()), **kwargs)
+
+    return __init__
+
+def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffloadConfig) -> Callable[..., None]:
+    """Promote `MULTI_CPU` to `FSDP` with the plugin, exactly as accelerate does for GPUs."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - replaces __init__
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+
+        # accelerate's state is a shared singleton: only promote on the call that builds it
+        was_initialized = bool(self._shared_state) and self.initialized
+        original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        plugin = bound.arguments.get("fsdp_plugin")
+        if was_initialized or plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if not cpu_fsdp_needed(cfg, LaunchContext.from_environ()):
+            return
+        self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            plugin.set_mixed_precision(self._mixed_precision)
+        _unpin_cpu_offload(plugin)
+        self.fsdp_plugin = plugin
+        # MULTI_CPU reports `cpu:<local rank>`; FSDP1 rejects a device_id that differs from the
+        # parameters' plain `cpu`, and there is only one CPU device anyway.
+        self.device = torch.device("cpu")
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        PartialState._shared_state["device"] = self.device
+        logger.debug("promoted MULTI_CPU to FSDP (gloo) for a CPU-only run")
+
+    return __init__
+
+def _unpin_cpu_offload(plugin: Any) -> None:
+    """`CPUOffloadPolicy()` pins host memory, which needs CUDA: FSDP2 crashes allocating shards."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+
+@contextmanager
+def _stock_loading_off(plugin: Any) -> Iterator[None]:
+    """accelerate's own meta path crashes on persistent buffers; ours replaces it for the call."""
+    saved = plugin.cpu_ram_efficient_loading
+    plugin.cpu_ram_efficient_loading = False
+    try:
+        yield
+    finally:
+        plugin.cpu_ram_efficient_loading = saved
+
+def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FSDPModule
+
+        plugin = accelerator.state.fsdp_plugin
+        if isinstance(model, FSDPModule):
+            return original(accelerator, model)
+        if fill_through_loader(model, plugin, cfg):
+
+            def shard(m: torch.nn.Module) -> torch.nn.Module:
+                with _stock_loading_off(plugin), one_dtype_per_group(m):
+                    return original(accelerator, m)
+
+            model = load_through_loader(model, shard, plugin, cfg)
+        else:
+            with one_dtype_per_group(model):
+                model = original(accelerator, model)
+        if cfg.activation_cpu_offload.enabled:
+            enable_offload(model, cfg)
+        return model
+
+    return fsdp2_prepare_model
+
+def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:
+    """Shard and fill `model` with `load_into_sharded` (else accelerate's own prepare)?
+
+    Yes for a model the loader built (on meta on some ranks: only the loader can fill it, whatever
+    the switches say now), and for any model when both the plugin and the config ask for
+    RAM-efficient loading (it also keeps persistent buffers, which accelerate's path crashes on).
+    One decision for all ranks: it is followed by collectives on one path or the other.
+    """
+    from fsdp_offload_cfg.loading import is_rank0_source
+    from fsdp_offload_cfg.loading._sync import any_rank, distributed_ready
+
+    wanted = any(is_rank0_source(m) for m in model.modules()) or bool(
+        plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading
+    )
+    return any_rank(wanted) if distributed_ready() else wanted
+
+def load_through_loader(
+    model: torch.nn.Module, shard: Callable[[torch.nn.Module], Any], plugin: Any, cfg: FSDPOffloadConfig
+) -> Any:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from fsdp_offload_cfg.loading import load_into_sharded
+
+    cpu_offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    return load_into_sharded(model, shard, strategy=cfg.load_strategy, cpu_offload=cpu_offload).model
+
+def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """FSDP1: accelerate wraps the model inside `prepare_model`; hook the offload after it."""
+
+    @functools.wraps(original)
+    def prepare_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        from accelerate.utils import DistributedType
+
+        prepared = original(self, model, *args, **kwargs)
+        if self.distributed_type == DistributedType.FSDP and self.state.fsdp_plugin.fsdp_version == 1:
+            enable_offload(prepared, cfg)
+        return prepared
+
+    return prepare_model
+
+def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """Keep accelerate's optimizer remapping correct when parameters are still on `meta`.
+
+    accelerate maps each old parameter to its sharded replacement by `data_ptr()`; every meta
+    tensor reports 0, so all optimizer slots would collapse onto one parameter on ranks != 0.
+    Give meta parameters a distinct negative id for the duration of the call.
+    """
+
+    @functools.wraps(original)
+    def _prepare_fsdp2(self: Any, *args: Any) -> Any:
+        tagged = [p for obj in args if isinstance(obj, torch.nn.Module) for p in obj.parameters() if p.is_meta]
+        for p in tagged:
+            p.data_ptr = functools.partial(int, -id(p))  # type: ignore[method-assign]
+        try:
+            return original(self, *args)
+        finally:
+            for p in tagged:
+                p.__dict__.pop("data_ptr", None)
+
+    return _prepare_fsdp2
+
+def _offload_fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return fsdp_requested(cfg) and cfg.activation_cpu_offload.enabled and cfg.version == 1
+
+
+_REQUIRES = ("torch", "accelerate")
+PATCHES = [
+    Patch("cpu-fsdp-state", "accelerate.state", "PartialState.__init__", build_partial_state_init,
+          cpu_fsdp_needed, _REQUIRES, "bring the process group up on gloo when FSDP is asked for without a GPU"),
+    Patch("cpu-fsdp-accelerator-state", "accelerate.state", "AcceleratorState.__init__",
+          build_accelerator_state_init, cpu_fsdp_needed, _REQUIRES,
+          "promote MULTI_CPU to FSDP so accelerate runs FSDP2 on the CPU"),
+    Patch("meta-optimizer-mapping", "accelerate.accelerator", "Accelerator._prepare_fsdp2",
+          build_prepare_fsdp2, loader_enabled, _REQUIRES, "keep optimizer remapping right for meta parameters"),
+    Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
+          fsdp2_prepare_needed, _REQUIRES,
+          "one fully_shard group per dtype; with meta loading, shard on meta and fill params + all buffers "
+          "(read by each rank or sent by rank 0); with activation offload, enable it", swaps=fully_shard_swap),
+    # Frameworks call it directly (LlamaFactory's DPO reference model, TRL, ms-swift):
+    Patch("fsdp2-prepare-model-utils", "accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
+          build_fsdp2_prepare_model, fsdp2_prepare_needed, _REQUIRES, "the same, for direct calls",
+          swaps=fully_shard_swap),
+    Patch("fsdp2-prepare-model-utils-export", "accelerate.utils", "fsdp2_prepare_model",
+          build_fsdp2_prepare_model, fsdp2_prepare_needed, _REQUIRES, "the same, for `accelerate.utils.` calls",
+          swaps=fully_shard_swap),
+    Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
+          build_prepare_model, _offload_fsdp1, _REQUIRES, "enable activation offload on FSDP1 models"),
+]

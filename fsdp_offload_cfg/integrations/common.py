@@ -1,0 +1,124 @@
+"""What every target's patches share: what the config asks for, the environment accelerate and
+transformers read, turning the activation offload on, and rank 0's line saying what is active.
+
+Predicates take the config and the `LaunchContext`; nothing here patches anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from fsdp_offload_cfg import registry
+from fsdp_offload_cfg._logging import get_logger, is_rank0
+from fsdp_offload_cfg.config import FSDPOffloadConfig, env_values
+from fsdp_offload_cfg.dtype_groups import swap_target
+from fsdp_offload_cfg.registry import LaunchContext
+
+logger = get_logger("fsdp_offload_cfg.integrations")
+
+
+def fsdp_requested(cfg: FSDPOffloadConfig) -> bool:
+    """accelerate's `distributed_type: FSDP` (or a Trainer `fsdp` setting) in the config."""
+    return (cfg.distributed_type or "").upper() == "FSDP"
+
+def cpu_fsdp_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    """FSDP asked for, several processes, no GPU: stock accelerate would silently drop FSDP."""
+    return fsdp_requested(cfg) and not ctx.accelerator and ctx.distributed
+
+def environment_problems(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> list[str]:
+    """Config valid on paper but not runnable on this machine: say so before anything starts."""
+    problems = []
+    if cpu_fsdp_needed(cfg, ctx) and cfg.version == 1 and cfg.sync_module_states:
+        problems.append(
+            f"{cfg.source}: fsdp_config.sync_module_states: FSDP1 on a CPU-only machine cannot sync module "
+            "states (accelerate needs a GPU for it); set fsdp_sync_module_states: false (and "
+            "fsdp_cpu_ram_efficient_loading: false), or use fsdp_version: 2"
+        )
+    return problems
+
+def loader_enabled(cfg: FSDPOffloadConfig, ctx: LaunchContext | None = None) -> bool:
+    return fsdp_requested(cfg) and cfg.cpu_ram_efficient_loading and cfg.version == 2
+
+def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]:
+    """The variables `accelerate launch` would export for this config (what transformers gates on),
+    plus the plugin's own keys, so that processes this one starts read the same config
+    (`config.config_from_env` reads them all back)."""
+    if not fsdp_requested(cfg):
+        return {}
+    env = {"ACCELERATE_USE_FSDP": "true", **env_values(cfg)}
+    if cfg.mixed_precision is not None:
+        env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
+    if cpu_fsdp_needed(cfg, ctx):
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+def ensure_process_group() -> None:
+    """Bring the process group up through accelerate (gloo on CPU) if the script has not yet."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        from accelerate.state import PartialState
+
+        PartialState()
+
+def rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
+    from fsdp_offload_cfg.loading.local import rank0_loading_wanted
+
+    return loader_enabled(cfg) and LaunchContext.from_environ().distributed and rank0_loading_wanted()
+
+def enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
+    """Offload on a model the patches prepared; `unpatch()` removes it again (and with the last
+    handle, the dynamo registration the offload makes)."""
+    from fsdp_offload_cfg.offload import enable_activation_offload
+
+    registry.on_uninstall(enable_activation_offload(model, cfg.activation_cpu_offload).remove)
+    summarize_offload_at_exit()
+
+@functools.cache
+def summarize_offload_at_exit() -> None:
+    """Once per process: rank 0 says at exit what the activation offload moved (registered by the
+    first model the patches enable it on)."""
+    import atexit
+
+    def summary() -> None:
+        from fsdp_offload_cfg.offload import offload_stats
+
+        stats = offload_stats()
+        if is_rank0() and stats["offloaded_bytes"] and not getattr(sys.stderr, "closed", False):
+            logger.info("activation offload moved %.2f GiB to the host (%d tensors) and %.2f GiB back; pinned host "
+                        "pool peaked at %.2f GiB", stats["offloaded_bytes"] / 2**30, stats["offloaded_tensors"],
+                        stats["reloaded_bytes"] / 2**30, stats["pinned_pool_peak_bytes"] / 2**30)  # fmt: skip
+
+    atexit.register(summary)
+
+def accelerator_state_exists() -> bool:
+    """An `Accelerator` (accelerate's shared `AcceleratorState`) was built in this process: it has
+    read its settings, so patches and config can no longer change under it."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    return state is not None and bool(state.AcceleratorState._shared_state)
+
+def fsdp2_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    """Every FSDP2 run: besides loading and offload, prepare gives odd-dtype modules their own
+    group (`dtype_groups`), which stock accelerate needs as much with the loader off."""
+    return fsdp_requested(cfg) and cfg.version == 2
+
+def fully_shard_swap(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
+    return [swap_target()]
+
+def log_active(session: registry.PatchSession) -> None:
+    """Rank 0's one line when a config becomes active: where it came from, what it does, the patches."""
+    if not is_rank0():
+        return
+    cfg = session.config
+    if not fsdp_requested(cfg):
+        logger.info("config from %s; patches: %s", session.source, ", ".join(session.patch_names) or "none")
+        return
+    loading = cfg.load_strategy if loader_enabled(cfg) else "off"
+    offload = "on" if cfg.activation_cpu_offload.enabled else "off"
+    logger.info("config from %s (FSDP%d, meta loading: %s, activation offload: %s); patches: %s", session.source,
+                cfg.version, loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip

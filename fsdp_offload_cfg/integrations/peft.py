@@ -1,0 +1,24 @@
+"""PEFT: adapters injected into a loader-built (meta) model keep the values PEFT drew
+(`loading/adapters.py`). Lazy: `patch()` never imports PEFT."""
+
+from __future__ import annotations
+
+from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.integrations.common import loader_enabled
+from fsdp_offload_cfg.loading.adapters import build_inject_adapter
+from fsdp_offload_cfg.registry import LaunchContext, Patch
+
+
+def _peft_adapters_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    """The loader builds meta models and PEFT (which would move new adapters onto them) is there."""
+    import importlib.util
+
+    return loader_enabled(cfg) and importlib.util.find_spec("peft") is not None
+
+
+PATCHES = [
+    Patch("peft-adapters-on-host", "peft.tuners.tuners_utils", "BaseTuner.inject_adapter",
+          build_inject_adapter, _peft_adapters_needed, ("torch",),
+          "new PEFT adapters on a meta base keep the values PEFT drew (on the host) instead of moving to meta",
+          lazy=True),
+]

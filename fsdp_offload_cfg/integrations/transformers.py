@@ -1,0 +1,140 @@
+"""transformers: loading (`from_pretrained`, `_from_config`, `resize_token_embeddings`) and the
+Trainer's `fsdp_config` as a config source."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fsdp_offload_cfg import integrations, registry
+from fsdp_offload_cfg._logging import is_rank0
+from fsdp_offload_cfg.config import FSDPOffloadConfig, load_config, read_config_file
+from fsdp_offload_cfg.integrations.common import (
+    accelerator_state_exists,
+    enable_offload,
+    ensure_process_group,
+    loader_enabled,
+    log_active,
+    logger,
+    rank0_loading_active,
+)
+from fsdp_offload_cfg.loading.resize import build_resize_token_embeddings
+from fsdp_offload_cfg.registry import LaunchContext, Patch
+
+
+def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("distributed_config") is not None:
+            return _shard_on_read(original, cfg, cls, *args, **kwargs)
+        if not rank0_loading_active(cfg):
+            return original(cls, *args, **kwargs)
+        from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
+
+        ensure_process_group()
+        load = {"sharded": sharded_from_pretrained, "broadcast": rank0_from_pretrained}.get(
+            cfg.load_strategy, auto_from_pretrained)
+        return load(original, cls, *args, **kwargs)
+
+    return from_pretrained
+
+def _shard_on_read(original: Callable[..., Any], cfg: FSDPOffloadConfig, cls: type, *args: Any, **kwargs: Any) -> Any:
+    """transformers 5.19+ `from_pretrained(distributed_config=...)`: each rank reads its own slices
+    and transformers applies FSDP2 itself (the Trainer then skips accelerate's prepare). Nothing
+    is left for the loader to do, so it steps aside; activation offload, normally enabled in
+    prepare, is enabled here on the sharded model. transformers' RAM-efficient gate is off for the
+    call: on 5.16 it also fills other ranks' shards with `zeros_like` on this path (wrong weights)."""
+    from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
+
+    with transformers_fsdp_gate_off():
+        result = original(cls, *args, **kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    offload = cfg.activation_cpu_offload.enabled and isinstance(model, torch.nn.Module)
+    if offload:
+        enable_offload(model, cfg)
+    if is_rank0():
+        logger.info(
+            "from_pretrained(distributed_config=...): transformers shards %s as it reads it; the rank-0 loader "
+            "steps aside%s", cls.__name__, "; activation offload enabled on the sharded model" if offload else "",
+        )  # fmt: skip
+    return result
+
+def build_from_config(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
+        if not rank0_loading_active(cfg):
+            return original(cls, config, **kwargs)
+        from fsdp_offload_cfg.loading import rank0_from_config
+
+        ensure_process_group()
+        return rank0_from_config(original, cls, config, **kwargs)
+
+    return _from_config
+
+def build_training_args_post_init(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """Validate `TrainingArguments.fsdp_config` with our schema and make it the active config.
+
+    Runs before the original `__post_init__`, which sets up the device (and so the process group)
+    before it even looks at `fsdp_config`: the CPU/gloo patches must already be in place then.
+    This patch is config-free, so the switch leaves it (running here) installed.
+    """
+
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> Any:  # noqa: N807 - replaces __post_init__
+        if self.fsdp:
+            _adopt_trainer_config(self.fsdp, self.fsdp_config)
+        return original(self)
+
+    return __post_init__
+
+def _adopt_trainer_config(fsdp: Any, fsdp_config: Any) -> None:
+    """Errors name `TrainingArguments` (and the file, for a path); the session's source says
+    `TrainingArguments.fsdp_config`."""
+    name, source = "TrainingArguments", "TrainingArguments.fsdp_config"
+    if isinstance(fsdp_config, (str, os.PathLike)):
+        path = os.fspath(fsdp_config)
+        name, source = f"TrainingArguments(fsdp_config={path!r})", f"{source} ({path})"
+        fsdp_config = read_config_file(path)
+    trainer_cfg = load_config({"fsdp": fsdp, "fsdp_config": dict(fsdp_config or {})}, name=name)
+    session = registry.active()
+    if session is None or session.config == trainer_cfg:
+        return
+    if accelerator_state_exists():  # a second TrainingArguments (a framework's copy, an eval run) mid-run
+        if is_rank0():
+            logger.warning("%s differs from the active config (%s), but an Accelerator already runs with that "
+                           "one: keeping it. Pass the same fsdp_config to every TrainingArguments.", source,
+                           session.source)  # fmt: skip
+        return
+    log_active(registry.switch(integrations.plan_for(dataclasses.replace(trainer_cfg, source=source), source,
+                                        LaunchContext.from_environ())))
+
+def _always(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return True
+
+def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
+    """The transformers functions the no-read load (every strategy) swaps while `from_pretrained` runs."""
+    from fsdp_offload_cfg.compat.checkpoint_reading import swap_targets
+
+    return swap_targets()
+
+
+_REQUIRES = ("torch", "transformers")
+PATCHES = [
+    Patch("rank0-from-pretrained", "transformers.modeling_utils", "PreTrainedModel.from_pretrained",
+          build_from_pretrained, loader_enabled, _REQUIRES,
+          "every rank builds on meta; each reads its own slices, or rank 0 sends them (load_strategy)",
+          swaps=_sharded_read_swaps),
+    Patch("rank0-from-config", "transformers.modeling_utils", "PreTrainedModel._from_config",
+          build_from_config, loader_enabled, _REQUIRES, "rank 0 initialises from config; other ranks build on meta"),
+    Patch("resize-token-embeddings", "transformers.modeling_utils", "PreTrainedModel.resize_token_embeddings",
+          build_resize_token_embeddings, loader_enabled, _REQUIRES,
+          "resizing a loader-built model's embeddings: the shape on every rank, the values from rank 0"),
+    Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",
+          build_training_args_post_init, _always, _REQUIRES,
+          "validate the Trainer's fsdp_config and apply its plugin keys", config_free=True),
+]
