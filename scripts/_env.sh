@@ -6,6 +6,9 @@
 #   newest (default)  the newest releases in the supported range   .venv
 #   oldest            transformers 4.57.6 + accelerate 1.10.1        .venv-oldest
 #   axolotl           transformers 5.16.1 + accelerate 1.13.0        .venv-axolotl
+#   clients           what `pip install llamafactory==0.9.5` resolves  .venv-clients
+#                     (transformers 5.6.0 + accelerate 1.11.0, trl 0.24, peft 0.18): its CLI, run
+#                     through `fsdp-offload-cfg run` (tests/clients)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LEG="${LEG:-newest}"
@@ -13,7 +16,8 @@ case "$LEG" in
   newest)  PAIR=() ;;
   oldest)  PAIR=("transformers==4.57.6" "accelerate==1.10.1") ;;
   axolotl) PAIR=("transformers==5.16.1" "accelerate==1.13.0") ;;
-  *) echo "unknown LEG=$LEG (newest, oldest, axolotl)" >&2; exit 2 ;;
+  clients) PAIR=("transformers==5.6.0" "accelerate==1.11.0" "trl==0.24.0" "peft==0.18.1") ;;
+  *) echo "unknown LEG=$LEG (newest, oldest, axolotl, clients)" >&2; exit 2 ;;
 esac
 if [ "$LEG" = newest ]; then DEFAULT_VENV="$ROOT/.venv"; else DEFAULT_VENV="$ROOT/.venv-$LEG"; fi
 VENV="${FSDP_OFFLOAD_CFG_VENV:-$DEFAULT_VENV}"
@@ -23,7 +27,20 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-if ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl" >/dev/null 2>&1; then
+if [ "$LEG" = clients ]; then
+  if ! python -c "import fsdp_offload_cfg, pytest, llamafactory" >/dev/null 2>&1; then
+    echo "[setup] installing llamafactory==0.9.5 with torch (CPU build), then fsdp-offload-cfg"
+    python -m pip install -q --upgrade pip
+    # one command: alone, llamafactory's torchvision pin would replace the CPU torch with a CUDA build
+    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "llamafactory==0.9.5"
+    # PyPI's torchvision/torchaudio are CUDA builds that cannot load beside the CPU torch:
+    # transformers imports torchvision when present; llamafactory imports torchaudio, which loads
+    # in pure-Python mode without its compiled libraries
+    python -m pip uninstall -q -y torchvision || true
+    rm -f "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/torchaudio/lib/*.so
+    python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+  fi
+elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl" >/dev/null 2>&1; then
   echo "[setup] installing torch (CPU build), ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
   python -m pip install -q --upgrade pip
   python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" ${PAIR[@]+"${PAIR[@]}"}

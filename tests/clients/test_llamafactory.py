@@ -1,0 +1,155 @@
+"""LlamaFactory's own CLI (`llamafactory-cli train`), run through `fsdp-offload-cfg run` with no
+code of ours in between, on 2 gloo CPU ranks (`FORCE_TORCHRUN=1`): the `clients` CI leg, where
+`pip install llamafactory==0.9.5` chose the versions (transformers 5.6, accelerate 1.11, trl
+0.24). Skipped where LlamaFactory is not installed (the other legs).
+
+Against the same run with the plugin's loader and offload off: SFT under auto (with offload),
+broadcast and sharded saves bit-equal weights; DPO (policy and a reference model LlamaFactory
+prepares itself) starts and trains with TRL imported after the plugin (it failed at import while
+`patch()` imported TRL first); the lines that prove the plugin is on are there; a typo stops every
+rank with status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llamafactory")
+
+BIN = Path(sys.executable).parent
+CONFIG = """\
+model_name_or_path: {model}
+stage: {stage}
+do_train: true
+finetuning_type: full
+dataset: {dataset}
+dataset_dir: {data}
+template: default
+cutoff_len: 64
+overwrite_cache: true
+preprocessing_num_workers: 1
+output_dir: {out}
+overwrite_output_dir: true
+logging_steps: 1
+per_device_train_batch_size: 2
+learning_rate: 1.0e-3
+max_steps: 4
+lr_scheduler_type: constant
+seed: 0
+report_to: none
+save_strategy: "no"
+use_cpu: true
+fsdp: "full_shard auto_wrap"
+fsdp_config:
+  fsdp_version: 2
+  fsdp_transformer_layer_cls_to_wrap: ["LlamaDecoderLayer"]
+{plugin}"""
+PLUGIN = {
+    "baseline": "  fsdp_cpu_ram_efficient_loading: false\n",
+    "auto_offload": "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_activation_cpu_offload: true\n",
+    "broadcast": "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_load_strategy: broadcast\n",
+    "sharded": "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_load_strategy: sharded\n",
+    "typo": "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_activaton_cpu_offload: true\n",
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a character-level tokenizer, an SFT and a preference data set."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("llamafactory")
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + list(string.ascii_letters + string.digits + string.punctuation + " \n"))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(root / "model")
+    data = root / "data"
+    data.mkdir()
+    counts = [(f"Count to {n}.", " ".join(str(i) for i in range(1, n + 1))) for n in range(1, 41)]
+    (data / "count.json").write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in counts]))
+    (data / "pairs.json").write_text(json.dumps(
+        [{"instruction": q, "input": "", "chosen": a, "rejected": "no"} for q, a in counts]))
+    (data / "dataset_info.json").write_text(json.dumps({
+        "count": {"file_name": "count.json"},
+        "pairs": {"file_name": "pairs.json", "ranking": True,
+                  "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}},
+    }))  # fmt: skip
+    return root
+
+
+def _train(files: Path, variant: str, stage: str = "sft") -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = files / f"out_{stage}_{variant}"
+    shutil.rmtree(out, ignore_errors=True)
+    config = files / f"{stage}_{variant}.yaml"
+    config.write_text(CONFIG.format(model=files / "model", stage=stage, data=files / "data", out=out,
+                                    dataset="pairs" if stage == "dpo" else "count", plugin=PLUGIN[variant]))
+    from _dist import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               OMP_NUM_THREADS="1", FORCE_TORCHRUN="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
+               CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    proc = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", "llamafactory-cli", "train", str(config)],
+                          capture_output=True, text=True, timeout=420, env=env, cwd=files)
+    return proc, out
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def baseline(files: Path) -> dict:
+    proc, out = _train(files, "baseline")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _weights(out)
+
+
+@pytest.mark.parametrize("variant", ["auto_offload", "broadcast", "sharded"])
+def test_sft_saves_what_the_run_without_the_loader_saves(files: Path, baseline: dict, variant: str):
+    import torch
+
+    proc, out = _train(files, variant)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    weights = _weights(out)
+    assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
+    strategy = "auto" if variant == "auto_offload" else variant
+    offload = "on" if variant == "auto_offload" else "off"
+    assert (f"[fsdp_offload_cfg rank 0] config from TrainingArguments.fsdp_config (FSDP2, meta loading: {strategy}, "
+            f"activation offload: {offload})") in proc.stderr, proc.stderr[-3000:]
+    if variant == "auto_offload":
+        assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr
+
+
+def test_dpo_starts_with_trl_imported_after_the_plugin(files: Path):
+    proc, out = _train(files, "auto_offload", stage="dpo")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "mergekit" not in proc.stderr and (out / "model.safetensors").exists()
+    assert "meta loading: auto, activation offload: on" in proc.stderr
+
+
+def test_a_typo_stops_every_rank_with_status_1(files: Path):
+    proc, _ = _train(files, "typo")
+    assert proc.returncode != 0
+    assert "activaton_cpu_offload" in proc.stderr and "did you mean" in proc.stderr, proc.stderr[-3000:]
+    assert "'loss'" not in proc.stdout + proc.stderr  # nothing trained
