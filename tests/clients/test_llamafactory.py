@@ -4,7 +4,8 @@ code of ours in between, on 2 gloo CPU ranks (`FORCE_TORCHRUN=1`): the `clients`
 0.24). Skipped where LlamaFactory is not installed (the other legs).
 
 Against the same run with the plugin's loader and offload off: SFT under auto (with offload),
-broadcast and sharded saves bit-equal weights; DPO (policy and a reference model LlamaFactory
+broadcast and sharded saves bit-equal weights, and so does LoRA with DoRA and new tokens under
+sharded; DPO (policy and a reference model LlamaFactory
 prepares itself) starts and trains with TRL imported after the plugin (it failed at import while
 `patch()` imported TRL first); the lines that prove the plugin is on are there; a typo stops every
 rank with status 1.
@@ -32,7 +33,7 @@ do_train: true
 finetuning_type: full
 dataset: {dataset}
 dataset_dir: {data}
-template: default
+{adapter}template: default
 cutoff_len: 64
 overwrite_cache: true
 preprocessing_num_workers: 1
@@ -95,12 +96,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _train(files: Path, variant: str, stage: str = "sft") -> tuple[subprocess.CompletedProcess[str], Path]:
-    out = files / f"out_{stage}_{variant}"
+# LoRA with DoRA, and two new special tokens (LlamaFactory resizes the embeddings, initialises the
+# new rows from the old ones' mean with noise, and trains embed_tokens and lm_head as modules_to_save)
+LORA = ("finetuning_type: lora\nlora_target: q_proj,v_proj\nlora_rank: 4\nuse_dora: true\n"
+        "add_special_tokens: \"<tool>,<think>\"\nresize_vocab: true\n")
+
+
+def _train(files: Path, variant: str, stage: str = "sft", lora: bool = False) -> tuple[subprocess.CompletedProcess[str],
+                                                                                       Path]:
+    out = files / f"out_{stage}_{variant}{'_lora' if lora else ''}"
     shutil.rmtree(out, ignore_errors=True)
-    config = files / f"{stage}_{variant}.yaml"
-    config.write_text(CONFIG.format(model=files / "model", stage=stage, data=files / "data", out=out,
-                                    dataset="pairs" if stage == "dpo" else "count", plugin=PLUGIN[variant]))
+    config = files / f"{stage}_{variant}{'_lora' if lora else ''}.yaml"
+    text = CONFIG.format(model=files / "model", stage=stage, data=files / "data", out=out, adapter=LORA if lora else "",
+                         dataset="pairs" if stage == "dpo" else "count", plugin=PLUGIN[variant])
+    config.write_text(text.replace("finetuning_type: full\n", "") if lora else text)
     from _dist import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
@@ -112,10 +121,10 @@ def _train(files: Path, variant: str, stage: str = "sft") -> tuple[subprocess.Co
     return proc, out
 
 
-def _weights(out: Path) -> dict:
+def _weights(out: Path, name: str = "model.safetensors") -> dict:
     from safetensors.torch import load_file
 
-    return load_file(out / "model.safetensors")
+    return load_file(out / name)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +148,19 @@ def test_sft_saves_what_the_run_without_the_loader_saves(files: Path, baseline: 
             f"activation offload: {offload})") in proc.stderr, proc.stderr[-3000:]
     if variant == "auto_offload":
         assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr
+
+
+def test_lora_with_dora_and_new_tokens_under_sharded_saves_the_baselines_adapter(files: Path):
+    """Issue 28: PEFT's adapters on a meta base, DoRA's magnitude from the base weights, and new
+    tokens resized and initialised from the old embeddings, all before prepare."""
+    import torch
+
+    runs = {variant: _train(files, variant, lora=True) for variant in ("baseline", "sharded")}
+    for proc, _ in runs.values():
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    plain, ours = (_weights(out, "adapter_model.safetensors") for _, out in runs.values())
+    assert any("lora_magnitude_vector" in k for k in plain) and any("embed_tokens" in k for k in plain)
+    assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in plain)
 
 
 def test_dpo_starts_with_trl_imported_after_the_plugin(files: Path):
