@@ -25,6 +25,7 @@ ADAPTERS = {
     "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1},
     "lora_gaussian": {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": "gaussian"},
     "dora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": True},
+    "pissa": {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa"},
 }
 STEPS = 3
 
@@ -53,11 +54,11 @@ def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: li
     for name in adapters:
         accelerator = Accelerator()
         torch.manual_seed(7)  # one seed on every rank, as a training script sets it
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**ADAPTERS[name]))
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         try:
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**ADAPTERS[name]))
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
             model, optimizer = accelerator.prepare(model, optimizer)
-        except RuntimeError as exc:
+        except (RuntimeError, NotImplementedError) as exc:
             out[name] = {"error": str(exc)}
             continue
         state = accelerator.get_state_dict(model)
@@ -93,6 +94,17 @@ def test_adapters_and_losses_equal_the_run_without_the_loader(runs: dict[str, An
     assert plain["prepared"], "no adapter tensors were compared"
     assert ours["prepared"] == plain["prepared"], "adapters after prepare differ"
     assert ours["trained"] == plain["trained"], "trained adapters differ"
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "sharded"])
+def test_an_init_computed_from_the_base_is_refused_on_every_rank_naming_it(runs: dict[str, Any], mode: str):
+    """PiSSA computes the adapter from the SVD of the base weights before PEFT places it: on a
+    meta base that failed inside PEFT on the other ranks only (rank 0 then waited in prepare)."""
+    assert runs["loader_off"][0]["pissa"]["losses"], "PiSSA trains without the loader"
+    for rank in (0, 1):
+        error = runs[mode][rank]["pissa"].get("error", "")
+        assert "init_lora_weights='pissa' computes the adapter from the base weights" in error, (rank, error)
+        assert "fsdp_cpu_ram_efficient_loading: false" in error
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "sharded"])

@@ -16,11 +16,13 @@ behind `get_peft_model`, `add_adapter` and `load_adapter` of every tuner type), 
 mode turns a move of a real tensor to `meta` into a no-op (a dtype cast still happens). One
 interception point for all tuners, instead of each tuner's own move.
 
-What needs the base weights cannot be had on meta: DoRA's magnitude (a norm of the base rows),
-inits computed from them (PiSSA, OLoRA, LoftQ, ...) and `modules_to_save` copies. For such an
-adapter rank 0 first reads the base model whole from the checkpoint files (the copy a plain load
-holds, under either strategy), so PEFT computes it from real weights there; the other ranks
-compute it on meta and receive rank 0's at prepare.
+What needs the base weights cannot be had on meta: DoRA's magnitude (a norm of the base rows)
+and `modules_to_save` copies. For such an adapter rank 0 first reads the base model whole from
+the checkpoint files (the copy a plain load holds, under either strategy), so PEFT computes it
+from real weights there; the other ranks compute it on meta and receive rank 0's at prepare.
+Inits PEFT computes from the base weights before it places the adapter (PiSSA, OLoRA, LoftQ,
+CorDA, ...) fail inside PEFT on a meta base: every rank refuses them at `get_peft_model`, naming
+the init and what works.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def build_inject_adapter(original: Callable[..., Any], cfg: Any) -> Callable[...
         if not any(p.is_meta for p in model.parameters()):
             return original(self, model, adapter_name, *args, **kwargs)
         if _needs_base_weights(config):
+            _refuse_init_computed_before_placement(config, adapter_name)
             _read_whole_on_rank0(model, adapter_name)
             return original(self, model, adapter_name, *args, **kwargs)
         with _KeepOffMeta():
@@ -74,6 +77,24 @@ def _needs_base_weights(config: Any) -> bool:
     base modules): the adapter's values come from base weights."""
     return (bool(getattr(config, "use_dora", False)) or bool(getattr(config, "modules_to_save", None))
             or getattr(config, "init_lora_weights", True) not in _INITS_DRAWN_ALONE)
+
+
+def _refuse_init_computed_before_placement(config: Any, adapter_name: str) -> None:
+    """PiSSA, OLoRA, LoftQ, CorDA, ... compute the adapter from the base weights *before* PEFT
+    places it (DoRA's magnitude comes after, on meta where the base is): on a rank whose base is on
+    meta that fails inside PEFT. Every rank refuses alike, at `get_peft_model`, before any collective."""
+    import torch.distributed as dist
+
+    from fsdp_offload_cfg.loading._sync import distributed_ready
+
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init not in _INITS_DRAWN_ALONE and distributed_ready():
+        raise NotImplementedError(
+            f"PEFT adapter {adapter_name!r}: init_lora_weights={init!r} computes the adapter from the base "
+            f"weights, which rank {dist.get_rank()} and the others do not hold before prepare under the loader's "
+            "meta loading. For this run set fsdp_cpu_ram_efficient_loading: false (every rank loads the model "
+            "whole), or initialise such adapters after prepare."
+        )
 
 
 def _read_whole_on_rank0(model: nn.Module, adapter_name: str) -> None:
