@@ -41,30 +41,34 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_llama(str(tmp_path_factory.mktemp("zero_code") / "llama"))
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env(probe_dir: Path | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", SWITCH))}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **extra)
+    if probe_dir is not None:
+        probe_dir.mkdir(exist_ok=True)
+        env["PROBE_DIR"] = str(probe_dir)
     return env
 
 
-def _results(proc: subprocess.CompletedProcess[str]) -> list[dict]:
-    lines = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
-    return sorted(lines, key=lambda r: r["rank"])
+def _results(probe_dir: Path) -> list[dict]:
+    """What each rank of the probe wrote (nothing for a rank that never got there)."""
+    return [json.loads(p.read_text()) for p in sorted(probe_dir.glob("rank*.json"))]
 
 
-def _launch(config: Path, checkpoint: str, *prefix: str) -> subprocess.CompletedProcess[str]:
+def _launch(config: Path, checkpoint: str, probe_dir: Path, *prefix: str) -> subprocess.CompletedProcess[str]:
     command = [*prefix, str(BIN / "accelerate"), "launch", "--config_file", str(config),
                "--main_process_port", str(free_port()), str(PROBE), checkpoint]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env())
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env(probe_dir))
 
 
 @pytest.mark.distributed
 def test_run_turns_the_plugin_on_in_an_unmodified_script(tmp_path: Path, checkpoint: str):
     config = tmp_path / "fsdp2.yaml"
     config.write_text(YAML.format(extra=""))
-    stock = _results(_launch(config, checkpoint))  # the same launch without the plugin
-    proc = _launch(config, checkpoint, str(BIN / "fsdp-offload-cfg"), "run", "--")
-    ours = _results(proc)
+    _launch(config, checkpoint, tmp_path / "stock")  # the same launch without the plugin
+    stock = _results(tmp_path / "stock")
+    proc = _launch(config, checkpoint, tmp_path / "ours", str(BIN / "fsdp-offload-cfg"), "run", "--")
+    ours = _results(tmp_path / "ours")
     assert [r["rank"] for r in ours] == [0, 1], proc.stdout[-2000:] + proc.stderr[-3000:]
     for r in ours:
         assert r["patched"] and r["sharded"] and r["offloaded_bytes"] > 0, r
@@ -83,8 +87,8 @@ def test_run_with_config_under_torchrun(tmp_path: Path, checkpoint: str):
     command = [str(BIN / "fsdp-offload-cfg"), "run", "--config", str(config), "--", sys.executable, "-m",
                "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(PROBE),
                checkpoint]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env())
-    results = _results(proc)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env(tmp_path / "probe"))
+    results = _results(tmp_path / "probe")
     assert len(results) == 2 and all(r["patched"] and r["sharded"] for r in results), proc.stderr[-3000:]
     assert f"config from $FSDP_OFFLOAD_CFG={config}" in proc.stderr
 
@@ -93,8 +97,8 @@ def test_run_with_config_under_torchrun(tmp_path: Path, checkpoint: str):
 def test_a_typo_stops_every_rank_with_status_1_naming_the_key(tmp_path: Path, checkpoint: str):
     config = tmp_path / "typo.yaml"
     config.write_text(YAML.format(extra="  fsdp_activaton_cpu_offload: true\n"))
-    proc = _launch(config, checkpoint, str(BIN / "fsdp-offload-cfg"), "run", "--")
-    assert proc.returncode != 0 and _results(proc) == [], proc.stdout[-2000:]
+    proc = _launch(config, checkpoint, tmp_path / "probe", str(BIN / "fsdp-offload-cfg"), "run", "--")
+    assert proc.returncode != 0 and _results(tmp_path / "probe") == [], proc.stdout[-2000:]
     for rank in (0, 1):
         assert f"[fsdp_offload_cfg rank {rank}] invalid config, stopping before anything runs" in proc.stderr
     assert "activaton_cpu_offload" in proc.stderr and "did you mean" in proc.stderr

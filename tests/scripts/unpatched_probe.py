@@ -1,9 +1,11 @@
 """A training script with no line of fsdp_offload_cfg in it (what a framework CLI runs): load,
-prepare, one step; prints `RESULT {json}` per rank with what the zero-code tests assert on."""
+prepare, one step; writes `$PROBE_DIR/rank<N>.json` with what the zero-code tests assert on (one
+file per rank: launchers interleave the ranks' stdout)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -22,12 +24,14 @@ optimizer.step()
 plugin = sys.modules.get("fsdp_offload_cfg")  # imported by the zero-code entry, not by this script
 config = plugin.active_config() if plugin is not None else None
 stats = plugin.offload_stats() if plugin is not None else {}
-print("RESULT " + json.dumps({
+result = {
     "rank": accelerator.process_index,
     "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
     "patched": config is not None,
     "offloaded_bytes": stats.get("offloaded_bytes", 0),
     "loss": loss.item(),
-}), flush=True)
+}
+with open(os.path.join(os.environ["PROBE_DIR"], f"rank{result['rank']}.json"), "w") as f:
+    json.dump(result, f)
 accelerator.wait_for_everyone()
 accelerator.end_training()
