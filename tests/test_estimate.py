@@ -195,11 +195,11 @@ def _inputs(**changes: object) -> LoadingInputs:
 
 def test_loading_peaks_follow_the_measured_shape_of_each_strategy():
     """The shape `benchmarks/load_memory.py` measured (docs/benchmarks.md): broadcast rank 0 streams
-    from the files, holding its shard, 3 buckets and the region being read; the others a
+    from the files, holding its shard and 3 parts (one more to convert in); the others a
     shard and a bucket; sharded, a shard each; auto is sharded. A checkpoint that cannot be read
     slice by slice makes rank 0 hold the mapped checkpoint (and a converted copy on top)."""
-    assert peak("broadcast", _inputs()) == (500 + 30 + 10, 510)
-    assert peak("broadcast", _inputs(converting=True)) == (500 + 30 + 20, 510)
+    assert peak("broadcast", _inputs()) == (500 + 30, 510)
+    assert peak("broadcast", _inputs(converting=True)) == (500 + 30 + 10, 510)
     assert peak("sharded", _inputs()) == peak("auto", _inputs()) == (500, 500)
     assert peak("sharded", _inputs(converting=True)) == (510, 510)
     assert peak("plain", _inputs()) == (1500, 1500)
@@ -208,6 +208,9 @@ def test_loading_peaks_follow_the_measured_shape_of_each_strategy():
     assert peak("broadcast", _inputs(sliceable=False, checkpoint_bytes=500, converting=True)).rank0 == 1500
     assert peak("broadcast", _inputs(sliceable=False, shards_on_host=False)) == (1000, 0)
     assert peak("broadcast", _inputs(shards_on_host=False)) == (10, 0)  # the region read on the host
+    mib = 2**20  # a scatter sends one bucket for all ranks: 4 ranks get a quarter each
+    big = _inputs(bucket_bytes=64 * mib, shard_bytes=1000 * mib, checkpoint_bytes=4000 * mib, world=4)
+    assert peak("broadcast", big) == (1000 * mib + 16 * mib * 5, 1000 * mib + 16 * mib)
 
 
 def test_loading_follows_the_configs_strategy(models: dict[str, str]):

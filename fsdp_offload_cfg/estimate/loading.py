@@ -5,9 +5,11 @@ The model of each strategy follows what the loader does (`loading/broadcast.py`,
 
 - broadcast, where the checkpoint can be read slice by slice (safetensors): rank 0 builds on meta
   like the others and, at prepare, reads each rank's region of each tensor while it sends it
-  (`pread`, nothing mapped): it holds its shard, one send bucket per rank and a receive bucket,
-  plus the one region being read (on the host even when the shards live on the device; twice
-  when it is converted). Every other rank holds its shard and one receive bucket.
+  (`pread`, nothing mapped): it holds its shard, the send buffers of one scatter (one bucket for
+  all ranks together: each rank's part is the bucket divided by the ranks) and its own receive
+  part; regions are read straight into the send buffers, or through one reused host staging
+  buffer of one part when they are converted or the buffers are on the device. Every other rank
+  holds its shard and one receive part.
 - broadcast of a checkpoint that cannot be read slice by slice (`.bin`): rank 0 runs
   `from_pretrained` on the CPU. A checkpoint already in the load dtype is memory-mapped, so its
   pages count in rank 0's RSS (F) and stay mapped until the load ends; a checkpoint in another
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 STRATEGIES = ("auto", "broadcast", "sharded")
+MIN_PART_BYTES = 2**20  # as `loading.prepare`: a scatter's part per rank is the bucket / ranks, at least this
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,8 @@ class LoadingPeak(NamedTuple):
 def peak(strategy: str, x: LoadingInputs) -> LoadingPeak:
     """Peak host bytes above a rank's baseline for `strategy` ("broadcast", "sharded", "plain")."""
     shard = x.shard_bytes if x.shards_on_host else 0
-    staging = min(x.bucket_bytes, x.shard_bytes) if x.shards_on_host else 0  # broadcast's buckets
+    part = min(x.bucket_bytes, max(x.bucket_bytes // x.world, MIN_PART_BYTES))  # one rank's part of a scatter
+    staging = min(part, x.shard_bytes) if x.shards_on_host else 0  # broadcast's buckets
     full = x.checkpoint_bytes + (x.loaded_bytes if x.converting else 0)
     if strategy == "auto":
         strategy = "sharded" if x.sliceable else "broadcast"
@@ -59,8 +63,9 @@ def peak(strategy: str, x: LoadingInputs) -> LoadingPeak:
         every = shard + (block if x.converting or not x.shards_on_host else 0)
         return LoadingPeak(every, every)
     if strategy in ("broadcast", "sharded") and x.sliceable:  # rank 0 streams from the files
-        # one rank's region at a time is read into host memory (and converted: a second copy)
-        region = min(x.bucket_bytes, x.shard_bytes) * (2 if x.converting else 1)
+        # a region is read straight into the send buffer, unless it is converted or the buffers are
+        # on the device: then through one reused host staging buffer of one part
+        region = min(part, x.shard_bytes) if x.converting or not x.shards_on_host else 0
         return LoadingPeak(shard + staging * (x.world + 1) + region, shard + staging)
     if strategy in ("broadcast", "sharded"):  # rank 0 loads whole
         sending = (x.loaded_bytes if x.converting else x.checkpoint_bytes + shard) + staging * (x.world + 1)

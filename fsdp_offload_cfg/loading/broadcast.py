@@ -95,9 +95,13 @@ def _pack(bucket: list[Target], source: dict[str, torch.Tensor], buffers: list[t
     offsets = [_offsets(bucket, rank)[0] for rank in range(len(buffers))]
     for i, t in enumerate(bucket):
         full = source[t.spec.name]
+        read_into = getattr(full, "read_into", None)  # a file slice (streamed broadcast) reads in place
         for rank, buffer in enumerate(buffers):
-            piece = _as_bytes(full[t.regions[rank]])
-            buffer[offsets[rank][i] : offsets[rank][i] + piece.numel()].copy_(piece)
+            dest = buffer[offsets[rank][i] : offsets[rank][i] + t.nbytes_on(rank)]
+            if read_into is not None:
+                read_into(t.regions[rank], dest)
+            else:
+                dest.copy_(_as_bytes(full[t.regions[rank]]))
     for t in bucket:
         if t.last:
             del source[t.spec.name]  # rank 0's last reference

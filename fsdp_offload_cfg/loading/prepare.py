@@ -58,7 +58,11 @@ from fsdp_offload_cfg.loading.spec import (
 
 logger = logging.getLogger("fsdp_offload_cfg.loading")
 
-DEFAULT_BUCKET_BYTES = 32 * 2**20  # per rank and scatter; rank 0 packs world_size times this
+# Staging per load: what a rank reads at once, and what rank 0 packs for one scatter for all ranks
+# together (each rank's part is this divided by the number of ranks), so rank 0 holds its shard
+# plus about one bucket (and one region read from the files), never one bucket per rank.
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+_MIN_PART_BYTES = 2**20  # below this per rank, scatters get too many to be worth it
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,8 @@ def load_into_sharded(
     read_stats = agreed("reading this rank's shards from the checkpoint",
                         lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
     from_rank0 = [t for t in targets if t.spec.name not in sources.names()]
-    stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=bucket_bytes)
+    part = min(bucket_bytes, max(bucket_bytes // world, _MIN_PART_BYTES))
+    stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=part)
     _log(stats, read_stats, world)
     # 6. nothing left on meta, every name, dtype and tie as rank 0 described it
     agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
@@ -209,7 +214,8 @@ def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str],
             named: dict[str, Any] = {
                 n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()] if n in wanted}
             dtypes = {t.name: t.dtype for t in spec.tensors}
-            named.update({n: sharded.FileSlice(where, dtypes[n]) for n, where in streamed.items() if n in named})
+            staging = sharded.ReadStaging()
+            named.update({n: sharded.FileSlice(where, dtypes[n], staging) for n, where in streamed.items() if n in named})
             left = sorted(n for n, t in named.items() if getattr(t, "is_meta", False))
             if left:
                 hint = " (not in the checkpoint record either)" if skip else ""

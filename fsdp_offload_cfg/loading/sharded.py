@@ -163,14 +163,47 @@ def _contiguous_range(region: Region, shape: tuple[int, ...], itemsize: int) -> 
     return start * itemsize, numel * itemsize
 
 
+class ReadStaging:
+    """One host byte buffer, grown to the largest read and reused by every read after."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
+
 class FileSlice:
     """Rank 0's stand-in for a checkpoint tensor it has not read (streamed broadcast): the
     scatter asks it for each rank's region, bucket by bucket, and gets those bytes read from the
     file, converted to `dtype` the way transformers converts (`Tensor.to`). So rank 0 never holds
     more of the checkpoint than the bucket being sent."""
 
-    def __init__(self, where: FileTensor, dtype: torch.dtype) -> None:
+    def __init__(self, where: FileTensor, dtype: torch.dtype, staging: ReadStaging | None = None) -> None:
         self.where, self.dtype, self.shape = where, dtype, torch.Size(where.shape)
+        self.staging = staging or ReadStaging()  # shared by all of rank 0's slices of one load
+
+    def read_into(self, region: Region, dest: torch.Tensor) -> None:
+        """Write `region`, in `dtype`, into the byte buffer `dest`: read straight into it when it
+        is host memory and needs no conversion (nothing allocated at all), else into the shared
+        staging buffer and converted by one `copy_` into `dest` (no per-read tensors)."""
+        where = self.where
+        byte_range = _contiguous_range(region, where.shape, where.dtype.itemsize)
+        if byte_range is None:
+            dest.copy_(self[region].contiguous().reshape(-1).view(torch.uint8))
+            return
+        shape = tuple(s.stop - s.start for s in region)
+        direct = where.dtype == self.dtype and dest.device.type == "cpu" and dest.is_contiguous()
+        raw = dest if direct else self.staging.get(byte_range[1])
+        fd = os.open(where.path, os.O_RDONLY)
+        try:
+            _pread(fd, _as_bytes(raw), where.offset + byte_range[0], where.path)
+        finally:
+            os.close(fd)
+        if not direct:
+            dest.view(self.dtype).view(shape).copy_(raw.view(where.dtype).view(shape))
 
     def __getitem__(self, region: Region) -> torch.Tensor:
         where = self.where
