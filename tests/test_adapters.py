@@ -26,6 +26,8 @@ ADAPTERS = {
     "lora_gaussian": {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": "gaussian"},
     "dora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": True},
     "pissa": {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa"},
+    "dora_bf16": {},  # the "dora" adapter on a bf16 base
+    "dora_saved": {},  # the "dora" adapter, trained a little and saved, loaded with `PeftModel.from_pretrained`
 }
 STEPS = 3
 
@@ -44,7 +46,7 @@ def _digest(t: torch.Tensor) -> str:
 
 def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: list[str]) -> dict[str, Any]:
     from accelerate import Accelerator
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     import fsdp_offload_cfg
@@ -55,7 +57,16 @@ def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: li
         accelerator = Accelerator()
         torch.manual_seed(7)  # one seed on every rank, as a training script sets it
         try:
-            model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**ADAPTERS[name]))
+            if name == "dora_saved":
+                model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), _saved_dora(path, rank),
+                                                  is_trainable=True)
+            elif name == "dora_bf16":  # a bf16 base, float32 adapters (PEFT's autocast_adapter_dtype)
+                base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+                model = get_peft_model(base, LoraConfig(**ADAPTERS["dora"]))
+            else:
+                model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**ADAPTERS[name]))
+            base = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+            on_meta_before_prepare = base.is_meta
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
             model, optimizer = accelerator.prepare(model, optimizer)
         except (RuntimeError, NotImplementedError) as exc:
@@ -72,7 +83,31 @@ def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: li
             optimizer.zero_grad()
             losses.append(loss.item())
         trained = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items() if "lora_" in k}
-        out[name] = {"prepared": prepared, "losses": losses, "trained": trained}
+        out[name] = {"prepared": prepared, "losses": losses, "trained": trained,
+                     "base_on_meta_before_prepare": on_meta_before_prepare}
+    return out
+
+
+def _saved_dora(path: str, rank: int) -> str:
+    """A trained-looking DoRA adapter (B and the magnitude away from their init), saved by a plain
+    load on this rank: what `PeftModel.from_pretrained` loads."""
+    import os
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    with fsdp_offload_cfg.local_loading():
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(**ADAPTERS["dora"]))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_magnitude_vector" in name:
+                p.add_(torch.randn(p.shape, generator=generator).to(p.dtype) * 0.1)
+    out = os.path.join(tempfile.mkdtemp(prefix=f"dora_saved_r{rank}_"), "adapter")
+    model.save_pretrained(out)
     return out
 
 
@@ -108,11 +143,23 @@ def test_an_init_computed_from_the_base_is_refused_on_every_rank_naming_it(runs:
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "sharded"])
-def test_dora_equals_the_run_without_the_loader(runs: dict[str, Any], mode: str):
-    """DoRA's magnitude is a norm of the base weights: rank 0 reads the base model whole for it
-    (under "sharded" it used to stop at prepare: no rank held the base weights)."""
+@pytest.mark.parametrize("adapter", ["dora", "dora_bf16", "dora_saved"])
+def test_dora_equals_the_run_without_the_loader(runs: dict[str, Any], mode: str, adapter: str):
+    """DoRA's magnitude is a norm of the base weights' rows: each rank computes its own rows after
+    the load (under "sharded" it used to stop at prepare: no rank held the base weights). A saved
+    DoRA adapter keeps the magnitude it was saved with (computing it from the base would differ)."""
     for rank in (0, 1):
-        assert runs[mode][rank]["dora"]["losses"] == runs["loader_off"][rank]["dora"]["losses"], rank
-    plain, ours = runs["loader_off"][0]["dora"], runs[mode][0]["dora"]
+        assert runs[mode][rank][adapter]["losses"] == runs["loader_off"][rank][adapter]["losses"], rank
+    plain, ours = runs["loader_off"][0][adapter], runs[mode][0][adapter]
     assert any("lora_magnitude_vector" in k for k in plain["prepared"])
     assert ours["prepared"] == plain["prepared"] and ours["trained"] == plain["trained"]
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "sharded"])
+def test_dora_leaves_the_base_weights_unread_on_rank_0_until_prepare(runs: dict[str, Any], mode: str):
+    """No rank reads the base model whole for DoRA (rank 0 used to: a full copy of the model on one
+    rank, the peak the loader exists to avoid)."""
+    for rank in (0, 1):
+        assert runs[mode][rank]["dora"]["base_on_meta_before_prepare"], rank
+        assert runs[mode][rank]["dora_saved"]["base_on_meta_before_prepare"], rank
+    assert not runs["loader_off"][0]["dora"]["base_on_meta_before_prepare"]

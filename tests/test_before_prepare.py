@@ -48,6 +48,24 @@ def _bf16(path: str) -> nn.Module:
     return _causal(path).to(torch.bfloat16)
 
 
+def _bf16_norms_fp32(path: str) -> nn.Module:
+    """LlamaFactory's `upcast_layernorm`: a bf16 model whose norms are kept in float32, their
+    outputs cast back to bf16 by a forward hook."""
+    model = _bf16(path)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.to(torch.float32)
+            module.register_forward_hook(lambda _m, _args, out: out.to(torch.bfloat16))
+    return model
+
+
+def _compiled(path: str) -> nn.Module:
+    """`torch.compile(model)` before prepare, as recipes with `torch_compile: true` do. The
+    aot_eager backend traces forward and backward like inductor but compiles no C++ kernels: what
+    the loader sees (the compiled wrapper around a loader-built model) is the same, in seconds."""
+    return torch.compile(_causal(path), backend="aot_eager")
+
+
 def _frozen_by_name(path: str) -> nn.Module:
     model = _causal(path)
     for name, p in model.named_parameters():
@@ -80,6 +98,8 @@ def _modules_to_save(path: str) -> nn.Module:
 CASES: dict[str, Callable[[str], nn.Module]] = {
     "classifier_head": _classifier,
     "to_bf16": _bf16,
+    "bf16_norms_fp32": _bf16_norms_fp32,
+    "compiled": _compiled,
     "frozen_by_name": _frozen_by_name,
     "input_grads_and_checkpointing": _input_grads_and_checkpointing,
     "two_adapters": _two_adapters,

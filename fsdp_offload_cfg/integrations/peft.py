@@ -1,11 +1,12 @@
-"""PEFT: adapters injected into a loader-built (meta) model keep the values PEFT drew
-(`loading/adapters.py`). Lazy: `patch()` never imports PEFT."""
+"""PEFT: adapters injected into a loader-built (meta) model keep the values PEFT drew, and a saved
+adapter loads without reading the base model (`loading/adapters.py`). Lazy: `patch()` never
+imports PEFT."""
 
 from __future__ import annotations
 
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.integrations.common import loader_enabled
-from fsdp_offload_cfg.loading.adapters import build_inject_adapter
+from fsdp_offload_cfg.loading.adapters import build_inject_adapter, build_load_adapter
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 
 
@@ -20,5 +21,9 @@ PATCHES = [
     Patch("peft-adapters-on-host", "peft.tuners.tuners_utils", "BaseTuner.inject_adapter",
           build_inject_adapter, _peft_adapters_needed, ("torch",),
           "new PEFT adapters on a meta base keep the values PEFT drew (on the host) instead of moving to meta",
+          lazy=True),
+    Patch("peft-load-adapter-keys-only", "peft.peft_model", "PeftModel.load_adapter",
+          build_load_adapter, _peft_adapters_needed, ("torch",),
+          "loading a saved adapter onto a loader-built model reads no base weight (PEFT reads state_dict() for keys)",
           lazy=True),
 ]

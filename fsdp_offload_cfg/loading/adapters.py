@@ -16,10 +16,12 @@ behind `get_peft_model`, `add_adapter` and `load_adapter` of every tuner type), 
 mode turns a move of a real tensor to `meta` into a no-op (a dtype cast still happens). One
 interception point for all tuners, instead of each tuner's own move.
 
-What needs the base weights cannot be had on meta: DoRA's magnitude (a norm of the base rows)
-and `modules_to_save` copies. For such an adapter rank 0 first reads the base model whole from
-the checkpoint files (the copy a plain load holds, under either strategy), so PEFT computes it
-from real weights there; the other ranks compute it on meta and receive rank 0's at prepare.
+DoRA's magnitude (a norm of the base weight's rows) is computed by each rank from its own rows
+after the load (`dora.py`). What needs whole base weights cannot be had on meta: `modules_to_save`
+copies, and DoRA on embeddings, convolutions or `fan_in_fan_out` layers. For such an adapter rank
+0 first reads the base model whole from the checkpoint files (the copy a plain load holds, under
+either strategy), so PEFT computes it from real weights there; the other ranks compute it on
+meta and receive rank 0's at prepare.
 Inits PEFT computes from the base weights before it places the adapter (PiSSA, OLoRA, LoftQ,
 CorDA, ...) fail inside PEFT on a meta base: every rank refuses them at `get_peft_model`, naming
 the init and what works.
@@ -36,6 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg.loading import dora
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -62,21 +65,53 @@ def build_inject_adapter(original: Callable[..., Any], cfg: Any) -> Callable[...
         config = (getattr(self, "peft_config", None) or {}).get(adapter_name)
         if not any(p.is_meta for p in model.parameters()):
             return original(self, model, adapter_name, *args, **kwargs)
-        if _needs_base_weights(config):
+        if _needs_base_weights(self, model, config):
             _refuse_init_computed_before_placement(config, adapter_name)
             _read_whole_on_rank0(model, adapter_name)
             return original(self, model, adapter_name, *args, **kwargs)
-        with _KeepOffMeta():
+        with _KeepOffMeta(), dora.defer_norms():
             return original(self, model, adapter_name, *args, **kwargs)
 
     return inject_adapter
 
 
-def _needs_base_weights(config: Any) -> bool:
-    """DoRA, a LoRA init computed from the base weight, or `modules_to_save` (trainable copies of
-    base modules): the adapter's values come from base weights."""
-    return (bool(getattr(config, "use_dora", False)) or bool(getattr(config, "modules_to_save", None))
-            or getattr(config, "init_lora_weights", True) not in _INITS_DRAWN_ALONE)
+def build_load_adapter(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
+    """PEFT's `PeftModel.load_adapter` (behind `PeftModel.from_pretrained`): it calls `state_dict()`
+    of the whole model to match the saved adapter's keys, which on a loader-built model would read
+    the base model whole from the files on every rank; only keys and shapes are used there."""
+    from fsdp_offload_cfg.loading.meta import state_dict_keys_only
+
+    @functools.wraps(original)
+    def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with state_dict_keys_only():
+            return original(self, *args, **kwargs)
+
+    return load_adapter
+
+
+def _needs_base_weights(tuner: Any, model: nn.Module, config: Any) -> bool:
+    """A LoRA init computed from the base weight, `modules_to_save` (trainable copies of base
+    modules), or DoRA on a layer whose magnitude cannot be computed from each rank's own rows
+    after the load (`dora.py`): the adapter's values come from whole base weights."""
+    return (bool(getattr(config, "modules_to_save", None))
+            or getattr(config, "init_lora_weights", True) not in _INITS_DRAWN_ALONE
+            or (bool(getattr(config, "use_dora", False)) and not _dora_rows_line_up(tuner, model, config)))
+
+
+def _dora_rows_line_up(tuner: Any, model: nn.Module, config: Any) -> bool:
+    """Every layer the DoRA config targets is a Linear one (not `fan_in_fan_out`, not an embedding
+    or a convolution): its magnitude rows are its base weight's rows."""
+    fan_in_fan_out = bool(getattr(config, "fan_in_fan_out", False))
+    if getattr(config, "target_modules", None) == "all-linear":  # PEFT's shorthand: Linear and GPT-2's Conv1D
+        return not fan_in_fan_out and not any(type(m).__name__ == "Conv1D" for m in model.modules())
+    targeted = getattr(tuner, "_check_target_module_exists", None)
+    if targeted is None:
+        return False
+    for key, module in model.named_modules():
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if key and targeted(config, key) and not dora.deferrable(base, fan_in_fan_out):
+            return False
+    return True
 
 
 def _refuse_init_computed_before_placement(config: Any, adapter_name: str) -> None:

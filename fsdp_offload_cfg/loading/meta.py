@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_offload_cfg.compat import model_init
+from fsdp_offload_cfg.loading import dora
 from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import (
     NeedsBroadcast,
@@ -55,6 +56,9 @@ logger = logging.getLogger("fsdp_offload_cfg.loading")
 SOURCE_ATTR = "_fsdp_offload_cfg_rank0_source"
 _GUARD_ATTR = "_fsdp_offload_cfg_meta_guard"  # the forward pre-hook handle of a model still on meta
 _STATE_GUARD_ATTR = "_fsdp_offload_cfg_state_guard"  # its state_dict pre-hook (fills it from the files)
+# > 0 while a library reads `state_dict()` of a loader-built model for its keys and shapes only
+# (PEFT matching a saved adapter's keys): the state_dict guard must not read the model whole then.
+_keys_only_depth = 0
 LOCAL_LOADING_HINT = (
     "If only some ranks load this model (an eval copy, a teacher or reference model that is never passed "
     "to prepare), load it inside `with fsdp_offload_cfg.local_loading():` for a full copy on the ranks "
@@ -316,8 +320,25 @@ def _mark(model: nn.Module, what: str) -> None:
     for module in model.modules():  # the model, and each part that holds a meta tensor itself
         if holds_meta(module, recurse=module is model):
             module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(fill_or_refuse)
+    def fill_unless_keys_only(module: nn.Module, *args: Any) -> None:
+        if not _keys_only_depth:
+            fill_or_refuse(module, *args)
+
     if _GUARD_ATTR in model.__dict__ and record_of(model) is not None:
-        model.__dict__[_STATE_GUARD_ATTR] = model.register_state_dict_pre_hook(fill_or_refuse)
+        model.__dict__[_STATE_GUARD_ATTR] = model.register_state_dict_pre_hook(fill_unless_keys_only)
+
+
+@contextmanager
+def state_dict_keys_only() -> Iterator[None]:
+    """Inside, `state_dict()` of a loader-built model returns its meta tensors as they are: for a
+    caller that only matches keys and shapes (PEFT loading a saved adapter calls it on the whole
+    model), where the guard would otherwise read the model whole from the files on every rank."""
+    global _keys_only_depth
+    _keys_only_depth += 1
+    try:
+        yield
+    finally:
+        _keys_only_depth -= 1
 
 
 def _fill_from_files(model: nn.Module, what: str, rank: int) -> bool:
@@ -325,9 +346,12 @@ def _fill_from_files(model: nn.Module, what: str, rank: int) -> bool:
     True when nothing is left on meta."""
     record = record_of(model)
     tensors = [*model.parameters(), *model.buffers()]
-    if record is None or any(t.is_meta and record.lookup(t) is None for t in tensors):
+    computed = dora.pending_names(model)  # DoRA magnitudes: computed from the base once it is read
+    owed = {id(model.get_parameter(n)) for n in computed}
+    if record is None or any(t.is_meta and record.lookup(t) is None and id(t) not in owed for t in tensors):
         return False
     nbytes = materialize_from_files(model)
+    dora.fill_pending(model, computed, rank=0, world_size=1)
     release_meta_guards(model, forward_only=True)  # a state_dict hook cannot remove itself while it runs
     logger.warning("rank %d uses the model made by `%s` before prepare: it read it whole from the files "
                    "(%.2f GiB, as a plain load). %s", rank, what, nbytes / 2**30, LOCAL_LOADING_HINT)  # fmt: skip

@@ -11,7 +11,8 @@
      which may also upcast trainable params to fp32);
   4. storage is allocated (params on the mesh device, or the CPU with `cpu_offload`; buffers on
      the mesh device) and rank 0 scatters each tensor's bytes, bucket by bucket, in name order,
-     each rank receiving only its own shard, rank 0 freeing each source tensor once sent;
+     each rank receiving only its own shard, rank 0 freeing each source tensor once sent; then
+     each rank computes its rows of the DoRA magnitudes from its rows of the base weights;
   5. every rank checks nothing is left on meta and ties still hold.
 Under "sharded" (a model built by `sharded_from_pretrained`), step 4 is hybrid: tensors in the
 checkpoint record are read by each rank from the files (`sharded.py`), non-persistent buffers are
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_offload_cfg.loading import sharded
+from fsdp_offload_cfg.loading import dora, sharded
 from fsdp_offload_cfg.loading._sync import (
     agreed,
     attempt,
@@ -99,20 +100,22 @@ def load_into_sharded(
         raise ValueError(f"unknown load strategy {strategy!r}; expected 'auto', 'broadcast' or 'sharded'")
     if not distributed_ready():
         release_meta_guards(model)
-        return LoadReport(shard_fn(model) or model, None, None)
+        return LoadReport(_returned_or(shard_fn(model), model), None, None)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # 1. rank 0's description; every rank checks its model against it (same call, names, shapes)
-    spec, rank0_call = _share_rank0_spec(model)
+    spec, rank0_call, computed = _share_rank0_spec(model)
     agreed("matching this rank's model with rank 0's", lambda: _match_rank0(model, spec, rank0_call, rank))
-    # 2. where each tensor comes from: this rank's checkpoint reads, or rank 0
+    # 2. where each tensor comes from: this rank's checkpoint reads, its own computation after the
+    #    load (DoRA magnitudes, `dora.py`), or rank 0
     sources = sharded.agree_sources(model, spec)
+    own = sources.names() | set(computed)
     if rank == 0 and sources.streamed:
         logger.info("rank-0 loading: rank 0 streams %d tensors from the checkpoint files (every rank reads %d "
                     "itself)", len(sources.streamed), len(sources.files))  # fmt: skip
     elif strategy == "sharded" and not sources.files and rank == 0:
         logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
-    source = _rank0_source(model, spec, skip=sources.names(), streamed=sources.streamed)
+    source = _rank0_source(model, spec, skip=own, streamed=sources.streamed)
     # 3. meta tensors tied as on rank 0, then fully_shard on meta
     sharded_model = agreed("sharding the model on meta (rebuild, shard_fn)", lambda: _shard_on_meta(model, spec, shard_fn))
     # 4. storage for this rank's shards
@@ -121,10 +124,13 @@ def load_into_sharded(
     # 5. this rank's own reads, then rank 0's scatter of the rest (its own agreements, bucket by bucket)
     read_stats = agreed("reading this rank's shards from the checkpoint",
                         lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
-    from_rank0 = [t for t in targets if t.spec.name not in sources.names()]
+    from_rank0 = [t for t in targets if t.spec.name not in own]
     part = min(bucket_bytes, max(bucket_bytes // world, _MIN_PART_BYTES))
     stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=part)
     _log(stats, read_stats, world)
+    if computed:  # the same list on every rank (rank 0's)
+        agreed("computing DoRA magnitudes from this rank's rows of the base weights",
+               lambda: dora.fill_pending(sharded_model, computed, rank, world))
     # 6. nothing left on meta, every name, dtype and tie as rank 0 described it
     agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
     return LoadReport(sharded_model, stats, read_stats)
@@ -147,7 +153,13 @@ def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None,
 
 def _shard_on_meta(model: nn.Module, spec: ModelSpec, shard_fn: Callable[[nn.Module], nn.Module | None]) -> nn.Module:
     rebuild_on_meta(model, spec)
-    return shard_fn(model) or model
+    return _returned_or(shard_fn(model), model)
+
+
+def _returned_or(returned: nn.Module | None, model: nn.Module) -> nn.Module:
+    """`shard_fn`'s result, or `model` when it returned None. Not `returned or model`: the truth
+    value of a module wrapper can raise (`torch.compile`'s `OptimizedModule` proxies `len()`)."""
+    return model if returned is None else returned
 
 
 def _allocate(model: nn.Module, spec: ModelSpec, cpu_offload: bool, rank: int,
@@ -188,16 +200,19 @@ def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> No
         )  # fmt: skip
 
 
-def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None]:
-    """Rank 0's spec, and the load call its model came from, on every rank."""
-    spec, error = None, None
+def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None, list[str]]:
+    """Rank 0's spec, the load call its model came from, and the tensors it cannot send because
+    each rank computes them after the load (DoRA magnitudes), on every rank."""
+    described, error = None, None
     if dist.get_rank() == 0:
-        spec, error = attempt(lambda: describe(model))
+        described, error = attempt(lambda: (describe(model), dora.pending_names(model)))
     call = getattr(model, CALL_ATTR, None) if dist.get_rank() == 0 else None
-    message, spec, call = broadcast_from_rank0((describe_error(error) if error is not None else None, spec, call))
+    message, described, call = broadcast_from_rank0(
+        (describe_error(error) if error is not None else None, described, call))
     if message is not None:
         raise RuntimeError(f"rank 0 cannot describe its model: {message}") from error
-    return spec, call
+    spec, computed = described
+    return spec, call, computed
 
 
 def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str],
