@@ -9,6 +9,9 @@
 #   clients           what `pip install llamafactory==0.9.5` resolves  .venv-clients
 #                     (transformers 5.6.0 + accelerate 1.11.0, trl 0.24, peft 0.18): its CLI, run
 #                     through `fsdp-offload-cfg run` (tests/clients)
+#   swift             what `pip install ms-swift==4.6.0` resolves       .venv-swift
+#                     (transformers 5.19.0 + accelerate 1.15.0, trl 0.29.1, peft 0.20.0): `swift sft`
+#                     through `fsdp-offload-cfg run` (tests/clients)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LEG="${LEG:-newest}"
@@ -17,7 +20,8 @@ case "$LEG" in
   oldest)  PAIR=("transformers==4.57.6" "accelerate==1.10.1") ;;
   axolotl) PAIR=("transformers==5.16.1" "accelerate==1.13.0") ;;
   clients) PAIR=("transformers==5.6.0" "accelerate==1.11.0" "trl==0.24.0" "peft==0.18.1") ;;
-  *) echo "unknown LEG=$LEG (newest, oldest, axolotl, clients)" >&2; exit 2 ;;
+  swift)   PAIR=("transformers==5.19.0" "accelerate==1.15.0" "trl==0.29.1" "peft==0.20.0") ;;
+  *) echo "unknown LEG=$LEG (newest, oldest, axolotl, clients, swift)" >&2; exit 2 ;;
 esac
 if [ "$LEG" = newest ]; then DEFAULT_VENV="$ROOT/.venv"; else DEFAULT_VENV="$ROOT/.venv-$LEG"; fi
 VENV="${FSDP_OFFLOAD_CFG_VENV:-$DEFAULT_VENV}"
@@ -38,6 +42,13 @@ if [ "$LEG" = clients ]; then
     # in pure-Python mode without its compiled libraries
     python -m pip uninstall -q -y torchvision || true
     rm -f "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/torchaudio/lib/*.so
+    python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+  fi
+elif [ "$LEG" = swift ]; then
+  if ! python -c "import fsdp_offload_cfg, pytest, swift" >/dev/null 2>&1; then
+    echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
+    python -m pip install -q --upgrade pip
+    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "ms-swift==4.6.0"
     python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl" >/dev/null 2>&1; then

@@ -262,6 +262,34 @@ def test_llama_bit_identical_with_and_without_checkpointing(mode: str, ac) -> No
     assert s["resident_bytes"] == 0
 
 
+@pytest.mark.parametrize("moves", [True, False])
+def test_the_end_of_run_line_says_what_moved_or_that_nothing_did(moves: bool) -> None:
+    """An offload that is on and moves nothing (under ms-swift's default gradient checkpointing the
+    layers saved nothing it could move) now says so at the end of the run, with the usual causes;
+    before, the line was left out and the run looked offloaded. Here every saved tensor is below
+    `min_tensor_bytes`."""
+    import logging
+
+    from fsdp_offload_cfg.offload.stats import describe_moved
+
+    model = tiny_llama(3)
+    enable_activation_offload(model, ActivationOffloadConfig(enabled=True, min_tensor_bytes=1024 if moves else 2**40))
+    llama_step(model, batch())
+    level, line = describe_moved(offload_stats())
+    if moves:
+        assert level == logging.INFO and line.startswith("activation offload moved ") and "GiB to the host" in line
+    else:
+        assert offload_stats()["offloaded_bytes"] == 0 and offload_stats()["groups_entered"] > 0
+        assert level == logging.WARNING and "moved nothing" in line and "small" in line, line
+        assert "gradient checkpointing" in line
+
+
+def test_the_end_of_run_line_is_silent_when_the_offload_never_ran() -> None:
+    from fsdp_offload_cfg.offload.stats import describe_moved
+
+    assert describe_moved(offload_stats()) is None
+
+
 class _Outer(nn.Module):
     """Checkpoint applied *around* the group: recomputation re-enters the group module's hooks."""
 

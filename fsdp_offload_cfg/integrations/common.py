@@ -85,12 +85,11 @@ def summarize_offload_at_exit() -> None:
 
     def summary() -> None:
         from fsdp_offload_cfg.offload import offload_stats
+        from fsdp_offload_cfg.offload.stats import describe_moved
 
-        stats = offload_stats()
-        if is_rank0() and stats["offloaded_bytes"] and not getattr(sys.stderr, "closed", False):
-            logger.info("activation offload moved %.2f GiB to the host (%d tensors) and %.2f GiB back; pinned host "
-                        "pool peaked at %.2f GiB", stats["offloaded_bytes"] / 2**30, stats["offloaded_tensors"],
-                        stats["reloaded_bytes"] / 2**30, stats["pinned_pool_peak_bytes"] / 2**30)  # fmt: skip
+        line = describe_moved(offload_stats())
+        if is_rank0() and line is not None and not getattr(sys.stderr, "closed", False):
+            logger.log(*line)
 
     atexit.register(summary)
 

@@ -13,7 +13,7 @@ import torch
 
 from fsdp_offload_cfg import integrations, registry
 from fsdp_offload_cfg._logging import is_rank0
-from fsdp_offload_cfg.config import FSDPOffloadConfig, load_config, read_config_file
+from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, load_config, read_config_file
 from fsdp_offload_cfg.integrations.common import (
     accelerator_state_exists,
     enable_offload,
@@ -87,10 +87,28 @@ def build_training_args_post_init(original: Callable[..., Any], cfg: FSDPOffload
     @functools.wraps(original)
     def __post_init__(self: Any) -> Any:  # noqa: N807 - replaces __post_init__
         if self.fsdp:
+            _refuse_ms_swift_offloader(self)
             _adopt_trainer_config(self.fsdp, self.fsdp_config)
         return original(self)
 
     return __post_init__
+
+
+def _refuse_ms_swift_offloader(args: Any) -> None:
+    """ms-swift's TrainingArguments turn on ms-swift's own activation offloader for the unprefixed
+    `activation_cpu_offload` in `fsdp_config` (`swift/trainers/arguments.py`), the key this plugin
+    reads too. Its hooks wrap each layer's forward inside ours, so the runtime check of
+    `offload/collisions.py` cannot see them and ours would move nothing (on a CPU machine its pinned
+    buffers crash first). Refused here, on every rank, before any model exists."""
+    fsdp_config = args.fsdp_config
+    if not type(args).__module__.startswith("swift.") or not isinstance(fsdp_config, dict):
+        return
+    if fsdp_config.get("activation_cpu_offload", False):
+        raise ConfigError(
+            "ms-swift --fsdp JSON: fsdp_config.activation_cpu_offload turns on both ms-swift's own activation "
+            "offloader (its ActivationCpuOffloadCallBack) and fsdp_offload_cfg's: two offloaders on one model, one of "
+            "which would move nothing. For this plugin's offload spell the key fsdp_activation_cpu_offload (ms-swift "
+            "leaves it alone); for ms-swift's, run without fsdp-offload-cfg.")
 
 def _adopt_trainer_config(fsdp: Any, fsdp_config: Any) -> None:
     """Errors name `TrainingArguments` (and the file, for a path); the session's source says

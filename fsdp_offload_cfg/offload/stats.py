@@ -65,6 +65,29 @@ def offload_stats() -> dict[str, Any]:
     }
 
 
+def describe_moved(stats: dict[str, Any]) -> tuple[int, str] | None:
+    """The end-of-run line about what the offload did (a logging level and the message), or None
+    when it never ran. Moving nothing while it was on is worth a warning: the user turned it on for
+    memory it is not saving (seen under ms-swift, whose default gradient checkpointing leaves the
+    layers nothing to move)."""
+    import logging
+
+    if stats["offloaded_bytes"]:
+        return logging.INFO, (
+            f"activation offload moved {stats['offloaded_bytes'] / 2**30:.2f} GiB to the host "
+            f"({stats['offloaded_tensors']} tensors) and {stats['reloaded_bytes'] / 2**30:.2f} GiB back; pinned host "
+            f"pool peaked at {stats['pinned_pool_peak_bytes'] / 2**30:.2f} GiB")
+    if not stats["groups_entered"]:
+        return None
+    kept = ", ".join(f"{reason} {n}" for reason, n in sorted(stats["kept_tensors"].items())) or "none saved"
+    return logging.WARNING, (
+        f"activation offload was on for {stats['groups_entered']} layer forwards but moved nothing (tensors kept: "
+        f"{kept}). Layers whose forward runs whole under gradient checkpointing (ms-swift's default "
+        "gradient_checkpointing, reentrant checkpointing) save nothing it could move: turn gradient checkpointing off "
+        "to offload instead (`--gradient_checkpointing false` in ms-swift), or checkpoint with "
+        "fsdp_activation_checkpointing, with which the offload composes; tensors below min_tensor_bytes stay too.")
+
+
 def reset_offload_stats() -> None:
     """Zero the cumulative counters; the peak restarts from what is resident now."""
     COUNTS.clear()

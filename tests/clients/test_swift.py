@@ -1,0 +1,139 @@
+"""ms-swift's own CLI (`swift sft`), run through `fsdp-offload-cfg run` with no code of ours in
+between, on 2 gloo CPU ranks (`NPROC_PER_NODE=2` makes ms-swift start torchrun): the `swift` CI
+leg, where `pip install ms-swift==4.6.0` chose the versions (transformers 5.19, accelerate 1.15,
+trl 0.29, peft 0.20). Skipped where ms-swift is not installed (the other legs).
+
+The plugin's config travels in ms-swift's `--fsdp` JSON (`fsdp` + `fsdp_config`, handed to the
+Trainer's arguments). Against the same run with the loader and offload off: full SFT under
+broadcast, sharded and auto + offload saves bit-equal weights, with the lines that prove the
+plugin is on; an offload left with nothing to move under ms-swift's default gradient
+checkpointing says so at the end; the unprefixed `activation_cpu_offload` (ms-swift's own key too,
+which turns its offloader on beside ours) stops every rank naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("swift")
+
+BIN = Path(sys.executable).parent
+FSDP = {"fsdp_version": 2, "fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        "state_dict_type": "FULL_STATE_DICT"}  # ms-swift refuses save_only_model with sharded state dicts
+PLUGIN = {
+    "baseline": {"fsdp_cpu_ram_efficient_loading": False},
+    "broadcast": {"fsdp_cpu_ram_efficient_loading": True, "fsdp_load_strategy": "broadcast"},
+    "sharded": {"fsdp_cpu_ram_efficient_loading": True, "fsdp_load_strategy": "sharded"},
+    "auto_offload": {"fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_cpu_offload": True},
+    "colliding_spelling": {"fsdp_cpu_ram_efficient_loading": True, "activation_cpu_offload": True},
+}
+ARGS = ["--model_type", "llama", "--template", "default", "--system", "x", "--tuner_type", "full",
+        "--max_steps", "4", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
+        "--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--seed", "0", "--save_strategy", "steps",
+        "--save_steps", "4", "--save_only_model", "true", "--add_version", "false", "--report_to", "none",
+        "--logging_steps", "1", "--max_length", "200", "--dataset_num_proc", "1", "--dataloader_num_workers", "0",
+        "--split_dataset_ratio", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a character-level tokenizer and a chat data set."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("swift")
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + list(string.ascii_letters + string.digits + string.punctuation + " \n"))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(root / "model")
+    with open(root / "data.jsonl", "w") as f:
+        for n in range(1, 41):
+            messages = [{"role": "user", "content": f"Count to {n}."},
+                        {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return root
+
+
+def _train(files: Path, variant: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    from _dist import free_port
+
+    name = variant + "".join(a.strip("-") for a in extra)
+    out = files / f"out_{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    fsdp = files / f"fsdp_{variant}.json"
+    fsdp.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {**FSDP, **PLUGIN[variant]}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               USE_HF="1", OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
+               CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    command = [str(BIN / "fsdp-offload-cfg"), "run", "--", "swift", "sft", "--model", str(files / "model"),
+               "--dataset", str(files / "data.jsonl"), "--output_dir", str(out), "--fsdp", str(fsdp), *ARGS, *extra]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=env, cwd=files)
+    return proc, out
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "checkpoint-4" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def baseline(files: Path) -> dict:
+    proc, out = _train(files, "baseline")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _weights(out)
+
+
+@pytest.mark.parametrize("variant", ["broadcast", "sharded", "auto_offload"])
+def test_sft_saves_what_the_run_without_the_loader_saves(files: Path, baseline: dict, variant: str):
+    import torch
+
+    # ms-swift checkpoints every layer by default, which leaves the offload nothing to move
+    extra = ("--gradient_checkpointing", "false") if variant == "auto_offload" else ()
+    proc, out = _train(files, variant, *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    weights = _weights(out)
+    assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
+    strategy = "auto" if variant == "auto_offload" else variant
+    offload = "on" if variant == "auto_offload" else "off"
+    assert (f"[fsdp_offload_cfg rank 0] config from TrainingArguments.fsdp_config (FSDP2, meta loading: {strategy}, "
+            f"activation offload: {offload})") in proc.stderr, proc.stderr[-3000:]
+    if variant == "auto_offload":
+        assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_an_offload_with_nothing_to_move_under_swifts_checkpointing_says_so(files: Path):
+    proc, _ = _train(files, "auto_offload")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "activation offload was on for" in proc.stderr and "but moved nothing" in proc.stderr, proc.stderr[-3000:]
+    assert "--gradient_checkpointing false" in proc.stderr
+
+
+def test_the_colliding_spelling_stops_every_rank_naming_both_offloaders(files: Path):
+    """Before, ms-swift's offloader started beside ours: on CPU its pinned buffers crashed the run,
+    on a GPU its hooks took every activation and ours moved nothing."""
+    proc, _ = _train(files, "colliding_spelling")
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "turns on both ms-swift's own activation offloader" in text and "fsdp_activation_cpu_offload" in text, \
+        text[-3000:]
+    assert text.count("ms-swift --fsdp JSON: fsdp_config.activation_cpu_offload") >= 1
+    assert "'loss'" not in text  # nothing trained
