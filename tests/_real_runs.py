@@ -1,12 +1,15 @@
 """Real runs the memory estimate is checked against (`test_estimate.py` and
 `benchmarks/estimate_accuracy.py` share them, so both measure the same way).
 
-Each returns what a real run of the model measures: saved bytes through saved-tensor hooks,
-the offload's own counters, rank 0's local storages after `fully_shard` and one AdamW step.
+Each returns what a real run of the model measures: the bytes the C allocator holds after a
+forward (independent of saved-tensor hooks and of the estimate), saved bytes through saved-tensor
+hooks, the offload's own counters, rank 0's local storages after `fully_shard` and one AdamW step.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,6 +40,58 @@ def saved_bytes(model: nn.Module, batch: dict[str, Any]) -> int:
     with SavedBytesMeter(model) as meter:
         model(**batch)
     return meter.peak_bytes
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _libc_mallinfo2() -> Any:
+    """glibc's `mallinfo2` (glibc >= 2.33), or None where there is none (macOS, musl, old glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        function = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+MALLINFO2 = _libc_mallinfo2()
+
+
+def _allocated_bytes() -> int:
+    """Bytes the C allocator has handed out and not taken back (heap chunks in use plus mmapped
+    blocks): torch's CPU tensors come from it, freed memory cached by glibc does not count."""
+    info = MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+def allocator_held_after_forward(model: nn.Module, batch: dict[str, Any]) -> int:
+    """What one training forward leaves allocated once its outputs are dropped but the loss (and
+    so the autograd graph) is kept: the activations autograd holds for backward, as the allocator
+    sees them, independent of saved-tensor hooks and of the estimate's own accounting. A second
+    forward is measured, so one-time allocations (caches, lazily built buffers) are not counted."""
+    for _ in range(2):
+        gc.collect()
+        before = _allocated_bytes()
+        output = model(**batch)
+        loss = output.loss
+        del output
+        gc.collect()
+        held = _allocated_bytes() - before
+        del loss
+    return held
+
+
+def cache_bytes(model: nn.Module, batch: dict[str, Any]) -> int:
+    """Bytes of the KV cache one forward returns (each storage once; 0 without a cache)."""
+    from fsdp_offload_cfg.estimate.probe import _cache_tensors
+
+    with torch.no_grad():
+        cache = getattr(model(**batch), "past_key_values", None)
+    return _storage_bytes(_cache_tensors(cache))
 
 
 def checkpoint_every_group(model: nn.Module, layers: list[str]) -> None:
@@ -81,3 +136,29 @@ def states_after_one_step(rank: int, world: int, path: str, layers: list[str]) -
     state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
     return {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
             "optimizer": _storage_bytes(state)}
+
+
+def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[str]) -> dict[str, Any]:
+    """On each gloo rank, what a user's run holds: the model loaded in bf16, prepared by the
+    installed accelerate (FSDP2, `mixed_precision: bf16`, the loader off), one AdamW step; this
+    rank's parameter, gradient and optimizer-state bytes and the dtypes accelerate keeps the
+    parameters in (the estimate's master-weight dtype is checked against these, not assumed)."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch({"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": {
+        "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": layers, "fsdp_cpu_ram_efficient_loading": False}})
+    accelerator = Accelerator()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ids = torch.randint(1, 90, (2, 16), generator=torch.Generator().manual_seed(rank))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
+    return {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": _storage_bytes(state), "param_dtypes": sorted({str(p.dtype) for p in params})}

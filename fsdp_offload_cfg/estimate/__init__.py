@@ -40,15 +40,19 @@ class Dtypes:
 
 
 def resolve_dtypes(config: FSDPOffloadConfig, model_config: Any, dtype: str | None) -> Dtypes:
-    """accelerate's rule: mixed precision computes in bf16/fp16 over fp32 master weights;
-    without it, everything stays in the load dtype (`dtype`, else the config.json's, as
-    transformers 5 `from_pretrained(dtype="auto")` does, else fp32)."""
+    """accelerate's rule: mixed precision computes in bf16/fp16 over master weights that the
+    installed accelerate upcasts to fp32 (all but 1.13: `compat.master_weights`); without it,
+    everything stays in the load dtype (`dtype`, else the config.json's, as transformers 5
+    `from_pretrained(dtype="auto")` does, else fp32)."""
+    from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
+
     name = dtype or _config_dtype(model_config) or "float32"
     if name not in _DTYPES:
         raise EstimateError(f"--dtype: expected one of {', '.join(sorted(_DTYPES))}, got {name!r}")
     load = _DTYPES[name]
     mixed = _MIXED.get(config.mixed_precision or "no")
-    return Dtypes(load, torch.float32 if mixed else load, mixed or load)
+    storage = torch.float32 if mixed and accelerate_upcast() != "none" else load
+    return Dtypes(load, storage, mixed or load)
 
 
 def _config_dtype(model_config: Any) -> str | None:

@@ -6,7 +6,8 @@ replay exactly:
 
 - Checkpointing (accelerate's `fsdp2_apply_ac`, transformers' gradient checkpointing) keeps a
   layer's inputs instead of what the layer saves inside; backward recomputes one layer at a time,
-  so that layer's inside saves come back, one layer at a time.
+  so that layer's inside saves come back, one layer at a time. A KV cache (a forward with
+  use_cache) stays whole: each checkpointed layer's frame holds it until backward.
 - The offload (`offload/handlers.py`) keeps on the device: non-float storages, storages under
   `min_tensor_bytes`, everything of the last group (unless `offload_last_group`) and after it, and
   whatever does not fit under `max_pinned_bytes`. Backward reloads a group plus `prefetch_groups`
@@ -37,11 +38,14 @@ class Residency:
 
 
 def checkpointed_storages(profile: ActivationProfile) -> list[SavedStorage]:
-    """What a checkpointed forward saves: every save outside the groups, plus each group's inputs
-    (in the group whose checkpoint first takes them, as the offload would number them)."""
+    """What a checkpointed forward keeps: every save outside the groups, plus each group's inputs
+    (in the group whose checkpoint first takes them, as the offload would number them), plus what
+    the output keeps alive (the KV cache: kept on the device, after the last group)."""
     out = {s.key: s for s in profile.saved if not s.inside}
     for key, s in profile.inputs.items():  # recorded at group entry, hence marked inside
         out.setdefault(key, dataclasses.replace(s, inside=False))
+    for key, s in profile.held.items():  # recorded after the last group: nothing offloads them
+        out.setdefault(key, s)
     return list(out.values())
 
 

@@ -59,6 +59,10 @@ class ActivationProfile:
     # it: what a checkpointed layer keeps instead of its inside saves
     inputs: dict[int, SavedStorage] = field(default_factory=dict)
     trained: set[int] = field(default_factory=set)  # id() of the parameters the loss reaches (get a gradient)
+    # storages the forward's output keeps alive though nothing saves them: the KV cache of a model
+    # run with use_cache. Under checkpointing each layer's frame keeps its kwargs, the cache among
+    # them, until backward, so every layer's keys and values stay (measured with the allocator).
+    held: dict[int, SavedStorage] = field(default_factory=dict)
 
     def bytes_per_group(self) -> list[int]:
         """Saved bytes by offload frame: one entry per group, then the part after the last group."""
@@ -77,13 +81,28 @@ class ActivationProfile:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Stand-in for a fused SDPA kernel: saves q, k, v, the output and a float32 log-sum-exp."""
+    """Stand-in for a fused SDPA kernel: saves q, k, v, the output, a float32 log-sum-exp and the
+    mask, if any.
+
+    The output has the kernels' memory layout: (batch, seq, heads, dim) seen as (batch, heads,
+    seq, dim), as flash and memory-efficient attention (CPU and CUDA) return it. So the model's
+    `transpose(1, 2).contiguous()` and `reshape` before `o_proj` are views, and `o_proj` saves the
+    attention output's storage, not a copy of it (a contiguous stand-in counted one extra
+    hidden-size storage per layer: the estimate ran 4-5% high)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if q.dim() == 4:
+            batch, heads, seq, _ = q.shape
+            out = q.new_empty((batch, seq, heads, v.shape[-1])).transpose(1, 2)
+        else:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # a mask is saved too (memory-efficient attention's bias, the CPU kernel's mask), a boolean
+        # one as the additive mask in q's dtype that SDPA converts it to, a new storage per call
+        if mask is not None and mask.dtype != q.dtype:
+            mask = q.new_empty(mask.shape)
+        ctx.save_for_backward(q, k, v, out, lse, *([] if mask is None else [mask]))
         return out
 
     @staticmethod
@@ -114,7 +133,7 @@ def _attention_as_on(target: str) -> Iterator[None]:
         if query.device.type == "meta" and (
             target == "cuda" or _cpu_would_fuse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         ):
-            return _FusedAttention.apply(query, key, value)
+            return _FusedAttention.apply(query, key, value, attn_mask)
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
 
@@ -138,6 +157,16 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from _tensors(v)
+
+
+def _cache_tensors(cache: Any) -> Iterator[torch.Tensor]:
+    """The keys and values a transformers cache holds (`DynamicCache.layers[i].keys/.values`; the
+    `key_cache`/`value_cache` lists of older versions)."""
+    if cache is None:
+        return
+    for layer in getattr(cache, "layers", None) or ():
+        yield from _tensors([getattr(layer, "keys", None), getattr(layer, "values", None)])
+    yield from _tensors([getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)])
 
 
 class _Recorder:
@@ -217,6 +246,9 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
                 torch.enable_grad():
             output = model(**batch)
         recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
+        for t in _cache_tensors(getattr(output, "past_key_values", None)):
+            if recorder.is_activation(t):
+                recorder.profile.held.setdefault(_storage_key(t), recorder.record(t))
     finally:
         for h in hooks:
             h.remove()

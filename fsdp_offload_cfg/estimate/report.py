@@ -180,6 +180,8 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         "activations measured by one forward with labels on the meta device under saved-tensor hooks; "
         + ("attention as a fused SDPA kernel (flash / memory-efficient: saves q, k, v, output, log-sum-exp)"
            if device == "cuda" else "attention as torch's CPU SDPA backend for these shapes"),
+        "use_cache as the model config says: with it on, checkpointed layers keep the KV cache (every layer's "
+        "keys and values) alive until backward; frameworks that turn use_cache off for training save that",
         "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
         "and one-op temporaries other than the logits' gradient",
         "loading figures are host RSS above each rank's baseline after imports; on a GPU run the shards and "

@@ -6,8 +6,9 @@ reported). Gradients and AdamW's two moments take the same shape and dtype as th
 parameter. Buffers are not sharded: every rank holds all of them.
 
 Dtypes follow accelerate: with `mixed_precision` bf16/fp16, `fsdp2_prepare_model` upcasts the
-trainable parameters to fp32 before sharding (fp32 master weights) and FSDP2 gathers them in the
-low precision for compute; without it, parameters stay in the dtype they were loaded in, and one
+parameters to fp32 before sharding (fp32 master weights; accelerate 1.13 does not, and its
+masters stay in the load dtype: `compat.master_weights`) and FSDP2 gathers them in the low
+precision for compute; without it, parameters stay in the dtype they were loaded in, and one
 the load keeps in float32 (a MoE router gate in a bf16 model) stays float32, in its own group
 (`dtype_groups`), gathered in float32. The model passed in carries those float32 parameters.
 
