@@ -24,6 +24,7 @@ RESIZES = {  # (model, resize_token_embeddings keyword arguments)
     "llama_mean": ("llama", {"new_num_tokens": 104}),
     "qwen2_tied_mean": ("qwen2_tied", {"new_num_tokens": 101}),
     "llama_padded_plain_init": ("llama", {"new_num_tokens": 99, "pad_to_multiple_of": 8, "mean_resizing": False}),
+    "qwen2_tied_plain_init": ("qwen2_tied", {"new_num_tokens": 103, "mean_resizing": False}),
 }
 
 
