@@ -5,7 +5,12 @@ For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two se
   activations     one forward of the real model (bf16, CPU), saved bytes through saved-tensor hooks
                   (`SavedBytesMeter`, storages once, parameters excluded) against `activations_bytes`;
   checkpointing   the same with torch's non-reentrant `checkpoint_wrapper` on every layer, as
-                  accelerate applies it, against the estimate's `checkpointing` saved bytes;
+                  accelerate applies it, plus the KV cache the checkpointed layers keep alive,
+                  against the estimate's `checkpointing` saved bytes;
+  allocator       independent of saved-tensor hooks: what the C allocator (glibc `mallinfo2`) holds
+                  after a real forward while its loss is alive, plain and checkpointed, for Llamas
+                  large enough that the allocator's other traffic is noise (hidden 256, 4 layers,
+                  GQA and MHA, 512 and 1024 tokens);
   offload         `enable_activation_offload` (async handler, CPU proxy), forward + backward:
                   `offload_stats()` peak resident bytes and pool bytes against
                   `activations_on_device_bytes` and `pinned_host_bytes`;
@@ -64,13 +69,13 @@ def estimate(model_dir: str, seq_len: int, **fsdp: object) -> dict:
 
 def measured_activations(model_dir: str, seq_len: int, layers: list[str]) -> dict[str, int]:
     """Saved bytes plain and checkpointed, and the offload's counters, on the real model (bf16)."""
-    from _real_runs import checkpoint_every_group, offload_counters, real_model, saved_bytes
+    from _real_runs import cache_bytes, checkpoint_every_group, offload_counters, real_model, saved_bytes
 
     model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq_len)
     plain = saved_bytes(model, batch)
     stats = offload_counters(model, batch, layers)
     checkpoint_every_group(model, layers)
-    return {"activations": plain, "checkpointed": saved_bytes(model, batch),
+    return {"activations": plain, "checkpointed": saved_bytes(model, batch) + cache_bytes(model, batch),
             "offload_on_device": stats["peak_resident_bytes"], "pool": stats["pinned_pool_bytes"]}
 
 
@@ -111,6 +116,38 @@ def model_rows(name: str, model_dir: str, seq_lens: list[int]) -> list[str]:
     states = measured_states(model_dir, layers)
     for figure in ("params", "grads", "optimizer"):
         rows.append(row(name, "-", f"{figure}_bytes", report["per_rank"][f"{figure}_bytes"], states[figure], 0.10))
+    return rows
+
+
+ALLOCATOR_MODELS = {  # name -> save_llama overrides
+    "llama-h256-gqa": {"num_key_value_heads": 4},
+    "llama-h256-mha": {"num_key_value_heads": 8},
+}
+
+
+def allocator_rows(work: Path, seq_lens: list[int]) -> list[str]:
+    """Plain and checkpointed activations against the C allocator (see the module docstring)."""
+    from _models import save_llama
+    from _real_runs import MALLINFO2, allocator_held_after_forward, checkpoint_every_group, real_model
+
+    if MALLINFO2 is None:
+        return ["| (allocator rows need glibc's mallinfo2) | | | | | | |"]
+    rows = []
+    for name, overrides in ALLOCATOR_MODELS.items():
+        model_dir = save_llama(str(work / name), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                               num_attention_heads=8, vocab_size=1000, max_position_embeddings=2048, **overrides)
+        for seq in seq_lens:
+            report = estimate(model_dir, seq)
+            layers = report["model"]["layer_classes"]
+            model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq)
+            plain = allocator_held_after_forward(model, batch)
+            checkpoint_every_group(model, layers)
+            checkpointed = allocator_held_after_forward(model, batch)
+            rows += [
+                row(name, seq, "activations_bytes vs allocator", report["per_rank"]["activations_bytes"], plain, 0.10),
+                row(name, seq, "checkpointing saved_bytes vs allocator",
+                    report["activations"]["settings"]["checkpointing"]["saved_bytes"], checkpointed, 0.10),
+            ]
     return rows
 
 
@@ -165,6 +202,9 @@ def main() -> None:
             for line in model_rows(name, paths[name], args.seq_lens):
                 print(line, flush=True)
                 lines.append(line)
+        for line in allocator_rows(work, [512, 1024]):
+            print(line, flush=True)
+            lines.append(line)
         if not args.skip_loading:
             lines += loading_rows(work, args.loading_ranks)
     print(f"\n{time.perf_counter() - started:.0f} s in all; batch {BATCH} per rank, {RANKS} ranks for the states\n")
