@@ -7,7 +7,7 @@ Against the same run with the plugin's loader and offload off: SFT under auto (w
 broadcast and sharded saves bit-equal weights, and so does LoRA with DoRA and new tokens under
 sharded; DPO (policy and a reference model LlamaFactory
 prepares itself) starts and trains with TRL imported after the plugin (it failed at import while
-`patch()` imported TRL first); the lines that prove the plugin is on are there; a typo stops every
+`patch()` imported TRL first) and saves the baseline's policy bit for bit; the lines that prove the plugin is on are there; a typo stops every
 rank with status 1.
 """
 
@@ -163,11 +163,20 @@ def test_lora_with_dora_and_new_tokens_under_sharded_saves_the_baselines_adapter
     assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in plain)
 
 
-def test_dpo_starts_with_trl_imported_after_the_plugin(files: Path):
-    proc, out = _train(files, "auto_offload", stage="dpo")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "mergekit" not in proc.stderr and (out / "model.safetensors").exists()
+def test_dpo_starts_with_trl_imported_after_the_plugin_and_saves_what_the_baseline_saves(files: Path):
+    """DPO: the policy and the reference model LlamaFactory loads and TRL prepares itself; under
+    auto + offload the saved policy equals the run with the loader and offload off."""
+    import torch
+
+    runs = {variant: _train(files, variant, stage="dpo") for variant in ("baseline", "auto_offload")}
+    for proc, _ in runs.values():
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    proc, out = runs["auto_offload"]
+    assert "mergekit" not in proc.stderr
     assert "meta loading: auto, activation offload: on" in proc.stderr
+    assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr, proc.stderr[-3000:]
+    plain, ours = _weights(runs["baseline"][1]), _weights(out)
+    assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in plain)
 
 
 def test_a_typo_stops_every_rank_with_status_1(files: Path):
