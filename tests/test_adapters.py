@@ -24,6 +24,9 @@ MODES = ["loader_off", "broadcast", "sharded"]
 ADAPTERS = {
     "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1},
     "lora_gaussian": {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"], "init_lora_weights": "gaussian"},
+    # ms-swift seeds each rank with seed + rank: each rank draws other adapters, and a plain FSDP2
+    # run keeps each rank's own rows (rank 0's were sent to every rank before)
+    "lora_seed_per_rank": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
     "dora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": True},
     "pissa": {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa"},
     "dora_bf16": {},  # the "dora" adapter on a bf16 base
@@ -55,7 +58,7 @@ def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: li
     out: dict[str, Any] = {}
     for name in adapters:
         accelerator = Accelerator()
-        torch.manual_seed(7)  # one seed on every rank, as a training script sets it
+        torch.manual_seed(7 + rank if name == "lora_seed_per_rank" else 7)  # one seed on every rank, as scripts set it
         try:
             if name == "dora_saved":
                 model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), _saved_dora(path, rank),
@@ -106,7 +109,8 @@ def _saved_dora(path: str, rank: int) -> str:
         for name, p in model.named_parameters():
             if "lora_B" in name or "lora_magnitude_vector" in name:
                 p.add_(torch.randn(p.shape, generator=generator).to(p.dtype) * 0.1)
-    out = os.path.join(tempfile.mkdtemp(prefix=f"dora_saved_r{rank}_"), "adapter")
+    # under the test's own temporary directory, which pytest removes (not the system's /tmp)
+    out = os.path.join(tempfile.mkdtemp(prefix=f"dora_saved_r{rank}_", dir=os.path.dirname(path)), "adapter")
     model.save_pretrained(out)
     return out
 
@@ -120,7 +124,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "sharded"])
-@pytest.mark.parametrize("adapter", ["lora", "lora_gaussian"])
+@pytest.mark.parametrize("adapter", ["lora", "lora_gaussian", "lora_seed_per_rank"])
 def test_adapters_and_losses_equal_the_run_without_the_loader(runs: dict[str, Any], mode: str, adapter: str):
     for rank in (0, 1):
         plain, ours = runs["loader_off"][rank][adapter], runs[mode][rank][adapter]

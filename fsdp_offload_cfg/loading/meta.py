@@ -92,6 +92,7 @@ class _Rank0Built:
     generation_config: Any
     loading_info: dict | None
     rng_state: torch.Tensor  # rank 0's CPU RNG state afterwards: all ranks continue alike
+    rng_before: torch.Tensor  # rank 0's CPU RNG state before: did its load draw, and from this rank's state?
 
 
 def is_rank0_source(model: nn.Module) -> bool:
@@ -212,7 +213,7 @@ def auto_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type
         mailbox.start()
         built = None
         if error is None:
-            built, error = attempt(lambda: _summarize(result))
+            built, error = attempt(lambda: _summarize(result, rng))
         error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
         if error is not None:
             raise error
@@ -227,7 +228,7 @@ def auto_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type
         init_kwargs = _model_init_kwargs(original_from_pretrained, plain_kwargs, built.config)
         with _nested():
             model = _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
-        torch.set_rng_state(built.rng_state)
+        _continue_rng(built, rng)
         result = (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
     model = result[0] if isinstance(result, tuple) else result
     _mark(model, what)
@@ -259,13 +260,14 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
     this load with rank 0's load of the same call (`pairing.py`)."""
     mailbox = Rank0Mailbox(call.digest, what)
     call = dataclasses.replace(call, repeat=mailbox.repeat)
+    rng = torch.get_rng_state()
     if dist.get_rank() == 0:
         mailbox.start()
         with _nested():
             result, error = attempt(load)
         built = None
         if error is None:
-            built, error = attempt(lambda: _summarize(result))
+            built, error = attempt(lambda: _summarize(result, rng))
         error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
         if error is not None:
             raise error
@@ -282,7 +284,7 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
         raise RuntimeError(f"rank 0 failed to {what}: {message}")
     with _nested():  # sub-models built inside `__init__` (e.g. a vision tower) stay plain
         model = build(built)
-    torch.set_rng_state(built.rng_state)
+    _continue_rng(built, rng)
     _mark(model, what)
     setattr(model, CALL_ATTR, call)
     return (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
@@ -367,7 +369,21 @@ def release_meta_guards(model: nn.Module, forward_only: bool = False) -> None:
                 handle.remove()
 
 
-def _summarize(result: Any) -> _Rank0Built:
+def _continue_rng(built: _Rank0Built, before: torch.Tensor) -> None:
+    """This rank's CPU RNG after a load it did not make, as after its own plain load: rank 0's
+    state when this rank started from rank 0's (one seed everywhere); its own, untouched, when
+    rank 0's load drew nothing (a framework seeding each rank differently, like ms-swift's
+    seed + rank, then draws each rank's own adapters and heads, as in its plain run)."""
+    if torch.equal(before, built.rng_before):
+        torch.set_rng_state(built.rng_state)
+    elif not torch.equal(built.rng_before, built.rng_state):
+        torch.set_rng_state(built.rng_state)
+        logger.warning("rank %d started this load from another random state than rank 0 and rank 0's load drew "
+                       "random numbers (weights missing from the checkpoint): this rank continues from rank 0's "
+                       "state, which a plain load on this rank would not", dist.get_rank())  # fmt: skip
+
+
+def _summarize(result: Any, rng_before: torch.Tensor) -> _Rank0Built:
     model, loading_info = result if isinstance(result, tuple) else (result, None)
     if getattr(model, "hf_quantizer", None) is not None:
         raise NotImplementedError("quantized models are not supported by the rank-0 meta loader; turn it off")
@@ -377,6 +393,7 @@ def _summarize(result: Any) -> _Rank0Built:
         generation_config=getattr(model, "generation_config", None),
         loading_info=loading_info,
         rng_state=torch.get_rng_state(),
+        rng_before=rng_before,
     )
 
 

@@ -9,9 +9,13 @@ Where each tensor comes from (decided identically on every rank, from one `all_g
            (`FileSlice`), bucket by bucket;
   - local: a non-persistent buffer every rank computed itself in `from_pretrained` (RoPE
            `inv_freq`, ...): each rank keeps its own, after checking its checksum equals rank 0's;
-  - rank 0: anything else (LoRA adapters, which stay on the host with the values PEFT drew:
-           `adapters.py`; keys missing from the checkpoint; every tensor of a model without a
-           record): sent by the broadcast strategy's scatter.
+  - own:   a tensor real on every rank that no file backs (LoRA adapters, which stay on the
+           host with the values PEFT drew: `adapters.py`; keys missing from the checkpoint,
+           initialised on every rank): each rank copies its own region of its own tensor, as
+           FSDP2 shards each rank's own model in a plain run (so a framework that seeds each rank
+           differently, like ms-swift's seed + rank, gets what its plain run gets);
+  - rank 0: anything else (a tensor real on rank 0 only, e.g. resized embeddings; every tensor
+           of a model without a record): sent by the broadcast strategy's scatter.
 
 The reader (`read_own_shards`) sorts the reads by file and byte offset (sequential, page-cache
 friendly), splits large parts into blocks of at most `bucket_bytes`, and reads a contiguous
@@ -52,10 +56,13 @@ class Sources:
     files: dict[str, FileTensor] = field(default_factory=dict)
     local: dict[str, torch.Tensor] = field(default_factory=dict)
     streamed: dict[str, FileTensor] = field(default_factory=dict)  # rank 0 only; sent by the scatter
+    # real on every rank and backed by no file (PEFT adapters, heads each rank drew): each rank
+    # shards its own copy, as FSDP2 does with a plain model on every rank
+    own: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def names(self) -> set[str]:
         """What this rank fills itself (the same names on every rank)."""
-        return set(self.files) | set(self.local)
+        return set(self.files) | set(self.local) | set(self.own)
 
 
 @dataclass
@@ -88,16 +95,19 @@ def _own_sources(model: nn.Module, spec: ModelSpec) -> tuple[bool, Sources, dict
     """This rank's view: (has a record, sources, checksum of each local buffer). No collectives."""
     record = record_of(model)
     sources = Sources()
-    if record is None:
-        return False, sources, {}
     for t in spec.tensors:
         tensor = _tensor(model, t)
-        where = record.lookup(tensor)
-        if where is not None:
+        where = record.lookup(tensor) if record is not None else None
+        if record is None:
+            if not tensor.is_meta:
+                sources.own[t.name] = tensor
+        elif where is not None:
             sources.files[t.name] = where
         elif not t.is_param and not tensor.is_meta and _non_persistent(model, t.name):
             sources.local[t.name] = tensor
-    return True, sources, {n: digest(v) for n, v in sources.local.items()}
+        elif not tensor.is_meta:
+            sources.own[t.name] = tensor
+    return record is not None, sources, {n: digest(v) for n, v in sources.local.items()}
 
 
 def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
@@ -111,26 +121,29 @@ def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
     has_record, sources, checksums = mine
     summary = [(n, f.key, f.shape, str(f.dtype)) for n, f in sorted(sources.files.items())]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (has_record, summary, checksums))
-    if not gathered[0][0]:
-        return Sources()  # rank 0 has no record: every tensor comes from rank 0
+    dist.all_gather_object(gathered, (has_record, summary, checksums, sorted(sources.own)))
+    own = set.intersection(*(set(names) for _, _, _, names in gathered))
+    own_sources = {n: v for n, v in sources.own.items() if n in own}
+    if not gathered[0][0]:  # rank 0 has no record: every tensor comes from rank 0 but what all hold
+        return Sources(own=own_sources)
     # Read by every rank itself: what every rank's record maps alike. The rest of rank 0's record
     # rank 0 reads and sends (a rank built from rank 0's description under "broadcast" has no
     # record; a rank that filled some tensors before prepare no longer maps them).
-    common = set.intersection(*(set(summary if has else ()) for has, summary, _ in gathered))
+    common = set.intersection(*(set(summary if has else ()) for has, summary, _, _ in gathered))
     shared = {entry[0] for entry in common}
     files = {n: f for n, f in sources.files.items() if n in shared}
     streamed = {n: f for n, f in sources.files.items() if n not in shared} if dist.get_rank() == 0 else {}
     problems = []
-    local = set(gathered[0][2]).intersection(*(c for _, _, c in gathered))
+    local = set(gathered[0][2]).intersection(*(c for _, _, c, _ in gathered))
     for name in sorted(local):
-        differ = [r for r, (_, _, c) in enumerate(gathered) if c[name] != gathered[0][2][name]]
+        differ = [r for r, (_, _, c, _) in enumerate(gathered) if c[name] != gathered[0][2][name]]
         if differ:
             problems.append(f"non-persistent buffer {name} computed on ranks {differ} differs from rank 0's")
     if problems:
         raise RuntimeError("sharded loading: " + "; ".join(problems))
-    # a buffer computed on rank 0 but left on meta elsewhere still comes from rank 0
-    return Sources(files, {n: v for n, v in sources.local.items() if n in local}, streamed)
+    # a buffer computed on rank 0 but left on meta elsewhere still comes from rank 0; so does a
+    # tensor real on rank 0 only (a resize on rank 0, a base read whole for an adapter)
+    return Sources(files, {n: v for n, v in sources.local.items() if n in local}, streamed, own_sources)
 
 
 # ------------------------------------------------------------------------------------ the reader
@@ -138,11 +151,14 @@ def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
 
 @torch.no_grad()
 def fill_own(targets: list[Target], sources: Sources, rank: int, bucket_bytes: int) -> ReadStats | None:
-    """Fill every target this rank sources itself: local buffers copied, file tensors read.
-    Returns the reader's stats (None when no tensor comes from the files)."""
+    """Fill every target this rank sources itself: local buffers copied, its own real tensors'
+    regions copied, file tensors read. Returns the reader's stats (None when no tensor comes from
+    the files)."""
     for t in targets:
         if t.spec.name in sources.local:
             t.dest.copy_(sources.local[t.spec.name])
+        elif t.spec.name in sources.own:
+            t.dest.copy_(sources.own[t.spec.name][t.regions[rank]])
     from_files = [t for t in targets if t.spec.name in sources.files]
     return read_own_shards(from_files, sources.files, rank, bucket_bytes) if from_files else None
 

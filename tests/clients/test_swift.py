@@ -7,7 +7,8 @@ The plugin's config travels in ms-swift's `--fsdp` JSON (`fsdp` + `fsdp_config`,
 Trainer's arguments). Against the same run with the loader and offload off: full SFT under
 broadcast, sharded and auto + offload saves bit-equal weights, with the lines that prove the
 plugin is on; an offload left with nothing to move under ms-swift's default gradient
-checkpointing says so at the end; the unprefixed `activation_cpu_offload` (ms-swift's own key too,
+checkpointing says so at the end; LoRA under both strategies saves the same adapters (ms-swift
+seeds each rank differently); the unprefixed `activation_cpu_offload` (ms-swift's own key too,
 which turns its offloader on beside ours) stops every rank naming both.
 """
 
@@ -118,6 +119,38 @@ def test_sft_saves_what_the_run_without_the_loader_saves(files: Path, baseline: 
             f"activation offload: {offload})") in proc.stderr, proc.stderr[-3000:]
     if variant == "auto_offload":
         assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr, proc.stderr[-3000:]
+
+
+LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "q_proj", "v_proj")
+
+
+@pytest.fixture(scope="module")
+def lora_baseline(files: Path) -> dict:
+    proc, out = _train(files, "baseline", *LORA)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _adapters(out)
+
+
+def _adapters(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "checkpoint-4" / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("variant", ["broadcast", "sharded"])
+def test_lora_saves_the_adapters_the_run_without_the_loader_saves(files: Path, lora_baseline: dict, variant: str):
+    """ms-swift seeds each rank with seed + rank, so each rank's PEFT draws other adapters, and a
+    plain FSDP2 run keeps each rank's own rows of them. Before, the loader gave every rank rank 0's
+    (sharded: rank 0's region sent; broadcast: rank 0's RNG state after the load): other adapters,
+    another training, silently."""
+    import torch
+
+    proc, out = _train(files, variant, *LORA)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    adapters = _adapters(out)
+    assert adapters.keys() == lora_baseline.keys() and len(adapters) > 0
+    differ = [k for k in lora_baseline if not torch.equal(adapters[k], lora_baseline[k])]
+    assert not differ, differ
 
 
 def test_an_offload_with_nothing_to_move_under_swifts_checkpointing_says_so(files: Path):
