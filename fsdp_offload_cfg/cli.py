@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--device", choices=("cuda", "cpu"), help="where it runs (default: cpu if use_cpu, else cuda)")
     estimate.add_argument("--dtype", help="load dtype (default: the model config's dtype, else float32)")
     estimate.add_argument("--format", choices=("table", "json"), default="table")
+    estimate.add_argument("--plot", metavar="PNG", help="also draw per-rank device memory per activation setting "
+                          "(needs matplotlib: pip install 'fsdp-offload-cfg[plot]')")
+    estimate.add_argument("--device-memory", metavar="SIZE", help="the device's memory for --plot, e.g. 80GiB "
+                          "(default: the visible GPU's, if any)")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
 
@@ -189,9 +193,16 @@ def _estimate(args: argparse.Namespace) -> int:
     from fsdp_offload_cfg.estimate.report import format_table
 
     try:
+        capacity = _plot_inputs(args)
         report = estimate_memory(load_config(args.file, args.overrides), args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype)
+        if args.plot:
+            from fsdp_offload_cfg.estimate.plot import save_memory_plot, visible_device_bytes
+
+            save_memory_plot(report, args.plot, capacity or visible_device_bytes(report["inputs"]["device"]))
+            _print(f"fsdp-offload-cfg estimate: device memory per activation setting drawn in {args.plot}",
+                   file=sys.stderr)
     except ConfigError as error:
         _print(str(error), file=sys.stderr)
         return _exit_code(error)
@@ -202,6 +213,22 @@ def _estimate(args: argparse.Namespace) -> int:
         _print(f"fsdp-offload-cfg estimate: {error}", file=sys.stderr)
         return EXIT_INVALID
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
+
+
+def _plot_inputs(args: argparse.Namespace) -> int | None:
+    """Check --plot's inputs before the estimate's minutes: matplotlib present, a folder to write
+    to, a size that parses."""
+    from fsdp_offload_cfg.estimate import EstimateError
+    from fsdp_offload_cfg.estimate.plot import parse_size, require_matplotlib
+
+    if args.plot:
+        require_matplotlib()
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            raise EstimateError(f"--plot: the folder {folder} does not exist (create it, or pick another path)")
+    elif args.device_memory:
+        _print("fsdp-offload-cfg estimate: --device-memory is only drawn with --plot; ignored", file=sys.stderr)
+    return parse_size(args.device_memory) if args.device_memory else None
 
 
 def _defaults_taken(config: FSDPOffloadConfig) -> dict[str, Any]:

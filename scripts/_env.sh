@@ -51,7 +51,7 @@ elif [ "$LEG" = swift ]; then
     python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "ms-swift==4.6.0"
     python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
-elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl" >/dev/null 2>&1; then
+elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl, matplotlib" >/dev/null 2>&1; then
   echo "[setup] installing torch (CPU build), ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
   python -m pip install -q --upgrade pip
   python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" ${PAIR[@]+"${PAIR[@]}"}

@@ -404,3 +404,76 @@ def test_the_offload_rows_use_the_configs_knobs_even_when_it_leaves_offload_off(
     assert report["inputs"]["activation_setting"] == "plain"
     assert report["activations"]["settings"]["offload"]["host_bytes"] == 0
     assert report["per_rank"]["pinned_host_bytes"] == 0
+
+
+# ------------------------------------------------------------------------------ the picture (--plot)
+
+
+def test_each_settings_device_peak_is_broken_down_and_the_configs_is_per_rank(models: dict[str, str]):
+    report = estimate(models["llama"])
+    by_setting = report["device_by_setting"]
+    assert set(by_setting) == set(report["activations"]["settings"])
+    for name, parts in by_setting.items():
+        assert parts["peak_device_bytes"] == sum(v for k, v in parts.items() if k != "peak_device_bytes"), name
+        assert parts["params_bytes"] == report["per_rank"]["params_bytes"]
+        assert parts["activations_bytes"] + parts["logits_grad_bytes"] >= \
+            report["activations"]["settings"][name]["device_peak_bytes"]
+    assert by_setting["offload"]["peak_device_bytes"] == report["per_rank"]["peak_device_bytes"]  # the config's
+    assert by_setting["checkpointing"]["activations_bytes"] < by_setting["plain"]["activations_bytes"]
+    on_host = estimate_memory(config(offload_params=True), models["llama"], seq_len=SEQ, batch_size=BATCH,
+                              device="cpu")["device_by_setting"]["plain"]
+    assert on_host["params_bytes"] == on_host["grads_bytes"] == on_host["optimizer_bytes"] == 0
+
+
+def test_the_plot_draws_each_setting_as_the_report_says(models: dict[str, str], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]):
+    pytest.importorskip("matplotlib")
+    from fsdp_offload_cfg.estimate.plot import GIB, KINDS, draw_memory
+
+    report = estimate(models["llama"])
+    axes = draw_memory(report, capacity_bytes=3 * GIB).axes[0]
+    names = list(report["device_by_setting"])
+    for i, name in enumerate(names):  # every kind's bar segment, from bottom to top, at its setting's x
+        segments = [p for p in axes.patches if abs(p.get_x() + p.get_width() / 2 - i) < 1e-9]
+        assert len(segments) == len(KINDS)
+        drawn = [round(p.get_height() * GIB) for p in sorted(segments, key=lambda p: p.get_y())]
+        assert drawn == [report["device_by_setting"][name][key] for key, _, _ in KINDS]
+    assert [line.get_ydata()[0] for line in axes.lines] == [3.0]  # the device's capacity
+    labels = [t.get_text() for t in axes.get_xticklabels()]
+    assert labels[names.index("offload")] == "offload *"  # the config's setting is marked
+
+    png = tmp_path / "memory.png"
+    assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "32",
+                     "--batch-size", "1", "--plot", str(png), "--device-memory", "80GiB"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"drawn in {png}" in capsys.readouterr().err
+
+
+def test_plot_errors_come_before_the_estimate_and_name_what_to_fix(models: dict[str, str], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str], monkeypatch):
+    import sys
+
+    import fsdp_offload_cfg.estimate
+
+    def not_reached(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the estimate ran although --plot could not be drawn")
+
+    monkeypatch.setattr(fsdp_offload_cfg.estimate, "estimate_memory", not_reached)
+    base = ["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "32",
+            "--batch-size", "1"]
+    assert cli.main([*base, "--plot", str(tmp_path / "no" / "m.png")]) == 1
+    assert "--plot: the folder" in capsys.readouterr().err
+    assert cli.main([*base, "--plot", str(tmp_path / "m.png"), "--device-memory", "80 gigs"]) == 1
+    assert "--device-memory: expected bytes or a size such as 80GiB, got '80 gigs'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises
+    assert cli.main([*base, "--plot", str(tmp_path / "m.png")]) == 1
+    assert "pip install 'fsdp-offload-cfg[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "m.png").exists()
+
+
+@pytest.mark.parametrize(("text", "expected"), [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("1024", 1024),
+                                                ("81920MiB", 80 * 2**30), ("1.5gib", 3 * 2**29)])
+def test_device_memory_sizes_parse_with_or_without_a_unit(text: str, expected: int):
+    from fsdp_offload_cfg.estimate.plot import parse_size
+
+    assert parse_size(text) == expected

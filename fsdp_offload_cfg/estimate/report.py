@@ -51,10 +51,16 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
                    "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),
                    "compute_dtype": _name(dtypes.compute), "activation_setting": chosen},
         "per_rank": _per_rank(config, states, by_setting, chosen, profile),
+        "device_by_setting": {name: _with_peak(device_at_peak(config, states, residency, profile))
+                              for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch),
     }
+
+
+def _with_peak(parts: dict[str, int]) -> dict[str, int]:
+    return {f"{k}_bytes": v for k, v in parts.items()} | {"peak_device_bytes": sum(parts.values())}
 
 
 def _check_layer_classes(model: torch.nn.Module, layers: list[str]) -> None:
@@ -85,26 +91,41 @@ def _setting_name(config: FSDPOffloadConfig) -> str:
 
 def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict[str, Residency], chosen: str,
               profile: ActivationProfile) -> dict[str, int]:
-    """Per-rank figures; `peak_device_bytes` adds the resident states, the gathered units and the
-    activations at their worst moment (the head's backward allocates the logits' gradient while
-    everything saved is still there)."""
+    """Per-rank figures under the config's activation setting."""
     on_device = by_setting[chosen]
-    resident_states = 0 if config.offload_params else states.params + states.grads + states.optimizer
-    gathered = states.always_gathered + 3 * states.unit_max  # current + prefetched unit, and one unit's grads
-    head = max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
-    activations_peak = max(on_device.device_peak_bytes, on_device.forward_end_device_bytes + head)
     host = on_device.host_bytes + (states.params + states.grads + states.optimizer if config.offload_params else 0)
     return {
         "params_bytes": states.params,
         "grads_bytes": states.grads,
         "optimizer_bytes": states.optimizer,
         "buffers_bytes": states.buffers,
-        "gathered_params_bytes": gathered,
+        "gathered_params_bytes": states.always_gathered + 3 * states.unit_max,
         "activations_bytes": by_setting["plain"].saved_bytes,
         "activations_on_device_bytes": on_device.device_peak_bytes,
         "pinned_host_bytes": on_device.host_bytes,
         "host_bytes": host,
-        "peak_device_bytes": resident_states + states.buffers + gathered + activations_peak,
+        "peak_device_bytes": sum(device_at_peak(config, states, on_device, profile).values()),
+    }
+
+
+def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: Residency,
+                   profile: ActivationProfile) -> dict[str, int]:
+    """What is on the device at the step's worst moment under one activation setting, by kind
+    (they sum to `peak_device_bytes`): the resident states, the gathered units (current +
+    prefetched, and one unit's gradients), and the activations, whose worst moment is either their
+    own peak or the head's backward, which allocates the logits' gradient while everything saved is
+    still there (counted apart as `logits_grad`)."""
+    head = max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
+    resident = not config.offload_params
+    at_head = residency.forward_end_device_bytes + head
+    return {
+        "params": states.params if resident else 0,
+        "grads": states.grads if resident else 0,
+        "optimizer": states.optimizer if resident else 0,
+        "buffers_and_gathered": states.buffers + states.always_gathered + 3 * states.unit_max,
+        "activations": residency.device_peak_bytes if residency.device_peak_bytes >= at_head
+        else residency.forward_end_device_bytes,
+        "logits_grad": 0 if residency.device_peak_bytes >= at_head else head,
     }
 
 
@@ -231,10 +252,10 @@ def format_table(report: dict[str, Any]) -> str:
             ("pinned host pool", "pinned_host_bytes"), ("host memory for training", "host_bytes"),
             ("peak device memory", "peak_device_bytes")]
     lines += [f"| {label} | {_gib(r[key])} |" for label, key in rows]
-    lines += ["", "| activations | saved | on the device at peak | host |", "|---|---|---|---|"]
+    lines += ["", "| activations | saved | on the device at peak | host | peak device memory |", "|---|---|---|---|---|"]
     for name, s in report["activations"]["settings"].items():
         lines.append(f"| {name.replace('_', ' ')} | {_gib(s['saved_bytes'])} | {_gib(s['device_peak_bytes'])} "
-                     f"| {_gib(s['host_bytes'])} |")
+                     f"| {_gib(s['host_bytes'])} | {_gib(report['device_by_setting'][name]['peak_device_bytes'])} |")
     loading = report["loading"]
     lines += ["", "| loading (host peak) | rank 0 | each other rank |", "|---|---|---|"]
     for name, p in loading["by_strategy"].items():

@@ -1,0 +1,98 @@
+"""`fsdp-offload-cfg estimate --plot memory.png`: one stacked bar per activation setting.
+
+Each bar is the report's `device_by_setting` entry, rank 0's device memory at the step's worst
+moment split by kind, so a user sees at a glance which setting fits, and what to cut when none
+does: the states shard with more ranks, activations shrink with checkpointing or offload. A
+horizontal line marks the device's capacity when it is known (`--device-memory`, else the visible
+GPU's). The bars are drawn from the report alone, so the picture never says more than the numbers.
+
+matplotlib is an optional extra (`pip install 'fsdp-offload-cfg[plot]'`): it is imported only
+here, and checked before the estimate runs so that a missing one costs no minutes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_offload_cfg.estimate import EstimateError
+
+# (key in device_by_setting, legend label, colour): bottom to top, what sharding cuts first
+KINDS = (
+    ("params_bytes", "parameters", "#4c72b0"),
+    ("grads_bytes", "gradients", "#55a868"),
+    ("optimizer_bytes", "optimizer state", "#8172b2"),
+    ("buffers_and_gathered_bytes", "buffers + gathered parameters", "#937860"),
+    ("activations_bytes", "activations", "#dd8452"),
+    ("logits_grad_bytes", "logits' gradient", "#c44e52"),
+)
+GIB = 2**30
+
+
+def require_matplotlib() -> None:
+    """Raise the install hint now, before minutes of estimate, when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise EstimateError("--plot needs matplotlib, an optional extra: pip install 'fsdp-offload-cfg[plot]' "
+                            "(or drop --plot)") from error
+
+
+def draw_memory(report: dict[str, Any], capacity_bytes: int | None = None) -> Any:
+    """The figure (a matplotlib `Figure`): one bar per setting, the config's own marked."""
+    require_matplotlib()
+    from matplotlib.figure import Figure  # not pyplot: no backend chosen, no window, no global state
+
+    settings = report["device_by_setting"]
+    names = list(settings)
+    chosen = report["inputs"]["activation_setting"]
+    figure = Figure(figsize=(1.8 * len(names) + 3.5, 4.8), layout="constrained")
+    axes = figure.add_subplot()
+    bottoms = [0.0] * len(names)
+    for key, label, colour in KINDS:
+        heights = [settings[n][key] / GIB for n in names]
+        axes.bar(names, heights, bottom=bottoms, label=label, color=colour, width=0.6)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for i, top in enumerate(bottoms):
+        axes.annotate(f"{top:.1f}", (i, top), ha="center", va="bottom", fontsize=9)
+    if capacity_bytes:
+        axes.axhline(capacity_bytes / GIB, color="black", linestyle="--", linewidth=1,
+                     label=f"device memory ({capacity_bytes / GIB:.0f} GiB)")
+    axes.set_xticks(range(len(names)),
+                    [n.replace("_", " ") + (" *" if n == chosen else "") for n in names], fontsize=9)
+    axes.set_ylabel("GiB per rank at the step's peak")
+    inputs = report["inputs"]
+    axes.set_title(f"{report['model']['class']}, {report['ranks']} ranks, batch {inputs['batch_size']} x "
+                   f"{inputs['seq_len']} tokens, {inputs['compute_dtype']} (* this config)", fontsize=10)
+    axes.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    return figure
+
+
+def save_memory_plot(report: dict[str, Any], path: str, capacity_bytes: int | None = None) -> None:
+    try:
+        draw_memory(report, capacity_bytes).savefig(path, dpi=120)
+    except OSError as error:
+        raise EstimateError(f"--plot: cannot write {path}: {error.strerror or error}") from error
+
+
+def parse_size(text: str) -> int:
+    """`--device-memory`: bytes as an integer, or with a unit (80GiB, 80GB, 81920MiB)."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise EstimateError(f"--device-memory: expected bytes or a size such as 80GiB, got {text!r}") from None
+    if value <= 0:
+        raise EstimateError(f"--device-memory must be positive, got {text!r}")
+    return int(value)
+
+
+def visible_device_bytes(device: str) -> int | None:
+    """The first visible GPU's memory for a CUDA estimate on a machine that has one; else unknown."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
