@@ -12,6 +12,9 @@
 #   swift             what `pip install ms-swift==4.6.0` resolves       .venv-swift
 #                     (transformers 5.19.0 + accelerate 1.15.0, trl 0.29.1, peft 0.20.0): `swift sft`
 #                     through `fsdp-offload-cfg run` (tests/clients)
+#   axolotl-plugin    what `pip install axolotl==0.19.0` resolves      .venv-axolotl-plugin
+#                     (transformers 5.16.1 + accelerate 1.13.0, trl 1.9.0, peft 0.20.0): axolotl's
+#                     config loader with our plugin listed (tests/clients; axolotl trains only on CUDA)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LEG="${LEG:-newest}"
@@ -21,7 +24,8 @@ case "$LEG" in
   axolotl) PAIR=("transformers==5.16.1" "accelerate==1.13.0") ;;
   clients) PAIR=("transformers==5.6.0" "accelerate==1.11.0" "trl==0.24.0" "peft==0.18.1") ;;
   swift)   PAIR=("transformers==5.19.0" "accelerate==1.15.0" "trl==0.29.1" "peft==0.20.0") ;;
-  *) echo "unknown LEG=$LEG (newest, oldest, axolotl, clients, swift)" >&2; exit 2 ;;
+  axolotl-plugin) PAIR=("transformers==5.16.1" "accelerate==1.13.0" "trl==1.9.0" "peft==0.20.0") ;;
+  *) echo "unknown LEG=$LEG (newest, oldest, axolotl, clients, swift, axolotl-plugin)" >&2; exit 2 ;;
 esac
 if [ "$LEG" = newest ]; then DEFAULT_VENV="$ROOT/.venv"; else DEFAULT_VENV="$ROOT/.venv-$LEG"; fi
 VENV="${FSDP_OFFLOAD_CFG_VENV:-$DEFAULT_VENV}"
@@ -49,6 +53,13 @@ elif [ "$LEG" = swift ]; then
     echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
     python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "ms-swift==4.6.0"
+    python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+  fi
+elif [ "$LEG" = axolotl-plugin ]; then
+  if ! python -c "import fsdp_offload_cfg, pytest, axolotl" >/dev/null 2>&1; then
+    echo "[setup] installing axolotl==0.19.0 with torch (CPU build), then fsdp-offload-cfg"
+    python -m pip install -q --upgrade pip
+    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "axolotl==0.19.0"
     python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl, matplotlib" >/dev/null 2>&1; then

@@ -585,3 +585,50 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK"))}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_our_loggers_keep_their_info_lines_under_a_framework_logger_class():
+    """axolotl installs a logger class that filters every logger created afterwards to warnings
+    (its `AxolotlLogger`): our loggers, created after it when axolotl imports our plugin, dropped
+    the line saying the plugin is on. A filter a user adds afterwards stays."""
+    import logging
+
+    from fsdp_offload_cfg._logging import get_logger
+
+    class Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.levelno >= logging.WARNING
+
+    class FrameworkLogger(logging.Logger):
+        def __init__(self, name: str, level: int = logging.NOTSET) -> None:
+            super().__init__(name, level)
+            self.addFilter(Quiet())
+
+    previous = logging.getLoggerClass()
+    logging.setLoggerClass(FrameworkLogger)
+    try:
+        logger = get_logger("fsdp_offload_cfg.test_framework_logger_class")
+    finally:
+        logging.setLoggerClass(previous)
+    assert isinstance(logger, FrameworkLogger) and logger.filters == []
+    user_filter = Quiet()
+    logger.addFilter(user_filter)
+    assert get_logger("fsdp_offload_cfg.test_framework_logger_class").filters == [user_filter]
+
+
+def test_our_lines_go_to_stderr_as_it_is_when_they_are_logged(monkeypatch):
+    """The handler bound the stream of its first import: under pytest that was a capture file,
+    closed by the time the offload's exit summary logged ("I/O operation on closed file");
+    axolotl's tee of stderr into its debug.log never saw our lines."""
+    import io
+    import sys
+
+    from fsdp_offload_cfg._logging import get_logger
+
+    first, now = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    logger = get_logger("fsdp_offload_cfg.test_stderr")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", now)
+    logger.warning("said after stderr was swapped")
+    assert "said after stderr was swapped" in now.getvalue()

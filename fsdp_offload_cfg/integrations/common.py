@@ -20,6 +20,21 @@ from fsdp_offload_cfg.registry import LaunchContext
 logger = get_logger("fsdp_offload_cfg.integrations")
 
 
+# fsdp_config keys a framework adds to the ones accelerate and transformers know, which it acts on
+# itself and passes on to the Trainer's `fsdp_config` (where our schema would refuse them as
+# typos): the framework's own, left to it. Keyed by the top-level package of its TrainingArguments
+# class. axolotl 0.19: `utils/schemas/fsdp.py`.
+FRAMEWORK_FSDP_KEYS = {
+    "axolotl": ("cpu_offload_pin_memory", "final_state_dict_type", "mixed_precision_policy"),
+}
+
+
+def without_framework_keys(fsdp_config: dict, framework: str) -> dict:
+    """`fsdp_config` minus the keys `framework` adds (either spelling)."""
+    theirs = FRAMEWORK_FSDP_KEYS.get(framework, ())
+    return {k: v for k, v in fsdp_config.items() if str(k).removeprefix("fsdp_") not in theirs}
+
+
 def fsdp_requested(cfg: FSDPOffloadConfig) -> bool:
     """accelerate's `distributed_type: FSDP` (or a Trainer `fsdp` setting) in the config."""
     return (cfg.distributed_type or "").upper() == "FSDP"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from fsdp_offload_cfg.integrations.common import (
     log_active,
     logger,
     rank0_loading_active,
+    without_framework_keys,
 )
 from fsdp_offload_cfg.loading.resize import build_resize_token_embeddings
 from fsdp_offload_cfg.registry import LaunchContext, Patch
@@ -88,7 +90,9 @@ def build_training_args_post_init(original: Callable[..., Any], cfg: FSDPOffload
     def __post_init__(self: Any) -> Any:  # noqa: N807 - replaces __post_init__
         if self.fsdp:
             _refuse_ms_swift_offloader(self)
-            _adopt_trainer_config(self.fsdp, self.fsdp_config)
+            framework = type(self).__module__.split(".")[0]
+            _hint_axolotl_plugin(framework)
+            _adopt_trainer_config(self.fsdp, self.fsdp_config, framework)
         return original(self)
 
     return __post_init__
@@ -110,15 +114,29 @@ def _refuse_ms_swift_offloader(args: Any) -> None:
             "which would move nothing. For this plugin's offload spell the key fsdp_activation_cpu_offload (ms-swift "
             "leaves it alone); for ms-swift's, run without fsdp-offload-cfg.")
 
-def _adopt_trainer_config(fsdp: Any, fsdp_config: Any) -> None:
+def _hint_axolotl_plugin(framework: str) -> None:
+    """axolotl's schema drops the fsdp_config keys it does not know before its TrainingArguments
+    see them; only the plugin entry reads the config as written (`integrations/axolotl.py`)."""
+    plugin = sys.modules.get("fsdp_offload_cfg.integrations.axolotl")
+    if framework != "axolotl" or (plugin is not None and plugin.registered()) or not is_rank0():
+        return
+    logger.warning("axolotl's TrainingArguments: axolotl drops the fsdp_config keys it does not know (load_strategy, "
+                   "activation_cpu_offload, ...) before they reach them, so this run has only the rest; to use them "
+                   "list fsdp_offload_cfg.integrations.axolotl.FsdpOffloadCfgPlugin under plugins: in the axolotl "
+                   "config (docs/frameworks.md)")  # fmt: skip
+
+
+def _adopt_trainer_config(fsdp: Any, fsdp_config: Any, framework: str) -> None:
     """Errors name `TrainingArguments` (and the file, for a path); the session's source says
-    `TrainingArguments.fsdp_config`."""
+    `TrainingArguments.fsdp_config`. Keys the framework whose TrainingArguments these are adds
+    itself (axolotl's `final_state_dict_type`, ...) are its own, not typos of ours."""
     name, source = "TrainingArguments", "TrainingArguments.fsdp_config"
     if isinstance(fsdp_config, (str, os.PathLike)):
         path = os.fspath(fsdp_config)
         name, source = f"TrainingArguments(fsdp_config={path!r})", f"{source} ({path})"
         fsdp_config = read_config_file(path)
-    trainer_cfg = load_config({"fsdp": fsdp, "fsdp_config": dict(fsdp_config or {})}, name=name)
+    fsdp_config = without_framework_keys(dict(fsdp_config or {}), framework)
+    trainer_cfg = load_config({"fsdp": fsdp, "fsdp_config": fsdp_config}, name=name)
     session = registry.active()
     if session is None or session.config == trainer_cfg:
         return

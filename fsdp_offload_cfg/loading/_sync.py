@@ -11,7 +11,6 @@ collective that could leave another rank waiting.
 from __future__ import annotations
 
 import itertools
-import logging
 import pickle
 import time
 import traceback
@@ -21,9 +20,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from fsdp_offload_cfg._logging import get_logger
+
 T = TypeVar("T")
 
-logger = logging.getLogger("fsdp_offload_cfg.loading")
+logger = get_logger("fsdp_offload_cfg.loading")
 
 WAIT_LOG_EVERY_S = 60.0
 _calls: dict[str, itertools.count] = {}  # per mailbox key: how often this rank made that call

@@ -10,7 +10,6 @@ parameter's dtype while copying (bf16 checkpoint -> fp32 master weights).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,11 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading._sync import agreed, attempt, describe_error, raise_if_any_failed
 from fsdp_offload_cfg.loading.layout import Target
 from fsdp_offload_cfg.loading.progress import Progress
 
-logger = logging.getLogger("fsdp_offload_cfg.loading")
+logger = get_logger("fsdp_offload_cfg.loading")
 
 ALIGN = 16  # byte offset of every tensor in a bucket: viewing bytes as any dtype needs alignment
 HEADER = ALIGN  # each rank's part of a bucket starts with it; byte 0: 1 if rank 0 could not pack the bucket

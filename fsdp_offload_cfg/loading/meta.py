@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.compat import model_init
 from fsdp_offload_cfg.loading import dora
 from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
@@ -51,7 +51,7 @@ from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
 
-logger = logging.getLogger("fsdp_offload_cfg.loading")
+logger = get_logger("fsdp_offload_cfg.loading")
 
 SOURCE_ATTR = "_fsdp_offload_cfg_rank0_source"
 _GUARD_ATTR = "_fsdp_offload_cfg_meta_guard"  # the forward pre-hook handle of a model still on meta

@@ -25,7 +25,6 @@ waiting in a collective. The scatter agrees once before its first bucket and onc
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading import dora, sharded
 from fsdp_offload_cfg.loading._sync import (
     agreed,
@@ -57,7 +57,7 @@ from fsdp_offload_cfg.loading.spec import (
     retie,
 )
 
-logger = logging.getLogger("fsdp_offload_cfg.loading")
+logger = get_logger("fsdp_offload_cfg.loading")
 
 # Staging per load: what a rank reads at once, and what rank 0 packs for one scatter for all ranks
 # together (each rank's part is this divided by the number of ranks), so rank 0 holds its shard

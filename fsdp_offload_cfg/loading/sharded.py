@@ -29,7 +29,6 @@ regions (not produced by FSDP2's default placements) use `safe_open(...).get_sli
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
 from fsdp_offload_cfg.loading.checkpoint import record_of
 from fsdp_offload_cfg.loading.layout import Region, Target
@@ -45,7 +45,7 @@ from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.loading.safetensors_index import FileTensor
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
 
-logger = logging.getLogger("fsdp_offload_cfg.loading")
+logger = get_logger("fsdp_offload_cfg.loading")
 
 
 @dataclass

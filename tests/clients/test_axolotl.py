@@ -1,0 +1,152 @@
+"""axolotl's own config loader with our plugin listed (`plugins:` in the axolotl YAML): the
+`axolotl-plugin` CI leg, where `pip install axolotl==0.19.0` chose the versions (transformers
+5.16.1, accelerate 1.13.0, trl 1.9, peft 0.20). Skipped where axolotl is not installed.
+
+axolotl trains only on CUDA (its model loader builds a "cuda" device mesh before any model), so
+these tests stop where axolotl hands over to training: its `load_cfg` (which registers plugins,
+then validates with its schema), its plugin manager's `pre_model_load`, its trainer builder's
+training-argument kwargs and its `AxolotlTrainingArguments`. Each runs in a fresh process:
+`load_cfg` exports accelerate's variables and the plugin manager is a process-wide singleton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("axolotl")
+
+PLUGIN = "fsdp_offload_cfg.integrations.axolotl.FsdpOffloadCfgPlugin"
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    from axolotl.cli.config import load_cfg
+    from axolotl.core.builders import HFCausalTrainerBuilder
+    from axolotl.core.training_args import AxolotlTrainingArguments
+    from axolotl.integrations.base import PluginManager
+    from transformers import AutoTokenizer
+    from fsdp_offload_cfg import registry
+
+    def active():
+        s = registry.active()
+        return None if s is None else {"source": s.source, "load_strategy": s.config.load_strategy,
+                                       "offload": s.config.activation_cpu_offload.enabled}
+
+    if sys.argv[2:] == ["patch"]:  # as `fsdp-offload-cfg run` does first in every process
+        import fsdp_offload_cfg
+        fsdp_offload_cfg.patch()
+    out = {}
+    try:
+        cfg = load_cfg(sys.argv[1])
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        print("PROBE " + json.dumps(out)); sys.exit(0)
+    out["after_load_cfg"] = active()
+    PluginManager.get_instance().pre_model_load(cfg)
+    builder = HFCausalTrainerBuilder(cfg, None, AutoTokenizer.from_pretrained(cfg.base_model))
+    kwargs, _ = builder._set_base_training_args(4)  # what axolotl hands its TrainingArguments
+    out["trainer_fsdp_config"] = dict(kwargs["fsdp_config"])
+    AxolotlTrainingArguments(output_dir=cfg.output_dir, fsdp=kwargs["fsdp"], fsdp_config=kwargs["fsdp_config"])
+    out["after_training_arguments"] = active()
+    print("PROBE " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("axolotl")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                 num_key_value_heads=2, num_hidden_layers=2)).save_pretrained(root / "model")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>")),
+                            bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"instruction": "abc", "input": "", "output": "def"}) + "\n"
+                                             for _ in range(8)))
+    return root
+
+
+def _probe(root: Path, fsdp_config: dict, *probe_args: str, **top: object) -> tuple[dict, str]:
+    import yaml
+
+    cfg = {"base_model": str(root / "model"), "output_dir": str(root / "out"), "sequence_len": 64,
+           "micro_batch_size": 1, "max_steps": 4, "learning_rate": 1e-3, "optimizer": "adamw_torch",
+           "datasets": [{"path": str(root / "data.jsonl"), "type": "alpaca", "ds_type": "json"}],
+           "plugins": [PLUGIN], "fsdp_version": 2, "fsdp_config": fsdp_config, **top}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    path = root / "axolotl.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    (root / "probe.py").write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(AXOLOTL_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(root / "probe.py"), str(path), *probe_args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=root)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("PROBE ")), proc.stdout + proc.stderr
+
+
+BASE = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+        "state_dict_type": "FULL_STATE_DICT", "cpu_ram_efficient_loading": True}
+
+
+def test_the_plugin_turns_the_package_on_from_the_axolotl_config_alone(model: Path):
+    """axolotl's schema drops the fsdp_config keys it does not know: without the plugin
+    `load_strategy` and `activation_cpu_offload` would do nothing, silently. With it, the config
+    is ours from `load_cfg` on, and the Trainer's fsdp_config axolotl builds carries our keys, so
+    the TrainingArguments keep the run on the same config."""
+    out, text = _probe(model, {**BASE, "load_strategy": "sharded", "activation_cpu_offload": True,
+                               "final_state_dict_type": "FULL_STATE_DICT"})  # axolotl's own key, left to it
+    assert out["after_load_cfg"] == {"source": f"argument (axolotl config {model / 'axolotl.yml'})",
+                                     "load_strategy": "sharded", "offload": True}
+    assert out["trainer_fsdp_config"]["load_strategy"] == "sharded"
+    assert out["trainer_fsdp_config"]["activation_cpu_offload"] is True
+    assert out["after_training_arguments"]["load_strategy"] == "sharded"
+    assert out["after_training_arguments"]["offload"] is True
+    assert "[fsdp_offload_cfg rank 0] config from argument (axolotl config" in text
+    assert "list fsdp_offload_cfg.integrations.axolotl.FsdpOffloadCfgPlugin" not in text
+
+
+def test_without_the_plugin_the_trainer_arguments_say_how_to_keep_our_keys(model: Path):
+    """`fsdp-offload-cfg run -- axolotl train` alone: axolotl dropped load_strategy before our
+    Trainer-arguments source sees it; the run goes on with what is left (auto), and says how to
+    keep the rest."""
+    out, text = _probe(model, {**BASE, "load_strategy": "sharded"}, "patch", plugins=None)
+    assert out["after_load_cfg"]["load_strategy"] == "auto"  # nothing to patch for FSDP yet: the defaults
+    assert "load_strategy" not in out["trainer_fsdp_config"]
+    assert out["after_training_arguments"]["load_strategy"] == "auto"
+    assert "list fsdp_offload_cfg.integrations.axolotl.FsdpOffloadCfgPlugin under plugins:" in text
+
+
+def test_axolotls_own_fsdp_config_keys_are_not_refused_as_typos(model: Path):
+    """axolotl passes its own keys (final_state_dict_type, cpu_offload_pin_memory,
+    mixed_precision_policy) on to its TrainingArguments' fsdp_config; our schema refused them there
+    (ConfigError at the Trainer arguments), for every axolotl FSDP config that set one."""
+    out, _ = _probe(model, {**BASE, "final_state_dict_type": "SHARDED_STATE_DICT", "cpu_offload_pin_memory": True,
+                            "mixed_precision_policy": "bf16"})
+    assert "error" not in out, out
+    assert out["after_training_arguments"] is not None
+
+
+def test_a_typo_in_the_axolotl_fsdp_config_stops_load_cfg_naming_the_key_and_the_file(model: Path):
+    out, _ = _probe(model, {**BASE, "load_strategi": "sharded"})
+    assert out["error"].startswith("ConfigError"), out
+    assert f"axolotl config {model / 'axolotl.yml'}: fsdp_config.load_strategi: unknown key" in out["error"]
+    assert "load_strategy" in out["error"]  # the suggestion
+
+
+def test_axolotls_activation_offloading_beside_ours_is_refused_naming_both(model: Path):
+    out, _ = _probe(model, {**BASE, "activation_cpu_offload": True}, activation_offloading=True)
+    assert out["error"].startswith("ConfigError"), out
+    assert "activation_offloading" in out["error"] and "fsdp_config.activation_cpu_offload" in out["error"]
