@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
                           "(needs matplotlib: pip install 'fsdp-offload-cfg[plot]')")
     estimate.add_argument("--device-memory", metavar="SIZE", help="the device's memory for --plot, e.g. 80GiB "
                           "(default: the visible GPU's, if any)")
+    estimate.add_argument("--activation-budget", metavar="SIZE",
+                          help="plan each layer (keep, offload, checkpoint, both) so that activations on the device "
+                               "stay within SIZE, e.g. 12GiB")
+    estimate.add_argument("--compute-tflops", type=float, metavar="X",
+                          help="the plan's compute rate (default: 400 on cuda, 0.05 on cpu)")
+    estimate.add_argument("--copy-gb-per-s", type=float, metavar="X",
+                          help="the plan's device<->host copy rate (default: 25 on cuda, 5 on cpu)")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
 
@@ -196,7 +203,8 @@ def _estimate(args: argparse.Namespace) -> int:
         capacity = _plot_inputs(args)
         report = estimate_memory(load_config(args.file, args.overrides), args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
-                                 optimizer=args.optimizer, device=args.device, dtype=args.dtype)
+                                 optimizer=args.optimizer, device=args.device, dtype=args.dtype,
+                                 **_plan_inputs(args))
         if args.plot:
             from fsdp_offload_cfg.estimate.plot import save_memory_plot, visible_device_bytes
 
@@ -213,6 +221,25 @@ def _estimate(args: argparse.Namespace) -> int:
         _print(f"fsdp-offload-cfg estimate: {error}", file=sys.stderr)
         return EXIT_INVALID
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
+
+
+def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """--activation-budget and the plan's rates (each rate left out takes the device's default)."""
+    from fsdp_offload_cfg.estimate import EstimateError
+    from fsdp_offload_cfg.estimate.plot import parse_size
+
+    rates = {"--compute-tflops": args.compute_tflops, "--copy-gb-per-s": args.copy_gb_per_s}
+    if not args.activation_budget:
+        if any(v is not None for v in rates.values()):
+            _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the --activation-budget "
+                   "plan; ignored without it", file=sys.stderr)
+        return {}
+    for option, value in rates.items():
+        if value is not None and value <= 0:
+            raise EstimateError(f"{option} must be positive, got {value:g}")
+    return {"activation_budget": parse_size(args.activation_budget, "--activation-budget"),
+            "compute_flops": None if args.compute_tflops is None else args.compute_tflops * 1e12,
+            "copy_bytes": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
 
 
 def _plot_inputs(args: argparse.Namespace) -> int | None:

@@ -6,7 +6,8 @@ The steps, each in its own module:
 3. `activations`: that record replayed under checkpointing and the activation CPU offload;
 4. `states`: sharded parameters, gradients, optimizer state and the unsharded transients;
 5. `loading`: the host peak of each loading strategy;
-6. `report`: the JSON document (stable keys, `docs/estimate.md`) and its table.
+6. `plan` (with an activation budget): each layer's keep / offload / checkpoint choice that fits it;
+7. `report`: the JSON document (stable keys, `docs/estimate.md`) and its table.
 
 The config goes through the same `load_config` as `patch()` and `validate`, so a config the run
 would refuse is refused here with the same words.
@@ -62,23 +63,31 @@ def _config_dtype(model_config: Any) -> str | None:
 
 def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batch_size: int,
                     num_processes: int | None = None, optimizer: str = "adamw", device: str | None = None,
-                    dtype: str | None = None) -> dict[str, Any]:
-    """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints."""
+                    dtype: str | None = None, activation_budget: int | None = None,
+                    compute_flops: float | None = None, copy_bytes: float | None = None) -> dict[str, Any]:
+    """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
+    `activation_budget` (bytes), also the per-layer plan that keeps activations within it
+    (`estimate.plan`), timed at `compute_flops` FLOP/s and `copy_bytes` bytes/s (default: the
+    device's assumed rates)."""
     from fsdp_offload_cfg.estimate.report import build_report
 
     ranks = num_processes or config.num_processes
-    _check_inputs(ranks, seq_len, batch_size, optimizer, device)
+    _check_inputs(ranks, seq_len, batch_size, optimizer, device, activation_budget)
     return build_report(config, model, ranks=ranks, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
-                        device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype)
+                        device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype,
+                        activation_budget=activation_budget, rates=(compute_flops, copy_bytes))
 
 
-def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None) -> None:
+def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None,
+                  activation_budget: int | None) -> None:
     if not ranks or ranks < 1:
         raise EstimateError("the number of ranks is unknown: the config has no num_processes; pass --num-processes")
     if seq_len < 1 or batch_size < 1:
         raise EstimateError(f"--seq-len and --batch-size must be >= 1 (got {seq_len} and {batch_size})")
     if optimizer not in OPTIMIZERS:
         raise EstimateError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if activation_budget is not None and activation_budget <= 0:
+        raise EstimateError(f"--activation-budget must be positive, got {activation_budget}")
     if device is not None and device not in DEVICES:
         raise EstimateError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
 

@@ -20,6 +20,7 @@ of backward; the peak is the larger of those.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, SavedStorage
@@ -37,29 +38,37 @@ class Residency:
     host_bytes: int  # offloaded to the host pool (pool bytes, rounded as the pool rounds)
 
 
-def checkpointed_storages(profile: ActivationProfile) -> list[SavedStorage]:
-    """What a checkpointed forward keeps: every save outside the groups, plus each group's inputs
-    (in the group whose checkpoint first takes them, as the offload would number them), plus what
-    the output keeps alive (the KV cache: kept on the device, after the last group)."""
-    out = {s.key: s for s in profile.saved if not s.inside}
+def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[int] | None = None) -> list[SavedStorage]:
+    """What a forward keeps with the groups in `checkpointed` (default: all) checkpointed: every
+    save outside the groups and inside the others, plus each checkpointed group's inputs (in the
+    group whose checkpoint first takes them, as the offload would number them), plus what the
+    output keeps alive (the KV cache: kept on the device, after the last group)."""
+    chosen = set(range(len(profile.groups)) if checkpointed is None else checkpointed)
+    out = {s.key: s for s in profile.saved if not (s.inside and s.group in chosen)}
     for key, s in profile.inputs.items():  # recorded at group entry, hence marked inside
-        out.setdefault(key, dataclasses.replace(s, inside=False))
-    for key, s in profile.held.items():  # recorded after the last group: nothing offloads them
-        out.setdefault(key, s)
+        if s.group in chosen:
+            out.setdefault(key, dataclasses.replace(s, inside=False))
+    if chosen:
+        for key, s in profile.held.items():  # recorded after the last group: nothing offloads them
+            out.setdefault(key, s)
     return list(out.values())
 
 
 def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOffloadConfig | None,
-              async_reload: bool, recompute: list[int] | None = None) -> Residency:
-    """Replay the offload's keep/offload decisions and backward's walk over the groups."""
+              async_reload: bool, recompute: list[int] | None = None,
+              offloaded_groups: Collection[int] | None = None) -> Residency:
+    """Replay the offload's keep/offload decisions and backward's walk over the groups (the
+    offload on `offloaded_groups`; default: every group it offloads when on for the whole model)."""
     kept = [0] * (n_groups + 1)
     offloaded = [0] * (n_groups + 1)
     pool = 0
-    n_offloadable = 0 if offload is None else (n_groups if offload.offload_last_group else n_groups - 1)
+    if offloaded_groups is None:
+        offloaded_groups = () if offload is None else range(n_groups if offload.offload_last_group else n_groups - 1)
+    on = set(offloaded_groups)
     for s in storages:
         size = round_size(s.nbytes)
         offloadable = (offload is not None and s.floating and s.nbytes >= offload.min_tensor_bytes
-                       and s.group < n_offloadable)
+                       and s.group in on)
         if offloadable and (offload.max_pinned_bytes is None or pool + size <= offload.max_pinned_bytes):
             pool += size
             offloaded[s.group] += s.nbytes

@@ -4,7 +4,8 @@ Each bar is the report's `device_by_setting` entry, rank 0's device memory at th
 moment split by kind, so a user sees at a glance which setting fits, and what to cut when none
 does: the states shard with more ranks, activations shrink with checkpointing or offload. A
 horizontal line marks the device's capacity when it is known (`--device-memory`, else the visible
-GPU's). The bars are drawn from the report alone, so the picture never says more than the numbers.
+GPU's). With `--activation-budget`, the plan is one more bar, a dotted line on it where the budget
+lets its activations reach. The bars are drawn from the report alone, so the picture never says more than the numbers.
 
 matplotlib is an optional extra (`pip install 'fsdp-offload-cfg[plot]'`): it is imported only
 here, and checked before the estimate runs so that a missing one costs no minutes.
@@ -54,6 +55,8 @@ def draw_memory(report: dict[str, Any], capacity_bytes: int | None = None) -> An
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     for i, top in enumerate(bottoms):
         axes.annotate(f"{top:.1f}", (i, top), ha="center", va="bottom", fontsize=9)
+    if "plan" in report:
+        _mark_budget(axes, names.index("plan"), settings["plan"], report["plan"]["budget_bytes"])
     if capacity_bytes:
         axes.axhline(capacity_bytes / GIB, color="black", linestyle="--", linewidth=1,
                      label=f"device memory ({capacity_bytes / GIB:.0f} GiB)")
@@ -67,6 +70,14 @@ def draw_memory(report: dict[str, Any], capacity_bytes: int | None = None) -> An
     return figure
 
 
+def _mark_budget(axes: Any, x: int, plan: dict[str, int], budget_bytes: int) -> None:
+    """A dotted line over the plan's bar where its activations may reach: the budget on top of
+    everything else the plan's bar holds below its activations."""
+    below = sum(plan[key] for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_and_gathered_bytes"))
+    axes.hlines((below + budget_bytes) / GIB, x - 0.4, x + 0.4, colors="black", linestyles=":",
+                label=f"activation budget ({budget_bytes / GIB:.1f} GiB)")
+
+
 def save_memory_plot(report: dict[str, Any], path: str, capacity_bytes: int | None = None) -> None:
     try:
         draw_memory(report, capacity_bytes).savefig(path, dpi=120)
@@ -74,8 +85,8 @@ def save_memory_plot(report: dict[str, Any], path: str, capacity_bytes: int | No
         raise EstimateError(f"--plot: cannot write {path}: {error.strerror or error}") from error
 
 
-def parse_size(text: str) -> int:
-    """`--device-memory`: bytes as an integer, or with a unit (80GiB, 80GB, 81920MiB)."""
+def parse_size(text: str, option: str = "--device-memory") -> int:
+    """A size option: bytes as an integer, or with a unit (80GiB, 80GB, 81920MiB)."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
     number = text.strip().rstrip("BbIiKkMmGgTt")
@@ -83,9 +94,9 @@ def parse_size(text: str) -> int:
     try:
         value = float(number) * units[unit]
     except (ValueError, KeyError):
-        raise EstimateError(f"--device-memory: expected bytes or a size such as 80GiB, got {text!r}") from None
+        raise EstimateError(f"{option}: expected bytes or a size such as 80GiB, got {text!r}") from None
     if value <= 0:
-        raise EstimateError(f"--device-memory must be positive, got {text!r}")
+        raise EstimateError(f"{option} must be positive, got {text!r}")
     return int(value)
 
 

@@ -63,6 +63,9 @@ class ActivationProfile:
     # run with use_cache. Under checkpointing each layer's frame keeps its kwargs, the cache among
     # them, until backward, so every layer's keys and values stay (measured with the allocator).
     held: dict[int, SavedStorage] = field(default_factory=dict)
+    # forward FLOPs of each group (matmuls, convolutions and attention, as torch's FlopCounterMode
+    # counts them): what checkpointing recomputes and what an offload's copy can hide under
+    flops: list[int] = field(default_factory=list)
 
     def bytes_per_group(self) -> list[int]:
         """Saved bytes by offload frame: one entry per group, then the part after the last group."""
@@ -122,9 +125,18 @@ def _cpu_would_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     return choice != int(torch.nn.attention.SDPBackend.MATH)
 
 
+def attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool) -> int:
+    """Forward FLOPs of attention (QK^T and PV), as torch's flop counter counts SDPA; a causal
+    kernel skips the masked half of the blocks."""
+    batch_heads = query.numel() // (query.shape[-2] * query.shape[-1])
+    flops = 2 * batch_heads * query.shape[-2] * key.shape[-2] * (query.shape[-1] + value.shape[-1])
+    return flops // 2 if is_causal else flops
+
+
 @contextmanager
-def _attention_as_on(target: str) -> Iterator[None]:
-    """Swap `F.scaled_dot_product_attention` for the saves of the kernel `target` would run."""
+def _attention_as_on(target: str, count: Any = None) -> Iterator[None]:
+    """Swap `F.scaled_dot_product_attention` for the saves of the kernel `target` would run
+    (`count(flops)` is told the FLOPs of each stand-in call, which no flop counter sees)."""
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
 
@@ -133,6 +145,8 @@ def _attention_as_on(target: str) -> Iterator[None]:
         if query.device.type == "meta" and (
             target == "cuda" or _cpu_would_fuse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         ):
+            if count is not None:
+                count(attention_flops(query, key, value, is_causal))
             return _FusedAttention.apply(query, key, value, attn_mask)
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
@@ -173,7 +187,11 @@ class _Recorder:
     """The pack hook and the group hooks of one probe forward."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
-        self.profile = ActivationProfile(names)
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.profile = ActivationProfile(names, flops=[0] * len(names))
+        self.counter = FlopCounterMode(display=False)  # entered around the forward by the caller
+        self.flops_at_entry = 0
         self.param_keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
         self.seen: set[int] = set()
         self.current = 0  # offload frame of what is saved now
@@ -194,13 +212,19 @@ class _Recorder:
             self.profile.saved.append(self.record(t))
         return t
 
+    def add_flops(self, flops: int) -> None:
+        if self.inside:
+            self.profile.flops[self.current] += flops
+
     def enter(self, index: int, args: tuple, kwargs: dict) -> None:
         self.current, self.inside = index, True
+        self.flops_at_entry = self.counter.get_total_flops()
         for t in _tensors((args, kwargs)):
             if self.is_activation(t) and _storage_key(t) not in self.profile.inputs:
                 self.profile.inputs[_storage_key(t)] = self.record(t)
 
     def exit(self, index: int) -> None:
+        self.profile.flops[index] += self.counter.get_total_flops() - self.flops_at_entry
         self.current, self.inside = index + 1, False
 
 
@@ -242,8 +266,8 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     for p in model.parameters():
         p.requires_grad_(True)
     try:
-        with meta_forward(), _attention_as_on(target), saved_tensors_hooks(recorder.pack, lambda t: t), \
-                torch.enable_grad():
+        with meta_forward(), _attention_as_on(target, recorder.add_flops), recorder.counter, \
+                saved_tensors_hooks(recorder.pack, lambda t: t), torch.enable_grad():
             output = model(**batch)
         recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
         for t in _cache_tensors(getattr(output, "past_key_values", None)):

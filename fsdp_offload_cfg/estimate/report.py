@@ -24,13 +24,15 @@ from fsdp_offload_cfg.estimate.model import (
     layer_class_names,
     read_model,
 )
+from fsdp_offload_cfg.estimate.plan import Plan, TimeModel, default_time_model, plan_to_budget, uniform_plans
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
 from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 
 def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_len: int, batch_size: int,
-                 optimizer: str, device: str, dtype: str | None) -> dict[str, Any]:
+                 optimizer: str, device: str, dtype: str | None, activation_budget: int | None = None,
+                 rates: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -43,7 +45,12 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     async_reload = offload.mode == "async" or (offload.mode == "auto" and device == "cuda")
     by_setting = settings(profile, offload, async_reload)
     chosen = _setting_name(config)
-    return {
+    plan = None
+    if activation_budget is not None:
+        time_model = default_time_model(device, async_reload, *rates)
+        plan = plan_to_budget(profile, activation_budget, offload, async_reload, time_model)
+        by_setting["plan"] = plan.residency
+    report = {
         "ranks": ranks,
         "model": {"path": model_path, "class": type(model).__name__, "parameters": states.param_count,
                   "groups": len(profile.groups), "layer_classes": layers},
@@ -56,6 +63,32 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch),
+    }
+    if plan is not None:
+        report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, time_model), time_model)
+    return report
+
+
+def _plan(plan: Plan, uniform: dict[str, Plan], time: TimeModel) -> dict[str, Any]:
+    """The budget's plan: each layer's choice, its peak, and its estimated cost against each
+    single setting's (the JSON `plan` key)."""
+    def cost(p: Plan) -> float:
+        return p.extra_seconds / p.compute_seconds if p.compute_seconds else 0.0
+
+    return {
+        "budget_bytes": plan.budget_bytes,
+        "device_peak_bytes": plan.residency.device_peak_bytes,
+        "host_bytes": plan.residency.host_bytes,
+        "layers_seconds": plan.compute_seconds,
+        "extra_seconds": plan.extra_seconds,
+        "extra_time_fraction": cost(plan),
+        "time_model": {"compute_tflops": time.compute_flops / 1e12, "copy_gb_per_s": time.copy_bytes / 1e9,
+                       "copies_overlap_compute": time.overlapped},
+        "layers": [{"name": lp.name, "choice": lp.choice, "device_bytes": lp.device_bytes,
+                    "host_bytes": lp.host_bytes, "extra_seconds": lp.extra_seconds} for lp in plan.layers],
+        "uniform": {name: {"device_peak_bytes": p.residency.device_peak_bytes, "extra_time_fraction": cost(p),
+                           "fits": p.residency.device_peak_bytes <= (plan.budget_bytes or 0)}
+                    for name, p in uniform.items()},
     }
 
 
@@ -133,8 +166,8 @@ def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -
     per_group = profile.bytes_per_group()
     inside = profile.inside_bytes_per_group()
     return {
-        "per_group": [{"name": name, "saved_bytes": per_group[i], "inside_bytes": inside[i]}
-                      for i, name in enumerate(profile.groups)],
+        "per_group": [{"name": name, "saved_bytes": per_group[i], "inside_bytes": inside[i],
+                       "forward_flops": profile.flops[i]} for i, name in enumerate(profile.groups)],
         "after_last_group_bytes": per_group[-1],
         "settings": {name: {"saved_bytes": r.saved_bytes, "device_peak_bytes": r.device_peak_bytes,
                             "host_bytes": r.host_bytes} for name, r in by_setting.items()},
@@ -256,6 +289,8 @@ def format_table(report: dict[str, Any]) -> str:
     for name, s in report["activations"]["settings"].items():
         lines.append(f"| {name.replace('_', ' ')} | {_gib(s['saved_bytes'])} | {_gib(s['device_peak_bytes'])} "
                      f"| {_gib(s['host_bytes'])} | {_gib(report['device_by_setting'][name]['peak_device_bytes'])} |")
+    if "plan" in report:
+        lines += _plan_table(report["plan"])
     loading = report["loading"]
     lines += ["", "| loading (host peak) | rank 0 | each other rank |", "|---|---|---|"]
     for name, p in loading["by_strategy"].items():
@@ -263,3 +298,31 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"| {name}{mark} | {_gib(p['rank0_host_peak_bytes'])} | {_gib(p['other_host_peak_bytes'])} |")
     lines += ["", "Assumptions:"] + [f"- {a}" for a in report["assumptions"]]
     return "\n".join(lines)
+
+
+def _plan_table(plan: dict[str, Any]) -> list[str]:
+    """The plan in runs of consecutive layers with the same choice, then the single settings."""
+    lines = ["", f"Plan for an activation budget of {_gib(plan['budget_bytes'])}: activations peak at "
+             f"{_gib(plan['device_peak_bytes'])} on the device, {_gib(plan['host_bytes'])} pinned on the host, "
+             f"step time of the layers +{plan['extra_time_fraction']:.0%} (estimated)",
+             "", "| layers | choice | on the device | on the host | extra ms |", "|---|---|---|---|---|"]
+    runs: list[list[dict[str, Any]]] = []
+    for layer in plan["layers"]:
+        if runs and runs[-1][-1]["choice"] == layer["choice"]:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    for run in runs:
+        names = run[0]["name"] if len(run) == 1 else f"{run[0]['name']} .. {run[-1]['name']} ({len(run)})"
+        lines.append(f"| {names} | {run[0]['choice'].replace('_', ' + ')} | "
+                     f"{_gib(sum(r['device_bytes'] for r in run))} | {_gib(sum(r['host_bytes'] for r in run))} | "
+                     f"{1e3 * sum(r['extra_seconds'] for r in run):.1f} |")
+    lines += ["", "| single setting | activations on the device | fits | extra step time |", "|---|---|---|---|"]
+    for name, u in plan["uniform"].items():
+        lines.append(f"| {name.replace('_', ' ')} | {_gib(u['device_peak_bytes'])} | {'yes' if u['fits'] else 'no'} "
+                     f"| +{u['extra_time_fraction']:.0%} |")
+    model = plan["time_model"]
+    lines.append(f"(time model: {model['compute_tflops']:g} TFLOP/s, copies at {model['copy_gb_per_s']:g} GB/s"
+                 f"{', overlapping compute' if model['copies_overlap_compute'] else ', in line'}; "
+                 "--compute-tflops / --copy-gb-per-s to change)")
+    return lines

@@ -1,0 +1,207 @@
+"""`estimate --activation-budget`: the per-layer plan (keep, offload, checkpoint, both).
+
+What a plan claims is checked against what does not come from the planner: the FLOPs it times
+layers with against the layer's arithmetic, a mixed plan's saved bytes against the C allocator
+after a real forward with exactly those layers checkpointed, and its choices against the time
+model's extremes (free copies: offload; copies slower than recompute: checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _models import save_llama
+from _real_runs import MALLINFO2, allocator_held_after_forward, real_model
+from fsdp_offload_cfg import cli, load_config
+from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
+from fsdp_offload_cfg.estimate.activations import settings
+from fsdp_offload_cfg.estimate.model import build_on_meta, example_batch, layer_class_names, read_model
+from fsdp_offload_cfg.estimate.plan import TimeModel, plan_to_budget, uniform_plans
+from fsdp_offload_cfg.estimate.probe import measure_activations
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+
+SEQ, BATCH = 512, 2
+OFFLOAD = ActivationOffloadConfig(enabled=True, mode="async")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """hidden 256, GQA, 4 layers: at 512 tokens its activations (~50 MB) dwarf the allocator's
+    other traffic during a forward."""
+    return save_llama(str(tmp_path_factory.mktemp("plan") / "llama"), hidden_size=256, intermediate_size=688,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
+                      max_position_embeddings=1024)
+
+
+def config():
+    return load_config({"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
+                        "fsdp_config": {"version": 2, "activation_cpu_offload": {"enabled": False, "mode": "async"}}})
+
+
+def profile_of(path: str, target: str = "cuda"):
+    source = read_model(path)
+    model = build_on_meta(source, torch.bfloat16, torch.bfloat16)
+    return measure_activations(model, example_batch(source, BATCH, SEQ, torch.bfloat16),
+                               layer_class_names(model, None), target=target)
+
+
+def test_layer_flops_are_the_layers_arithmetic(llama: str):
+    """2 FLOPs per weight per token for the projections, plus causal attention's two matmuls over
+    half the T x T scores (a fused kernel skips the masked blocks)."""
+    profile = profile_of(llama)
+    h, inter, heads, kv_heads = 256, 688, 8, 4
+    head_dim = h // heads
+    weights = h * h + 2 * h * kv_heads * head_dim + h * h + 3 * h * inter
+    tokens = BATCH * SEQ
+    attention = 2 * BATCH * heads * SEQ * SEQ * 2 * head_dim // 2
+    assert profile.flops == [2 * tokens * weights + attention] * 4
+
+
+def test_uniform_plans_replay_the_four_settings_of_the_estimate(llama: str):
+    """The per-layer replay, given the same choice for every layer, is the estimate's own table."""
+    profile = profile_of(llama)
+    time = TimeModel(compute_flops=1e12, copy_bytes=1e10, overlapped=True)
+    uniform = uniform_plans(profile, OFFLOAD, True, time)
+    assert {name: plan.residency for name, plan in uniform.items()} == settings(profile, OFFLOAD, True)
+
+
+@pytest.mark.skipif(MALLINFO2 is None, reason="needs glibc's mallinfo2 to read the allocator")
+def test_a_mixed_plan_saves_what_the_allocator_holds_with_those_layers_checkpointed(llama: str):
+    """Layers 0 and 2 checkpointed, 1 and 3 kept: against a real bf16 forward with torch's
+    checkpoint_wrapper on exactly those two layers, measured by the C allocator, within 2.5%."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fsdp_offload_cfg.estimate.plan import _replay
+
+    profile = profile_of(llama, target="cpu")
+    estimated = _replay(profile, ["checkpoint", "keep", "checkpoint", "keep"], OFFLOAD, False).saved_bytes
+    model, batch = real_model(llama, torch.bfloat16, BATCH, SEQ)
+    for i in (0, 2):
+        model.model.layers[i] = checkpoint_wrapper(model.model.layers[i])
+    measured = allocator_held_after_forward(model, batch)
+    assert abs(estimated / measured - 1) <= 0.025, (estimated, measured)
+    all_kept = _replay(profile, ["keep"] * 4, OFFLOAD, False).saved_bytes
+    all_checkpointed = _replay(profile, ["checkpoint"] * 4, OFFLOAD, False).saved_bytes
+    assert all_checkpointed < estimated < all_kept
+
+
+def _budgets(profile, time):
+    uniform = uniform_plans(profile, OFFLOAD, True, time)
+    low = min(p.residency.device_peak_bytes for p in uniform.values())
+    high = uniform["plain"].residency.device_peak_bytes
+    return uniform, [low + (high - low) * k // 8 for k in range(9)]
+
+
+@pytest.mark.parametrize("copy_gb_per_s", [1.0, 25.0, 1000.0])
+def test_every_plan_fits_and_is_never_slower_than_a_single_setting_that_fits(llama: str, copy_gb_per_s: float):
+    profile = profile_of(llama)
+    time = TimeModel(compute_flops=20e12, copy_bytes=copy_gb_per_s * 1e9, overlapped=True)
+    uniform, budgets = _budgets(profile, time)
+    mixed = 0
+    for budget in budgets:
+        plan = plan_to_budget(profile, budget, OFFLOAD, True, time)
+        assert plan.residency.device_peak_bytes <= budget
+        fitting = [p.extra_seconds for p in uniform.values() if p.residency.device_peak_bytes <= budget]
+        assert plan.extra_seconds <= min(fitting) + 1e-12, (budget, plan.choices)
+        mixed += plan.extra_seconds < min(fitting) - 1e-12  # cheaper than any one setting: layers differ
+    if uniform["offload"].extra_seconds > 0:  # (copies that all hide: offloading every layer costs nothing)
+        assert mixed >= 3  # between the settings' peaks, per-layer choices pay less than any single setting
+    assert plan_to_budget(profile, budgets[-1], OFFLOAD, True, time).choices == ["keep"] * 4  # plain fits: nothing
+
+
+def test_copies_that_hide_go_first_and_slow_copies_lose_to_recompute(llama: str):
+    """A budget just under plain's peak: with copies free the plan offloads and recomputes
+    nothing; with copies far slower than a forward it checkpoints and moves nothing."""
+    profile = profile_of(llama)
+    free = TimeModel(compute_flops=1e12, copy_bytes=1e15, overlapped=True)
+    budget = uniform_plans(profile, OFFLOAD, True, free)["plain"].residency.device_peak_bytes * 3 // 4
+    hidden = plan_to_budget(profile, budget, OFFLOAD, True, free)
+    assert "offload" in hidden.choices and not any(c.startswith("checkpoint") for c in hidden.choices)
+    assert hidden.extra_seconds == 0.0
+    slow = plan_to_budget(profile, budget, OFFLOAD, True, TimeModel(1e12, 1e6, overlapped=True))
+    assert "checkpoint" in slow.choices and not any(c.endswith("offload") for c in slow.choices)
+    assert slow.residency.host_bytes == 0
+
+
+def test_the_last_layer_is_never_offloaded_unless_the_config_says_so(llama: str):
+    profile = profile_of(llama)
+    free = TimeModel(compute_flops=1e12, copy_bytes=1e15, overlapped=True)
+    smallest = min(p.residency.device_peak_bytes for p in uniform_plans(profile, OFFLOAD, True, free).values())
+    assert not plan_to_budget(profile, smallest, OFFLOAD, True, free).choices[-1].endswith("offload")
+    last_too = ActivationOffloadConfig(enabled=True, mode="async", offload_last_group=True)
+    assert plan_to_budget(profile, smallest, last_too, True, free).choices[-1].endswith("offload")
+
+
+def test_a_budget_nothing_meets_names_the_smallest_that_does(llama: str):
+    profile = profile_of(llama)
+    time = TimeModel(compute_flops=1e12, copy_bytes=1e10, overlapped=True)
+    with pytest.raises(EstimateError, match=r"activation budget 0.00 GiB: no plan fits; the smallest activation "
+                                            r"peak on the device a plan reaches is ([0-9.]+) GiB") as error:
+        plan_to_budget(profile, 1, OFFLOAD, True, time)
+    smallest = float(error.value.args[0].split("reaches is ")[1].split(" GiB")[0])
+    plan_to_budget(profile, int((smallest + 0.01) * 2**30), OFFLOAD, True, time)  # and that one fits
+
+
+# ------------------------------------------------------------------------------ report and CLI
+
+CONFIG_YAML = """distributed_type: FSDP
+mixed_precision: bf16
+num_processes: 8
+fsdp_config:
+  fsdp_version: 2
+"""
+
+
+def _cli(tmp_path: Path, llama: str, *extra: str) -> int:
+    config_file = tmp_path / "fsdp2.yaml"
+    config_file.write_text(CONFIG_YAML)
+    return cli.main(["estimate", str(config_file), "--model", llama, "--seq-len", str(SEQ), "--batch-size",
+                     str(BATCH), *extra])
+
+
+def test_cli_json_plan_has_each_layer_and_the_single_settings(llama: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]):
+    report = estimate_memory(config(), llama, seq_len=SEQ, batch_size=BATCH, device="cuda")
+    budget = report["activations"]["settings"]["plain"]["device_peak_bytes"] // 2
+    assert _cli(tmp_path, llama, "--activation-budget", str(budget), "--format", "json",
+                "--copy-gb-per-s", "10") == 0
+    out = json.loads(capsys.readouterr().out)
+    plan = out["plan"]
+    assert plan["budget_bytes"] == budget and plan["device_peak_bytes"] <= budget
+    assert [layer["name"] for layer in plan["layers"]] == [g["name"] for g in out["activations"]["per_group"]]
+    assert set(plan["uniform"]) == {"plain", "checkpointing", "offload", "checkpointing_and_offload"}
+    assert plan["time_model"] == {"compute_tflops": 400.0, "copy_gb_per_s": 10.0, "copies_overlap_compute": True}
+    assert out["device_by_setting"]["plan"]["activations_bytes"] <= budget
+    assert "plan" not in estimate_memory(config(), llama, seq_len=SEQ, batch_size=BATCH)  # only when asked
+
+
+def test_cli_table_and_errors(llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert _cli(tmp_path, llama, "--activation-budget", "1GiB") == 0
+    out = capsys.readouterr().out
+    assert "Plan for an activation budget of 1.00 GiB" in out and "| single setting |" in out
+    assert _cli(tmp_path, llama, "--activation-budget", "1") == 1
+    assert "no plan fits; the smallest activation peak on the device a plan reaches is" in capsys.readouterr().err
+    assert _cli(tmp_path, llama, "--activation-budget", "lots") == 1
+    assert "--activation-budget: expected bytes or a size such as 80GiB, got 'lots'" in capsys.readouterr().err
+    assert _cli(tmp_path, llama, "--activation-budget", "1GiB", "--compute-tflops", "0") == 1
+    assert "--compute-tflops must be positive" in capsys.readouterr().err
+    assert _cli(tmp_path, llama, "--copy-gb-per-s", "3") == 0
+    assert "ignored without it" in capsys.readouterr().err
+
+
+def test_the_plot_draws_the_plan_and_its_budget(llama: str, tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    from fsdp_offload_cfg.estimate.plot import GIB, draw_memory
+
+    report = estimate_memory(config(), llama, seq_len=SEQ, batch_size=BATCH, activation_budget=2**25)
+    axes = draw_memory(report).axes[0]
+    labels = [t.get_text() for t in axes.get_xticklabels()]
+    assert labels[-1] == "plan"
+    (budget_line,) = axes.collections
+    plan = report["device_by_setting"]["plan"]
+    below = plan["peak_device_bytes"] - plan["activations_bytes"] - plan["logits_grad_bytes"]
+    assert budget_line.get_segments()[0][0][1] == pytest.approx((below + 2**25) / GIB)
