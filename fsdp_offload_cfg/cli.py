@@ -71,9 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="plan each layer (keep, offload, checkpoint, both) so that activations on the device "
                                "stay within SIZE, e.g. 12GiB")
     estimate.add_argument("--compute-tflops", type=float, metavar="X",
-                          help="the plan's compute rate (default: 400 on cuda, 0.05 on cpu)")
+                          help="the plan's compute rate (default: 350 on cuda, 0.05 on cpu)")
     estimate.add_argument("--copy-gb-per-s", type=float, metavar="X",
-                          help="the plan's device<->host copy rate (default: 25 on cuda, 5 on cpu)")
+                          help="the plan's device<->host copy rate, each way (default: 55 on cuda, 5 on cpu)")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
 

@@ -87,10 +87,11 @@ def allocator_held_after_forward(model: nn.Module, batch: dict[str, Any]) -> int
 
 def cache_bytes(model: nn.Module, batch: dict[str, Any]) -> int:
     """Bytes of the KV cache one forward returns (each storage once; 0 without a cache)."""
+    from fsdp_offload_cfg.compat.model_output import output_cache
     from fsdp_offload_cfg.estimate.probe import _cache_tensors
 
     with torch.no_grad():
-        cache = getattr(model(**batch), "past_key_values", None)
+        cache = output_cache(model(**batch))
     return _storage_bytes(_cache_tensors(cache))
 
 

@@ -119,6 +119,23 @@ def test_activations_match_what_the_allocator_holds_after_a_forward(larger_llama
     assert close(estimated, measured, tolerance=0.025), (estimated, measured, estimated / measured)
 
 
+def test_the_estimate_reads_the_cache_without_a_deprecation_warning(models: dict[str, str], tmp_path: Path):
+    """transformers 5.24 renamed the outputs' `past_key_values` to `cache`; reading the old name
+    logged "`past_key_values`/`cache_params` are deprecated" under every estimate of a model with a
+    cache (in a fresh process: the warning is logged once per process)."""
+    import subprocess
+    import sys
+
+    config_file = _yaml(tmp_path, CONFIG_YAML)
+    run = subprocess.run([sys.executable, "-c", "import sys; from fsdp_offload_cfg.cli import main; "
+                          "sys.exit(main(sys.argv[1:]))", "estimate", config_file, "--model", models["llama"],
+                          "--seq-len", "32", "--batch-size", "1", "--format", "json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "deprecated" not in run.stderr, run.stderr
+    assert json.loads(run.stdout)["activations"]["settings"]["checkpointing"]["saved_bytes"] > 0
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2_tied", DEEPSEEK, LLAVA])
 def test_a_config_without_cache_is_estimated_like_the_run(models: dict[str, str], name: str, tmp_path: Path):
     """Issue 24: `use_cache: false` (training checkpoints often carry it) made every estimate fail

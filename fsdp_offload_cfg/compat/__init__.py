@@ -7,6 +7,8 @@ The rest of the package calls these functions and never compares versions itself
 - `checkpoint_reading`: which transformers functions read checkpoint data during
   `from_pretrained`, so that `load_strategy: sharded` can swap them for a no-read recorder.
 
+- `model_output`: the name a model output's cache goes by (`cache` from transformers 5.24,
+  `past_key_values` before);
 - `master_weights`: which parameters accelerate's FSDP2 prepare upcasts to float32 under mixed
   precision (all, the trainable ones, or none in 1.13), for the estimate.
 

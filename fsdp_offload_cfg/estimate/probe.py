@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from fsdp_offload_cfg.compat.model_init import meta_forward
+from fsdp_offload_cfg.compat.model_output import output_cache
 from fsdp_offload_cfg.offload.filter import _is_param_like
 from fsdp_offload_cfg.offload.groups import find_units, lift_to_boundaries
 
@@ -270,7 +271,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
                 saved_tensors_hooks(recorder.pack, lambda t: t), torch.enable_grad():
             output = model(**batch)
         recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
-        for t in _cache_tensors(getattr(output, "past_key_values", None)):
+        for t in _cache_tensors(output_cache(output)):
             if recorder.is_activation(t):
                 recorder.profile.held.setdefault(_storage_key(t), recorder.record(t))
     finally:
