@@ -103,12 +103,16 @@ def checkpoint_every_group(model: nn.Module, layers: list[str]) -> None:
 
 
 def offload_counters(model: nn.Module, batch: dict[str, Any], layers: list[str]) -> dict[str, Any]:
-    """`offload_stats()` after one forward and backward with the async handler (CPU proxy)."""
+    """`offload_stats()` after one forward and backward with the async handler (CPU proxy); the
+    pinned pool's bytes are this run's own (the gauge counts every live pool in the process, and an
+    earlier test may leave one alive: the figure then depended on which tests ran before)."""
+    before = offload_stats()["pinned_pool_bytes"]
     handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"), layer_classes=layers)
     try:
         reset_offload_stats()
         model(**batch).loss.backward()
-        return offload_stats()
+        stats = offload_stats()
+        return {**stats, "pinned_pool_bytes": stats["pinned_pool_bytes"] - before}
     finally:
         handle.remove()
 

@@ -109,6 +109,9 @@ GOOD = [
      ActivationOffloadConfig(enabled=True, min_tensor_bytes=0, max_pinned_bytes=1 << 30, offload_last_group=True)),
     ({"activation_cpu_offload": {"max_pinned_bytes": None}}, "activation_cpu_offload", ActivationOffloadConfig(enabled=True)),
     ({"cpu_ram_efficient_loading": True, "load_strategy": "sharded"}, "load_strategy", "sharded"),
+    ({"activation_memory_budget": "12GiB"}, "activation_memory_budget", "12GiB"),
+    ({"activation_memory_budget": "4096"}, "activation_memory_budget", 4096),
+    ({"activation_memory_budget": "1.5 gb"}, "activation_memory_budget", "1.5 gb"),
     ({"cpu_ram_efficient_loading": True, "load_strategy": "BROADCAST"}, "load_strategy", "broadcast"),
     ({"cpu_offload": True}, "offload_params", True),  # transformers' spelling
     ({"xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": "false", "limit_all_gathers": True,
@@ -156,6 +159,9 @@ BAD = [
     ({"activation_cpu_offload": {"enabeld": True}}, "activation_cpu_offload.enabeld", "did you mean 'enabled'?"),
     ({"cpu_ram_efficient_loading": True, "load_strategy": "scatter"}, "load_strategy", "one of auto, broadcast, sharded"),
     ({"xla_fsdp_settings": "fast"}, "xla_fsdp_settings", "expected a mapping"),
+    ({"activation_memory_budget": "lots"}, "activation_memory_budget", "or a size such as 12GiB"),
+    ({"activation_memory_budget": 0}, "activation_memory_budget", "bytes as an integer >= 1"),
+    ({"activation_memory_budget": "12 gigs"}, "activation_memory_budget", 'got "12 gigs"'),
 ]
 
 
@@ -741,6 +747,8 @@ EVERY_KEY_SET = {
 @pytest.mark.parametrize("fsdp_config", [
     EVERY_KEY_SET,
     {**EVERY_KEY_SET, "fsdp_activation_cpu_offload": True, "fsdp_load_strategy": "broadcast"},
+    {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": "12GiB"},
+    {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": 2**33},
     {"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP", "fsdp_backward_prefetch": "BACKWARD_POST",
      "fsdp_forward_prefetch": True, "fsdp_use_orig_params": False, "fsdp_sync_module_states": False},
 ])
@@ -801,6 +809,9 @@ RULE_CASES = {
                                           "activation_checkpointing_offload": True},
     "one-activation-offload": {"activation_checkpointing": True, "activation_checkpointing_offload": True,
                                "activation_cpu_offload": True},
+    "budget-is-positive": {"activation_memory_budget": "0GiB"},
+    "budget-needs-fsdp2": {"version": 1, "activation_memory_budget": "12GiB"},
+    "budget-decides-checkpointing": {"activation_checkpointing": True, "activation_memory_budget": 10**9},
     "no-forward-prefetch-in-fsdp2": {"forward_prefetch": True},
     "no-local-state-dict-in-fsdp2": {"state_dict_type": "LOCAL_STATE_DICT"},
     "no-xla": {"xla": True},

@@ -139,11 +139,11 @@ def test_the_last_layer_is_never_offloaded_unless_the_config_says_so(llama: str)
 def test_a_budget_nothing_meets_names_the_smallest_that_does(llama: str):
     profile = profile_of(llama)
     time = TimeModel(compute_flops=1e12, copy_bytes=1e10, overlapped=True)
-    with pytest.raises(EstimateError, match=r"activation budget 0.00 GiB: no plan fits; the smallest activation "
-                                            r"peak on the device a plan reaches is ([0-9.]+) GiB") as error:
+    with pytest.raises(EstimateError, match=r"activation budget 0.0 MiB: no plan fits; the smallest activation "
+                                            r"peak on the device a plan reaches is ([0-9.]+) MiB") as error:
         plan_to_budget(profile, 1, OFFLOAD, True, time)
-    smallest = float(error.value.args[0].split("reaches is ")[1].split(" GiB")[0])
-    plan_to_budget(profile, int((smallest + 0.01) * 2**30), OFFLOAD, True, time)  # and that one fits
+    smallest = float(error.value.args[0].split("reaches is ")[1].split(" MiB")[0])
+    plan_to_budget(profile, int((smallest + 0.1) * 2**20), OFFLOAD, True, time)  # and that one fits
 
 
 # ------------------------------------------------------------------------------ report and CLI
@@ -186,7 +186,7 @@ def test_cli_table_and_errors(llama: str, tmp_path: Path, capsys: pytest.Capture
     assert _cli(tmp_path, llama, "--activation-budget", "1") == 1
     assert "no plan fits; the smallest activation peak on the device a plan reaches is" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--activation-budget", "lots") == 1
-    assert "--activation-budget: expected bytes or a size such as 80GiB, got 'lots'" in capsys.readouterr().err
+    assert "--activation-budget: expected bytes > 0 or a size such as 80GiB, got 'lots'" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--activation-budget", "1GiB", "--compute-tflops", "0") == 1
     assert "--compute-tflops must be positive" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--copy-gb-per-s", "3") == 0
@@ -205,3 +205,17 @@ def test_the_plot_draws_the_plan_and_its_budget(llama: str, tmp_path: Path):
     plan = report["device_by_setting"]["plan"]
     below = plan["peak_device_bytes"] - plan["activations_bytes"] - plan["logits_grad_bytes"]
     assert budget_line.get_segments()[0][0][1] == pytest.approx((below + 2**25) / GIB)
+
+
+def test_the_configs_budget_is_planned_like_the_run_plans_it(llama: str):
+    """`estimate --set fsdp_config.activation_memory_budget=...`: the plan is the config's setting."""
+    budget = 12 * 2**20
+    from_config = estimate_memory(load_config({"distributed_type": "FSDP", "mixed_precision": "bf16",
+                                               "num_processes": 2,
+                                               "fsdp_config": {"version": 2, "activation_memory_budget": "12MiB"}}),
+                                  llama, seq_len=SEQ, batch_size=BATCH, device="cuda")
+    from_option = estimate_memory(config(), llama, seq_len=SEQ, batch_size=BATCH, device="cuda",
+                                  activation_budget=budget)
+    assert from_config["plan"]["layers"] == from_option["plan"]["layers"]
+    assert from_config["inputs"]["activation_setting"] == "plan"
+    assert from_config["per_rank"]["activations_on_device_bytes"] == from_config["plan"]["device_peak_bytes"]

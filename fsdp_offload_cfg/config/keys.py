@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fsdp_offload_cfg._sizes import PATTERN as SIZE_PATTERN
 from fsdp_offload_cfg.offload.options import MODES, ActivationOffloadConfig, knobs
 
 Layout = Literal["accelerate", "trainer", "mapping", "env"]
@@ -99,6 +100,12 @@ KEYS: tuple[Key, ...] = (
         "where the checkpoint cannot be read slice by slice), broadcast (rank 0 reads and sends), or sharded "
         "(every rank reads its own slices).",
         owner="plugin", default="auto", annotation="str", env="FSDP_LOAD_STRATEGY"),
+    Key("activation_memory_budget", "size",
+        "fsdp_offload_cfg, FSDP2: device memory for activations (bytes, or a size such as 12GiB). At the first "
+        "training forward the plugin plans each decoder layer (keep, offload, checkpoint, or checkpoint with its "
+        "input offloaded) so that the estimated activation peak fits, at the least estimated step time; it "
+        "decides checkpointing, so activation_checkpointing stays false.",
+        owner="plugin", annotation="int | str | None", env="FSDP_ACTIVATION_MEMORY_BUDGET"),
     _trainer_only("limit_all_gathers", "boolish",
                   "transformers Trainer, FSDP1 only: rate-limit all-gathers. Accepted and not used by this plugin."),
     _trainer_only("xla", "boolish", "transformers Trainer: use PyTorch/XLA FSDP instead of accelerate's FSDP. "
@@ -204,6 +211,8 @@ TYPES: dict[str, dict[str, Any]] = {
     "positive_int": {"description": "an integer >= 1", "type": "integer", "minimum": 1},
     "regex": {"description": "a non-empty regular expression string", "type": "string", "minLength": 1},
     "mapping": {"description": "a mapping", "type": "object"},
+    "size": {"description": "bytes as an integer >= 1, or a size such as 12GiB (KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
+             "anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": SIZE_PATTERN}]},
     "load_strategy": {"description": "one of auto, broadcast, sharded", "enum": ["auto", "broadcast", "sharded"]},
     "offload_mode": {"description": "one of " + ", ".join(MODES), "enum": list(MODES)},
     "activation_cpu_offload": {

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_offload_cfg._sizes import size_in_bytes
 from fsdp_offload_cfg.config.keys import FSDP2_RESHARD_FOR, LAUNCH_KEYS, SHARDING_STRATEGIES, Layout
 from fsdp_offload_cfg.config.schema import show
 
@@ -111,6 +112,17 @@ RULES: tuple[Rule, ...] = (
          lambda c: c["activation_checkpointing_offload"] and c["activation_cpu_offload"].enabled,
          lambda c: f"cannot be combined with {c.spell('activation_checkpointing_offload')}: both would move the "
                    "checkpoint inputs to the host; keep this one (async, filtered) and drop the other"),
+    Rule("budget-is-positive", ("activation_memory_budget",), "activation_memory_budget",
+         lambda c: c["activation_memory_budget"] is not None and size_in_bytes(c["activation_memory_budget"]) is None,
+         lambda c: f"expected a size > 0 (bytes, or such as 12GiB); got {c.shown('activation_memory_budget')}"),
+    Rule("budget-needs-fsdp2", ("activation_memory_budget", "version"), "activation_memory_budget",
+         lambda c: c["activation_memory_budget"] is not None and c.version == 1,
+         lambda c: f"plans FSDP2 layers ({c.spell('version')}: 2){c.why_version()}; under FSDP1 it would do nothing"),
+    Rule("budget-decides-checkpointing", ("activation_memory_budget", "activation_checkpointing"),
+         "activation_checkpointing",
+         lambda c: c["activation_memory_budget"] is not None and c["activation_checkpointing"],
+         lambda c: f"must stay false with {c.spell('activation_memory_budget')}: the budget's plan decides which "
+                   "layers to checkpoint (every layer, if that is what fits); drop one of the two"),
     Rule("no-forward-prefetch-in-fsdp2", ("forward_prefetch", "version"), "forward_prefetch",
          lambda c: c["forward_prefetch"] and c.version == 2,
          lambda c: f"is not implemented in FSDP2{c.why_version()} (accelerate raises); remove it"),

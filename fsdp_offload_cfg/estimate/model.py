@@ -72,11 +72,13 @@ def model_class(config: Any) -> type[nn.Module]:
                            f"(architectures: {getattr(config, 'architectures', None)})")
 
 
-def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dtype | None = None) -> nn.Module:
-    """The model skeleton on `meta` in `dtype`, built as `from_pretrained` builds it; the
-    parameters `from_pretrained(dtype=load_dtype)` keeps in float32 (a MoE router gate in a bf16
-    model, transformers >= 5.24) stay float32, so their bytes are counted as the run holds them."""
-    cls = model_class(source.config)
+def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dtype | None = None,
+                  cls: type[nn.Module] | None = None) -> nn.Module:
+    """The model skeleton on `meta` in `dtype`, built as `from_pretrained` builds it (as `cls`,
+    default the class `from_pretrained` would pick); the parameters `from_pretrained(dtype=
+    load_dtype)` keeps in float32 (a MoE router gate in a bf16 model, transformers >= 5.24) stay
+    float32, so their bytes are counted as the run holds them."""
+    cls = cls or model_class(source.config)
     with meta_init(cls, dtype):
         model = cls(source.config)
     after_init(model)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.estimate import EstimateError
 from fsdp_offload_cfg.estimate.activations import Residency, checkpointed_storages, residency
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, SavedStorage
@@ -126,13 +127,9 @@ def uniform_plans(profile: ActivationProfile, offload: ActivationOffloadConfig, 
 
 
 def _unreachable(budget_bytes: int, smallest: int) -> str:
-    return (f"activation budget {_gib(budget_bytes)}: no plan fits; the smallest activation peak on the device "
-            f"a plan reaches is {_gib(smallest)}. Raise the budget to at least that, or shorten --seq-len / "
+    return (f"activation budget {show_size(budget_bytes)}: no plan fits; the smallest activation peak on the device "
+            f"a plan reaches is {show_size(smallest)}. Raise the budget to at least that, or shorten --seq-len / "
             "--batch-size")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _stored(profile: ActivationProfile, group: int, checkpointed: bool) -> list[SavedStorage]:

@@ -87,17 +87,12 @@ def save_memory_plot(report: dict[str, Any], path: str, capacity_bytes: int | No
 
 def parse_size(text: str, option: str = "--device-memory") -> int:
     """A size option: bytes as an integer, or with a unit (80GiB, 80GB, 81920MiB)."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    number = text.strip().rstrip("BbIiKkMmGgTt")
-    unit = text.strip()[len(number):].lower()
-    try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
-        raise EstimateError(f"{option}: expected bytes or a size such as 80GiB, got {text!r}") from None
-    if value <= 0:
-        raise EstimateError(f"{option} must be positive, got {text!r}")
-    return int(value)
+    from fsdp_offload_cfg._sizes import size_in_bytes
+
+    value = size_in_bytes(text)
+    if value is None:
+        raise EstimateError(f"{option}: expected bytes > 0 or a size such as 80GiB, got {text!r}")
+    return value
 
 
 def visible_device_bytes(device: str) -> int | None:

@@ -46,6 +46,10 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     by_setting = settings(profile, offload, async_reload)
     chosen = _setting_name(config)
     plan = None
+    if activation_budget is None and config.activation_memory_budget is not None:  # the run will plan: so do we
+        from fsdp_offload_cfg.budget import budget_bytes
+
+        activation_budget, chosen = budget_bytes(config), "plan"
     if activation_budget is not None:
         time_model = default_time_model(device, async_reload, *rates)
         plan = plan_to_budget(profile, activation_budget, offload, async_reload, time_model)

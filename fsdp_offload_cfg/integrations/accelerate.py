@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fsdp_offload_cfg.budget import budget_bytes, enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.dtype_groups import one_dtype_per_group
 from fsdp_offload_cfg.integrations.common import (
@@ -91,6 +92,9 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
         plugin = accelerator.state.fsdp_plugin
         if isinstance(model, FSDPModule):
             return original(accelerator, model)
+        budget = budget_bytes(cfg) is not None
+        if budget:
+            wrap_layers(model, cfg)
         if fill_through_loader(model, plugin, cfg):
 
             def shard(m: torch.nn.Module) -> torch.nn.Module:
@@ -101,7 +105,9 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
         else:
             with one_dtype_per_group(model):
                 model = original(accelerator, model)
-        if cfg.activation_cpu_offload.enabled:
+        if budget:
+            enable_budget(model, cfg)
+        elif cfg.activation_cpu_offload.enabled:
             enable_offload(model, cfg)
         return model
 

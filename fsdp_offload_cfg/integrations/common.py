@@ -134,5 +134,7 @@ def log_active(session: registry.PatchSession) -> None:
         return
     loading = cfg.load_strategy if loader_enabled(cfg) else "off"
     offload = "on" if cfg.activation_cpu_offload.enabled else "off"
+    if cfg.activation_memory_budget is not None and cfg.version == 2:
+        offload = f"planned per layer to activation_memory_budget {cfg.activation_memory_budget} at the first forward"
     logger.info("config from %s (FSDP%d, meta loading: %s, activation offload: %s); patches: %s", session.source,
                 cfg.version, loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip

@@ -34,7 +34,7 @@ from fsdp_offload_cfg.offload.pool import HostBlock, HostPool
 from fsdp_offload_cfg.offload.stats import COUNTS, KEPT, RESIDENT
 
 # kept tensors that are activations on the compute device (counted as resident)
-_RESIDENT_REASONS = frozenset({"small", "non_float", "last_group", "outside_groups", "pool_full"})
+_RESIDENT_REASONS = frozenset({"small", "non_float", "last_group", "outside_groups", "pool_full", "planned_kept"})
 
 
 def in_backward() -> bool:
@@ -165,6 +165,9 @@ class OffloadHandler:
         self.min_bytes = min_tensor_bytes
         self.pool = pool
         self._pass: _Pass | None = None
+        # groups an activation-budget plan keeps on the device (`budget.py`); set between forwards,
+        # read at each pack, for as long as the plan stands
+        self.kept_groups: frozenset[int] = frozenset()
 
     # ---- forward life cycle, driven by the hooks in groups.py ----
     @contextmanager
@@ -211,6 +214,8 @@ class OffloadHandler:
         reason = keep_reason(t, self.device, self.min_bytes, p)
         if reason is None and frame.index >= self.n_offloadable:
             reason = "last_group" if frame.index < self.n_groups else "outside_groups"
+        if reason is None and frame.index in self.kept_groups:
+            reason = "planned_kept"
         entry = self._entry_for(t, p) if reason is None else None
         if entry is None:
             reason = reason or "pool_full"

@@ -1,0 +1,258 @@
+"""`activation_memory_budget` at run time: each decoder layer planned at the first training forward.
+
+The planner (`estimate/plan.py`) needs what each layer saves and computes, and both depend on the
+batch's shape, which a run learns only at its first forward. So prepare installs, inert, every
+mechanism a plan may use: a checkpoint wrapper around each layer that passes straight through
+(applied before sharding, where accelerate's own `fsdp2_apply_ac` puts it), and the activation
+offload on every layer with all of them kept on the device. The first forward under grad, on
+every rank and before any layer runs, takes the largest batch shape over the ranks, measures the
+model's saves on `meta` at that shape as the estimate does, plans, and switches each layer's
+wrapper and offload to its choice. Every rank plans from the same inputs and agrees before it
+goes on (`agreed`), so a budget no plan meets stops every rank with the same message.
+
+Prior art: torchtitan's budgeted offload (PR #3521) plans at compile time on the traced graph,
+which needs `torch.compile`; this plans per layer on the meta forward, as the offload and
+checkpointing act, and so works eagerly and under any framework that calls accelerate's prepare.
+
+Exactness: a choice changes only where a saved tensor waits (the offload's copies are exact) or
+whether it is recomputed (`checkpoint_wrapper` with the RNG state preserved, so dropout draws
+the same masks), so gradients are bit-identical to the same run without a budget.
+
+Planned once, for the first batch's shape: a later, longer batch may not fit, and is warned about
+once (pad or bucket to the longest length, or plan for it by making the first batch the longest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_offload_cfg import registry
+from fsdp_offload_cfg._logging import get_logger, is_rank0
+from fsdp_offload_cfg._sizes import show_size, size_in_bytes
+from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
+
+logger = get_logger("fsdp_offload_cfg.budget")
+
+_FN = "_fsdp_offload_cfg_checkpoint_fn"  # a wrapper's own checkpoint function, while it passes through
+_PLANNED = "_fsdp_offload_cfg_budget_planned"  # set on the model once its layers follow a plan
+
+
+def budget_bytes(cfg: FSDPOffloadConfig) -> int | None:
+    """The budget in bytes, or None when the config sets none (the rules refuse a size <= 0)."""
+    return None if cfg.activation_memory_budget is None else size_in_bytes(cfg.activation_memory_budget)
+
+
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
+
+
+def set_checkpointing(wrapper: nn.Module, on: bool) -> None:
+    """Turn a `CheckpointWrapper` on, or make it call its module straight through."""
+    if _FN not in wrapper.__dict__:
+        wrapper.__dict__[_FN] = wrapper.checkpoint_fn
+    wrapper.checkpoint_fn = wrapper.__dict__[_FN] if on else _call
+
+
+def wrap_layers(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
+    """Before sharding: a checkpoint wrapper, passing through, around each layer the offload will
+    group; refuses a model whose layers checkpoint themselves (transformers' gradient checkpointing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+
+    from fsdp_offload_cfg.estimate.probe import offload_groups
+
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ConfigError(f"{cfg.source}: activation_memory_budget decides which layers to checkpoint, and this "
+                          "model already checkpoints every layer (transformers' gradient checkpointing: the "
+                          "Trainer's gradient_checkpointing, ms-swift's --gradient_checkpointing); turn that off, "
+                          "or drop the budget")
+    names = {id(m): n for n, m in model.named_modules()}
+    for group in offload_groups(model, list(cfg.transformer_layer_cls_to_wrap or ()) or None):
+        if isinstance(group, CheckpointWrapper):
+            continue  # prepared twice (a framework's direct call after accelerate's): already wrapped
+        wrapped = checkpoint_wrapper(group)  # preserve_rng_state=True: recomputed dropout draws the same masks
+        set_checkpointing(wrapped, False)
+        model.set_submodule(names[id(group)], wrapped)
+
+
+def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
+    """After prepare: the offload on every layer, all of them kept until the plan is made, and the
+    planner at the first training forward; `unpatch()` removes both."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from fsdp_offload_cfg.integrations.common import summarize_offload_at_exit
+    from fsdp_offload_cfg.offload import enable_activation_offload
+
+    handle = enable_activation_offload(model, dataclasses.replace(cfg.activation_cpu_offload, enabled=True))
+    registry.on_uninstall(handle.remove)
+    if not all(isinstance(g, CheckpointWrapper) for g in handle.groups):
+        names = [type(g).__name__ for g in handle.groups if not isinstance(g, CheckpointWrapper)]
+        raise ConfigError(f"{cfg.source}: activation_memory_budget: the offload groups {', '.join(names[:3])} are "
+                          "not the layers wrapped for the plan; set transformer_layer_cls_to_wrap to the decoder "
+                          "layer class")
+    handle.handler.kept_groups = frozenset(range(len(handle.groups)))
+    planner = _Planner(model, handle, cfg)
+    hook = model.register_forward_pre_hook(planner, with_kwargs=True)
+    registry.on_uninstall(hook.remove)
+    summarize_offload_at_exit()
+
+
+class _Planner:
+    """The root's forward pre-hook: plans at the first forward under grad, then watches the shape."""
+
+    def __init__(self, model: nn.Module, handle: Any, cfg: FSDPOffloadConfig) -> None:
+        self.model = model
+        self.handle = handle
+        self.cfg = cfg
+        self.shape: tuple[int, int] | None = None  # (batch, tokens) the plan was made for, once made
+        self.warned = False  # a longer batch is said once per process, not at every step
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        from fsdp_offload_cfg.offload.handlers import in_backward
+
+        if not torch.is_grad_enabled() or in_backward():
+            return
+        shape = batch_shape(args, kwargs)
+        if self.shape is None:
+            self.shape = _largest_over_ranks(shape)
+            _agreed("planning activation_memory_budget", lambda: self.plan(self.shape))
+        elif shape is not None and shape[0] * shape[1] > self.shape[0] * self.shape[1] and not self.warned:
+            self.warned = True
+            logger.warning("a batch of %d x %d tokens is larger than the %d x %d the activation_memory_budget plan "
+                           "was made for: its activations may exceed the budget (pad or bucket batches to the "
+                           "longest length, or make the first batch the longest)", *shape, *self.shape)
+
+    def plan(self, shape: tuple[int, int] | None) -> None:
+        if shape is None:
+            raise ConfigError(f"{self.cfg.source}: activation_memory_budget: cannot tell the batch shape from the "
+                              "model's forward arguments (no input_ids or inputs_embeds)")
+        from fsdp_offload_cfg.estimate import EstimateError
+
+        try:
+            plan = plan_layers(self.model, self.handle, self.cfg, shape)
+        except EstimateError as error:
+            raise ConfigError(f"{self.cfg.source}: activation_memory_budget: at {shape[0]} x {shape[1]} tokens per "
+                              f"rank, {error}") from error
+        for boundary, choice in zip(self.handle.groups, plan.choices):
+            set_checkpointing(boundary, choice.startswith("checkpoint"))
+        self.handle.handler.kept_groups = frozenset(i for i, c in enumerate(plan.choices) if not c.endswith("offload"))
+        self.model.__dict__[_PLANNED] = True
+        if is_rank0():
+            logger.info("%s", describe(plan, shape))
+
+
+def planned_choices(model: nn.Module) -> list[str] | None:
+    """Each layer's choice as the model now runs it (keep, offload, checkpoint, checkpoint_offload),
+    read from its wrapper and the offload; None before the plan is made, or without a budget."""
+    from fsdp_offload_cfg.offload import get_offload_handle
+
+    handle = get_offload_handle(model)
+    if handle is None or not handle.active or not model.__dict__.get(_PLANNED):
+        return None
+    names = {(False, False): "keep", (False, True): "offload", (True, False): "checkpoint",
+             (True, True): "checkpoint_offload"}
+    return [names[(g.checkpoint_fn is not _call, i not in handle.handler.kept_groups)]
+            for i, g in enumerate(handle.groups)]
+
+
+def plan_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, shape: tuple[int, int]) -> Any:
+    """The estimate's plan for this model at `shape`: its saves measured on a `meta` twin."""
+    from fsdp_offload_cfg.estimate.model import ModelSource, build_on_meta, example_batch, layer_class_names
+    from fsdp_offload_cfg.estimate.plan import default_time_model, plan_to_budget
+    from fsdp_offload_cfg.estimate.probe import measure_activations
+    from fsdp_offload_cfg.offload.handlers import AsyncHandler
+
+    pretrained = _transformers_model(model)
+    if pretrained is None:
+        raise ConfigError(f"{cfg.source}: activation_memory_budget plans transformers models; this model has no "
+                          "PreTrainedModel inside it")
+    source = ModelSource("", pretrained.config, ())
+    dtype = _compute_dtype(model, cfg)
+    twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
+    layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
+    handler = handle.handler
+    batch = example_batch(source, *shape, dtype)
+    try:
+        profile = measure_activations(twin, batch, layers, target=handler.device.type)
+    except Exception:  # noqa: BLE001 - a head whose labels are not token ids (a classifier, a reward model)
+        batch.pop("labels")  # its loss is a few bytes after the last layer; the layers are what is planned
+        profile = measure_activations(twin, batch, layers, target=handler.device.type)
+    if len(profile.groups) != len(handle.groups):
+        raise ConfigError(f"{cfg.source}: activation_memory_budget: the plan measured {len(profile.groups)} layers "
+                          f"and the model has {len(handle.groups)}; set transformer_layer_cls_to_wrap to the decoder "
+                          "layer class")
+    async_reload = isinstance(handler, AsyncHandler)
+    return plan_to_budget(profile, budget_bytes(cfg), handle.config, async_reload,
+                          default_time_model(handler.device.type, async_reload))
+
+
+def describe(plan: Any, shape: tuple[int, int]) -> str:
+    """Rank 0's line: the budget, each run of layers with one choice, and the estimates."""
+    runs: list[list[Any]] = []
+    for i, choice in enumerate(plan.choices):
+        if runs and runs[-1][2] == choice:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, choice])
+    choices = "; ".join(f"layers {a}-{b}: {c.replace('_', ' + ')}" if a != b else f"layer {a}: {c.replace('_', ' + ')}"
+                        for a, b, c in runs)
+    extra = plan.extra_seconds / plan.compute_seconds if plan.compute_seconds else 0.0
+    return (f"activation_memory_budget {show_size(plan.budget_bytes)} at {shape[0]} x {shape[1]} tokens per rank: "
+            f"{choices}; activations on the device {show_size(plan.residency.device_peak_bytes)}, on the host "
+            f"{show_size(plan.residency.host_bytes)}, layer time +{extra:.0%} (estimated)")
+
+
+def batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """(batch, tokens) of a forward's inputs: `input_ids`, else `inputs_embeds`, else the first
+    positional tensor."""
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return None
+
+
+def _largest_over_ranks(shape: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The largest (batch, tokens) of any rank, the same on every rank; None where any rank has none."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return shape
+    shapes: list[tuple[int, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, shape)
+    if any(s is None for s in shapes):
+        return None
+    return max(s[0] for s in shapes), max(s[1] for s in shapes)  # type: ignore[index]
+
+
+def _agreed(what: str, fn: Any) -> None:
+    from fsdp_offload_cfg.loading._sync import agreed, distributed_ready
+
+    if distributed_ready():
+        agreed(what, fn)
+    else:
+        fn()
+
+
+def _transformers_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside `model` (itself, or under PEFT and wrappers)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _original_class(model: nn.Module) -> type[nn.Module]:
+    """The model's own class (FSDP2 swaps in a subclass named `FSDP<class>`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _compute_dtype(model: nn.Module, cfg: FSDPOffloadConfig) -> torch.dtype:
+    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision or "no")
+    if mixed is not None:
+        return mixed
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

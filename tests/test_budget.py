@@ -1,0 +1,235 @@
+"""`activation_memory_budget` in a run: planned at the first training forward, exact, agreed by all ranks.
+
+On 2 real gloo ranks through `patch()` and `accelerator.prepare`, one seed: a budget that needs a
+mix of choices, and one that needs checkpointing too, train bit-for-bit what the same run without
+a budget trains (losses, gradient norms, final weights), with the loader off and on; the choices
+the layers run with are the planner's for that batch; a budget no plan meets stops every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+BATCH, SEQ, LAYERS = 2, 48, 4
+
+
+def _config(budget: int | None, loader: bool = False) -> dict[str, Any]:
+    fsdp: dict[str, Any] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                            "fsdp_cpu_ram_efficient_loading": loader}
+    if budget is not None:
+        fsdp["fsdp_activation_memory_budget"] = budget
+    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _train(rank: int, world: int, path: str, budget: int | None, loader: bool) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.budget import planned_choices
+    from fsdp_offload_cfg.offload import offload_stats
+
+    fsdp_offload_cfg.patch(_config(budget, loader))
+    accelerator = Accelerator()
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    before = planned_choices(model)
+    losses, norms = [], []
+    for step in range(3):
+        ids = torch.randint(1, 97, (BATCH, SEQ), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e9)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
+    return {"losses": losses, "norms": norms, "state": state, "before": before, "choices": planned_choices(model),
+            "moved": offload_stats()["offloaded_bytes"]}
+
+
+def _plan_for(path: str, budget: int) -> list[str]:
+    """The estimate's plan for the same model, batch and device (what the run must follow)."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    report = estimate_memory(load_config(_config(None) | {"num_processes": 2}), path, seq_len=SEQ, batch_size=BATCH,
+                             device="cpu", dtype="float32", activation_budget=budget)
+    return [layer["choice"] for layer in report["plan"]["layers"]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from _models import save_llama
+
+    """Wide enough (hidden 256) that at the CPU's assumed rates a layer's copies cost less than its
+    recompute: the plans use every choice."""
+    return save_llama(str(tmp_path_factory.mktemp("budget") / "llama"), num_hidden_layers=LAYERS, hidden_size=256,
+                      intermediate_size=688, num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def budgets(model_dir: str) -> dict[str, int]:
+    """From the estimate of this model: halfway between its smallest and its plain peak (a mix),
+    and just above its smallest (every layer saves what it can)."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    report = estimate_memory(load_config(_config(None) | {"num_processes": 2}), model_dir, seq_len=SEQ,
+                             batch_size=BATCH, device="cpu", dtype="float32", activation_budget=10**12)
+    peaks = [u["device_peak_bytes"] for u in report["plan"]["uniform"].values()]
+    low, high = min(peaks), max(peaks)
+    return {"mix": (low + high) // 2, "tight": low + (high - low) // 100}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir: str, budgets: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    cases = {"none": (None, False), "mix": (budgets["mix"], False), "tight": (budgets["tight"], False),
+             "tight_loader": (budgets["tight"], True)}
+    return {name: run_workers(_train, 2, model_dir, budget, loader, timeout=400)
+            for name, (budget, loader) in cases.items()}
+
+
+@pytest.mark.parametrize("case", ["mix", "tight", "tight_loader"])
+def test_a_budget_trains_exactly_what_the_run_without_it_trains(runs: dict[str, Any], case: str):
+    for rank in (0, 1):
+        plain, ours = runs["none"][rank], runs[case][rank]
+        assert ours["losses"] == plain["losses"], (rank, ours["losses"], plain["losses"])
+        assert ours["norms"] == plain["norms"], (rank, ours["norms"], plain["norms"])
+    assert runs[case][0]["state"] == runs["none"][0]["state"]  # gathered on rank 0
+
+
+@pytest.mark.parametrize("case", ["mix", "tight", "tight_loader"])
+def test_the_layers_run_the_estimates_plan_for_the_first_batch(runs: dict[str, Any], budgets: dict[str, int],
+                                                               model_dir: str, case: str):
+    expected = _plan_for(model_dir, budgets[case.removesuffix("_loader")])
+    for rank in (0, 1):
+        assert runs[case][rank]["before"] is None  # planned at the first forward, not at prepare
+        assert runs[case][rank]["choices"] == expected
+    if case == "mix":  # halfway: some layers offloaded, the others kept
+        assert {"offload", "keep"} <= set(expected), expected
+    else:  # nearly the smallest: checkpointing too
+        assert any(c.startswith("checkpoint") for c in expected), expected
+    if any(c.endswith("offload") for c in expected):
+        assert all(runs[case][rank]["moved"] > 0 for rank in (0, 1))
+    assert runs["none"][0]["choices"] is None and runs["none"][0]["moved"] == 0
+
+
+def _fail(rank: int, world: int, path: str, case: str) -> dict[str, Any]:
+    """One way to fail per case; returns what each rank saw (an error is returned, not raised)."""
+    import logging
+
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    import fsdp_offload_cfg.budget
+
+    fsdp_offload_cfg.patch(_config(1 if case == "too_small" else 10**9))
+    if case == "rank1_fails" and rank == 1:
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("no space left on device")
+
+        fsdp_offload_cfg.budget.plan_layers = broken
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fsdp_offload_cfg.budget").addHandler(handler)
+    accelerator = Accelerator()
+    if case == "classifier":  # a head whose labels are not token ids (TRL's reward models)
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=3, pad_token_id=0)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    if case == "gradient_checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        for seq in (SEQ, 2 * SEQ, 3 * SEQ) if case != "classifier" else (SEQ,):
+            ids = torch.randint(1, 97, (BATCH, seq))
+            labels = ids[:, 0] % 3 if case == "classifier" else ids
+            accelerator.backward(model(input_ids=ids, labels=labels).loss)
+    except Exception as exc:  # noqa: BLE001 - what the rank saw is the result
+        return {"error": f"{type(exc).__name__}: {exc}", "records": records}
+    return {"error": None, "records": records, "choices": fsdp_offload_cfg.budget.planned_choices(model)}
+
+
+@pytest.fixture(scope="module")
+def failures(model_dir: str) -> dict[str, list[dict[str, Any]]]:
+    return {case: run_workers(_fail, 2, model_dir, case, timeout=120, pg_timeout=60)
+            for case in ("too_small", "rank1_fails", "gradient_checkpointing", "longer_batches", "classifier")}
+
+
+def test_a_budget_no_plan_meets_stops_every_rank_naming_the_key_and_the_smallest(failures: dict[str, Any]):
+    for rank in (0, 1):
+        error = failures["too_small"][rank]["error"]
+        assert error is not None and "activation_memory_budget: at 2 x 48 tokens per rank" in error, error
+        assert "no plan fits; the smallest activation peak on the device a plan reaches is" in error
+
+
+def test_a_rank_failing_to_plan_stops_every_rank_naming_it(failures: dict[str, Any]):
+    for rank in (0, 1):
+        error = failures["rank1_fails"][rank]["error"]
+        assert error is not None and "planning activation_memory_budget failed on rank 1: OSError: no space" in error
+
+
+def test_transformers_gradient_checkpointing_is_refused_at_prepare(failures: dict[str, Any]):
+    for rank in (0, 1):
+        error = failures["gradient_checkpointing"][rank]["error"]
+        assert error is not None and error.startswith("ConfigError: <dict>: activation_memory_budget decides which "
+                                                      "layers to checkpoint"), error
+
+
+def test_a_longer_batch_than_planned_for_is_said_once(failures: dict[str, Any]):
+    for rank in (0, 1):
+        result = failures["longer_batches"][rank]
+        assert result["error"] is None, result["error"]
+        longer = [r for r in result["records"] if "larger than the 2 x 48 the activation_memory_budget plan" in r]
+        assert len(longer) == 1 and longer[0].startswith("a batch of 2 x 96 tokens"), result["records"]
+    assert any(r.startswith("activation_memory_budget 0.93 GiB at 2 x 48 tokens per rank: layers 0-3: keep")
+               for r in failures["longer_batches"][0]["records"])
+
+
+def test_a_wrapper_passing_through_computes_what_the_layer_computes():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fsdp_offload_cfg.budget import batch_shape, set_checkpointing
+
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    wrapper = checkpoint_wrapper(layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    saved: list[int] = []
+    for on in (False, True, False):
+        set_checkpointing(wrapper, on)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = wrapper(x)
+        assert torch.equal(out, layer(x))
+        assert (saved == [32]) is on  # checkpointed: only the input is saved; through: every activation
+        saved.clear()
+    assert batch_shape((), {"input_ids": torch.zeros(3, 7)}) == (3, 7)
+    assert batch_shape((torch.zeros(2, 5),), {}) == (2, 5)
+    assert batch_shape((), {"inputs_embeds": torch.zeros(1, 9, 4)}) == (1, 9)
+    assert batch_shape((), {}) is None
+
+
+def test_a_classifier_is_planned_without_token_labels(failures: dict[str, Any]):
+    for rank in (0, 1):
+        result = failures["classifier"][rank]
+        assert result["error"] is None and result["choices"] == ["keep"] * LAYERS, result
