@@ -110,12 +110,13 @@ class _Planner:
         self.cfg = cfg
         self.shape: tuple[int, int] | None = None  # (batch, tokens) the plan was made for, once made
         self.warned = False  # a longer batch is said once per process, not at every step
+        self.no_cache = False  # training forwards run without a KV cache: a plan that checkpoints (see __call__)
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         from fsdp_offload_cfg.offload.handlers import in_backward
 
         if not torch.is_grad_enabled() or in_backward():
-            return
+            return None
         shape = batch_shape(args, kwargs)
         if self.shape is None:
             self.shape = _largest_over_ranks(shape)
@@ -125,6 +126,13 @@ class _Planner:
             logger.warning("a batch of %d x %d tokens is larger than the %d x %d the activation_memory_budget plan "
                            "was made for: its activations may exceed the budget (pad or bucket batches to the "
                            "longest length, or make the first batch the longest)", *shape, *self.shape)
+        # A checkpointed layer that appends to a KV cache appends again when it is recomputed, and
+        # the recomputation then differs from the forward (transformers 4.x: "recomputed metadata").
+        # transformers turns the cache off under its own gradient checkpointing, and so does a plan
+        # that checkpoints: a training forward has no use for the cache. (Only then: on 4.x the
+        # cache's attention mask path differs in the last bits, and a plan without checkpointing
+        # must train exactly what the run without a budget trains.)
+        return (args, {**kwargs, "use_cache": False}) if self.no_cache else None
 
     def plan(self, shape: tuple[int, int] | None) -> None:
         if shape is None:
@@ -141,6 +149,7 @@ class _Planner:
             set_checkpointing(boundary, choice.startswith("checkpoint"))
         self.handle.handler.kept_groups = frozenset(i for i, c in enumerate(plan.choices) if not c.endswith("offload"))
         self.model.__dict__[_PLANNED] = True
+        self.no_cache = _takes_use_cache(self.model) and any(c.startswith("checkpoint") for c in plan.choices)
         if is_rank0():
             logger.info("%s", describe(plan, shape))
 
@@ -242,6 +251,14 @@ def _transformers_model(model: nn.Module) -> nn.Module | None:
     except ImportError:
         return None
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    """The transformers model inside `model` takes `use_cache` (decoders do; wrappers pass it on)."""
+    import inspect
+
+    pretrained = _transformers_model(model)  # its class's forward: the instance's is the offload's wrapper
+    return pretrained is not None and "use_cache" in inspect.signature(type(pretrained).forward).parameters
 
 
 def _original_class(model: nn.Module) -> type[nn.Module]:

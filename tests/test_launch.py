@@ -218,6 +218,33 @@ def test_trainer_fsdp_config_with_plugin_keys(tmp_path: Path, checkpoint: str):
     assert reports[1]["meta_numel_after_from_pretrained"] == reports[1]["full_numel"]
 
 
+def test_trainer_fsdp_config_with_a_memory_budget(tmp_path: Path, checkpoint: str):
+    """The Trainer's `fsdp_config` with `activation_memory_budget`: the layers follow a plan made at
+    the first step, and the training loss is the one the same run without a budget gives, to the bit."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    report = estimate_memory(load_config({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {
+        "version": 2, "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0}}}), checkpoint, seq_len=16,
+        batch_size=2, device="cpu", dtype="float32", activation_budget=2**40)
+    peaks = sorted(u["device_peak_bytes"] for u in report["plan"]["uniform"].values())
+    budget = (peaks[0] + peaks[-1]) // 2
+    runs = {}
+    for name, extra in (("plain", {}), ("budget", {"PROBE_BUDGET": str(budget)})):
+        runs[name] = _reports(_run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                    "--master_port", str(free_port()), str(TRAINER_PROBE), checkpoint,
+                                    str(tmp_path / name)], **extra))
+    expected = [layer["choice"] for layer in estimate_memory(load_config({
+        "distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {
+            "version": 2, "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0},
+            "activation_memory_budget": budget}}), checkpoint, seq_len=16, batch_size=2, device="cpu",
+        dtype="float32")["plan"]["layers"]]
+    for plain, planned in zip(runs["plain"], runs["budget"]):
+        assert plain["choices"] is None and planned["choices"] == expected, (planned["choices"], expected)
+        assert planned["training_loss"] == plain["training_loss"], (planned, plain)
+    assert expected != ["keep"] * len(expected)  # halfway between the settings' peaks: not the plain run
+
+
 FSDP1_YAML = """\
 distributed_type: FSDP
 num_machines: 1

@@ -18,6 +18,8 @@ import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
+from fsdp_offload_cfg.budget import planned_choices  # noqa: E402
+
 checkpoint, output_dir = sys.argv[1], sys.argv[2]
 args = TrainingArguments(
     output_dir=output_dir,
@@ -34,6 +36,8 @@ args = TrainingArguments(
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
         "cpu_ram_efficient_loading": True,
         "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0},
+        # PROBE_BUDGET: the same run planned to an activation memory budget (docs/offload.md)
+        **({"activation_memory_budget": os.environ["PROBE_BUDGET"]} if os.environ.get("PROBE_BUDGET") else {}),
     },
 )
 model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -56,6 +60,8 @@ report = {
     "train_loss_finite": math.isfinite(result.training_loss),
     "offload_enabled": bool(cfg and cfg.activation_cpu_offload.enabled),
     "offload_stats": fsdp_offload_cfg.offload_stats(),
+    "training_loss": result.training_loss,
+    "choices": planned_choices(wrapped),
 }
 out_dir = os.environ.get("PROBE_DIR")
 if out_dir:  # one file per rank: launchers interleave the ranks' stdout
