@@ -379,7 +379,10 @@ def _mismatch_case(path: str, rank: int, strategy: str) -> str:
 
 
 def _matrix_worker(rank: int, world_size: int, paths: dict[str, str], ref_dir: str) -> dict[str, Any]:
-    """The whole matrix once per strategy, in one launch: {strategy: {case: result}}."""
+    """The whole matrix once per strategy, in one launch: {strategy: {case: result}}. Every rank
+    starts from one seed, as a training script sets it: from different states, a load that draws
+    (llava's missing weights on transformers 4.57) is warned about on rank 1, rightly."""
+    torch.manual_seed(0)
     warnings = _Warnings()
     out: dict[str, Any] = {}
     for strategy in STRATEGIES:
@@ -517,7 +520,9 @@ def test_sharded_falls_back_to_broadcast_with_one_warning(matrix: list[dict[str,
     for strategy in STRATEGIES:
         assert all(not results[strategy]["warnings_elsewhere"] for results in matrix), [
             r[strategy]["warnings_elsewhere"] for r in matrix]
-        assert all(not results[strategy][c]["warnings"] for results in matrix for c in SHARDED_READS)
+        assert all(not results[strategy][c]["warnings"] for results in matrix for c in SHARDED_READS), [
+            (strategy, c, results[strategy][c]["warnings"]) for results in matrix for c in SHARDED_READS
+            if results[strategy][c]["warnings"]]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
