@@ -72,8 +72,9 @@ def wrap_layers(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
                           "or drop the budget")
     names = {id(m): n for n, m in model.named_modules()}
     for group in offload_groups(model, list(cfg.transformer_layer_cls_to_wrap or ()) or None):
-        if isinstance(group, CheckpointWrapper):
-            continue  # prepared twice (a framework's direct call after accelerate's): already wrapped
+        if isinstance(group, CheckpointWrapper):  # wrapped by hand before prepare: the plan takes it over
+            set_checkpointing(group, False)
+            continue
         wrapped = checkpoint_wrapper(group)  # preserve_rng_state=True: recomputed dropout draws the same masks
         set_checkpointing(wrapped, False)
         model.set_submodule(names[id(group)], wrapped)
@@ -201,14 +202,10 @@ def plan_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, shape: tu
 
 def describe(plan: Any, shape: tuple[int, int]) -> str:
     """Rank 0's line: the budget, each run of layers with one choice, and the estimates."""
-    runs: list[list[Any]] = []
-    for i, choice in enumerate(plan.choices):
-        if runs and runs[-1][2] == choice:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i, choice])
-    choices = "; ".join(f"layers {a}-{b}: {c.replace('_', ' + ')}" if a != b else f"layer {a}: {c.replace('_', ' + ')}"
-                        for a, b, c in runs)
+    from fsdp_offload_cfg.estimate.plan import layer_runs
+
+    choices = "; ".join((f"layers {a}-{b}" if a != b else f"layer {a}") + f": {c.replace('_', ' + ')}"
+                        for a, b, c in layer_runs(plan.choices))
     extra = plan.extra_seconds / plan.compute_seconds if plan.compute_seconds else 0.0
     return (f"activation_memory_budget {show_size(plan.budget_bytes)} at {shape[0]} x {shape[1]} tokens per rank: "
             f"{choices}; activations on the device {show_size(plan.residency.device_peak_bytes)}, on the host "
@@ -226,7 +223,9 @@ def batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
 
 def _largest_over_ranks(shape: tuple[int, int] | None) -> tuple[int, int] | None:
     """The largest (batch, tokens) of any rank, the same on every rank; None where any rank has none."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    from fsdp_offload_cfg.loading._sync import distributed_ready
+
+    if not distributed_ready():
         return shape
     shapes: list[tuple[int, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(shapes, shape)

@@ -241,3 +241,22 @@ def test_a_classifier_is_planned_without_token_labels(failures: dict[str, Any]):
     for rank in (0, 1):
         result = failures["classifier"][rank]
         assert result["error"] is None and result["choices"] == ["keep"] * LAYERS, result
+
+
+def test_layers_are_wrapped_once_and_pass_through_until_planned():
+    """Before sharding each decoder layer gets one checkpoint wrapper, passing through; a layer the
+    script wrapped by hand is taken over, not wrapped twice (its checkpointing left always on)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+    from transformers import LlamaForCausalLM
+
+    from _models import llama_config
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.budget import _call, wrap_layers
+
+    model = LlamaForCausalLM(llama_config(num_hidden_layers=3))
+    model.model.layers[1] = checkpoint_wrapper(model.model.layers[1])
+    wrap_layers(model, load_config(_config(10**9)))
+    for layer in model.model.layers:
+        assert isinstance(layer, CheckpointWrapper) and not isinstance(layer._checkpoint_wrapped_module,
+                                                                       CheckpointWrapper)
+        assert layer.checkpoint_fn is _call

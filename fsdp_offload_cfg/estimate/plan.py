@@ -92,6 +92,18 @@ class _Option:
     seconds: float
 
 
+def layer_runs(choices: list[str]) -> list[tuple[int, int, str]]:
+    """(first, last, choice) for each run of consecutive layers with one choice: how a plan is
+    shown, in the estimate's table and in the run's log line."""
+    runs: list[tuple[int, int, str]] = []
+    for i, choice in enumerate(choices):
+        if runs and runs[-1][2] == choice:
+            runs[-1] = (runs[-1][0], i, choice)
+        else:
+            runs.append((i, i, choice))
+    return runs
+
+
 def plan_to_budget(profile: ActivationProfile, budget_bytes: int, offload: ActivationOffloadConfig,
                    async_reload: bool, time: TimeModel) -> Plan:
     """The plan of least estimated extra time whose activation peak on the device is within

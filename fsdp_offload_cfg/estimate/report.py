@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.estimate import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.activations import Residency, settings
@@ -24,7 +25,14 @@ from fsdp_offload_cfg.estimate.model import (
     layer_class_names,
     read_model,
 )
-from fsdp_offload_cfg.estimate.plan import Plan, TimeModel, default_time_model, plan_to_budget, uniform_plans
+from fsdp_offload_cfg.estimate.plan import (
+    Plan,
+    TimeModel,
+    default_time_model,
+    layer_runs,
+    plan_to_budget,
+    uniform_plans,
+)
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
 from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
@@ -266,8 +274,7 @@ def _name(dtype: torch.dtype) -> str:
 # ------------------------------------------------------------------------------ table
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -288,42 +295,38 @@ def format_table(report: dict[str, Any]) -> str:
             (f"activations on the device ({inputs['activation_setting']})", "activations_on_device_bytes"),
             ("pinned host pool", "pinned_host_bytes"), ("host memory for training", "host_bytes"),
             ("peak device memory", "peak_device_bytes")]
-    lines += [f"| {label} | {_gib(r[key])} |" for label, key in rows]
+    lines += [f"| {label} | {show_size(r[key])} |" for label, key in rows]
     lines += ["", "| activations | saved | on the device at peak | host | peak device memory |", "|---|---|---|---|---|"]
     for name, s in report["activations"]["settings"].items():
-        lines.append(f"| {name.replace('_', ' ')} | {_gib(s['saved_bytes'])} | {_gib(s['device_peak_bytes'])} "
-                     f"| {_gib(s['host_bytes'])} | {_gib(report['device_by_setting'][name]['peak_device_bytes'])} |")
+        lines.append(f"| {name.replace('_', ' ')} | {show_size(s['saved_bytes'])} | {show_size(s['device_peak_bytes'])} "
+                     f"| {show_size(s['host_bytes'])} | {show_size(report['device_by_setting'][name]['peak_device_bytes'])} |")
     if "plan" in report:
         lines += _plan_table(report["plan"])
     loading = report["loading"]
     lines += ["", "| loading (host peak) | rank 0 | each other rank |", "|---|---|---|"]
     for name, p in loading["by_strategy"].items():
         mark = " (this config)" if name == loading["strategy"] else ""
-        lines.append(f"| {name}{mark} | {_gib(p['rank0_host_peak_bytes'])} | {_gib(p['other_host_peak_bytes'])} |")
+        lines.append(f"| {name}{mark} | {show_size(p['rank0_host_peak_bytes'])} | {show_size(p['other_host_peak_bytes'])} |")
     lines += ["", "Assumptions:"] + [f"- {a}" for a in report["assumptions"]]
     return "\n".join(lines)
 
 
 def _plan_table(plan: dict[str, Any]) -> list[str]:
     """The plan in runs of consecutive layers with the same choice, then the single settings."""
-    lines = ["", f"Plan for an activation budget of {_gib(plan['budget_bytes'])}: activations peak at "
-             f"{_gib(plan['device_peak_bytes'])} on the device, {_gib(plan['host_bytes'])} pinned on the host, "
+    lines = ["", f"Plan for an activation budget of {show_size(plan['budget_bytes'])}: activations peak at "
+             f"{show_size(plan['device_peak_bytes'])} on the device, {show_size(plan['host_bytes'])} pinned on the host, "
              f"step time of the layers +{plan['extra_time_fraction']:.0%} (estimated)",
              "", "| layers | choice | on the device | on the host | extra ms |", "|---|---|---|---|---|"]
-    runs: list[list[dict[str, Any]]] = []
-    for layer in plan["layers"]:
-        if runs and runs[-1][-1]["choice"] == layer["choice"]:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    for run in runs:
+    layers = plan["layers"]
+    for first, last, _ in layer_runs([layer["choice"] for layer in layers]):
+        run = layers[first:last + 1]
         names = run[0]["name"] if len(run) == 1 else f"{run[0]['name']} .. {run[-1]['name']} ({len(run)})"
         lines.append(f"| {names} | {run[0]['choice'].replace('_', ' + ')} | "
-                     f"{_gib(sum(r['device_bytes'] for r in run))} | {_gib(sum(r['host_bytes'] for r in run))} | "
+                     f"{show_size(sum(r['device_bytes'] for r in run))} | {show_size(sum(r['host_bytes'] for r in run))} | "
                      f"{1e3 * sum(r['extra_seconds'] for r in run):.1f} |")
     lines += ["", "| single setting | activations on the device | fits | extra step time |", "|---|---|---|---|"]
     for name, u in plan["uniform"].items():
-        lines.append(f"| {name.replace('_', ' ')} | {_gib(u['device_peak_bytes'])} | {'yes' if u['fits'] else 'no'} "
+        lines.append(f"| {name.replace('_', ' ')} | {show_size(u['device_peak_bytes'])} | {'yes' if u['fits'] else 'no'} "
                      f"| +{u['extra_time_fraction']:.0%} |")
     model = plan["time_model"]
     lines.append(f"(time model: {model['compute_tflops']:g} TFLOP/s, copies at {model['copy_gb_per_s']:g} GB/s"
