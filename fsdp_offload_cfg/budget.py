@@ -18,14 +18,17 @@ Exactness: a choice changes only where a saved tensor waits (the offload's copie
 whether it is recomputed (`checkpoint_wrapper` with the RNG state preserved, so dropout draws
 the same masks), so gradients are bit-identical to the same run without a budget.
 
-Planned once, for the first batch's shape: a later, longer batch may not fit, and is warned about
-once (pad or bucket to the longest length, or plan for it by making the first batch the longest).
+The plan is made for the largest batch shape any rank has seen: every training forward the ranks
+agree on it (one small all-reduce over a gloo group, which never waits on the device), and a
+batch longer or wider than any before is planned again before its first layer runs, so its
+activations stay within the budget too. The rates the plan weighs time with are measured once on
+the device (`estimate/rates.py`; the slowest rank's), unless the config states them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,9 @@ from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg._sizes import show_size, size_in_bytes
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
+
+if TYPE_CHECKING:
+    from fsdp_offload_cfg.estimate.plan import Plan
 
 logger = get_logger("fsdp_offload_cfg.budget")
 
@@ -96,21 +102,23 @@ def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
                           "not the layers wrapped for the plan; set transformer_layer_cls_to_wrap to the decoder "
                           "layer class")
     handle.handler.kept_groups = frozenset(range(len(handle.groups)))
-    planner = _Planner(model, handle, cfg)
+    planner = _Planner(model, handle, cfg, _host_group())
     hook = model.register_forward_pre_hook(planner, with_kwargs=True)
     registry.on_uninstall(hook.remove)
     summarize_offload_at_exit()
 
 
 class _Planner:
-    """The root's forward pre-hook: plans at the first forward under grad, then watches the shape."""
+    """The root's forward pre-hook: plans at the first forward under grad, and again at a larger one."""
 
-    def __init__(self, model: nn.Module, handle: Any, cfg: FSDPOffloadConfig) -> None:
+    def __init__(self, model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, group: Any) -> None:
         self.model = model
         self.handle = handle
         self.cfg = cfg
-        self.shape: tuple[int, int] | None = None  # (batch, tokens) the plan was made for, once made
-        self.warned = False  # a longer batch is said once per process, not at every step
+        self.group = group  # the gloo group the ranks agree on batch shapes over, every training forward
+        self.shape: tuple[int, int] | None = None  # (batch, tokens) the plan is made for, once made
+        self.rates: tuple[float, float] | None = None  # (FLOP/s, copy bytes/s), measured once, then kept
+        self.plan: Plan | None = None  # the plan the layers follow (for `planned` and the tests)
         self.no_cache = False  # training forwards run without a KV cache: a plan that checkpoints (see __call__)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -118,15 +126,13 @@ class _Planner:
 
         if not torch.is_grad_enabled() or in_backward():
             return None
-        shape = batch_shape(args, kwargs)
+        largest = _largest_over_ranks(batch_shape(args, kwargs), self.group)
         if self.shape is None:
-            self.shape = _largest_over_ranks(shape)
-            _agreed("planning activation_memory_budget", lambda: self.plan(self.shape))
-        elif shape is not None and shape[0] * shape[1] > self.shape[0] * self.shape[1] and not self.warned:
-            self.warned = True
-            logger.warning("a batch of %d x %d tokens is larger than the %d x %d the activation_memory_budget plan "
-                           "was made for: its activations may exceed the budget (pad or bucket batches to the "
-                           "longest length, or make the first batch the longest)", *shape, *self.shape)
+            self.rates = self.agreed_rates(largest)
+            _agreed("planning activation_memory_budget", lambda: self.make_plan(largest))
+        elif largest is not None and (grown := (max(largest[0], self.shape[0]), max(largest[1], self.shape[1]))) \
+                != self.shape:
+            _agreed("planning activation_memory_budget again, for a larger batch", lambda: self.make_plan(grown))
         # A checkpointed layer that appends to a KV cache appends again when it is recomputed, and
         # the recomputation then differs from the forward (transformers 4.x: "recomputed metadata").
         # transformers turns the cache off under its own gradient checkpointing, and so does a plan
@@ -135,24 +141,56 @@ class _Planner:
         # must train exactly what the run without a budget trains.)
         return (args, {**kwargs, "use_cache": False}) if self.no_cache else None
 
-    def plan(self, shape: tuple[int, int] | None) -> None:
+    def agreed_rates(self, shape: tuple[int, int] | None) -> tuple[float, float]:
+        """(FLOP/s, copy bytes/s) to plan at: the config's, else measured here and taken from the
+        slowest rank, so that every rank makes the same plan."""
+        stated = self.cfg.activation_budget_compute_tflops, self.cfg.activation_budget_copy_gb_per_s
+        if None not in stated:
+            return stated[0] * 1e12, stated[1] * 1e9  # type: ignore[operator]
+        measured = _agreed_value("measuring the device for activation_memory_budget", lambda: self.measure(shape))
+        flops, copy = _slowest_over_ranks(measured, self.group)
+        return (stated[0] * 1e12 if stated[0] else flops), (stated[1] * 1e9 if stated[1] else copy)
+
+    def measure(self, shape: tuple[int, int] | None) -> tuple[float, float]:
+        from fsdp_offload_cfg.estimate.rates import measure_rates
+
+        pretrained = _transformers_model(self.model)
+        text = pretrained.config.get_text_config() if pretrained is not None else None
+        hidden = int(getattr(text, "hidden_size", 0) or 1024)
+        tokens = shape[0] * shape[1] if shape is not None else 1024
+        return measure_rates(self.handle.handler.device, _compute_dtype(self.model, self.cfg), hidden, tokens)
+
+    def make_plan(self, shape: tuple[int, int] | None) -> None:
         if shape is None:
             raise ConfigError(f"{self.cfg.source}: activation_memory_budget: cannot tell the batch shape from the "
                               "model's forward arguments (no input_ids or inputs_embeds)")
         from fsdp_offload_cfg.estimate import EstimateError
 
+        assert self.rates is not None
         try:
-            plan = plan_layers(self.model, self.handle, self.cfg, shape)
+            plan = plan_layers(self.model, self.handle, self.cfg, shape, self.rates)
         except EstimateError as error:
             raise ConfigError(f"{self.cfg.source}: activation_memory_budget: at {shape[0]} x {shape[1]} tokens per "
                               f"rank, {error}") from error
         for boundary, choice in zip(self.handle.groups, plan.choices):
             set_checkpointing(boundary, choice.startswith("checkpoint"))
         self.handle.handler.kept_groups = frozenset(i for i, c in enumerate(plan.choices) if not c.endswith("offload"))
-        self.model.__dict__[_PLANNED] = True
+        self.model.__dict__[_PLANNED] = self
         self.no_cache = _takes_use_cache(self.model) and any(c.startswith("checkpoint") for c in plan.choices)
+        replanned = self.shape is not None
+        self.shape, self.plan = shape, plan
         if is_rank0():
-            logger.info("%s", describe(plan, shape))
+            logger.info("%s%s", "planned again, for a larger batch: " if replanned else "",
+                        describe(plan, shape, self.rates_source()))
+
+    def rates_source(self) -> str:
+        stated = self.cfg.activation_budget_compute_tflops, self.cfg.activation_budget_copy_gb_per_s
+        return "from the config" if None not in stated else "measured on the device, the slowest rank's"
+
+
+def planned(model: nn.Module) -> _Planner | None:
+    """The budget's planner of `model` once it has planned (its `shape`, `rates`, `plan`); None before."""
+    return model.__dict__.get(_PLANNED)
 
 
 def planned_choices(model: nn.Module) -> list[str] | None:
@@ -169,7 +207,8 @@ def planned_choices(model: nn.Module) -> list[str] | None:
             for i, g in enumerate(handle.groups)]
 
 
-def plan_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, shape: tuple[int, int]) -> Any:
+def plan_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, shape: tuple[int, int],
+                rates: tuple[float, float]) -> Plan:
     """The estimate's plan for this model at `shape`: its saves measured on a `meta` twin."""
     from fsdp_offload_cfg.estimate.model import ModelSource, build_on_meta, example_batch, layer_class_names
     from fsdp_offload_cfg.estimate.plan import default_time_model, plan_to_budget
@@ -197,11 +236,11 @@ def plan_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, shape: tu
                           "layer class")
     async_reload = isinstance(handler, AsyncHandler)
     return plan_to_budget(profile, budget_bytes(cfg), handle.config, async_reload,
-                          default_time_model(handler.device.type, async_reload))
+                          default_time_model(handler.device.type, async_reload, *rates))
 
 
-def describe(plan: Any, shape: tuple[int, int]) -> str:
-    """Rank 0's line: the budget, each run of layers with one choice, and the estimates."""
+def describe(plan: Plan, shape: tuple[int, int], rates_source: str) -> str:
+    """Rank 0's line: the budget, each run of layers with one choice, the estimates and the rates."""
     from fsdp_offload_cfg.estimate.plan import layer_runs
 
     choices = "; ".join((f"layers {a}-{b}" if a != b else f"layer {a}") + f": {c.replace('_', ' + ')}"
@@ -209,7 +248,9 @@ def describe(plan: Any, shape: tuple[int, int]) -> str:
     extra = plan.extra_seconds / plan.compute_seconds if plan.compute_seconds else 0.0
     return (f"activation_memory_budget {show_size(plan.budget_bytes)} at {shape[0]} x {shape[1]} tokens per rank: "
             f"{choices}; activations on the device {show_size(plan.residency.device_peak_bytes)}, on the host "
-            f"{show_size(plan.residency.host_bytes)}, layer time +{extra:.0%} (estimated)")
+            f"{show_size(plan.residency.host_bytes)}, layer time +{extra:.0%} (estimated at "
+            f"{plan.time.compute_flops / 1e12:.3g} TFLOP/s and copies at {plan.time.copy_bytes / 1e9:.3g} GB/s, "
+            f"{rates_source})")
 
 
 def batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
@@ -221,26 +262,50 @@ def batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     return None
 
 
-def _largest_over_ranks(shape: tuple[int, int] | None) -> tuple[int, int] | None:
-    """The largest (batch, tokens) of any rank, the same on every rank; None where any rank has none."""
+def _host_group() -> Any:
+    """The group the planner's per-forward agreement runs over: gloo, so that a few integers never
+    round-trip through the device (on NCCL that would stall the host on the device every step).
+    Made at prepare, where every rank is; None without a process group or where gloo is the default."""
+    from fsdp_offload_cfg.loading._sync import distributed_ready
+
+    if not distributed_ready() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def _largest_over_ranks(shape: tuple[int, int] | None, group: Any) -> tuple[int, int] | None:
+    """The largest batch and the longest sequence of any rank, the same on every rank; None where
+    any rank has none."""
     from fsdp_offload_cfg.loading._sync import distributed_ready
 
     if not distributed_ready():
         return shape
-    shapes: list[tuple[int, int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(shapes, shape)
-    if any(s is None for s in shapes):
-        return None
-    return max(s[0] for s in shapes), max(s[1] for s in shapes)  # type: ignore[index]
+    values = torch.tensor([*(shape or (0, 0)), int(shape is None)], dtype=torch.int64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    batch, tokens, missing = values.tolist()
+    return None if missing else (batch, tokens)
+
+
+def _slowest_over_ranks(rates: tuple[float, float], group: Any) -> tuple[float, float]:
+    """Each rate's minimum over the ranks."""
+    from fsdp_offload_cfg.loading._sync import distributed_ready
+
+    if not distributed_ready():
+        return rates
+    values = torch.tensor(rates, dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    return float(values[0]), float(values[1])
 
 
 def _agreed(what: str, fn: Any) -> None:
+    _agreed_value(what, fn)
+
+
+def _agreed_value(what: str, fn: Any) -> Any:
+    """`fn()` on every rank, raised on every rank if it failed on any (`_sync.agreed`)."""
     from fsdp_offload_cfg.loading._sync import agreed, distributed_ready
 
-    if distributed_ready():
-        agreed(what, fn)
-    else:
-        fn()
+    return agreed(what, fn) if distributed_ready() else fn()
 
 
 def _transformers_model(model: nn.Module) -> nn.Module | None:

@@ -205,6 +205,10 @@ def _estimate(args: argparse.Namespace) -> int:
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
                                  **_plan_inputs(args))
+        if "plan" not in report and (args.compute_tflops is not None or args.copy_gb_per_s is not None):
+            _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
+                   "(--activation-budget, or the config's activation_memory_budget); ignored without one",
+                   file=sys.stderr)
         if args.plot:
             from fsdp_offload_cfg.estimate.plot import save_memory_plot, visible_device_bytes
 
@@ -224,20 +228,17 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:
-    """--activation-budget and the plan's rates (each rate left out takes the device's default)."""
+    """--activation-budget and the plan's rates (a rate left out takes the config's, else the
+    device's default; a budget left out takes the config's `activation_memory_budget`)."""
     from fsdp_offload_cfg.estimate import EstimateError
     from fsdp_offload_cfg.estimate.plot import parse_size
 
     rates = {"--compute-tflops": args.compute_tflops, "--copy-gb-per-s": args.copy_gb_per_s}
-    if not args.activation_budget:
-        if any(v is not None for v in rates.values()):
-            _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the --activation-budget "
-                   "plan; ignored without it", file=sys.stderr)
-        return {}
     for option, value in rates.items():
         if value is not None and value <= 0:
             raise EstimateError(f"{option} must be positive, got {value:g}")
-    return {"activation_budget": parse_size(args.activation_budget, "--activation-budget"),
+    budget = parse_size(args.activation_budget, "--activation-budget") if args.activation_budget else None
+    return {"activation_budget": budget,
             "compute_flops": None if args.compute_tflops is None else args.compute_tflops * 1e12,
             "copy_bytes": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
 

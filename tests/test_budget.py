@@ -21,11 +21,16 @@ pytestmark = pytest.mark.distributed
 BATCH, SEQ, LAYERS = 2, 48, 4
 
 
-def _config(budget: int | None, loader: bool = False) -> dict[str, Any]:
+# The rates the runs plan at, stated so that a plan is the same on every run: the estimate's CPU
+# defaults (measured rates are tested on their own, below).
+RATES = {"fsdp_activation_budget_compute_tflops": 0.05, "fsdp_activation_budget_copy_gb_per_s": 5}
+
+
+def _config(budget: int | None, loader: bool = False, rates: bool = True) -> dict[str, Any]:
     fsdp: dict[str, Any] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                             "fsdp_cpu_ram_efficient_loading": loader}
     if budget is not None:
-        fsdp["fsdp_activation_memory_budget"] = budget
+        fsdp |= {"fsdp_activation_memory_budget": budget, **(RATES if rates else {})}
     return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
 
 
@@ -64,13 +69,15 @@ def _train(rank: int, world: int, path: str, budget: int | None, loader: bool, n
             "moved": offload_stats()["offloaded_bytes"]}
 
 
-def _plan_for(path: str, budget: int) -> list[str]:
-    """The estimate's plan for the same model, batch and device (what the run must follow)."""
+def _plan_for(path: str, budget: int, seq: int = SEQ, rates: tuple[float, float] | None = None) -> list[str]:
+    """The estimate's plan for the same model, config, batch and device (what the run must follow),
+    at the config's rates or at `rates` (FLOP/s, copy bytes/s)."""
     from fsdp_offload_cfg import load_config
     from fsdp_offload_cfg.estimate import estimate_memory
 
-    report = estimate_memory(load_config(_config(None) | {"num_processes": 2}), path, seq_len=SEQ, batch_size=BATCH,
-                             device="cpu", dtype="float32", activation_budget=budget)
+    config = load_config(_config(budget, rates=rates is None) | {"num_processes": 2})
+    report = estimate_memory(config, path, seq_len=seq, batch_size=BATCH, device="cpu", dtype="float32",
+                             **({"compute_flops": rates[0], "copy_bytes": rates[1]} if rates else {}))
     return [layer["choice"] for layer in report["plan"]["layers"]]
 
 
@@ -95,7 +102,7 @@ def budgets(model_dir: str) -> dict[str, int]:
                              batch_size=BATCH, device="cpu", dtype="float32", activation_budget=10**12)
     peaks = [u["device_peak_bytes"] for u in report["plan"]["uniform"].values()]
     low, high = min(peaks), max(peaks)
-    return {"mix": (low + high) // 2, "tight": low + (high - low) // 100}
+    return {"mix": (low + high) // 2, "tight": low + (high - low) // 100, "plain": high}
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +146,8 @@ def test_the_layers_run_the_estimates_plan_for_the_first_batch(runs: dict[str, A
     assert runs["none"][0]["choices"] is None and runs["none"][0]["moved"] == 0
 
 
-def _fail(rank: int, world: int, path: str, case: str) -> dict[str, Any]:
-    """One way to fail per case; returns what each rank saw (an error is returned, not raised)."""
+def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str, Any]:
+    """One way to fail (or to plan) per case; returns what each rank saw (an error is returned, not raised)."""
     import logging
 
     from accelerate import Accelerator
@@ -148,13 +155,21 @@ def _fail(rank: int, world: int, path: str, case: str) -> dict[str, Any]:
 
     import fsdp_offload_cfg
     import fsdp_offload_cfg.budget
+    import fsdp_offload_cfg.estimate.rates
 
-    fsdp_offload_cfg.patch(_config(1 if case == "too_small" else 10**9))
+    fsdp_offload_cfg.patch(_config(budget, rates=case not in ("measured", "measure_fails")))
     if case == "rank1_fails" and rank == 1:
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise OSError("no space left on device")
 
         fsdp_offload_cfg.budget.plan_layers = broken
+    if case == "measured" and rank == 1:  # a slower rank: every rank must plan at its rates
+        fsdp_offload_cfg.estimate.rates.measure_rates = lambda *args: (1e9, 1e8)
+    if case == "measure_fails" and rank == 0:
+        def no_pinned_memory(*args: Any) -> Any:
+            raise RuntimeError("cannot pin memory")
+
+        fsdp_offload_cfg.estimate.rates.measure_rates = no_pinned_memory
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -170,19 +185,23 @@ def _fail(rank: int, world: int, path: str, case: str) -> dict[str, Any]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
-        for seq in (SEQ, 2 * SEQ, 3 * SEQ) if case != "classifier" else (SEQ,):
+        for seq in (SEQ, 2 * SEQ, 3 * SEQ) if case in ("longer_batches", "too_small") else (SEQ,):
             ids = torch.randint(1, 97, (BATCH, seq))
             labels = ids[:, 0] % 3 if case == "classifier" else ids
             accelerator.backward(model(input_ids=ids, labels=labels).loss)
     except Exception as exc:  # noqa: BLE001 - what the rank saw is the result
         return {"error": f"{type(exc).__name__}: {exc}", "records": records}
-    return {"error": None, "records": records, "choices": fsdp_offload_cfg.budget.planned_choices(model)}
+    planner = fsdp_offload_cfg.budget.planned(model)
+    return {"error": None, "records": records, "choices": fsdp_offload_cfg.budget.planned_choices(model),
+            "rates": planner.rates if planner else None, "shape": planner.shape if planner else None}
 
 
 @pytest.fixture(scope="module")
-def failures(model_dir: str) -> dict[str, list[dict[str, Any]]]:
-    return {case: run_workers(_fail, 2, model_dir, case, timeout=120, pg_timeout=60)
-            for case in ("too_small", "rank1_fails", "gradient_checkpointing", "longer_batches", "classifier")}
+def failures(model_dir: str, budgets: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    budget = {"too_small": 1, "longer_batches": budgets["plain"], "measured": budgets["mix"]}
+    return {case: run_workers(_fail, 2, model_dir, case, budget.get(case, 10**9), timeout=120, pg_timeout=60)
+            for case in ("too_small", "rank1_fails", "gradient_checkpointing", "longer_batches", "classifier",
+                         "measured", "measure_fails")}
 
 
 def test_a_budget_no_plan_meets_stops_every_rank_naming_the_key_and_the_smallest(failures: dict[str, Any]):
@@ -205,14 +224,47 @@ def test_transformers_gradient_checkpointing_is_refused_at_prepare(failures: dic
                                                       "layers to checkpoint"), error
 
 
-def test_a_longer_batch_than_planned_for_is_said_once(failures: dict[str, Any]):
+def test_a_larger_batch_than_any_before_is_planned_again(failures: dict[str, Any], model_dir: str,
+                                                         budgets: dict[str, int]):
+    """The budget is the plain peak at 2 x 48 tokens: all kept there; at 2 x 96 and 2 x 144 the
+    layers must save less, and follow the estimate's plan at the longest batch."""
+    longest = _plan_for(model_dir, budgets["plain"], seq=3 * SEQ)
+    assert longest != ["keep"] * LAYERS, longest
     for rank in (0, 1):
         result = failures["longer_batches"][rank]
         assert result["error"] is None, result["error"]
-        longer = [r for r in result["records"] if "larger than the 2 x 48 the activation_memory_budget plan" in r]
-        assert len(longer) == 1 and longer[0].startswith("a batch of 2 x 96 tokens"), result["records"]
-    assert any(r.startswith("activation_memory_budget 0.93 GiB at 2 x 48 tokens per rank: layers 0-3: keep")
-               for r in failures["longer_batches"][0]["records"])
+        assert result["choices"] == longest and result["shape"] == (BATCH, 3 * SEQ)
+    records = failures["longer_batches"][0]["records"]
+    plans = [r for r in records if "activation_memory_budget" in r and "tokens per rank:" in r]
+    assert [r.split(" tokens per rank")[0].rpartition(" at ")[2] for r in plans] == ["2 x 48", "2 x 96", "2 x 144"]
+    assert plans[0].startswith("activation_memory_budget ") and ": layers 0-3: keep;" in plans[0]
+    assert all(r.startswith("planned again, for a larger batch: activation_memory_budget") for r in plans[1:])
+    assert "(estimated at 0.05 TFLOP/s and copies at 5 GB/s, from the config)" in plans[0]
+    assert not failures["longer_batches"][1]["records"]  # rank 0 says it
+
+
+def test_the_rates_are_measured_and_every_rank_plans_at_the_slowest(failures: dict[str, Any], model_dir: str,
+                                                                    budgets: dict[str, int]):
+    """Without rates in the config, each rank measures its device; rank 1 here is slower, and both
+    ranks plan at its rates, so their plans agree (the estimate's plan at those rates)."""
+    expected = _plan_for(model_dir, budgets["mix"], rates=(1e9, 1e8))
+    for rank in (0, 1):
+        result = failures["measured"][rank]
+        assert result["error"] is None, result["error"]
+        assert result["rates"] == (1e9, 1e8) and result["choices"] == expected
+    (line,) = [r for r in failures["measured"][0]["records"] if "tokens per rank:" in r]
+    assert "(estimated at 0.001 TFLOP/s and copies at 0.1 GB/s, measured on the device, the slowest rank's)" in line
+    for rank in (0, 1):  # a rank whose probe fails stops every rank, naming it
+        error = failures["measure_fails"][rank]["error"]
+        assert error is not None and "measuring the device for activation_memory_budget failed on rank 0: " \
+            "RuntimeError: cannot pin memory" in error, error
+
+
+def test_the_probe_measures_positive_rates_on_this_device():
+    from fsdp_offload_cfg.estimate.rates import measure_rates
+
+    flops, copy = measure_rates(torch.device("cpu"), torch.float32, 64, 32)
+    assert 0 < flops < float("inf") and 0 < copy < float("inf")
 
 
 def test_a_wrapper_passing_through_computes_what_the_layer_computes():

@@ -112,6 +112,11 @@ GOOD = [
     ({"activation_memory_budget": "12GiB"}, "activation_memory_budget", "12GiB"),
     ({"activation_memory_budget": "4096"}, "activation_memory_budget", 4096),
     ({"activation_memory_budget": "1.5 gb"}, "activation_memory_budget", "1.5 gb"),
+    ({"activation_memory_budget": "8GiB", "activation_budget_compute_tflops": "0.05"}, "activation_budget_compute_tflops",
+     0.05),
+    ({"activation_memory_budget": "8GiB", "activation_budget_copy_gb_per_s": 55}, "activation_budget_copy_gb_per_s", 55),
+    ({"activation_memory_budget": "8GiB", "activation_budget_copy_gb_per_s": "5e1"}, "activation_budget_copy_gb_per_s",
+     50.0),
     ({"cpu_ram_efficient_loading": True, "load_strategy": "BROADCAST"}, "load_strategy", "broadcast"),
     ({"cpu_offload": True}, "offload_params", True),  # transformers' spelling
     ({"xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": "false", "limit_all_gathers": True,
@@ -162,6 +167,10 @@ BAD = [
     ({"activation_memory_budget": "lots"}, "activation_memory_budget", "or a size such as 12GiB"),
     ({"activation_memory_budget": 0}, "activation_memory_budget", "bytes as an integer >= 1"),
     ({"activation_memory_budget": "12 gigs"}, "activation_memory_budget", 'got "12 gigs"'),
+    ({"activation_memory_budget": "8GiB", "activation_budget_compute_tflops": 0}, "activation_budget_compute_tflops",
+     "a number > 0"),
+    ({"activation_memory_budget": "8GiB", "activation_budget_copy_gb_per_s": "fast"}, "activation_budget_copy_gb_per_s",
+     'a number > 0; got "fast"'),
 ]
 
 
@@ -477,7 +486,9 @@ def test_unknown_key_suggests_the_closest(key: str, suggestion: str):
 
 
 def test_unknown_key_without_a_close_match_lists_the_keys():
-    assert "expected one of activation_checkpointing" in only_problem({"zzz": 1}).message
+    message = only_problem({"zzz": 1}).message
+    assert "expected one of activation_budget_compute_tflops, activation_budget_copy_gb_per_s, activation_checkpointing" \
+        in message
 
 
 def test_all_problems_reported_together(tmp_path: Path):
@@ -748,7 +759,8 @@ EVERY_KEY_SET = {
     EVERY_KEY_SET,
     {**EVERY_KEY_SET, "fsdp_activation_cpu_offload": True, "fsdp_load_strategy": "broadcast"},
     {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": "12GiB"},
-    {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": 2**33},
+    {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": 2**33,
+     "fsdp_activation_budget_compute_tflops": 0.05, "fsdp_activation_budget_copy_gb_per_s": 5},
     {"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP", "fsdp_backward_prefetch": "BACKWARD_POST",
      "fsdp_forward_prefetch": True, "fsdp_use_orig_params": False, "fsdp_sync_module_states": False},
 ])
@@ -812,6 +824,8 @@ RULE_CASES = {
     "budget-is-positive": {"activation_memory_budget": "0GiB"},
     "budget-needs-fsdp2": {"version": 1, "activation_memory_budget": "12GiB"},
     "budget-decides-checkpointing": {"activation_checkpointing": True, "activation_memory_budget": 10**9},
+    "activation_budget_compute_tflops-needs-a-budget": {"activation_budget_compute_tflops": 300},
+    "activation_budget_copy_gb_per_s-needs-a-budget": {"activation_budget_copy_gb_per_s": 50},
     "no-forward-prefetch-in-fsdp2": {"forward_prefetch": True},
     "no-local-state-dict-in-fsdp2": {"state_dict_type": "LOCAL_STATE_DICT"},
     "no-xla": {"xla": True},

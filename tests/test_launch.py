@@ -237,7 +237,8 @@ def test_trainer_fsdp_config_with_a_memory_budget(tmp_path: Path, checkpoint: st
     expected = [layer["choice"] for layer in estimate_memory(load_config({
         "distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {
             "version": 2, "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0},
-            "activation_memory_budget": budget}}), checkpoint, seq_len=16, batch_size=2, device="cpu",
+            "activation_memory_budget": budget, "activation_budget_compute_tflops": 0.05,
+            "activation_budget_copy_gb_per_s": 5}}), checkpoint, seq_len=16, batch_size=2, device="cpu",
         dtype="float32")["plan"]["layers"]]
     for plain, planned in zip(runs["plain"], runs["budget"]):
         assert plain["choices"] is None and planned["choices"] == expected, (planned["choices"], expected)

@@ -190,7 +190,7 @@ def test_cli_table_and_errors(llama: str, tmp_path: Path, capsys: pytest.Capture
     assert _cli(tmp_path, llama, "--activation-budget", "1GiB", "--compute-tflops", "0") == 1
     assert "--compute-tflops must be positive" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--copy-gb-per-s", "3") == 0
-    assert "ignored without it" in capsys.readouterr().err
+    assert "ignored without one" in capsys.readouterr().err
 
 
 def test_the_plot_draws_the_plan_and_its_budget(llama: str, tmp_path: Path):
@@ -219,3 +219,22 @@ def test_the_configs_budget_is_planned_like_the_run_plans_it(llama: str):
     assert from_config["plan"]["layers"] == from_option["plan"]["layers"]
     assert from_config["inputs"]["activation_setting"] == "plan"
     assert from_config["per_rank"]["activations_on_device_bytes"] == from_config["plan"]["device_peak_bytes"]
+
+
+def test_the_configs_rates_time_the_plan_and_the_command_line_wins(llama: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]):
+    """The rates a run would plan at (`activation_budget_compute_tflops` / `_copy_gb_per_s`) are the
+    estimate's too; `--compute-tflops` / `--copy-gb-per-s` override them, as a command line does."""
+    stated = load_config({"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
+                          "fsdp_config": {"version": 2, "activation_memory_budget": "12MiB",
+                                          "activation_budget_compute_tflops": 20, "activation_budget_copy_gb_per_s": 3}})
+    report = estimate_memory(stated, llama, seq_len=SEQ, batch_size=BATCH, device="cuda")
+    assert report["plan"]["time_model"] == {"compute_tflops": 20.0, "copy_gb_per_s": 3.0, "copies_overlap_compute": True}
+    given = estimate_memory(stated, llama, seq_len=SEQ, batch_size=BATCH, device="cuda", compute_flops=7e12)
+    assert given["plan"]["time_model"]["compute_tflops"] == 7.0 and given["plan"]["time_model"]["copy_gb_per_s"] == 3.0
+    config_file = tmp_path / "rates.yaml"
+    config_file.write_text(CONFIG_YAML.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_activation_memory_budget: 12MiB\n"
+                                               "  fsdp_activation_budget_copy_gb_per_s: 3\n"))
+    assert cli.main(["estimate", str(config_file), "--model", llama, "--seq-len", str(SEQ), "--batch-size", str(BATCH),
+                     "--format", "json", "--compute-tflops", "9"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["time_model"]["compute_tflops"] == 9.0

@@ -106,6 +106,16 @@ KEYS: tuple[Key, ...] = (
         "input offloaded) so that the estimated activation peak fits, at the least estimated step time; it "
         "decides checkpointing, so activation_checkpointing stays false.",
         owner="plugin", annotation="int | str | None", env="FSDP_ACTIVATION_MEMORY_BUDGET"),
+    Key("activation_budget_compute_tflops", "positive_number",
+        "fsdp_offload_cfg: the rate (TFLOP/s) activation_memory_budget plans a layer's compute at. Unset: "
+        "measured on the device at the first training forward (a matmul of the model's width; the slowest "
+        "rank's). Set it, with activation_budget_copy_gb_per_s, for the same plan on every run.",
+        owner="plugin", annotation="float | None", env="FSDP_ACTIVATION_BUDGET_COMPUTE_TFLOPS"),
+    Key("activation_budget_copy_gb_per_s", "positive_number",
+        "fsdp_offload_cfg: the rate (GB/s, each way) activation_memory_budget plans the offload's copies at. "
+        "Unset: measured on the device at the first training forward (a copy to the host and back; the "
+        "slowest rank's).",
+        owner="plugin", annotation="float | None", env="FSDP_ACTIVATION_BUDGET_COPY_GB_PER_S"),
     _trainer_only("limit_all_gathers", "boolish",
                   "transformers Trainer, FSDP1 only: rate-limit all-gathers. Accepted and not used by this plugin."),
     _trainer_only("xla", "boolish", "transformers Trainer: use PyTorch/XLA FSDP instead of accelerate's FSDP. "
@@ -209,6 +219,7 @@ TYPES: dict[str, dict[str, Any]] = {
     "optional_nonneg_int": {"description": "an integer >= 0, or null for no cap",
                             "anyOf": [{"$ref": "#/$defs/nonneg_int"}, {"type": "null"}]},
     "positive_int": {"description": "an integer >= 1", "type": "integer", "minimum": 1},
+    "positive_number": {"description": "a number > 0", "type": "number", "exclusiveMinimum": 0},
     "regex": {"description": "a non-empty regular expression string", "type": "string", "minLength": 1},
     "mapping": {"description": "a mapping", "type": "object"},
     "size": {"description": "bytes as an integer >= 1, or a size such as 12GiB (KB, MB, GB, TB, KiB, MiB, GiB, TiB)",

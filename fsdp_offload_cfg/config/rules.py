@@ -123,6 +123,11 @@ RULES: tuple[Rule, ...] = (
          lambda c: c["activation_memory_budget"] is not None and c["activation_checkpointing"],
          lambda c: f"must stay false with {c.spell('activation_memory_budget')}: the budget's plan decides which "
                    "layers to checkpoint (every layer, if that is what fits); drop one of the two"),
+    *(Rule(f"{rate}-needs-a-budget", (rate, "activation_memory_budget"), rate,
+           lambda c, rate=rate: c[rate] is not None and c["activation_memory_budget"] is None,
+           lambda c: f"only sets the rate {c.spell('activation_memory_budget')}'s plan is made at, and that key is "
+                     "unset; set it (such as 12GiB), or drop this one")
+      for rate in ("activation_budget_compute_tflops", "activation_budget_copy_gb_per_s")),
     Rule("no-forward-prefetch-in-fsdp2", ("forward_prefetch", "version"), "forward_prefetch",
          lambda c: c["forward_prefetch"] and c.version == 2,
          lambda c: f"is not implemented in FSDP2{c.why_version()} (accelerate raises); remove it"),

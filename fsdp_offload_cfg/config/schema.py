@@ -27,6 +27,7 @@ from fsdp_offload_cfg.config.keys import KEYS, LAUNCH, TYPES
 
 SCHEMA_FILE = "fsdp_config.schema.json"
 _INTEGER_TEXT = re.compile(r"([0-9]+)(\.0*)?")  # "8"; "100000000.0" as accelerate 1.10 exports FSDP_MIN_NUM_PARAMS
+_NUMBER_TEXT = re.compile(r"[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|\.[0-9]+")  # "350", "0.05", "5e1": command line, environment
 _DESCRIPTION = (
     "One `fsdp_config` mapping as written in an accelerate config file, a transformers TrainingArguments / "
     "ms-swift JSON, or on its own. Every key may carry the `fsdp_` prefix (`fsdp_offload_params` == "
@@ -135,6 +136,8 @@ def coerce(value: Any, node: dict[str, Any], change_case: bool = True) -> Any:
         integer = _INTEGER_TEXT.fullmatch(value.strip())
         if node.get("type") == "integer" and integer:
             return int(integer.group(1))
+        if node.get("type") == "number" and _NUMBER_TEXT.fullmatch(value.strip()):
+            return float(value)
         for candidate in (value.upper(), value.lower()) if change_case else ():
             if candidate != value and candidate in node.get("enum", ()):
                 return candidate

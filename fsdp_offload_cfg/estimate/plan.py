@@ -78,6 +78,7 @@ class Plan:
     residency: Residency
     compute_seconds: float  # the layers' forward and backward with every layer kept
     extra_seconds: float
+    time: TimeModel  # the rates it was planned at
 
     @property
     def choices(self) -> list[str]:
@@ -140,8 +141,8 @@ def uniform_plans(profile: ActivationProfile, offload: ActivationOffloadConfig, 
 
 def _unreachable(budget_bytes: int, smallest: int) -> str:
     return (f"activation budget {show_size(budget_bytes)}: no plan fits; the smallest activation peak on the device "
-            f"a plan reaches is {show_size(smallest)}. Raise the budget to at least that, or shorten --seq-len / "
-            "--batch-size")
+            f"a plan reaches is {show_size(smallest)}. Raise the budget to at least that, or shorten the "
+            "sequences or the batch")
 
 
 def _stored(profile: ActivationProfile, group: int, checkpointed: bool) -> list[SavedStorage]:
@@ -220,4 +221,4 @@ def _plan(profile: ActivationProfile, choices: list[str], budget_bytes: int | No
         layers.append(LayerPlan(name, o.choice, o.device_bytes, o.host_bytes, o.seconds))
     compute = 3 * sum(profile.flops) / time.compute_flops
     return Plan(budget_bytes, layers, _replay(profile, [lp.choice for lp in layers], offload, async_reload),
-                compute, sum(lp.extra_seconds for lp in layers))
+                compute, sum(lp.extra_seconds for lp in layers), time)

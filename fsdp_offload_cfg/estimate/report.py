@@ -59,7 +59,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
 
         activation_budget, chosen = budget_bytes(config), "plan"
     if activation_budget is not None:
-        time_model = default_time_model(device, async_reload, *rates)
+        time_model = default_time_model(device, async_reload, *_rates(config, rates))
         plan = plan_to_budget(profile, activation_budget, offload, async_reload, time_model)
         by_setting["plan"] = plan.residency
     report = {
@@ -79,6 +79,14 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, time_model), time_model)
     return report
+
+
+def _rates(config: FSDPOffloadConfig, given: tuple[float | None, float | None]) -> tuple[float | None, float | None]:
+    """The plan's (FLOP/s, copy bytes/s): the command line's, else the config's (what the run plans
+    at instead of measuring), else None for the device's default."""
+    stated = (config.activation_budget_compute_tflops, 1e12), (config.activation_budget_copy_gb_per_s, 1e9)
+    return tuple(g if g is not None else (v * unit if v is not None else None)  # type: ignore[return-value]
+                 for g, (v, unit) in zip(given, stated))
 
 
 def _plan(plan: Plan, uniform: dict[str, Plan], time: TimeModel) -> dict[str, Any]:
@@ -331,5 +339,6 @@ def _plan_table(plan: dict[str, Any]) -> list[str]:
     model = plan["time_model"]
     lines.append(f"(time model: {model['compute_tflops']:g} TFLOP/s, copies at {model['copy_gb_per_s']:g} GB/s"
                  f"{', overlapping compute' if model['copies_overlap_compute'] else ', in line'}; "
-                 "--compute-tflops / --copy-gb-per-s to change)")
+                 "--compute-tflops / --copy-gb-per-s, or the config's activation_budget_compute_tflops / "
+                 "activation_budget_copy_gb_per_s, to change)")
     return lines

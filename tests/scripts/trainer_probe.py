@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noq
 from fsdp_offload_cfg.budget import planned_choices  # noqa: E402
 
 checkpoint, output_dir = sys.argv[1], sys.argv[2]
+BUDGET_RATES = {"activation_budget_compute_tflops": 0.05, "activation_budget_copy_gb_per_s": 5}  # a plan the test can repeat
 args = TrainingArguments(
     output_dir=output_dir,
     per_device_train_batch_size=2,
@@ -37,7 +38,8 @@ args = TrainingArguments(
         "cpu_ram_efficient_loading": True,
         "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0},
         # PROBE_BUDGET: the same run planned to an activation memory budget (docs/offload.md)
-        **({"activation_memory_budget": os.environ["PROBE_BUDGET"]} if os.environ.get("PROBE_BUDGET") else {}),
+        **({"activation_memory_budget": os.environ["PROBE_BUDGET"], **BUDGET_RATES} if os.environ.get("PROBE_BUDGET")
+           else {}),
     },
 )
 model = AutoModelForCausalLM.from_pretrained(checkpoint)
