@@ -189,6 +189,63 @@ def test_save_state_and_load_state_resume_bit_for_bit(checkpoints: dict[str, str
 
 
 # --------------------------------------------------------------------------------------------
+# with an activation memory budget: layers wrapped for the plan save and load under their own names
+# --------------------------------------------------------------------------------------------
+
+
+def _budget_config(budget: int) -> dict:
+    fsdp = {k: v for k, v in CONFIG["fsdp_config"].items() if k != "activation_cpu_offload"}
+    return {**CONFIG, "fsdp_config": fsdp | {"fsdp_activation_memory_budget": budget,
+                                             "fsdp_activation_budget_compute_tflops": 0.05,
+                                             "fsdp_activation_budget_copy_gb_per_s": 5}}
+
+
+def _load_worker(rank: int, world_size: int, path: str, saved_root: str, config: dict) -> dict[str, Any]:
+    """A new run that resumes from another run's `save_state` of each type (here: the budget's)."""
+    from accelerate import Accelerator
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(config)
+    results = {}
+    for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        accelerator = Accelerator()
+        plugin = accelerator.state.fsdp_plugin
+        plugin.state_dict_config = plugin.optim_state_dict_config = None
+        plugin.set_state_dict_type(state_dict_type)
+        model, optimizer = _prepared(accelerator, path)
+        accelerator.load_state(os.path.join(saved_root, state_dict_type))
+        results[state_dict_type] = _train(model, optimizer, range(STEPS // 2, STEPS))
+    return results
+
+
+def test_a_budget_run_saves_and_resumes_and_a_run_without_it_resumes_its_state(checkpoints: dict[str, str],
+                                                                               tmp_path) -> None:
+    """Under a budget each layer sits in a checkpoint wrapper; `save_state` / `load_state` still
+    resume bit for bit (as far as accelerate itself does: see SHARDED_RESUME_EXACT), and a run
+    without the budget resumes from the budget's state to the same losses: the saved names are
+    the model's own."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    path = checkpoints["qwen2_tied"]
+    uniform = estimate_memory(load_config(_budget_config(2**40) | {"num_processes": 2}), path, seq_len=12,
+                              batch_size=2, device="cpu", dtype="float32")["plan"]["uniform"]
+    budget = (uniform["plain"]["device_peak_bytes"] + uniform["offload"]["device_peak_bytes"]) // 2
+    plan = estimate_memory(load_config(_budget_config(budget) | {"num_processes": 2}), path, seq_len=12,
+                           batch_size=2, device="cpu", dtype="float32")["plan"]
+    assert [layer["choice"] for layer in plan["layers"]] != ["keep"] * len(plan["layers"]), plan
+    budget_runs = run_workers(_resume_worker, 2, path, str(tmp_path / "budget"), _budget_config(budget), timeout=300)
+    from_budget = run_workers(_load_worker, 2, path, str(tmp_path / "budget"), STOCK, timeout=300)
+    for rank, result in enumerate(budget_runs):
+        assert result["FULL_STATE_DICT"] == result["uninterrupted"], (rank, result)
+        assert (result["SHARDED_STATE_DICT"] == result["uninterrupted"]) is SHARDED_RESUME_EXACT, (rank, result)
+        resumed = from_budget[rank]
+        assert resumed["FULL_STATE_DICT"] == result["uninterrupted"][STEPS // 2:], (rank, resumed, result)
+        assert (resumed["SHARDED_STATE_DICT"] == result["uninterrupted"][STEPS // 2:]) is SHARDED_RESUME_EXACT
+
+
+# --------------------------------------------------------------------------------------------
 # the Trainer's resume_from_checkpoint
 # --------------------------------------------------------------------------------------------
 
