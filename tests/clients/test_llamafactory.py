@@ -102,13 +102,13 @@ LORA = ("finetuning_type: lora\nlora_target: q_proj,v_proj\nlora_rank: 4\nuse_do
         "add_special_tokens: \"<tool>,<think>\"\nresize_vocab: true\n")
 
 
-def _train(files: Path, variant: str, stage: str = "sft", lora: bool = False) -> tuple[subprocess.CompletedProcess[str],
-                                                                                       Path]:
+def _train(files: Path, variant: str, stage: str = "sft", lora: bool = False,
+           plugin: str | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = files / f"out_{stage}_{variant}{'_lora' if lora else ''}"
     shutil.rmtree(out, ignore_errors=True)
     config = files / f"{stage}_{variant}{'_lora' if lora else ''}.yaml"
     text = CONFIG.format(model=files / "model", stage=stage, data=files / "data", out=out, adapter=LORA if lora else "",
-                         dataset="pairs" if stage == "dpo" else "count", plugin=PLUGIN[variant])
+                         dataset="pairs" if stage == "dpo" else "count", plugin=plugin or PLUGIN[variant])
     config.write_text(text.replace("finetuning_type: full\n", "") if lora else text)
     from _dist import free_port
 
@@ -148,6 +148,36 @@ def test_sft_saves_what_the_run_without_the_loader_saves(files: Path, baseline: 
             f"activation offload: {offload})") in proc.stderr, proc.stderr[-3000:]
     if variant == "auto_offload":
         assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr
+
+
+def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_baseline_saves(files: Path,
+                                                                                           baseline: dict):
+    """`fsdp_activation_memory_budget` in LlamaFactory's YAML: the budget is the smallest peak a
+    plan reaches at the cutoff length (so every batch fits, and a batch of any length saves less
+    than the plain run would), LlamaFactory's own gradient checkpointing turned off as the docs
+    say; the layers are planned at the first step, again at longer batches, and train the
+    baseline's weights."""
+    import torch
+
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    rates = "  fsdp_activation_budget_compute_tflops: 0.05\n  fsdp_activation_budget_copy_gb_per_s: 5\n"
+    config = load_config({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {
+        "fsdp_version": 2, "fsdp_activation_memory_budget": 2**40, "fsdp_activation_budget_compute_tflops": 0.05,
+        "fsdp_activation_budget_copy_gb_per_s": 5}})
+    uniform = estimate_memory(config, str(files / "model"), seq_len=64, batch_size=2, device="cpu",
+                              dtype="float32")["plan"]["uniform"]
+    budget = min(u["device_peak_bytes"] for u in uniform.values())
+    plugin = f"  fsdp_cpu_ram_efficient_loading: true\n  fsdp_activation_memory_budget: {budget}\n{rates}"
+    proc, out = _train(files, "budget", plugin=plugin + "disable_gradient_checkpointing: true\n")  # after fsdp_config
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    weights = _weights(out)
+    assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
+    plans = [line for line in proc.stderr.splitlines()
+             if "[fsdp_offload_cfg rank 0]" in line and "tokens per rank: layer" in line]
+    assert plans and any("offload" in line or "checkpoint" in line for line in plans), proc.stderr[-3000:]
+    assert "activation offload: planned per layer to activation_memory_budget" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_lora_with_dora_and_new_tokens_under_sharded_saves_the_baselines_adapter(files: Path):
