@@ -1,4 +1,4 @@
-"""Peak memory and step time of activation offload on a Llama-style model, one process.
+"""Peak memory and step time of activation offload on a Llama-style model, against its peers.
 
 Rows, each with and without activation checkpointing (torch's `checkpoint_wrapper` on every
 decoder layer, as accelerate's `fsdp2_apply_ac` applies it):
@@ -6,19 +6,36 @@ decoder layer, as accelerate's `fsdp2_apply_ac` applies it):
   save_on_cpu  torch `save_on_cpu(pin_memory=True)`: what accelerate's
                `activation_checkpointing_offload` uses (around each checkpointed layer via
                `offload_wrapper`; around the whole forward without checkpointing);
+  trl          TRL's `OffloadActivations` with streams, around the forward as TRL's trainers
+               use it (a row only on CUDA, where `trl` imports: on the CPU it finds no
+               accelerator and fails);
   ours-sync    `enable_activation_offload(mode="sync")`;
-  ours-async   `enable_activation_offload(mode="async")`.
+  ours-async   `enable_activation_offload(mode="async")`;
+  budget=SIZE  `activation_memory_budget` (`--budget 6GiB`, without checkpointing only: the plan
+               decides it): each layer kept, offloaded, checkpointed or both, planned at the first
+               step at rates measured on this device; the plan is printed under the table.
 
-Peak: on CUDA `torch.cuda.max_memory_allocated()` over the measured steps (everything: weights,
-grads, optimizer state, activations). On the CPU there is no device memory to read, so the peak
-is the saved-activation proxy: bytes of tensors saved for backward left in place (not moved to a
-separate host buffer), parameters excluded; `offload_stats()["peak_resident_bytes"]` for ours,
-a saved-tensor-hooks meter (`SavedBytesMeter`) for the others. Ratios are to the `none` row with
-the same checkpointing setting. Times are the median of the measured steps (forward, backward,
-AdamW step), after one warm-up step.
+Each row runs in a fresh process (`--same-process` to share one), so one row's allocator cache,
+pinned pool or compiled kernels never flatter the next. `--fsdp2` shards every decoder layer and
+the root with `fully_shard` in a one-rank process group first, as `accelerate launch` with FSDP2
+does, and hooks the offload after (where the plugin's prepare puts it).
 
-    python benchmarks/activation_offload.py                       # small CPU config, < 2 min
-    python benchmarks/activation_offload.py --device cuda --layers 16 --hidden 2048 --seq 4096
+Memory: on CUDA the peak is `torch.cuda.max_memory_allocated()` over the measured steps, and
+"activations" is that peak less what was allocated when the step began (weights, optimizer
+state: what remains is what the step saved for backward, plus gradients as they appear). On the
+CPU there is no device memory to read: both columns are the saved-activation proxy, the bytes of
+tensors saved for backward left in place (`offload_stats()["peak_resident_bytes"]` for ours, a
+saved-tensor-hooks meter for the others). Ratios are to the `none` row with the same checkpointing.
+
+Time: the median measured step (forward, backward, AdamW), after one warm-up step; each phase is
+timed on its own, and the `none` row's phases give each offloading row its copy bound: the time
+the step cannot beat when its copies run beside compute, `max(forward, bytes out / bandwidth) +
+max(backward, bytes in / bandwidth) + optimizer`, at the copy bandwidth measured here
+(`estimate/rates.py`: 32 MiB to pinned host memory and back, the slower way).
+
+    python benchmarks/activation_offload.py --budget 20MiB        # small CPU config, < 1 min
+    python benchmarks/activation_offload.py --device cuda --layers 16 --hidden 2048 --seq 8192 \\
+        --batch 1 --budget 6GiB 9GiB [--fsdp2]
 """
 
 from __future__ import annotations
@@ -26,10 +43,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import multiprocessing
+import os
 import statistics
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,7 +57,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import SavedBytesMeter, enable_activation_offload, offload_stats, reset_offload_stats
 
-METHODS = ("none", "save_on_cpu", "ours-sync", "ours-async")
+METHODS = ("none", "save_on_cpu", "trl", "ours-sync", "ours-async")
 MIB = 2**20
 
 
@@ -47,10 +65,18 @@ MIB = 2**20
 class Row:
     method: str
     ac: bool
-    peak: int
-    step_s: float
-    offloaded: int
+    peak: int  # device peak (CUDA) or the saved-bytes proxy (CPU)
+    activations: int  # the peak above the step's start (CUDA) or the proxy (CPU)
+    phases: dict[str, float]  # median seconds of forward, backward, optimizer
+    moved_out: int  # bytes per step the offload copied to the host (ours; 0 where not counted)
+    moved_in: int  # and back
     loss: float
+    plan: str = ""  # the budget's plan, as rank 0 logs it
+    error: str = ""  # why the row did not run (a peer that is not installed, or that failed)
+    step_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.step_s = sum(self.phases.values())
 
 
 def build(args: argparse.Namespace, method: str, ac: bool) -> nn.Module:
@@ -63,18 +89,45 @@ def build(args: argparse.Namespace, method: str, ac: bool) -> nn.Module:
         num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=max(args.seq, 128),
         use_cache=False, attn_implementation=args.attn,
     )
-    model = LlamaForCausalLM(cfg).to(args.device)
+    model = LlamaForCausalLM(cfg).to(device=args.device, dtype=getattr(torch, args.dtype))
     if ac:
         for i, layer in enumerate(model.model.layers):
             wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
             model.model.layers[i] = offload_wrapper(wrapped) if method == "save_on_cpu" else wrapped
+    budget = _budget_config(method) if method.startswith("budget=") else None
+    if budget is not None:
+        from fsdp_offload_cfg.budget import wrap_layers
+
+        wrap_layers(model, budget)  # before sharding, as the plugin's prepare does
+    if args.fsdp2:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     if method.startswith("ours"):
         enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode=method.split("-")[1]))
+    if budget is not None:
+        from fsdp_offload_cfg.budget import enable_budget
+
+        enable_budget(model, budget)
     return model
 
 
+def _budget_config(method: str):  # type: ignore[no-untyped-def]
+    from fsdp_offload_cfg import load_config
+
+    return load_config({"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
+        "fsdp_version": 2, "activation_memory_budget": method.removeprefix("budget=")}})
+
+
 def forward_context(model: nn.Module, method: str, ac: bool, cuda: bool) -> contextlib.AbstractContextManager:
-    """What wraps each forward+backward: the baseline's hooks, and on the CPU the meter."""
+    """What wraps each forward: the peer's hooks, and on the CPU the meter."""
+    if method == "trl":
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+        inner = get_act_offloading_ctx_manager(model, use_pin_memory=cuda, use_streams=cuda)
+        return inner if cuda else SavedBytesMeter(model, inner=inner)
     if method == "save_on_cpu" and not ac:
         inner = save_on_cpu(pin_memory=True)
         return inner if cuda else SavedBytesMeter(model, inner=inner)
@@ -83,64 +136,145 @@ def forward_context(model: nn.Module, method: str, ac: bool, cuda: bool) -> cont
     return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def timed(cuda: bool, sink: list[float]) -> Iterator[None]:
+def _sync(cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    yield
-    if cuda:
-        torch.cuda.synchronize()
-    sink.append(time.perf_counter() - t0)
+    return time.perf_counter()
 
 
 def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
+    if args.fsdp2:
+        _one_rank_group(args.device)
     cuda = args.device.startswith("cuda")
     model = build(args, method, ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
-    times: list[float] = []
-    peak, loss = 0, 0.0
-    for step in range(args.steps + 1):  # step 0 warms up (pool, allocator, kernels)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(args.device)
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    peak = start = 0
+    loss = 0.0
+    for step in range(args.steps + 1):  # step 0 warms up (pool, allocator, kernels, the budget's plan)
         if step == 1:
             reset_offload_stats()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
         ctx = forward_context(model, method, ac, cuda)
-        with timed(cuda, times), ctx:
+        t0 = _sync(cuda)
+        with ctx:
             out = model(input_ids=ids, labels=ids)
+            if method != "trl":  # TRL's trainers leave backward outside the context
+                t1 = _sync(cuda)
+                out.loss.backward()
+        if method == "trl":
+            t1 = _sync(cuda)
             out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if step >= 1 and isinstance(ctx, SavedBytesMeter):
-            peak = max(peak, ctx.peak_bytes)
+        t2 = _sync(cuda)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = _sync(cuda)
+        if step >= 1:
+            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[name].append(seconds)
+            if isinstance(ctx, SavedBytesMeter):
+                peak = max(peak, ctx.peak_bytes)
         loss = out.loss.item()
     stats = offload_stats()
     if cuda:
         peak = torch.cuda.max_memory_allocated()
-    elif method.startswith("ours"):
+    elif method.startswith(("ours", "budget")):
         peak = stats["peak_resident_bytes"]
+    plan = _plan_line(model, args) if method.startswith("budget") else ""
     del model, opt
     gc.collect()
-    return Row(method, ac, peak, statistics.median(times[1:]), stats["offloaded_bytes"] // args.steps, loss)
+    return Row(method, ac, peak, peak - start if cuda else peak, {k: statistics.median(v) for k, v in phases.items()},
+               stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan)
 
 
-def table(rows: list[Row], cuda: bool) -> str:
+def _plan_line(model: nn.Module, args: argparse.Namespace) -> str:
+    from fsdp_offload_cfg.budget import describe, planned
+
+    planner = planned(model)
+    return describe(planner.plan, planner.shape, planner.rates_source()) if planner else "(not planned)"
+
+
+def _one_rank_group(device: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
+
+
+def run_row(args: argparse.Namespace, method: str, ac: bool) -> Row:
+    """One row, in a fresh process unless --same-process; a row that fails says why, not the table."""
+    if args.same_process:
+        return run(args, method, ac)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        try:
+            return pool.apply(run, (args, method, ac))
+        except Exception as error:  # noqa: BLE001 - the table reports it in the row
+            return Row(method, ac, 0, 0, {}, 0, 0, float("nan"), error=f"{type(error).__name__}: {error}")
+
+
+def copy_bandwidth(args: argparse.Namespace) -> float:
+    from fsdp_offload_cfg.estimate.rates import measure_rates
+
+    return measure_rates(torch.device(args.device), getattr(torch, args.dtype), args.hidden, args.batch * args.seq)[1]
+
+
+def table(rows: list[Row], cuda: bool, bandwidth: float) -> str:
     what = "peak device MiB" if cuda else "peak saved-on-device MiB (CPU proxy)"
     lines = [
-        f"| method | AC | {what} | mem ratio | step ms | time ratio | offloaded MiB/step | loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| method | AC | {what} | activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
+        "| copy bound ms | x bound | loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    base = {r.ac: r for r in rows if r.method == "none"}
+    base = {r.ac: r for r in rows if r.method == "none" and not r.error}
     for r in rows:
-        b = base[r.ac]
-        moved = f"{r.offloaded / MIB:.2f}" if r.method.startswith("ours") else "-"
+        if r.error:
+            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} |||||||||")
+            continue
+        b = base.get(r.ac)
+        moved = r.moved_out > 0
+        bound = _copy_bound(b, r, bandwidth) if b and moved and not r.method.startswith("budget") else None
         lines.append(
-            f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.2f} | {r.peak / b.peak:.2f} | "
-            f"{r.step_s * 1e3:.0f} | {r.step_s / b.step_s:.2f} | {moved} | {r.loss:.4f} |"
+            f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} | {r.activations / MIB:.1f} | "
+            f"{_ratio(r.activations, b.activations if b else 0)} | {r.step_s * 1e3:.0f} | "
+            f"{_ratio(r.step_s, b.step_s if b else 0)} | {_mib(r.moved_out, moved)} | {_mib(r.moved_in, moved)} | "
+            f"{f'{bound * 1e3:.0f}' if bound else '-'} | {f'{r.step_s / bound:.2f}' if bound else '-'} | {r.loss:.4f} |"
         )
     return "\n".join(lines)
+
+
+def _copy_bound(none: Row, row: Row, bandwidth: float) -> float:
+    return (max(none.phases["forward"], row.moved_out / bandwidth) + max(none.phases["backward"], row.moved_in / bandwidth)
+            + none.phases["optimizer"])
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}" if base else "-"
+
+
+def _mib(value: int, counted: bool) -> str:
+    return f"{value / MIB:.1f}" if counted else "-"
+
+
+def methods(args: argparse.Namespace, ac: bool) -> list[str]:
+    """The rows to run: TRL's only where it can run (installed; its streams need CUDA), the budgets
+    only without checkpointing (their plan decides it)."""
+    chosen = [m for m in args.methods if m != "trl" or (_trl_importable() and args.device.startswith("cuda"))]
+    return chosen + ([] if ac else [f"budget={b}" for b in args.budget])
+
+
+def _trl_importable() -> bool:
+    try:
+        import trl.models.activation_offloading  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or not importable with this transformers
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,14 +286,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--budget", nargs="*", default=[], metavar="SIZE",
+                   help="add a row per activation_memory_budget (such as 6GiB), without checkpointing")
     p.add_argument("--ac", nargs="+", default=["no", "yes"], choices=["no", "yes"])
+    p.add_argument("--fsdp2", action="store_true", help="fully_shard layers and root in a one-rank group first")
+    p.add_argument("--same-process", action="store_true", help="run every row in this process")
     args = p.parse_args(argv)
-    rows = [run(args, m, ac == "yes") for ac in args.ac for m in args.methods]
-    print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, "
-          f"{args.steps} steps, device {args.device}, torch {torch.__version__}\n")
-    print(table(rows, args.device.startswith("cuda")))
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    bandwidth = copy_bandwidth(args)
+    rows = [run_row(args, m, ac == "yes") for ac in args.ac for m in methods(args, ac == "yes")]
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
+          f"{args.steps} steps, device {_device_name(args.device)}, torch {torch.__version__}"
+          f"{', FSDP2 (one rank)' if args.fsdp2 else ''}; copies measured at {bandwidth / 1e9:.1f} GB/s "
+          "(the slower direction)\n")
+    print(table(rows, args.device.startswith("cuda"), bandwidth))
+    for r in rows:
+        if r.plan:
+            print(f"\n{r.method}: {r.plan}")
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device
 
 
 if __name__ == "__main__":

@@ -185,7 +185,10 @@ class _Planner:
 
     def rates_source(self) -> str:
         stated = self.cfg.activation_budget_compute_tflops, self.cfg.activation_budget_copy_gb_per_s
-        return "from the config" if None not in stated else "measured on the device, the slowest rank's"
+        if None not in stated:
+            return "from the config"
+        return "measured on the device" + (", the slowest rank's" if dist.is_initialized() and dist.get_world_size() > 1
+                                           else "")
 
 
 def planned(model: nn.Module) -> _Planner | None:
