@@ -268,12 +268,11 @@ def batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
 def _host_group() -> Any:
     """The group the planner's per-forward agreement runs over: gloo, so that a few integers never
     round-trip through the device (on NCCL that would stall the host on the device every step).
-    Made at prepare, where every rank is; None without a process group or where gloo is the default."""
+    Its own group on every backend, gloo included, so that the CPU tests run the GPU's path. Made
+    at prepare, where every rank is; None without a process group of several ranks."""
     from fsdp_offload_cfg.loading._sync import distributed_ready
 
-    if not distributed_ready() or dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo") if distributed_ready() else None
 
 
 def _largest_over_ranks(shape: tuple[int, int] | None, group: Any) -> tuple[int, int] | None:
