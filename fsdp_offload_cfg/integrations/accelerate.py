@@ -190,7 +190,8 @@ PATCHES = [
     Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
           fsdp2_prepare_needed, _REQUIRES,
           "one fully_shard group per dtype; with meta loading, shard on meta and fill params + all buffers "
-          "(read by each rank or sent by rank 0); with activation offload, enable it", swaps=fully_shard_swap),
+          "(read by each rank or sent by rank 0); with activation offload, enable it; with activation_memory_budget, "
+          "wrap each layer for its plan, made at the first training forward", swaps=fully_shard_swap),
     # Frameworks call it directly (LlamaFactory's DPO reference model, TRL, ms-swift):
     Patch("fsdp2-prepare-model-utils", "accelerate.utils.fsdp_utils", "fsdp2_prepare_model",
           build_fsdp2_prepare_model, fsdp2_prepare_needed, _REQUIRES, "the same, for direct calls",
