@@ -120,12 +120,14 @@ class _Planner:
         self.rates: tuple[float, float] | None = None  # (FLOP/s, copy bytes/s), measured once, then kept
         self.plan: Plan | None = None  # the plan the layers follow (for `planned` and the tests)
         self.no_cache = False  # training forwards run without a KV cache: a plan that checkpoints (see __call__)
+        self.passes_at_plan: int | None = None  # the offload's pass count when a plan was made, until checked
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         from fsdp_offload_cfg.offload.handlers import in_backward
 
         if not torch.is_grad_enabled() or in_backward():
             return None
+        self.refuse_a_bypassed_offload()
         largest = _largest_over_ranks(batch_shape(args, kwargs), self.group)
         if self.shape is None:
             self.rates = self.agreed_rates(largest)
@@ -140,6 +142,22 @@ class _Planner:
         # cache's attention mask path differs in the last bits, and a plan without checkpointing
         # must train exactly what the run without a budget trains.)
         return (args, {**kwargs, "use_cache": False}) if self.no_cache else None
+
+    def refuse_a_bypassed_offload(self) -> None:
+        """A plan that offloads relies on the offload's hooks, which a model compiled whole bypasses
+        (one graph has no layer boundary to offload at): its layers would keep what the plan moves
+        and the budget would not be met. Checked at the training forward after the plan's first,
+        the same on every rank (every rank compiles the same way)."""
+        if self.passes_at_plan is None or self.plan is None:
+            return
+        bypassed = self.handle.handler.passes == self.passes_at_plan
+        self.passes_at_plan = None  # checked once, at the forward after the plan
+        if bypassed and any(c.endswith("offload") for c in self.plan.choices):
+            raise ConfigError(f"{self.cfg.source}: activation_memory_budget: the plan offloads layers, and the model "
+                              "is compiled whole (torch.compile(model), model.compile(), accelerate's dynamo_config), "
+                              "which bypasses the offload: compile each decoder layer instead (for layer in "
+                              "model.model.layers: layer.compile(); accelerate: dynamo_config "
+                              "use_regional_compilation: true), or drop the budget")
 
     def agreed_rates(self, shape: tuple[int, int] | None) -> tuple[float, float]:
         """(FLOP/s, copy bytes/s) to plan at: the config's, else measured here and taken from the
@@ -178,6 +196,7 @@ class _Planner:
         self.model.__dict__[_PLANNED] = self
         self.no_cache = _takes_use_cache(self.model) and any(c.startswith("checkpoint") for c in plan.choices)
         replanned = self.shape is not None
+        self.passes_at_plan = self.handle.handler.passes  # the plan's forward is about to run: it adds one
         self.shape, self.plan = shape, plan
         if is_rank0():
             logger.info("%s%s", "planned again, for a larger batch: " if replanned else "",

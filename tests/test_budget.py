@@ -312,3 +312,37 @@ def test_layers_are_wrapped_once_and_pass_through_until_planned():
         assert isinstance(layer, CheckpointWrapper) and not isinstance(layer._checkpoint_wrapped_module,
                                                                        CheckpointWrapper)
         assert layer.checkpoint_fn is _call
+
+
+def test_a_plan_that_offloads_under_a_model_compiled_whole_stops_at_the_next_forward():
+    """A model compiled whole bypasses the offload's hooks (one graph has no layer boundary), so
+    the layers a plan offloads would keep their activations: the next training forward stops,
+    naming the fix. Eagerly (as under a per-layer compile, where the root stays eager) the same
+    plan runs, and moves bytes."""
+    from transformers import LlamaForCausalLM
+
+    from _models import llama_config
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.budget import enable_budget, planned_choices, wrap_layers
+    from fsdp_offload_cfg.config import ConfigError
+    from fsdp_offload_cfg.offload import offload_stats, reset_offload_stats
+
+    ids = torch.randint(0, 90, (2, 64), generator=torch.Generator().manual_seed(1))
+    for whole in (True, False):
+        torch._dynamo.reset()
+        model = LlamaForCausalLM(llama_config(num_hidden_layers=4, hidden_size=128, intermediate_size=256))
+        config = load_config(_config(3_000_000))  # at 2 x 64 tokens: layers 1-2 offloaded, 0 and 3 kept
+        wrap_layers(model, config)
+        enable_budget(model, config)
+        if whole:
+            model.compile()
+        reset_offload_stats()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        assert planned_choices(model) == ["keep", "offload", "offload", "keep"]
+        if whole:
+            with pytest.raises(ConfigError, match="the plan offloads layers, and the model is compiled whole"):
+                model(input_ids=ids, labels=ids, use_cache=False)
+        else:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            assert offload_stats()["offloaded_bytes"] > 0
+        torch._dynamo.reset()

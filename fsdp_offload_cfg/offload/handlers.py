@@ -168,6 +168,9 @@ class OffloadHandler:
         # groups an activation-budget plan keeps on the device (`budget.py`); set between forwards,
         # read at each pack, for as long as the plan stands
         self.kept_groups: frozenset[int] = frozenset()
+        # training forwards this handler hooked: a budget whose plan offloads checks it moves (a
+        # model compiled whole bypasses the hooks, see api._wrap_forward); only ever grows
+        self.passes = 0
 
     # ---- forward life cycle, driven by the hooks in groups.py ----
     @contextmanager
@@ -177,6 +180,7 @@ class OffloadHandler:
             yield  # nested call, no_grad/eval, or recomputation: nothing to do
             return
         refuse_other_offloader("around the model's forward")
+        self.passes += 1
         self._pass = _Pass(ParamStorages(self.root))
         try:
             with saved_tensors_hooks(self.pack, self.unpack):
