@@ -122,6 +122,9 @@ class _Planner:
         self.no_cache = False  # training forwards run without a KV cache: a plan that checkpoints (see __call__)
         self.passes_at_plan: int | None = None  # the offload's pass count when a plan was made, until checked
 
+    # Host-side bookkeeping (a collective, a meta forward, a plan), never part of a graph: under a
+    # model compiled whole dynamo would trace into it (transformers 4.57's meta init crashed dynamo).
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         from fsdp_offload_cfg.offload.handlers import in_backward
 
