@@ -53,6 +53,13 @@ def budget_bytes(cfg: FSDPOffloadConfig) -> int | None:
     return None if cfg.activation_memory_budget is None else size_in_bytes(cfg.activation_memory_budget)
 
 
+def stated_rates(cfg: FSDPOffloadConfig) -> tuple[float | None, float | None]:
+    """(FLOP/s, copy bytes/s) the config states for the plan (`activation_budget_compute_tflops`,
+    `activation_budget_copy_gb_per_s`), None for each it leaves to be measured."""
+    tflops, gb_per_s = cfg.activation_budget_compute_tflops, cfg.activation_budget_copy_gb_per_s
+    return (None if tflops is None else tflops * 1e12), (None if gb_per_s is None else gb_per_s * 1e9)
+
+
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
 
@@ -165,12 +172,12 @@ class _Planner:
     def agreed_rates(self, shape: tuple[int, int] | None) -> tuple[float, float]:
         """(FLOP/s, copy bytes/s) to plan at: the config's, else measured here and taken from the
         slowest rank, so that every rank makes the same plan."""
-        stated = self.cfg.activation_budget_compute_tflops, self.cfg.activation_budget_copy_gb_per_s
-        if None not in stated:
-            return stated[0] * 1e12, stated[1] * 1e9  # type: ignore[operator]
-        measured = _agreed_value("measuring the device for activation_memory_budget", lambda: self.measure(shape))
-        flops, copy = _slowest_over_ranks(measured, self.group)
-        return (stated[0] * 1e12 if stated[0] else flops), (stated[1] * 1e9 if stated[1] else copy)
+        flops, copy = stated_rates(self.cfg)
+        if flops is not None and copy is not None:
+            return flops, copy
+        measured = _agreed("measuring the device for activation_memory_budget", lambda: self.measure(shape))
+        slowest = _slowest_over_ranks(measured, self.group)
+        return (flops or slowest[0]), (copy or slowest[1])
 
     def measure(self, shape: tuple[int, int] | None) -> tuple[float, float]:
         from fsdp_offload_cfg.estimate.rates import measure_rates
@@ -206,8 +213,7 @@ class _Planner:
                         describe(plan, shape, self.rates_source()))
 
     def rates_source(self) -> str:
-        stated = self.cfg.activation_budget_compute_tflops, self.cfg.activation_budget_copy_gb_per_s
-        if None not in stated:
+        if None not in stated_rates(self.cfg):
             return "from the config"
         return "measured on the device" + (", the slowest rank's" if dist.is_initialized() and dist.get_world_size() > 1
                                            else "")
@@ -321,11 +327,7 @@ def _slowest_over_ranks(rates: tuple[float, float], group: Any) -> tuple[float, 
     return float(values[0]), float(values[1])
 
 
-def _agreed(what: str, fn: Any) -> None:
-    _agreed_value(what, fn)
-
-
-def _agreed_value(what: str, fn: Any) -> Any:
+def _agreed(what: str, fn: Any) -> Any:
     """`fn()` on every rank, raised on every rank if it failed on any (`_sync.agreed`)."""
     from fsdp_offload_cfg.loading._sync import agreed, distributed_ready
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fsdp_offload_cfg._sizes import show_size
+from fsdp_offload_cfg.budget import budget_bytes, stated_rates
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.estimate import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.activations import Residency, settings
@@ -27,7 +28,6 @@ from fsdp_offload_cfg.estimate.model import (
 )
 from fsdp_offload_cfg.estimate.plan import (
     Plan,
-    TimeModel,
     default_time_model,
     layer_runs,
     plan_to_budget,
@@ -55,11 +55,10 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     chosen = _setting_name(config)
     plan = None
     if activation_budget is None and config.activation_memory_budget is not None:  # the run will plan: so do we
-        from fsdp_offload_cfg.budget import budget_bytes
-
         activation_budget, chosen = budget_bytes(config), "plan"
     if activation_budget is not None:
-        time_model = default_time_model(device, async_reload, *_rates(config, rates))
+        given = (r if r is not None else c for r, c in zip(rates, stated_rates(config)))  # command line over file
+        time_model = default_time_model(device, async_reload, *given)
         plan = plan_to_budget(profile, activation_budget, offload, async_reload, time_model)
         by_setting["plan"] = plan.residency
     report = {
@@ -77,19 +76,11 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch),
     }
     if plan is not None:
-        report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, time_model), time_model)
+        report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
     return report
 
 
-def _rates(config: FSDPOffloadConfig, given: tuple[float | None, float | None]) -> tuple[float | None, float | None]:
-    """The plan's (FLOP/s, copy bytes/s): the command line's, else the config's (what the run plans
-    at instead of measuring), else None for the device's default."""
-    stated = (config.activation_budget_compute_tflops, 1e12), (config.activation_budget_copy_gb_per_s, 1e9)
-    return tuple(g if g is not None else (v * unit if v is not None else None)  # type: ignore[return-value]
-                 for g, (v, unit) in zip(given, stated))
-
-
-def _plan(plan: Plan, uniform: dict[str, Plan], time: TimeModel) -> dict[str, Any]:
+def _plan(plan: Plan, uniform: dict[str, Plan]) -> dict[str, Any]:
     """The budget's plan: each layer's choice, its peak, and its estimated cost against each
     single setting's (the JSON `plan` key)."""
     def cost(p: Plan) -> float:
@@ -102,8 +93,8 @@ def _plan(plan: Plan, uniform: dict[str, Plan], time: TimeModel) -> dict[str, An
         "layers_seconds": plan.compute_seconds,
         "extra_seconds": plan.extra_seconds,
         "extra_time_fraction": cost(plan),
-        "time_model": {"compute_tflops": time.compute_flops / 1e12, "copy_gb_per_s": time.copy_bytes / 1e9,
-                       "copies_overlap_compute": time.overlapped},
+        "time_model": {"compute_tflops": plan.time.compute_flops / 1e12, "copy_gb_per_s": plan.time.copy_bytes / 1e9,
+                       "copies_overlap_compute": plan.time.overlapped},
         "layers": [{"name": lp.name, "choice": lp.choice, "device_bytes": lp.device_bytes,
                     "host_bytes": lp.host_bytes, "extra_seconds": lp.extra_seconds} for lp in plan.layers],
         "uniform": {name: {"device_peak_bytes": p.residency.device_peak_bytes, "extra_time_fraction": cost(p),
@@ -280,9 +271,6 @@ def _name(dtype: torch.dtype) -> str:
 
 
 # ------------------------------------------------------------------------------ table
-
-
-
 
 
 def format_table(report: dict[str, Any]) -> str:
