@@ -346,3 +346,39 @@ def test_a_plan_that_offloads_under_a_model_compiled_whole_stops_at_the_next_for
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             assert offload_stats()["offloaded_bytes"] > 0
         torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_a_plan_that_checkpoints_under_a_per_layer_compile_is_exact():
+    """Regional compilation (each layer's wrapper compiled, as accelerate's
+    `use_regional_compilation` does) with a plan that checkpoints and offloads: gradients to the
+    bit those of the same compiled model without a budget."""
+    from transformers import LlamaForCausalLM
+
+    from _models import llama_config
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.budget import enable_budget, planned_choices, wrap_layers
+    from fsdp_offload_cfg.offload import offload_stats, reset_offload_stats
+
+    ids = torch.randint(0, 90, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def grads(budget: int | None) -> tuple[list[torch.Tensor], list[str] | None]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config(num_hidden_layers=4, hidden_size=128, intermediate_size=256))
+        if budget is not None:
+            config = load_config(_config(budget))
+            wrap_layers(model, config)
+            enable_budget(model, config)
+        for layer in model.model.layers:
+            layer.compile()
+        reset_offload_stats()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return [p.grad for p in model.parameters()], planned_choices(model) if budget else None
+
+    expected, _ = grads(None)
+    got, choices = grads(1_200_000)
+    assert choices is not None and any(c.startswith("checkpoint") for c in choices), choices
+    assert offload_stats()["offloaded_bytes"] > 0
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    torch._dynamo.reset()

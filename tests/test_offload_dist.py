@@ -27,6 +27,10 @@ CASES = [
     {"name": "fsdp2_reshard_ac_accelerate", "fsdp": 2, "reshard": True, "ac": True, "mode": "auto"},
     {"name": "fsdp2_noreshard_ac_accelerate", "fsdp": 2, "reshard": False, "ac": True, "mode": "async"},
     {"name": "fsdp1_noac", "fsdp": 1, "reshard": True, "ac": False, "mode": "auto"},
+    # flat parameters: the layers hold plain views of them, not parameters
+    {"name": "fsdp1_flat_noac", "fsdp": 1, "reshard": True, "ac": False, "mode": "sync", "orig": False},
+    # and inside checkpointing, as accelerate's FSDP1 preparation lays them out: FSDP1(CheckpointWrapper(layer))
+    {"name": "fsdp1_flat_ac_accelerate", "fsdp": 1, "reshard": True, "ac": True, "mode": "async", "orig": False},
 ]
 STEPS, MICRO = 3, 2
 
@@ -55,8 +59,13 @@ def _wrap(case: dict[str, Any]) -> torch.nn.Module:
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                                        use_orig_params=True, device_id=torch.device("cpu"))
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                           use_orig_params=case.get("orig", True), device_id=torch.device("cpu"))
+        if case["ac"]:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+        return wrapped
     if case["ac"]:
         return _accelerate_fsdp2(model, case["reshard"], ac=True)
     from torch.distributed.fsdp import fully_shard

@@ -118,7 +118,7 @@ def enable_activation_offload(
     boundaries = _pick_groups(model, layer_classes, groups)
     handler = _make_handler(model, config, len(boundaries))
     handle = OffloadHandle(model, config, boundaries, handler)
-    handle._hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group, handler.refresh_params)
+    handle._hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group)
     _wrap_forward(handle, handler)
     model.__dict__[_ATTR] = handle
     return handle

@@ -113,32 +113,26 @@ def lift_to_boundaries(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.
     return sorted((m for m in lifted.values() if not nested(m)), key=lambda m: order.get(id(m), 0))
 
 
-def wrapper_chain(boundary: nn.Module) -> list[nn.Module]:
-    """The boundary and every module it wraps, outermost first."""
-    chain = [boundary]
-    while (inner := _wrapped(chain[-1])) is not None:
-        chain.append(inner)
-    return chain
-
-
 def hook_groups(
     boundaries: Sequence[nn.Module],
     enter: Callable[[int, nn.Module], None],
     exit_: Callable[[int], None],
-    refresh: Callable[[nn.Module], None],
 ) -> list[RemovableHandle]:
-    """Register group entry/exit on each boundary and a parameter refresh on the modules inside.
+    """Register group entry/exit on each boundary, and nothing on the modules inside it.
 
-    Registered after FSDP's own hooks (FSDP2 prepends its pre-forward unshard), so at entry the
-    unsharded parameters exist; FSDP1 unshards inside its forward, hence the inner refresh.
+    Registered after FSDP's own hooks (FSDP2 prepends its pre-forward unshard), so at entry an
+    FSDP2 boundary's unsharded parameters exist. Parameters unsharded after the entry (FSDP1
+    inside its forward, an FSDP2 layer inside a wrapper) need no hook of their own: they are
+    saved as parameters or views of them, which the filter keeps by type (`filter._is_param_like`;
+    tests/test_offload_dist.py covers FSDP1's flat and original parameters). A hook on the module
+    inside a checkpoint wrapper would run inside the checkpointed region, where dynamo cannot trace
+    it and splits a compiled layer's graph: gradients then differ in the last bits.
     """
     handles = []
     for index, boundary in enumerate(boundaries):
         handles.append(boundary.register_forward_pre_hook(lambda m, _a, i=index: enter(i, m)))
         handles.append(boundary.register_forward_hook(lambda _m, _a, _o, i=index: exit_(i)))
-        for inner in wrapper_chain(boundary)[1:]:
-            handles.append(inner.register_forward_pre_hook(lambda m, _a: refresh(m)))
     return handles
 
 
-__all__ = ["find_units", "hook_groups", "lift_to_boundaries", "unwrap", "wrapper_chain"]
+__all__ = ["find_units", "hook_groups", "lift_to_boundaries", "unwrap"]

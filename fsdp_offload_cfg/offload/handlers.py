@@ -102,7 +102,9 @@ class _Pass:
         self.entries: weakref.WeakValueDictionary[tuple[int, int], _Entry] = weakref.WeakValueDictionary()
         self.kept: weakref.WeakValueDictionary[int, _Kept] = weakref.WeakValueDictionary()
         self.root_params = root_params  # read when the pass starts (root unit unsharded by then)
-        self.group_params = ParamStorages()  # re-read when each group starts (its unit unsharded)
+        # re-read when each group starts (an FSDP2 unit is unsharded by then; parameters unsharded
+        # later, inside a wrapper or by FSDP1, are kept by type: filter._is_param_like)
+        self.group_params = ParamStorages()
         self.current = self.frame(0)
 
     def frame(self, index: int) -> _Frame:
@@ -201,12 +203,6 @@ class OffloadHandler:
         p = self._pass
         if p is not None and not in_backward():
             p.current = p.frame(index + 1)  # what follows feeds the next group
-
-    def refresh_params(self, module: nn.Module) -> None:
-        """Add parameters that FSDP1 unshards only inside its own forward (inner module hook)."""
-        p = self._pass
-        if p is not None and not in_backward():
-            p.group_params.add(module)
 
     # ---- saved tensor hooks ----
     def pack(self, t: torch.Tensor) -> _KeptHandle | _OffloadedHandle:
