@@ -213,10 +213,16 @@ class _Planner:
                         describe(plan, shape, self.rates_source()))
 
     def rates_source(self) -> str:
-        if None not in stated_rates(self.cfg):
+        """Where the rates came from, for the log line: the config, the device, or one from each."""
+        flops, copy = stated_rates(self.cfg)
+        measured = "measured on the device" + (", the slowest rank's" if dist.is_initialized()
+                                               and dist.get_world_size() > 1 else "")
+        if flops is not None and copy is not None:
             return "from the config"
-        return "measured on the device" + (", the slowest rank's" if dist.is_initialized() and dist.get_world_size() > 1
-                                           else "")
+        if flops is None and copy is None:
+            return measured
+        return "compute from the config, copies " + measured if flops is not None else \
+            "copies from the config, compute " + measured
 
 
 def planned(model: nn.Module) -> _Planner | None:

@@ -157,13 +157,16 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str,
     import fsdp_offload_cfg.budget
     import fsdp_offload_cfg.estimate.rates
 
-    fsdp_offload_cfg.patch(_config(budget, rates=case not in ("measured", "measure_fails")))
+    config = _config(budget, rates=case not in ("measured", "measure_fails"))
+    if case == "one_rate":  # the compute rate stated, the copy rate measured
+        del config["fsdp_config"]["fsdp_activation_budget_copy_gb_per_s"]
+    fsdp_offload_cfg.patch(config)
     if case == "rank1_fails" and rank == 1:
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise OSError("no space left on device")
 
         fsdp_offload_cfg.budget.plan_layers = broken
-    if case == "measured" and rank == 1:  # a slower rank: every rank must plan at its rates
+    if case in ("measured", "one_rate") and rank == 1:  # a slower rank: every rank must plan at its rates
         fsdp_offload_cfg.estimate.rates.measure_rates = lambda *args: (1e9, 1e8)
     if case == "measure_fails" and rank == 0:
         def no_pinned_memory(*args: Any) -> Any:
@@ -198,10 +201,10 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str,
 
 @pytest.fixture(scope="module")
 def failures(model_dir: str, budgets: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
-    budget = {"too_small": 1, "longer_batches": budgets["plain"], "measured": budgets["mix"]}
+    budget = {"too_small": 1, "longer_batches": budgets["plain"], "measured": budgets["mix"], "one_rate": budgets["mix"]}
     return {case: run_workers(_fail, 2, model_dir, case, budget.get(case, 10**9), timeout=120, pg_timeout=60)
             for case in ("too_small", "rank1_fails", "gradient_checkpointing", "longer_batches", "classifier",
-                         "measured", "measure_fails")}
+                         "measured", "measure_fails", "one_rate")}
 
 
 def test_a_budget_no_plan_meets_stops_every_rank_naming_the_key_and_the_smallest(failures: dict[str, Any]):
@@ -258,6 +261,20 @@ def test_the_rates_are_measured_and_every_rank_plans_at_the_slowest(failures: di
         error = failures["measure_fails"][rank]["error"]
         assert error is not None and "measuring the device for activation_memory_budget failed on rank 0: " \
             "RuntimeError: cannot pin memory" in error, error
+
+
+def test_a_rate_stated_in_the_config_is_used_and_the_other_measured(failures: dict[str, Any], model_dir: str,
+                                                                    budgets: dict[str, int]):
+    """Only the compute rate in the config: the copy rate is measured (the slowest rank's), and the
+    log line says which rate came from where."""
+    expected = _plan_for(model_dir, budgets["mix"], rates=(5e10, 1e8))
+    for rank in (0, 1):
+        result = failures["one_rate"][rank]
+        assert result["error"] is None, result["error"]
+        assert result["rates"] == (5e10, 1e8) and result["choices"] == expected
+    (line,) = [r for r in failures["one_rate"][0]["records"] if "tokens per rank:" in r]
+    assert ("(estimated at 0.05 TFLOP/s and copies at 0.1 GB/s, compute from the config, copies measured on the "
+            "device, the slowest rank's)") in line, line
 
 
 def test_the_probe_measures_positive_rates_on_this_device():
