@@ -36,6 +36,7 @@ PLUGIN = {
     "auto_offload": {"fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_cpu_offload": True},
     "colliding_spelling": {"fsdp_cpu_ram_efficient_loading": True, "activation_cpu_offload": True},
 }
+BUDGET_RATES = {"fsdp_activation_budget_compute_tflops": 0.05, "fsdp_activation_budget_copy_gb_per_s": 5}
 ARGS = ["--model_type", "llama", "--template", "default", "--system", "x", "--tuner_type", "full",
         "--max_steps", "4", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
         "--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--seed", "0", "--save_strategy", "steps",
@@ -72,14 +73,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _train(files: Path, variant: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _train(files: Path, variant: str, *extra: str,
+           plugin: dict | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One `swift sft` under `fsdp-offload-cfg run`; the plugin's keys are `PLUGIN[variant]` unless given."""
     from _dist import free_port
 
     name = variant + "".join(a.strip("-") for a in extra)
     out = files / f"out_{name}"
     shutil.rmtree(out, ignore_errors=True)
     fsdp = files / f"fsdp_{variant}.json"
-    fsdp.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {**FSDP, **PLUGIN[variant]}}))
+    fsdp.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {**FSDP, **(plugin or PLUGIN[variant])}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                USE_HF="1", OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
@@ -151,6 +154,44 @@ def test_lora_saves_the_adapters_the_run_without_the_loader_saves(files: Path, l
     assert adapters.keys() == lora_baseline.keys() and len(adapters) > 0
     differ = [k for k in lora_baseline if not torch.equal(adapters[k], lora_baseline[k])]
     assert not differ, differ
+
+
+def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_baseline_saves(files: Path,
+                                                                                           baseline: dict):
+    """`fsdp_activation_memory_budget` in the `--fsdp` JSON: the budget is the smallest peak a plan
+    reaches at `--max_length` (so every batch fits, and a batch of any length saves less than the
+    plain run would), ms-swift's own gradient checkpointing turned off as the docs say; the layers
+    are planned at the first step, again at longer batches, and train the baseline's weights."""
+    import torch
+
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    config = load_config({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {
+        "fsdp_version": 2, "fsdp_activation_memory_budget": 2**40, **BUDGET_RATES}})
+    uniform = estimate_memory(config, str(files / "model"), seq_len=200, batch_size=2, device="cpu",
+                              dtype="float32")["plan"]["uniform"]
+    plugin = {"fsdp_cpu_ram_efficient_loading": True, **BUDGET_RATES,
+              "fsdp_activation_memory_budget": min(u["device_peak_bytes"] for u in uniform.values())}
+    proc, out = _train(files, "budget", "--gradient_checkpointing", "false", plugin=plugin)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    weights = _weights(out)
+    assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
+    plans = [line for line in proc.stderr.splitlines()
+             if "[fsdp_offload_cfg rank 0]" in line and "tokens per rank: layer" in line]
+    assert plans and any("offload" in line or "checkpoint" in line for line in plans), proc.stderr[-3000:]
+    assert "activation offload: planned per layer to activation_memory_budget" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_budget_beside_swifts_gradient_checkpointing_stops_naming_the_flag(files: Path):
+    """ms-swift checkpoints every layer by default; a budget decides that per layer, so the run
+    stops before training and names ms-swift's flag."""
+    proc, _ = _train(files, "budget_default_checkpointing",
+                     plugin={"fsdp_activation_memory_budget": 2**30, **BUDGET_RATES})
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "activation_memory_budget decides which layers to checkpoint" in text, text[-3000:]
+    assert "ms-swift's --gradient_checkpointing" in text and "'loss'" not in text
 
 
 def test_an_offload_with_nothing_to_move_under_swifts_checkpointing_says_so(files: Path):
