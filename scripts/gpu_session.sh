@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU work of issues 23 and 24 in few, full runs on a lent GPU machine (one H100, 16 cores,
+# its own Python with torch, accelerate and transformers, nothing to download). Each part fits in
+# one 10-minute call; its logs go to $OUT (the device tool's folder), else ./gpu_out.
+#
+#   here, once:   bash scripts/gpu_session.sh wheels      # .whl/: what the device's Python lacks
+#   on the GPU:   bash scripts/gpu_session.sh suite       # the whole suite, the GPU visible
+#                 bash scripts/gpu_session.sh offload     # activation_offload.py, one process, then --fsdp2
+#                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (issue 24's 10% rows)
+#
+# With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
+# `bash scripts/gpu_session.sh offload estimate`. The benchmarks' shape is the issues' (Llama 16 x
+# 2048, seq 8192, batch 1); BENCH_ARGS replaces it, e.g. BENCH_ARGS="--layers 4 --seq 2048".
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+# the versions CI's newest leg runs; the device has PyYAML, pyarrow, pandas, xxhash, fsspec, peft
+WHEELS=(jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+        omegaconf==2.4.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+SHAPE=(${BENCH_ARGS:---layers 16 --hidden 2048 --seq 8192 --batch 1})
+
+wheels() {
+  rm -rf .whl && mkdir .whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "${WHEELS[@]}" && ls .whl
+}
+
+install() {  # into /tmp/site, beside the device's own packages, which stay as they are
+  [ -d .whl ] || { echo "no .whl/: run 'bash scripts/gpu_session.sh wheels' here and carry .whl" >&2; exit 2; }
+  [ -d /tmp/site/fsdp_offload_cfg ] && return
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
+    || exit 2
+}
+
+versions() {
+  nvidia-smi -L
+  python3 -c "import torch, accelerate, transformers; print('torch', torch.__version__, 'accelerate', \
+accelerate.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+}
+
+suite() {  # every test, the GPU visible: CPU tests must pin themselves, CUDA tests must run
+  python3 -m pytest -q -rfEs -n 12 -p no:cacheprovider --timeout 300 --junitxml "$OUT/junit.xml" tests \
+    2>&1 | tee "$OUT/suite.log" | tail -60
+}
+
+offload() {
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/offload.md"
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB --fsdp2 2>&1 \
+    | tee "$OUT/offload_fsdp2.md"
+}
+
+estimate() {
+  python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/estimate.md"
+}
+
+[ $# -gt 0 ] || { sed -n '2,12p' "$0"; exit 2; }
+if [ "$1" = wheels ]; then wheels; exit; fi
+install
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+versions | tee "$OUT/versions.txt"
+for part in "$@"; do
+  case "$part" in
+    suite|offload|estimate) start=$SECONDS; "$part"; echo "[gpu_session] $part: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $part (wheels, suite, offload, estimate)" >&2; exit 2 ;;
+  esac
+done
