@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -53,6 +53,25 @@ def llama_config(**overrides) -> LlamaConfig:
 def save_llama(path: str, dtype: torch.dtype | None = None, **overrides) -> str:
     torch.manual_seed(0)
     return _save(LlamaForCausalLM(llama_config(**overrides)), path, dtype)
+
+
+WORD_VOCAB = 97  # the word tokenizer's size: ids "t3".."t96", after <pad>=0, <eos>=1, <unk>=2
+
+
+def save_word_tokenizer(path: str) -> None:
+    """A word-level tokenizer over "t0".."t96" (token ids = a `WORD_VOCAB`-sized model's), built locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, WORD_VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
+
+
+def words(rng: Any, n: int) -> str:
+    """`n` random words of the word tokenizer, drawn by a numpy `Generator`."""
+    return " ".join(f"t{int(i)}" for i in rng.integers(3, WORD_VOCAB, n))
 
 
 def save_qwen2_tied(path: str) -> str:

@@ -19,7 +19,6 @@ pytestmark = pytest.mark.distributed
 
 PLUGIN = {"fsdp_cpu_ram_efficient_loading": True, "activation_cpu_offload": {"mode": "sync", "min_tensor_bytes": 0}}
 STOCK = {"fsdp_cpu_ram_efficient_loading": False}
-VOCAB = 97
 
 
 def _config(keys: dict[str, Any]) -> dict[str, Any]:
@@ -35,28 +34,13 @@ def _config(keys: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _save_tokenizer(path: str) -> None:
-    """A word-level tokenizer over "t0".."t96" (token ids = model vocab), built locally."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama
+    from _models import save_llama, save_word_tokenizer
 
     path = save_llama(str(tmp_path_factory.mktemp("ckpt") / "llama"), pad_token_id=0, eos_token_id=1)
-    _save_tokenizer(path)
+    save_word_tokenizer(path)
     return path
-
-
-def _words(rng: Any, n: int) -> str:
-    return " ".join(f"t{int(i)}" for i in rng.integers(3, VOCAB, n))
 
 
 def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +48,7 @@ def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys:
     from datasets import Dataset
 
     import fsdp_offload_cfg
+    from _models import words
 
     fsdp_offload_cfg.patch(_config(keys))
     from transformers import AutoTokenizer
@@ -74,13 +59,13 @@ def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys:
                   report_to=[], save_strategy="no", seed=0, max_length=24, dataloader_num_workers=0, bf16=False, use_cpu=True)  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(path)
     if trainer == "sft":
-        data = Dataset.from_dict({"text": [_words(rng, 12) for _ in range(16)]})
+        data = Dataset.from_dict({"text": [words(rng, 12) for _ in range(16)]})
         run = SFTTrainer(model=path, args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
     else:
         data = Dataset.from_dict({
-            "prompt": [_words(rng, 6) for _ in range(16)],
-            "chosen": [_words(rng, 6) for _ in range(16)],
-            "rejected": [_words(rng, 6) for _ in range(16)],
+            "prompt": [words(rng, 6) for _ in range(16)],
+            "chosen": [words(rng, 6) for _ in range(16)],
+            "rejected": [words(rng, 6) for _ in range(16)],
         })  # fmt: skip
         run = DPOTrainer(model=path, args=DPOConfig(**common), train_dataset=data, processing_class=tokenizer)
     run.train()

@@ -1,0 +1,97 @@
+"""TRL's own CLI (`trl sft --accelerate_config F`), run through `fsdp-offload-cfg run --config F`
+with no code of ours in between, on 2 gloo CPU ranks.
+
+`trl sft` starts accelerate's launcher inside its own process, and accelerate hands its workers
+only the config keys it knows: the plugin's keys reach them through `run --config`, which puts the
+file in `$FSDP_OFFLOAD_CFG` for every process it starts. Against the same CLI run with the loader
+and offload off, the loader and the offload save bit-equal weights, and the log says the plugin
+is on and what the offload moved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _dist import free_port
+
+pytest.importorskip("trl.cli")
+pytestmark = pytest.mark.distributed
+
+BIN = Path(sys.executable).parent
+YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+main_process_port: {port}
+use_cpu: true
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_state_dict_type: FULL_STATE_DICT
+{plugin}"""
+STOCK = "  fsdp_cpu_ram_efficient_loading: false\n"
+PLUGIN = "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_activation_cpu_offload: true\n"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a word tokenizer, and a local data set of plain text."""
+    import numpy as np
+
+    from _models import save_llama, save_word_tokenizer, words
+
+    root = tmp_path_factory.mktemp("trl_cli")
+    save_word_tokenizer(save_llama(str(root / "llama"), pad_token_id=0, eos_token_id=1))
+    (root / "data").mkdir()
+    rng = np.random.default_rng(0)
+    (root / "data" / "train.jsonl").write_text("".join(json.dumps({"text": words(rng, 12)}) + "\n" for _ in range(16)))
+    return root
+
+
+def _trl_sft(files: Path, name: str, plugin: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    config, out = files / f"{name}.yaml", files / f"out_{name}"
+    config.write_text(YAML.format(port=free_port(), plugin=plugin))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    command = [str(BIN / "fsdp-offload-cfg"), "run", "--config", str(config), "--", str(BIN / "trl"), "sft",
+               "--accelerate_config", str(config), "--model_name_or_path", str(files / "llama"),
+               "--dataset_name", str(files / "data"), "--output_dir", str(out), "--max_steps", "3",
+               "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--max_length", "24", "--seed", "0",
+               "--use_cpu", "--report_to", "none", "--logging_steps", "1", "--save_strategy", "steps",
+               "--save_steps", "3", "--save_only_model", "--dataloader_num_workers", "0",
+               "--gradient_checkpointing", "false"]  # TRL checkpoints by default, leaving the offload nothing
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=files), out
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "checkpoint-3" / "model.safetensors")
+
+
+def test_trl_sft_under_run_saves_what_the_run_without_the_loader_and_offload_saves(files: Path):
+    import torch
+
+    stock, stock_out = _trl_sft(files, "stock", STOCK)
+    assert stock.returncode == 0, stock.stderr[-4000:]
+    proc, out = _trl_sft(files, "plugin", PLUGIN)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    expected, got = _weights(stock_out), _weights(out)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    config = files / "plugin.yaml"
+    line = f"[fsdp_offload_cfg rank 0] config from $FSDP_OFFLOAD_CFG={config} (FSDP2, meta loading: auto, " \
+           "activation offload: on)"
+    assert line in proc.stderr, proc.stderr[-3000:]
+    assert "[fsdp_offload_cfg rank 0] sharded loading: rank 0 read" in proc.stderr, proc.stderr[-3000:]
+    moved = [entry for entry in proc.stderr.splitlines() if "[fsdp_offload_cfg rank 0] activation offload moved" in entry]
+    assert len(moved) == 1 and "(0 tensors)" not in moved[0], proc.stderr[-3000:]
