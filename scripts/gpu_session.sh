@@ -33,6 +33,9 @@ install() {  # into /tmp/site, beside the device's own packages, which stay as t
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
     || exit 2
+  # the tests start `fsdp-offload-cfg`, `trl`, `accelerate` from beside sys.executable
+  local bin; bin="$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')"
+  for script in /tmp/site/bin/*; do [ -e "$bin/$(basename "$script")" ] || ln -s "$script" "$bin/"; done
 }
 
 versions() {
