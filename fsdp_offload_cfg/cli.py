@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-offload-cfg", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True,
-                                  metavar="{validate,schema,explain,estimate,run,install-hook,uninstall-hook}")
+                                  metavar="{validate,schema,explain,estimate,run,swift-plugin,install-hook,uninstall-hook}")
 
     validate = verbs.add_parser("validate", help="check config files; exit 0 valid, 1 invalid, 2 unreadable")
     validate.add_argument("files", nargs="+", metavar="FILE")
@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", metavar="FILE", help="the config (default: found as patch() finds it)")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND")
     run.set_defaults(run=_run)
+
+    swift = verbs.add_parser("swift-plugin", help="print the file to give ms-swift's --external_plugins, which turns "
+                             "the plugin on in every swift training process")
+    swift.set_defaults(run=_swift_plugin)
 
     for verb, action in (("install-hook", "install"), ("uninstall-hook", "remove")):
         hook = verbs.add_parser(verb, help=f"{action} the .pth line that runs patch() in every Python process "
@@ -332,3 +336,9 @@ def _uninstall_hook(args: argparse.Namespace) -> int:
         os.remove(path)
         return _print(f"{path}: removed")
     return _print(f"{path}: not installed")
+
+
+def _swift_plugin(_args: argparse.Namespace) -> int:
+    """The path only, so that `--external_plugins $(fsdp-offload-cfg swift-plugin)` works in a shell."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_swift_plugin")
+    return _print(os.path.join(folder, "fsdp_offload_cfg_for_swift.py"))

@@ -211,3 +211,13 @@ def test_validate_and_explain_warn_on_a_spelling_another_framework_reads(tmp_pat
     prefixed.write_text('{"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_activation_cpu_offload": true}}')
     assert cli.main(["validate", str(prefixed)]) == 0 and "warning" not in capsys.readouterr().out
     assert cli.main(["validate", EXAMPLES[2]]) == 0 and "warning" not in capsys.readouterr().out  # accelerate YAML
+
+
+def test_swift_plugin_prints_a_file_alone_in_its_folder(capsys: pytest.CaptureFixture[str]):
+    """ms-swift puts an `--external_plugins` file's folder first on `sys.path`: anything else there
+    (our `integrations/accelerate.py`, `transformers.py`) would shadow the real packages."""
+    assert cli.main(["swift-plugin"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path.is_file() and path.suffix == ".py"
+    assert [p.name for p in path.parent.iterdir() if p.name != "__pycache__"] == [path.name]
+    assert "fsdp_offload_cfg.patch()" in path.read_text()

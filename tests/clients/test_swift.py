@@ -74,9 +74,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _train(files: Path, variant: str, *extra: str,
-           plugin: dict | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """One `swift sft` under `fsdp-offload-cfg run`; the plugin's keys are `PLUGIN[variant]` unless given."""
+def _train(files: Path, variant: str, *extra: str, plugin: dict | None = None,
+           entry: str = "run") -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One `swift sft` under `fsdp-offload-cfg run` (`entry="run"`), or with the plugin's file in
+    ms-swift's `--external_plugins` (`entry="external_plugins"`); the plugin's keys are
+    `PLUGIN[variant]` unless given."""
     from _dist import free_port
 
     name = variant + "".join(a.strip("-") for a in extra)
@@ -88,8 +90,14 @@ def _train(files: Path, variant: str, *extra: str,
     env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                USE_HF="1", OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
                CUDA_VISIBLE_DEVICES="")  # fmt: skip
-    command = [str(BIN / "fsdp-offload-cfg"), "run", "--", "swift", "sft", "--model", str(files / "model"),
-               "--dataset", str(files / "data.jsonl"), "--output_dir", str(out), "--fsdp", str(fsdp), *ARGS, *extra]
+    if entry == "run":
+        prefix, extra = [str(BIN / "fsdp-offload-cfg"), "run", "--"], extra
+    else:
+        path = subprocess.run([str(BIN / "fsdp-offload-cfg"), "swift-plugin"], capture_output=True, text=True,
+                              check=True, timeout=60).stdout.strip()
+        prefix, extra = [], (*extra, "--external_plugins", path)
+    command = [*prefix, "swift", "sft", "--model", str(files / "model"), "--dataset", str(files / "data.jsonl"),
+               "--output_dir", str(out), "--fsdp", str(fsdp), *ARGS, *extra]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=420, env=env, cwd=files)
     return proc, out
 
@@ -155,6 +163,22 @@ def test_lora_saves_the_adapters_the_run_without_the_loader_saves(files: Path, l
     assert adapters.keys() == lora_baseline.keys() and len(adapters) > 0
     differ = [k for k in lora_baseline if not torch.equal(adapters[k], lora_baseline[k])]
     assert not differ, differ
+
+
+def test_the_external_plugins_entry_turns_the_plugin_on_without_run(files: Path, baseline: dict):
+    """`swift sft --external_plugins $(fsdp-offload-cfg swift-plugin)`, no `fsdp-offload-cfg run`:
+    ms-swift imports the file in each training process before it builds the Trainer's arguments,
+    and the run equals the `run` one (loader + offload: the baseline's weights, the lines)."""
+    import torch
+
+    proc, out = _train(files, "auto_offload", "--gradient_checkpointing", "false", entry="external_plugins")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    weights = _weights(out)
+    assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
+    assert ("[fsdp_offload_cfg rank 0] config from TrainingArguments.fsdp_config (FSDP2, meta loading: auto, "
+            "activation offload: on)") in proc.stderr, proc.stderr[-3000:]
+    assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr, proc.stderr[-3000:]
+    assert "sharded loading: rank 0 read" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_baseline_saves(files: Path,
