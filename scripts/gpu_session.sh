@@ -29,14 +29,12 @@ wheels() {
 
 install() {  # into /tmp/site, beside the device's own packages, which stay as they are
   [ -d .whl ] || { echo "no .whl/: run 'bash scripts/gpu_session.sh wheels' here and carry .whl" >&2; exit 2; }
-  # the wheels once per machine; the project every call (a warm machine keeps /tmp/site, and the
-  # benchmarks import the installed copy: the working tree sent with this call may be newer)
-  if [ ! -d /tmp/site/jsonschema ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl || exit 2
-  fi
-  rm -rf /tmp/site/fsdp_offload_cfg /tmp/site/fsdp_offload_cfg-*.dist-info
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . || exit 2
+  # afresh every call: a warm machine keeps /tmp/site, and the benchmarks import that copy, which
+  # the working tree sent with this call may have outdated. One pip call: with --target, a second
+  # one would skip (or, with --upgrade, replace) the `bin` folder the first made.
+  rm -rf /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target /tmp/site \
+    .whl/*.whl . || exit 2
   # the tests start `fsdp-offload-cfg`, `trl`, `accelerate` from beside sys.executable
   local bin; bin="$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')"
   for script in /tmp/site/bin/*; do [ -e "$bin/$(basename "$script")" ] || ln -s "$script" "$bin/"; done
