@@ -158,26 +158,16 @@ def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_base
     say; the layers are planned at the first step, again at longer batches, and train the
     baseline's weights."""
     import torch
+    from _cli_budget import RATES, assert_planned_per_layer, smallest_budget
 
-    from fsdp_offload_cfg import load_config
-    from fsdp_offload_cfg.estimate import estimate_memory
-
-    rates = "  fsdp_activation_budget_compute_tflops: 0.05\n  fsdp_activation_budget_copy_gb_per_s: 5\n"
-    config = load_config({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {
-        "fsdp_version": 2, "fsdp_activation_memory_budget": 2**40, "fsdp_activation_budget_compute_tflops": 0.05,
-        "fsdp_activation_budget_copy_gb_per_s": 5}})
-    uniform = estimate_memory(config, str(files / "model"), seq_len=64, batch_size=2, device="cpu",
-                              dtype="float32")["plan"]["uniform"]
-    budget = min(u["device_peak_bytes"] for u in uniform.values())
-    plugin = f"  fsdp_cpu_ram_efficient_loading: true\n  fsdp_activation_memory_budget: {budget}\n{rates}"
+    keys = {"fsdp_cpu_ram_efficient_loading": "true", **RATES,
+            "fsdp_activation_memory_budget": smallest_budget(str(files / "model"), seq_len=64)}
+    plugin = "".join(f"  {key}: {value}\n" for key, value in keys.items())
     proc, out = _train(files, "budget", plugin=plugin + "disable_gradient_checkpointing: true\n")  # after fsdp_config
     assert proc.returncode == 0, proc.stderr[-4000:]
     weights = _weights(out)
     assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
-    plans = [line for line in proc.stderr.splitlines()
-             if "[fsdp_offload_cfg rank 0]" in line and "tokens per rank: layer" in line]
-    assert plans and any("offload" in line or "checkpoint" in line for line in plans), proc.stderr[-3000:]
-    assert "activation offload: planned per layer to activation_memory_budget" in proc.stderr, proc.stderr[-3000:]
+    assert_planned_per_layer(proc.stderr)
 
 
 def test_lora_with_dora_and_new_tokens_under_sharded_saves_the_baselines_adapter(files: Path):

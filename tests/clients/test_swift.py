@@ -37,7 +37,6 @@ PLUGIN = {
     "auto_offload": {"fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_cpu_offload": True},
     "colliding_spelling": {"fsdp_cpu_ram_efficient_loading": True, "activation_cpu_offload": True},
 }
-BUDGET_RATES = {"fsdp_activation_budget_compute_tflops": 0.05, "fsdp_activation_budget_copy_gb_per_s": 5}
 ARGS = ["--model_type", "llama", "--template", "default", "--system", "x", "--tuner_type", "full",
         "--max_steps", "4", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
         "--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--seed", "0", "--save_strategy", "steps",
@@ -188,24 +187,15 @@ def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_base
     plain run would), ms-swift's own gradient checkpointing turned off as the docs say; the layers
     are planned at the first step, again at longer batches, and train the baseline's weights."""
     import torch
+    from _cli_budget import RATES, assert_planned_per_layer, smallest_budget
 
-    from fsdp_offload_cfg import load_config
-    from fsdp_offload_cfg.estimate import estimate_memory
-
-    config = load_config({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {
-        "fsdp_version": 2, "fsdp_activation_memory_budget": 2**40, **BUDGET_RATES}})
-    uniform = estimate_memory(config, str(files / "model"), seq_len=200, batch_size=2, device="cpu",
-                              dtype="float32")["plan"]["uniform"]
-    plugin = {"fsdp_cpu_ram_efficient_loading": True, **BUDGET_RATES,
-              "fsdp_activation_memory_budget": min(u["device_peak_bytes"] for u in uniform.values())}
+    plugin = {"fsdp_cpu_ram_efficient_loading": True, **RATES,
+              "fsdp_activation_memory_budget": smallest_budget(str(files / "model"), seq_len=200)}
     proc, out = _train(files, "budget", "--gradient_checkpointing", "false", plugin=plugin)
     assert proc.returncode == 0, proc.stderr[-4000:]
     weights = _weights(out)
     assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
-    plans = [line for line in proc.stderr.splitlines()
-             if "[fsdp_offload_cfg rank 0]" in line and "tokens per rank: layer" in line]
-    assert plans and any("offload" in line or "checkpoint" in line for line in plans), proc.stderr[-3000:]
-    assert "activation offload: planned per layer to activation_memory_budget" in proc.stderr, proc.stderr[-3000:]
+    assert_planned_per_layer(proc.stderr)
 
 
 def test_an_offload_with_nothing_to_move_under_swifts_checkpointing_says_so(files: Path):
