@@ -9,7 +9,7 @@
 #                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (issue 24's 10% rows)
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
-# `bash scripts/gpu_session.sh offload estimate`. The benchmarks' shape is the issues' (Llama 16 x
+# `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload). The benchmarks' shape is the issues' (Llama 16 x
 # 2048, seq 8192, batch 1); BENCH_ARGS replaces it, e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -47,13 +47,16 @@ accelerate.__version__, 'transformers', transformers.__version__, 'cuda', torch.
 }
 
 suite() {  # every test, the GPU visible: CPU tests must pin themselves, CUDA tests must run
-  python3 -m pytest -q -rfEs -n 12 -p no:cacheprovider --timeout 300 --junitxml "$OUT/junit.xml" tests \
-    2>&1 | tee "$OUT/suite.log" | tail -60
+  # SUITE_LIMIT_S stops pytest with SIGINT (it still prints its summary) so the call's other parts
+  # and its files come back inside the device call's limit
+  timeout -s INT "${SUITE_LIMIT_S:-300}" python3 -m pytest -q -rfEs -n "${SUITE_WORKERS:-12}" -p no:cacheprovider \
+    --timeout 240 --durations 25 ${SUITE_TESTS:-tests} 2>&1 | tee "$OUT/suite.log" | tail -80
 }
 
-offload() {
-  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/offload.md"
-  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB --fsdp2 2>&1 \
+offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none ours-async")
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" ${OFFLOAD_ARGS:---budget 6GiB 9GiB} 2>&1 \
+    | tee "$OUT/offload.md"
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --fsdp2 ${FSDP2_ARGS:---budget 6GiB 9GiB} 2>&1 \
     | tee "$OUT/offload_fsdp2.md"
 }
 
@@ -66,9 +69,18 @@ if [ "$1" = wheels ]; then wheels; exit; fi
 install
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 versions | tee "$OUT/versions.txt"
-for part in "$@"; do
-  case "$part" in
-    suite|offload|estimate) start=$SECONDS; "$part"; echo "[gpu_session] $part: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $part (wheels, suite, offload, estimate)" >&2; exit 2 ;;
+one_part() {
+  case "$1" in
+    suite|offload|estimate) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, offload, estimate)" >&2; exit 2 ;;
   esac
+}
+# parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
+# reads per-process memory peaks, which the suite's load beside it leaves as they are; never join
+# `offload`, whose step times need the machine to itself)
+for part in "$@"; do
+  IFS=+ read -ra together <<< "$part"
+  for p in "${together[@]}"; do one_part "$p" > "/tmp/gpu_session.$p.out" 2>&1 & done
+  wait
+  for p in "${together[@]}"; do cat "/tmp/gpu_session.$p.out"; done
 done
