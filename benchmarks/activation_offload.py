@@ -204,7 +204,7 @@ def _one_rank_group(device: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # "cuda" names no index
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
 
 

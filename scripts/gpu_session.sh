@@ -50,7 +50,7 @@ suite() {  # every test, the GPU visible: CPU tests must pin themselves, CUDA te
   # SUITE_LIMIT_S stops pytest with SIGINT (it still prints its summary) so the call's other parts
   # and its files come back inside the device call's limit
   timeout -s INT "${SUITE_LIMIT_S:-300}" python3 -m pytest -q -rfEs -n "${SUITE_WORKERS:-12}" -p no:cacheprovider \
-    --timeout 240 --durations 25 ${SUITE_TESTS:-tests} 2>&1 | tee "$OUT/suite.log" | tail -80
+    --timeout 600 --durations 25 ${SUITE_TESTS:-tests} 2>&1 | tee "$OUT/suite.log" | tail -80
 }
 
 offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none ours-async")

@@ -35,9 +35,12 @@ FSDP1_OFFLOAD = FSDPOffloadConfig(
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch):
-    # A launcher's variables make `cpu_fsdp_needed` true, as under torchrun on a CPU machine.
+    # A launcher's variables make `cpu_fsdp_needed` true, as under torchrun on a CPU machine. The
+    # machine is one without a GPU whatever runs the tests: a GPU visible there must not turn these
+    # into GPU runs (tests/test_gpu_visible.py runs this file with one visible).
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(registry, "has_accelerator_device", lambda: False)
     for key in list(os.environ):
         if key.startswith("FSDP_") or key.startswith("ACCELERATE_"):
             monkeypatch.delenv(key)
@@ -200,6 +203,22 @@ def test_cpu_fsdp_patches_only_for_fsdp_without_gpu():
     assert not integrations.cpu_fsdp_needed(EVERYTHING_ON, LaunchContext())  # single process: nothing to shard
     assert not integrations.cpu_fsdp_needed(EVERYTHING_ON, LaunchContext(world_size=2, accelerator=True))
     assert not integrations.cpu_fsdp_needed(FSDPOffloadConfig(distributed_type="MULTI_GPU"), LaunchContext(world_size=2))
+
+
+def test_use_cpu_runs_fsdp_on_the_cpu_on_a_machine_with_a_gpu():
+    """`accelerate launch --cpu` (use_cpu: true) on a GPU box: accelerate comes up as MULTI_CPU on
+    gloo and would drop FSDP, as on a machine without a GPU; the same patches keep FSDP, and the
+    same refusal of FSDP1's sync_module_states applies."""
+    from fsdp_offload_cfg.registry import LaunchContext
+
+    gpu_box = LaunchContext(world_size=2, launcher=True, accelerator=True)
+    on_cpu = dataclasses.replace(EVERYTHING_ON, use_cpu=True)
+    assert integrations.cpu_fsdp_needed(on_cpu, gpu_box)
+    assert not integrations.cpu_fsdp_needed(EVERYTHING_ON, gpu_box)
+    fsdp1 = FSDPOffloadConfig(distributed_type="FSDP", version=1, reshard_after_forward="FULL_SHARD",
+                              sync_module_states=True, use_cpu=True, source="cpu.yaml")
+    assert any("cpu.yaml: fsdp_config.sync_module_states" in p for p in integrations.environment_problems(fsdp1, gpu_box))
+    assert not integrations.environment_problems(dataclasses.replace(fsdp1, use_cpu=False), gpu_box)
 
 
 def test_predicates_read_the_launch_context_not_the_environment(monkeypatch: pytest.MonkeyPatch):

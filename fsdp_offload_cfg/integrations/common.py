@@ -40,8 +40,11 @@ def fsdp_requested(cfg: FSDPOffloadConfig) -> bool:
     return (cfg.distributed_type or "").upper() == "FSDP"
 
 def cpu_fsdp_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
-    """FSDP asked for, several processes, no GPU: stock accelerate would silently drop FSDP."""
-    return fsdp_requested(cfg) and not ctx.accelerator and ctx.distributed
+    """FSDP asked for, several processes, on the CPU: stock accelerate would silently drop FSDP.
+
+    On the CPU means no GPU, or `use_cpu` (`accelerate launch --cpu`) on a machine with one:
+    accelerate then brings the group up on gloo as MULTI_CPU, as it does without a GPU."""
+    return fsdp_requested(cfg) and ctx.distributed and (not ctx.accelerator or bool(cfg.use_cpu))
 
 def environment_problems(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> list[str]:
     """Config valid on paper but not runnable on this machine: say so before anything starts."""
