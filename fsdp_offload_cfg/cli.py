@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--seq-len", type=int, required=True, metavar="N")
     estimate.add_argument("--batch-size", type=int, required=True, metavar="B", help="micro-batch per rank")
     estimate.add_argument("--num-processes", type=int, metavar="P", help="ranks (default: the config's num_processes)")
-    estimate.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    estimate.add_argument("--optimizer", choices=("adamw", "adamw_fused", "sgd"), default="adamw",
+                          help="adamw: torch.optim.AdamW's defaults (foreach on CUDA); adamw_fused: fused=True, "
+                          "the Trainer's adamw_torch_fused")
     estimate.add_argument("--device", choices=("cuda", "cpu"), help="where it runs (default: cpu if use_cpu, else cuda)")
     estimate.add_argument("--dtype", help="load dtype (default: the model config's dtype, else float32)")
     estimate.add_argument("--format", choices=("table", "json"), default="table")

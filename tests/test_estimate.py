@@ -237,6 +237,22 @@ def test_sgd_keeps_no_state_and_more_ranks_shard_more(models: dict[str, str]):
     assert four["per_rank"]["activations_bytes"] == two["per_rank"]["activations_bytes"]
 
 
+def test_only_foreach_adamw_on_cuda_adds_a_step_temporary(models: dict[str, str]):
+    """torch's AdamW steps every parameter at once on CUDA (foreach) and holds one parameter-sized
+    temporary; fused AdamW (the Trainer's default) and AdamW on the CPU do not. Under checkpointing
+    + offload at 8 tokens the optimizer step is this tiny model's worst moment."""
+    def peak(optimizer: str, device: str) -> dict:
+        report = estimate_memory(config(activation_checkpointing=True), models["llama"], seq_len=8, batch_size=1,
+                                 device=device, optimizer=optimizer)
+        return report["device_by_setting"]["checkpointing_and_offload"]
+
+    foreach, fused = peak("adamw", "cuda"), peak("adamw_fused", "cuda")
+    assert foreach["optimizer_step_bytes"] == foreach["grads_bytes"] > 0
+    assert fused["optimizer_step_bytes"] == 0 and fused["optimizer_bytes"] == foreach["optimizer_bytes"]
+    assert fused["peak_device_bytes"] < foreach["peak_device_bytes"]
+    assert peak("adamw", "cpu")["optimizer_step_bytes"] == 0
+
+
 def test_without_mixed_precision_states_stay_in_the_load_dtype(models: dict[str, str], tmp_path: Path):
     bf16_model = save_llama(str(tmp_path / "llama_bf16"), dtype=torch.bfloat16)  # config.json says bfloat16
     mixed = estimate_memory(config(), bf16_model, seq_len=SEQ, batch_size=BATCH, device="cpu")
@@ -433,8 +449,8 @@ def test_each_settings_device_peak_is_broken_down_and_the_configs_is_per_rank(mo
     for name, parts in by_setting.items():
         assert parts["peak_device_bytes"] == sum(v for k, v in parts.items() if k != "peak_device_bytes"), name
         assert parts["params_bytes"] == report["per_rank"]["params_bytes"]
-        assert parts["activations_bytes"] + parts["logits_grad_bytes"] >= \
-            report["activations"]["settings"][name]["device_peak_bytes"]
+        assert parts["peak_device_bytes"] >= parts["params_bytes"] + parts["optimizer_bytes"] + \
+            report["activations"]["settings"][name]["device_peak_bytes"]  # backward's moment, at least
     assert by_setting["offload"]["peak_device_bytes"] == report["per_rank"]["peak_device_bytes"]  # the config's
     assert by_setting["checkpointing"]["activations_bytes"] < by_setting["plain"]["activations_bytes"]
     on_host = estimate_memory(config(offload_params=True), models["llama"], seq_len=SEQ, batch_size=BATCH,
@@ -494,3 +510,37 @@ def test_device_memory_sizes_parse_with_or_without_a_unit(text: str, expected: i
     from fsdp_offload_cfg.estimate.plot import parse_size
 
     assert parse_size(text) == expected
+
+
+# `torch.cuda.max_memory_allocated()` over two steps after a warm-up, one NVIDIA H200 (torch
+# 2.11.0+cu130, transformers 5.17.0, accelerate 1.15.0), 2026-11-26: `benchmarks/estimate_vs_device.py
+# --layers 16 --hidden 2048 --seq 8192 --budget 6GiB 9GiB` (patch() + Accelerator + from_pretrained,
+# FSDP2 on one rank, bf16 mixed precision, torch.optim.AdamW), docs/estimate.md. Measured on the
+# device, not by the estimate: the estimate of the same config must come within 10% of each.
+H200_PEAK_GIB = {"plain": 24.32, "checkpointing": 16.72, "offload": 16.72, "checkpointing_and_offload": 16.71,
+                 "budget=6GiB": 17.52, "budget=9GiB": 20.92}
+
+
+@pytest.mark.parametrize("setting", list(H200_PEAK_GIB))
+def test_the_estimate_is_within_10_percent_of_the_peaks_an_h200_measured(setting: str, tmp_path: Path):
+    """Before the step's peak took the worse of backward's moment (gradients only of the groups
+    backward has passed) and the optimizer step's (AdamW's foreach temporary), every gradient was
+    counted at the activations' peak: the plain row came 8% high, the budget rows 10% and 13%."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5440, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=16, max_position_embeddings=8192,
+                tie_word_embeddings=False).save_pretrained(tmp_path)
+    fsdp = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": True, "fsdp_reshard_after_forward": True,
+            "fsdp_activation_checkpointing": setting in ("checkpointing", "checkpointing_and_offload"),
+            "fsdp_activation_cpu_offload": setting in ("offload", "checkpointing_and_offload")}
+    if setting.startswith("budget="):  # the rates the device measured, stated to the run and to this
+        fsdp |= {"fsdp_activation_memory_budget": setting.removeprefix("budget="),
+                 "fsdp_activation_budget_compute_tflops": 720.0, "fsdp_activation_budget_copy_gb_per_s": 55.1}
+    config = load_config({"distributed_type": "FSDP", "num_processes": 1, "mixed_precision": "bf16",
+                          "fsdp_config": fsdp})
+    report = estimate_memory(config, str(tmp_path), seq_len=8192, batch_size=1, device="cuda", dtype="float32")
+    key = "plan" if setting.startswith("budget=") else setting
+    estimated = report["device_by_setting"][key]["peak_device_bytes"] / 2**30
+    assert abs(estimated / H200_PEAK_GIB[setting] - 1) <= 0.10, (setting, estimated, H200_PEAK_GIB[setting])

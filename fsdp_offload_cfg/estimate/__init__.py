@@ -22,7 +22,7 @@ import torch
 
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
 DEVICES = ("cuda", "cpu")
 _MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

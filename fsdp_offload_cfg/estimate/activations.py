@@ -36,6 +36,9 @@ class Residency:
     forward_end_device_bytes: int  # on the device when forward ends (all kept saves still alive)
     device_peak_bytes: int  # on the device, at the worst moment of forward end or backward
     host_bytes: int  # offloaded to the host pool (pool bytes, rounded as the pool rounds)
+    # groups whose backward had finished at that moment (0: the end of forward), whose gradients
+    # exist by then: the device peak adds those (`report.device_at_peak`)
+    peak_groups_done: int = 0
 
 
 def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[int] | None = None) -> list[SavedStorage]:
@@ -76,11 +79,13 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
             kept[s.group] += s.nbytes
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
-    peak = sum(kept)  # end of forward: everything kept is still there
+    peak, done = sum(kept), 0  # end of forward: everything kept is still there
     for i in range(n_groups - 1, -1, -1):  # backward at group i: later groups' saves are freed
         reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
-        peak = max(peak, sum(kept[: i + 1]) + reloaded + recompute[i])
-    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool)
+        now = sum(kept[: i + 1]) + reloaded + recompute[i]
+        if now > peak:
+            peak, done = now, n_groups - 1 - i
+    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, done)
 
 
 def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async_reload: bool) -> dict[str, Residency]:

@@ -25,6 +25,7 @@ KINDS = (
     ("buffers_and_gathered_bytes", "buffers + gathered parameters", "#937860"),
     ("activations_bytes", "activations", "#dd8452"),
     ("logits_grad_bytes", "logits' gradient", "#c44e52"),
+    ("optimizer_step_bytes", "optimizer step's temporary", "#8c8c8c"),
 )
 GIB = 2**30
 

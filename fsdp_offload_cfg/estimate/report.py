@@ -49,6 +49,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     batch = example_batch(source, batch_size, seq_len, dtypes.compute)
     profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained)
+    step_transient = optimizer_step_transient(states, optimizer, device)
     offload = config.activation_cpu_offload
     async_reload = offload.mode == "async" or (offload.mode == "auto" and device == "cuda")
     by_setting = settings(profile, offload, async_reload)
@@ -68,8 +69,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
                    "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),
                    "compute_dtype": _name(dtypes.compute), "activation_setting": chosen},
-        "per_rank": _per_rank(config, states, by_setting, chosen, profile),
-        "device_by_setting": {name: _with_peak(device_at_peak(config, states, residency, profile))
+        "per_rank": _per_rank(config, states, by_setting, chosen, profile, step_transient),
+        "device_by_setting": {name: _with_peak(device_at_peak(config, states, residency, profile, step_transient))
                               for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
@@ -134,7 +135,7 @@ def _setting_name(config: FSDPOffloadConfig) -> str:
 
 
 def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict[str, Residency], chosen: str,
-              profile: ActivationProfile) -> dict[str, int]:
+              profile: ActivationProfile, step_transient: int) -> dict[str, int]:
     """Per-rank figures under the config's activation setting."""
     on_device = by_setting[chosen]
     host = on_device.host_bytes + (states.params + states.grads + states.optimizer if config.offload_params else 0)
@@ -148,29 +149,50 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
         "activations_on_device_bytes": on_device.device_peak_bytes,
         "pinned_host_bytes": on_device.host_bytes,
         "host_bytes": host,
-        "peak_device_bytes": sum(device_at_peak(config, states, on_device, profile).values()),
+        "peak_device_bytes": sum(device_at_peak(config, states, on_device, profile, step_transient).values()),
     }
 
 
+def optimizer_step_transient(states: ShardedStates, optimizer: str, device: str) -> int:
+    """What the optimizer step allocates beside the states: torch's AdamW on CUDA steps every
+    parameter at once (`foreach`, its default there) and holds one parameter-sized temporary (the
+    second moment's square root); fused AdamW (the Trainer's default, `adamw_torch_fused`), AdamW
+    on the CPU (one parameter at a time) and SGD hold next to nothing."""
+    return states.grads if optimizer == "adamw" and device == "cuda" else 0
+
+
 def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: Residency,
-                   profile: ActivationProfile) -> dict[str, int]:
+                   profile: ActivationProfile, step_transient: int = 0) -> dict[str, int]:
     """What is on the device at the step's worst moment under one activation setting, by kind
-    (they sum to `peak_device_bytes`): the resident states, the gathered units (current +
-    prefetched, and one unit's gradients), and the activations, whose worst moment is either their
-    own peak or the head's backward, which allocates the logits' gradient while everything saved is
-    still there (counted apart as `logits_grad`)."""
+    (they sum to `peak_device_bytes`). That moment is the worse of two (measured on an H200,
+    docs/estimate.md: counting every gradient at the activations' peak overshot by 8-13%):
+
+    - backward's: the resident states, the gathered units (current + prefetched, and one unit's
+      gradients), the activations at their own peak or at the head's backward, which allocates the
+      logits' gradient while everything saved is still there (`logits_grad`), and the gradients
+      of only the groups backward has finished by then: between steps they are None
+      (`zero_grad`'s default), and they appear group by group as backward walks back;
+    - the optimizer step's: every gradient, no activation, and the step's own transient.
+    """
     head = max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
     resident = not config.offload_params
     at_head = residency.forward_end_device_bytes + head
-    return {
+    done = residency.peak_groups_done if residency.device_peak_bytes >= at_head else 0
+    groups = max(len(profile.groups), 1)
+    backward = {
         "params": states.params if resident else 0,
-        "grads": states.grads if resident else 0,
+        "grads": states.grads * done // groups if resident else 0,
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + states.always_gathered + 3 * states.unit_max,
         "activations": residency.device_peak_bytes if residency.device_peak_bytes >= at_head
         else residency.forward_end_device_bytes,
         "logits_grad": 0 if residency.device_peak_bytes >= at_head else head,
+        "optimizer_step": 0,
     }
+    step = {**dict.fromkeys(backward, 0), "params": backward["params"], "grads": states.grads if resident else 0,
+            "optimizer": backward["optimizer"], "buffers_and_gathered": states.buffers,
+            "optimizer_step": step_transient if resident else 0}
+    return max(backward, step, key=lambda parts: sum(parts.values()))
 
 
 def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -> dict[str, Any]:
@@ -240,8 +262,12 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         f"parameters, gradients and optimizer state in {_name(dtypes.storage)}; gathered parameters and "
         f"activations in {_name(dtypes.compute)} (mixed_precision: {config.mixed_precision or 'no'})",
         "full fine-tuning: every parameter the loss reaches gets a gradient; " + {
-            "adamw": "AdamW keeps two moments per parameter (its scalar step counters are not counted)",
+            "adamw": "AdamW keeps two moments per parameter (its scalar step counters are not counted); on CUDA "
+                     "its step (foreach) holds one parameter-sized temporary",
+            "adamw_fused": "fused AdamW keeps two moments per parameter and no step temporary",
             "sgd": "SGD without momentum keeps no state"}[optimizer],
+        "the step's peak is the worse of backward's (gradients only of the groups backward has passed) "
+        "and the optimizer step's (every gradient, no activation)",
         "activations measured by one forward with labels on the meta device under saved-tensor hooks; "
         + ("attention as a fused SDPA kernel (flash / memory-efficient: saves q, k, v, output, log-sum-exp)"
            if device == "cuda" else "attention as torch's CPU SDPA backend for these shapes"),

@@ -88,7 +88,7 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
     sharded = sum(shard_numel(p.shape, world) * stored(p) for p in params)
     trainable = sum(shard_numel(p.shape, world) * stored(p) for p in params
                     if p.requires_grad and (trained is None or id(p) in trained))
-    moments = {"adamw": 2, "sgd": 0}[optimizer]
+    moments = {"adamw": 2, "adamw_fused": 2, "sgd": 0}[optimizer]
     units, always = _unit_params(model, layer_classes)
     return ShardedStates(
         params=sharded,
