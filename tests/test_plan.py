@@ -146,6 +146,19 @@ def test_a_budget_nothing_meets_names_the_smallest_that_does(llama: str):
     plan_to_budget(profile, int((smallest + 0.1) * 2**20), OFFLOAD, True, time)  # and that one fits
 
 
+def test_a_budget_just_under_the_smallest_names_both_in_bytes(llama: str):
+    """Sizes that round alike ("budget 0.3 MiB ... is 0.3 MiB") would leave the user guessing."""
+    profile = profile_of(llama)
+    time = TimeModel(compute_flops=1e12, copy_bytes=1e10, overlapped=True)
+    smallest = min(p.residency.device_peak_bytes for p in uniform_plans(profile, OFFLOAD, True, time).values())
+    with pytest.raises(EstimateError, match=r"\(([0-9]+) bytes\): no plan fits; .* reaches is [0-9.]+ MiB "
+                                            r"\(([0-9]+) bytes\)") as error:
+        plan_to_budget(profile, smallest - 1, OFFLOAD, True, time)
+    named = int(error.value.args[0].split("reaches is ")[1].split("(")[1].split(" bytes")[0])
+    assert named <= smallest
+    plan_to_budget(profile, named, OFFLOAD, True, time)  # the bytes it names fit
+
+
 # ------------------------------------------------------------------------------ report and CLI
 
 CONFIG_YAML = """distributed_type: FSDP

@@ -140,8 +140,11 @@ def uniform_plans(profile: ActivationProfile, offload: ActivationOffloadConfig, 
 
 
 def _unreachable(budget_bytes: int, smallest: int) -> str:
-    return (f"activation budget {show_size(budget_bytes)}: no plan fits; the smallest activation peak on the device "
-            f"a plan reaches is {show_size(smallest)}. Raise the budget to at least that, or shorten the "
+    budget, needed = show_size(budget_bytes), show_size(smallest)
+    if budget == needed:  # both round alike ("0.3 MiB ... is 0.3 MiB"): the bytes tell them apart
+        budget, needed = f"{budget} ({budget_bytes} bytes)", f"{needed} ({smallest} bytes)"
+    return (f"activation budget {budget}: no plan fits; the smallest activation peak on the device "
+            f"a plan reaches is {needed}. Raise the budget to at least that, or shorten the "
             "sequences or the batch")
 
 
