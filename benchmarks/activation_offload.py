@@ -180,6 +180,8 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
                 peak = max(peak, ctx.peak_bytes)
         loss = out.loss.item()
     stats = offload_stats()
+    if args.profile:  # after the counters are read: the profiled step changes no figure of the row
+        profile_step(args, model, opt, ids, method, ac, cuda)
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     elif method.startswith(("ours", "budget")):
@@ -189,6 +191,40 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     gc.collect()
     return Row(method, ac, peak, peak - start if cuda else peak, {k: statistics.median(v) for k, v in phases.items()},
                stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan)
+
+
+def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
+                 method: str, ac: bool, cuda: bool) -> None:
+    """One more step under `torch.profiler`, for finding where a row's time goes (issue 23: the
+    FSDP2 offload row sat at 1.19x of its copy bound against 1.03x in one process). Writes
+    `<dir>/<row>.txt` (the ops by device time, else CPU time) and `<dir>/<row>.json.gz` (a Chrome
+    trace: the copy streams beside compute and FSDP's streams)."""
+    import gzip
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        with forward_context(model, method, ac, cuda):
+            out = model(input_ids=ids, labels=ids)
+            if method != "trl":
+                out.loss.backward()
+        if method == "trl":
+            out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(cuda)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{method}-{'ac' if ac else 'noac'}{'-fsdp2' if args.fsdp2 else ''}")
+    os.makedirs(args.profile, exist_ok=True)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
+    trace = os.path.join(args.profile, f"{name}.json")
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+        dst.write(src.read())
+    os.remove(trace)
 
 
 def _plan_line(model: nn.Module, args: argparse.Namespace) -> str:
@@ -295,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ac", nargs="+", default=["no", "yes"], choices=["no", "yes"])
     p.add_argument("--fsdp2", action="store_true", help="fully_shard layers and root in a one-rank group first")
     p.add_argument("--same-process", action="store_true", help="run every row in this process")
+    p.add_argument("--profile", metavar="DIR", help="profile one more step per row into DIR (op table, Chrome trace)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     bandwidth = copy_bandwidth(args)

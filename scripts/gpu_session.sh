@@ -7,6 +7,7 @@
 #   on the GPU:   bash scripts/gpu_session.sh suite       # the whole suite, the GPU visible
 #                 bash scripts/gpu_session.sh offload     # activation_offload.py, one process, then --fsdp2
 #                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (issue 24's 10% rows)
+#                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -54,7 +55,7 @@ suite() {  # every test, the GPU visible: CPU tests must pin themselves, CUDA te
   # SUITE_LIMIT_S stops pytest with SIGINT (it still prints its summary) so the call's other parts
   # and its files come back inside the device call's limit
   timeout -s INT "${SUITE_LIMIT_S:-300}" python3 -m pytest -q -rfEs -n "${SUITE_WORKERS:-12}" -p no:cacheprovider \
-    --timeout 600 --durations 25 ${SUITE_TESTS:-tests} 2>&1 | tee "$OUT/suite.log" | tail -80
+    --timeout 600 --durations 25 --junitxml "$OUT/junit.xml" ${SUITE_TESTS:-tests} 2>&1 | tee "$OUT/suite.log" | tail -80
 }
 
 offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none ours-async")
@@ -62,6 +63,11 @@ offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none o
     | tee "$OUT/offload.md"
   python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --fsdp2 ${FSDP2_ARGS:---budget 6GiB 9GiB} 2>&1 \
     | tee "$OUT/offload_fsdp2.md"
+}
+
+profile() {  # issue 23: the FSDP2 offload row ran at 1.19x of its copy bound, 1.03x in one process
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --fsdp2 --methods none ours-async --ac no \
+    --steps 2 --profile "$OUT/profile" 2>&1 | tee "$OUT/profile.md"
 }
 
 estimate() {
@@ -75,8 +81,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH 
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|offload|estimate) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, offload, estimate)" >&2; exit 2 ;;
+    suite|offload|estimate|profile) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, offload, estimate, profile)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
