@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--optimizer", choices=("adamw", "adamw_fused", "sgd"), default="adamw",
                           help="adamw: torch.optim.AdamW's defaults (foreach on CUDA); adamw_fused: fused=True, "
                           "the Trainer's adamw_torch_fused")
+    estimate.add_argument("--gradient-accumulation-steps", type=int, default=1, metavar="N",
+                          help="micro-batches per optimizer step: above 1, every gradient is on the device in backward")
     estimate.add_argument("--device", choices=("cuda", "cpu"), help="where it runs (default: cpu if use_cpu, else cuda)")
     estimate.add_argument("--dtype", help="load dtype (default: the model config's dtype, else float32)")
     estimate.add_argument("--format", choices=("table", "json"), default="table")
@@ -210,7 +212,7 @@ def _estimate(args: argparse.Namespace) -> int:
         report = estimate_memory(load_config(args.file, args.overrides), args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
-                                 **_plan_inputs(args))
+                                 gradient_accumulation_steps=args.gradient_accumulation_steps, **_plan_inputs(args))
         if "plan" not in report and (args.compute_tflops is not None or args.copy_gb_per_s is not None):
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",

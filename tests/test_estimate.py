@@ -253,6 +253,21 @@ def test_only_foreach_adamw_on_cuda_adds_a_step_temporary(models: dict[str, str]
     assert peak("adamw", "cpu")["optimizer_step_bytes"] == 0
 
 
+def test_gradient_accumulation_keeps_every_gradient_in_backward(models: dict[str, str]):
+    """Without accumulation gradients are None when backward starts (the plain setting's worst
+    moment is the head's backward: no gradient yet); with it, the micro-batches before left every
+    gradient there, which the peak must count."""
+    def plain(**kwargs: object) -> dict:
+        return estimate(models["llama"], **kwargs)["device_by_setting"]["plain"]
+
+    one, four = plain(), plain(gradient_accumulation_steps=4)
+    assert one["grads_bytes"] == 0 and one["activations_bytes"] > 0
+    assert four["grads_bytes"] == estimate(models["llama"])["per_rank"]["grads_bytes"] > 0
+    assert four["peak_device_bytes"] == one["peak_device_bytes"] + four["grads_bytes"]
+    with pytest.raises(EstimateError, match="--gradient-accumulation-steps must be >= 1, got 0"):
+        plain(gradient_accumulation_steps=0)
+
+
 def test_without_mixed_precision_states_stay_in_the_load_dtype(models: dict[str, str], tmp_path: Path):
     bf16_model = save_llama(str(tmp_path / "llama_bf16"), dtype=torch.bfloat16)  # config.json says bfloat16
     mixed = estimate_memory(config(), bf16_model, seq_len=SEQ, batch_size=BATCH, device="cpu")
@@ -363,6 +378,18 @@ def test_cli_json_has_the_documented_keys(models: dict[str, str], tmp_path: Path
     assert all(isinstance(v, int) and v >= 0 for v in report["per_rank"].values())
     per = report["per_rank"]
     assert per["peak_device_bytes"] > per["params_bytes"] + per["grads_bytes"] + per["optimizer_bytes"]
+
+
+def test_cli_passes_gradient_accumulation_steps(models: dict[str, str], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]):
+    args = ["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "64", "--batch-size", "1",
+            "--format", "json"]
+    assert cli.main([*args, "--gradient-accumulation-steps", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device_by_setting"]["plain"]["grads_bytes"] == report["per_rank"]["grads_bytes"] > 0
+    assert any("with gradient accumulation every gradient" in a for a in report["assumptions"])
+    assert cli.main([*args, "--gradient-accumulation-steps", "0"]) == 1
+    assert "--gradient-accumulation-steps must be >= 1" in capsys.readouterr().err
 
 
 def test_cli_reads_a_bare_config_json_like_the_directory(models: dict[str, str], tmp_path: Path,

@@ -64,18 +64,23 @@ def _config_dtype(model_config: Any) -> str | None:
 def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batch_size: int,
                     num_processes: int | None = None, optimizer: str = "adamw", device: str | None = None,
                     dtype: str | None = None, activation_budget: int | None = None,
-                    compute_flops: float | None = None, copy_bytes: float | None = None) -> dict[str, Any]:
+                    compute_flops: float | None = None, copy_bytes: float | None = None,
+                    gradient_accumulation_steps: int = 1) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes), also the per-layer plan that keeps activations within it
     (`estimate.plan`), timed at `compute_flops` FLOP/s and `copy_bytes` bytes/s (default: the
-    device's assumed rates)."""
+    device's assumed rates). With `gradient_accumulation_steps` > 1 every gradient is on the
+    device during backward (kept from the micro-batches before)."""
     from fsdp_offload_cfg.estimate.report import build_report
 
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, activation_budget)
+    if gradient_accumulation_steps < 1:
+        raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
     return build_report(config, model, ranks=ranks, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
                         device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype,
-                        activation_budget=activation_budget, rates=(compute_flops, copy_bytes))
+                        activation_budget=activation_budget, rates=(compute_flops, copy_bytes),
+                        accumulating=gradient_accumulation_steps > 1)
 
 
 def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None,

@@ -6,8 +6,10 @@ read them. Every byte count is an integer and every key ending in `_bytes` is by
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_len: int, batch_size: int,
                  optimizer: str, device: str, dtype: str | None, activation_budget: int | None = None,
-                 rates: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
+                 rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -50,6 +52,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained)
     step_transient = optimizer_step_transient(states, optimizer, device)
+    at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
+                                accumulating=accumulating)
     offload = config.activation_cpu_offload
     async_reload = offload.mode == "async" or (offload.mode == "auto" and device == "cuda")
     by_setting = settings(profile, offload, async_reload)
@@ -69,12 +73,11 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
                    "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),
                    "compute_dtype": _name(dtypes.compute), "activation_setting": chosen},
-        "per_rank": _per_rank(config, states, by_setting, chosen, profile, step_transient),
-        "device_by_setting": {name: _with_peak(device_at_peak(config, states, residency, profile, step_transient))
-                              for name, residency in by_setting.items()},
+        "per_rank": _per_rank(config, states, by_setting, chosen, at_peak),
+        "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
-        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch),
+        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -135,7 +138,7 @@ def _setting_name(config: FSDPOffloadConfig) -> str:
 
 
 def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict[str, Residency], chosen: str,
-              profile: ActivationProfile, step_transient: int) -> dict[str, int]:
+              at_peak: Callable[[Residency], dict[str, int]]) -> dict[str, int]:
     """Per-rank figures under the config's activation setting."""
     on_device = by_setting[chosen]
     host = on_device.host_bytes + (states.params + states.grads + states.optimizer if config.offload_params else 0)
@@ -149,7 +152,7 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
         "activations_on_device_bytes": on_device.device_peak_bytes,
         "pinned_host_bytes": on_device.host_bytes,
         "host_bytes": host,
-        "peak_device_bytes": sum(device_at_peak(config, states, on_device, profile, step_transient).values()),
+        "peak_device_bytes": sum(at_peak(on_device).values()),
     }
 
 
@@ -162,7 +165,7 @@ def optimizer_step_transient(states: ShardedStates, optimizer: str, device: str)
 
 
 def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: Residency,
-                   profile: ActivationProfile, step_transient: int = 0) -> dict[str, int]:
+                   profile: ActivationProfile, step_transient: int = 0, accumulating: bool = False) -> dict[str, int]:
     """What is on the device at the step's worst moment under one activation setting, by kind
     (they sum to `peak_device_bytes`). That moment is the worse of two (measured on an H200,
     docs/estimate.md: counting every gradient at the activations' peak overshot by 8-13%):
@@ -171,7 +174,8 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
       gradients), the activations at their own peak or at the head's backward, which allocates the
       logits' gradient while everything saved is still there (`logits_grad`), and the gradients
       of only the groups backward has finished by then: between steps they are None
-      (`zero_grad`'s default), and they appear group by group as backward walks back;
+      (`zero_grad`'s default), and they appear group by group as backward walks back (all of
+      them when `accumulating`: micro-batches before this one left theirs);
     - the optimizer step's: every gradient, no activation, and the step's own transient.
     """
     head = max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
@@ -181,7 +185,7 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     groups = max(len(profile.groups), 1)
     backward = {
         "params": states.params if resident else 0,
-        "grads": states.grads * done // groups if resident else 0,
+        "grads": (states.grads if accumulating else states.grads * done // groups) if resident else 0,
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + states.always_gathered + 3 * states.unit_max,
         "activations": residency.device_peak_bytes if residency.device_peak_bytes >= at_head
@@ -254,7 +258,7 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
 
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
-                 batch: dict[str, torch.Tensor]) -> list[str]:
+                 batch: dict[str, torch.Tensor], accumulating: bool) -> list[str]:
     batch_size = batch["input_ids"].shape[0]
     out = [
         f"per rank = rank 0, which holds the largest dim-0 shard of every parameter (FSDP2 Shard(0)); "
@@ -266,8 +270,10 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
                      "its step (foreach) holds one parameter-sized temporary",
             "adamw_fused": "fused AdamW keeps two moments per parameter and no step temporary",
             "sgd": "SGD without momentum keeps no state"}[optimizer],
-        "the step's peak is the worse of backward's (gradients only of the groups backward has passed) "
-        "and the optimizer step's (every gradient, no activation)",
+        "the step's peak is the worse of backward's and the optimizer step's (every gradient, no activation); "
+        + ("with gradient accumulation every gradient is there in backward too" if accumulating else
+           "in backward only the gradients of the groups it has passed are there (no gradient accumulation: "
+           "pass --gradient-accumulation-steps if the run accumulates)"),
         "activations measured by one forward with labels on the meta device under saved-tensor hooks; "
         + ("attention as a fused SDPA kernel (flash / memory-efficient: saves q, k, v, output, log-sum-exp)"
            if device == "cuda" else "attention as torch's CPU SDPA backend for these shapes"),
