@@ -48,6 +48,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -142,6 +143,27 @@ def _sync(cuda: bool) -> float:
     return time.perf_counter()
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, method: str, ac: bool,
+               cuda: bool) -> tuple[contextlib.AbstractContextManager, Any, tuple[float, float, float]]:
+    """One step as the row's method runs it: its forward context, the output, and the seconds of
+    forward, backward and the optimizer."""
+    ctx = forward_context(model, method, ac, cuda)
+    t0 = _sync(cuda)
+    with ctx:
+        out = model(input_ids=ids, labels=ids)
+        if method != "trl":  # TRL's trainers leave backward outside the context
+            t1 = _sync(cuda)
+            out.loss.backward()
+    if method == "trl":
+        t1 = _sync(cuda)
+        out.loss.backward()
+    t2 = _sync(cuda)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t3 = _sync(cuda)
+    return ctx, out, (t1 - t0, t2 - t1, t3 - t2)
+
+
 def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     if args.fsdp2:
         _one_rank_group(args.device)
@@ -159,23 +181,10 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 start = torch.cuda.memory_allocated()
-        ctx = forward_context(model, method, ac, cuda)
-        t0 = _sync(cuda)
-        with ctx:
-            out = model(input_ids=ids, labels=ids)
-            if method != "trl":  # TRL's trainers leave backward outside the context
-                t1 = _sync(cuda)
-                out.loss.backward()
-        if method == "trl":
-            t1 = _sync(cuda)
-            out.loss.backward()
-        t2 = _sync(cuda)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t3 = _sync(cuda)
+        ctx, out, seconds = train_step(model, opt, ids, method, ac, cuda)
         if step >= 1:
-            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                phases[name].append(seconds)
+            for name, phase_s in zip(phases, seconds):
+                phases[name].append(phase_s)
             if isinstance(ctx, SavedBytesMeter):
                 peak = max(peak, ctx.peak_bytes)
         loss = out.loss.item()
@@ -206,15 +215,7 @@ def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Op
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        with forward_context(model, method, ac, cuda):
-            out = model(input_ids=ids, labels=ids)
-            if method != "trl":
-                out.loss.backward()
-        if method == "trl":
-            out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(cuda)
+        train_step(model, opt, ids, method, ac, cuda)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{method}-{'ac' if ac else 'noac'}{'-fsdp2' if args.fsdp2 else ''}")
     os.makedirs(args.profile, exist_ok=True)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"

@@ -68,17 +68,23 @@ def plugin_config(args: argparse.Namespace, setting: str, rates: tuple[float, fl
             "fsdp_config": fsdp}
 
 
-def save_llama(args: argparse.Namespace, path: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The model's config (tests/test_estimate.py estimates the measured rows from it alone)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64 or 64,
         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
         num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=max(args.seq, 128),
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def save_llama(args: argparse.Namespace, path: str) -> None:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(args)).save_pretrained(path)
 
 
 def train(args: argparse.Namespace, path: str, setting: str, rates: tuple[float, float], port: int) -> Measured:

@@ -14,8 +14,9 @@
 # Timed on an H200 (2026-11-26): `SUITE_LIMIT_S=270 ... suite+estimate` 291 s (the suite reached
 # 565 of 671 tests by its cap; the estimate's six rows took 251 s), `offload` with the four methods
 # and two budgets of docs/benchmarks.md 322 s, its --fsdp2 half (4 rows) 108 s. A 15-minute device
-# lease holds two such calls: give the suite its own call (SUITE_LIMIT_S=540) to run it whole. The benchmarks' shape is the issues' (Llama 16 x
-# 2048, seq 8192, batch 1); BENCH_ARGS replaces it, e.g. BENCH_ARGS="--layers 4 --seq 2048".
+# lease holds two such calls: give the suite its own call (SUITE_LIMIT_S=540) to run it whole.
+# The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
+# e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/gpu_out}"
