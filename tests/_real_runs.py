@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_offload_cfg.estimate.model import example_batch, model_class, read_model
 from fsdp_offload_cfg.estimate.probe import offload_groups
@@ -83,6 +84,42 @@ def allocator_held_after_forward(model: nn.Module, batch: dict[str, Any]) -> int
         held = _allocated_bytes() - before
         del loss
     return held
+
+
+class _AllocatorPeak(TorchDispatchMode):
+    """The allocator's bytes after every op, above `base`: the highest is the step's peak (a
+    temporary freed inside one op is missed; every output is seen)."""
+
+    def __init__(self, base: int) -> None:
+        super().__init__()
+        self.base, self.peak = base, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _allocated_bytes() - self.base)
+        return out
+
+
+def allocator_peak_in_backward(model: nn.Module, batch: dict[str, Any]) -> int:
+    """The most the C allocator holds, above what it held before the forward, at any op of one
+    training forward and backward: the activations' own peak with backward's temporaries, as
+    the allocator sees it. Backward stops at the embeddings' output, so no weight gradient is
+    made (the estimate counts those with the parameters, not the activations). The second of
+    two steps is measured, so one-time allocations are not counted."""
+    embeddings: list[torch.Tensor] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: embeddings.append(out))
+    try:
+        for _ in range(2):
+            embeddings.clear()
+            gc.collect()
+            base = _allocated_bytes()
+            with _AllocatorPeak(base) as watch:
+                loss = model(**batch).loss
+                torch.autograd.grad(loss, embeddings)
+            del loss
+    finally:
+        hook.remove()
+    return watch.peak
 
 
 def cache_bytes(model: nn.Module, batch: dict[str, Any]) -> int:

@@ -222,10 +222,10 @@ def test_the_plot_draws_the_plan_and_its_budget(llama: str, tmp_path: Path):
 
 def test_the_configs_budget_is_planned_like_the_run_plans_it(llama: str):
     """`estimate --set fsdp_config.activation_memory_budget=...`: the plan is the config's setting."""
-    budget = 12 * 2**20
+    budget = 20 * 2**20
     from_config = estimate_memory(load_config({"distributed_type": "FSDP", "mixed_precision": "bf16",
                                                "num_processes": 2,
-                                               "fsdp_config": {"version": 2, "activation_memory_budget": "12MiB"}}),
+                                               "fsdp_config": {"version": 2, "activation_memory_budget": "20MiB"}}),
                                   llama, seq_len=SEQ, batch_size=BATCH, device="cuda")
     from_option = estimate_memory(config(), llama, seq_len=SEQ, batch_size=BATCH, device="cuda",
                                   activation_budget=budget)
@@ -239,14 +239,14 @@ def test_the_configs_rates_time_the_plan_and_the_command_line_wins(llama: str, t
     """The rates a run would plan at (`activation_budget_compute_tflops` / `_copy_gb_per_s`) are the
     estimate's too; `--compute-tflops` / `--copy-gb-per-s` override them, as a command line does."""
     stated = load_config({"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
-                          "fsdp_config": {"version": 2, "activation_memory_budget": "12MiB",
+                          "fsdp_config": {"version": 2, "activation_memory_budget": "20MiB",
                                           "activation_budget_compute_tflops": 20, "activation_budget_copy_gb_per_s": 3}})
     report = estimate_memory(stated, llama, seq_len=SEQ, batch_size=BATCH, device="cuda")
     assert report["plan"]["time_model"] == {"compute_tflops": 20.0, "copy_gb_per_s": 3.0, "copies_overlap_compute": True}
     given = estimate_memory(stated, llama, seq_len=SEQ, batch_size=BATCH, device="cuda", compute_flops=7e12)
     assert given["plan"]["time_model"]["compute_tflops"] == 7.0 and given["plan"]["time_model"]["copy_gb_per_s"] == 3.0
     config_file = tmp_path / "rates.yaml"
-    config_file.write_text(CONFIG_YAML.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_activation_memory_budget: 12MiB\n"
+    config_file.write_text(CONFIG_YAML.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_activation_memory_budget: 20MiB\n"
                                                "  fsdp_activation_budget_copy_gb_per_s: 3\n"))
     assert cli.main(["estimate", str(config_file), "--model", llama, "--seq-len", str(SEQ), "--batch-size", str(BATCH),
                      "--format", "json", "--compute-tflops", "9"]) == 0

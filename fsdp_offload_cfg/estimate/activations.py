@@ -14,7 +14,8 @@ replay exactly:
   ahead (async; the sync handler reloads on demand, one group at a time).
 
 What is replayed is the device-resident activation bytes at the end of forward and at each group
-of backward; the peak is the larger of those.
+of backward (its saves and, measured by the probe's meta backward, the gradients of its
+intermediates that its backward holds beside them); the peak is the larger of those.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[i
 
 def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOffloadConfig | None,
               async_reload: bool, recompute: list[int] | None = None,
-              offloaded_groups: Collection[int] | None = None) -> Residency:
+              offloaded_groups: Collection[int] | None = None, backward_extra: list[int] | None = None) -> Residency:
     """Replay the offload's keep/offload decisions and backward's walk over the groups (the
-    offload on `offloaded_groups`; default: every group it offloads when on for the whole model)."""
+    offload on `offloaded_groups`; default: every group it offloads when on for the whole model),
+    each group's backward holding `backward_extra` more than its saves (`probe`)."""
     kept = [0] * (n_groups + 1)
     offloaded = [0] * (n_groups + 1)
     pool = 0
@@ -79,10 +81,11 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
             kept[s.group] += s.nbytes
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
+    extra = backward_extra or [0] * n_groups
     peak, done = sum(kept), 0  # end of forward: everything kept is still there
     for i in range(n_groups - 1, -1, -1):  # backward at group i: later groups' saves are freed
         reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
-        now = sum(kept[: i + 1]) + reloaded + recompute[i]
+        now = sum(kept[: i + 1]) + reloaded + recompute[i] + extra[i]
         if now > peak:
             peak, done = now, n_groups - 1 - i
     return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, done)
@@ -95,9 +98,10 @@ def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async
     ckpt = checkpointed_storages(profile)
     recompute = profile.inside_bytes_per_group()
     enabled = dataclasses.replace(offload, enabled=True)  # the config's knobs, even where it leaves it off
+    extra = {"backward_extra": profile.backward_extra}
     return {
-        "plain": residency(plain, n, None, async_reload),
-        "checkpointing": residency(ckpt, n, None, async_reload, recompute),
-        "offload": residency(plain, n, enabled, async_reload),
-        "checkpointing_and_offload": residency(ckpt, n, enabled, async_reload, recompute),
+        "plain": residency(plain, n, None, async_reload, **extra),
+        "checkpointing": residency(ckpt, n, None, async_reload, recompute, **extra),
+        "offload": residency(plain, n, enabled, async_reload, **extra),
+        "checkpointing_and_offload": residency(ckpt, n, enabled, async_reload, recompute, **extra),
     }

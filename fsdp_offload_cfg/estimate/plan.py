@@ -212,7 +212,7 @@ def _replay(profile: ActivationProfile, choices: list[str], offload: ActivationO
     inside = profile.inside_bytes_per_group()
     recompute = [inside[i] if i in checkpointed else 0 for i in range(len(choices))]
     return residency(checkpointed_storages(profile, checkpointed), len(choices), offload, async_reload, recompute,
-                     offloaded_groups=offloaded)
+                     offloaded_groups=offloaded, backward_extra=profile.backward_extra)
 
 
 def _plan(profile: ActivationProfile, choices: list[str], budget_bytes: int | None, offload: ActivationOffloadConfig,

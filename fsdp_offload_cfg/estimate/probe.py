@@ -16,6 +16,14 @@ What `meta` alone would get wrong, and how:
 - Storage identity. Every `meta` storage has address 0, so storages are told apart by their
   StorageImpl (`untyped_storage()._cdata`), alive for as long as autograd holds the tensor.
 
+Backward's working set. A layer's backward holds more than its saves: the gradients of its
+intermediates (a gated MLP's three), produced before the saves they replace are freed. The
+replay counts a group's saves whole while its backward runs, so what it misses is the excess of
+the live bytes over that count, at the group's worst moment. A backward on `meta` measures it:
+every storage (saved, or made by a backward op) is held by a weak reference, and after each op
+the live bytes are summed. The backward asks only for the gradient of the first group's input,
+so no weight gradient is made (the estimate counts those with the parameters: `states`).
+
 The groups are found and numbered exactly as the activation offload numbers them
 (`offload.groups`), and each saved storage is assigned to a group by the offload's own rule
 (a tensor saved between groups belongs to the next one; after the last, to none), so the
@@ -31,7 +39,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_offload_cfg.compat.model_init import meta_forward
 from fsdp_offload_cfg.compat.model_output import output_cache
@@ -67,6 +77,11 @@ class ActivationProfile:
     # forward FLOPs of each group (matmuls, convolutions and attention, as torch's FlopCounterMode
     # counts them): what checkpointing recomputes and what an offload's copy can hide under
     flops: list[int] = field(default_factory=list)
+    # per offload frame (each group, then the head after the last): what its backward holds
+    # beyond the saves of it and the frames before it, at its worst moment (the gradients of its
+    # intermediates; the logits' gradient in the head); empty where the meta backward failed
+    backward_extra: list[int] = field(default_factory=list)
+    backward_error: str | None = None  # why the backward was not measured, for the assumptions
 
     def bytes_per_group(self) -> list[int]:
         """Saved bytes by offload frame: one entry per group, then the part after the last group."""
@@ -110,8 +125,10 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # pragma: no cover - the probe never runs backward
-        raise RuntimeError("the estimate's attention stand-in has no backward")
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        """The fused kernels' backward returns dq, dk, dv in the inputs' shapes (meta only)."""
+        q, k, v = ctx.saved_tensors[:3]
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), None
 
 
 def _cpu_would_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, dropout_p: float,
@@ -159,6 +176,10 @@ def _attention_as_on(target: str, count: Any = None) -> Iterator[None]:
         functional.scaled_dot_product_attention = original
 
 
+def _edge_key(edge: Any) -> tuple[int, int]:
+    return id(edge.node), edge.output_nr
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -198,6 +219,11 @@ class _Recorder:
         self.current = 0  # offload frame of what is saved now
         self.inside = False
         self._hold: list[torch.Tensor] = []  # keeps every recorded storage alive, so keys stay unique
+        # where backward stops: the gradient edges of the groups' inputs, held as edges, not
+        # tensors, so that each input is freed when backward is done with it, as in a real step
+        self.entries: dict[tuple[int, int], Any] = {}
+        self.outputs: set[tuple[int, int]] = set()  # the groups' outputs' edges (next groups' inputs)
+        self.in_backward = len(names)  # frame whose backward runs now (the last saved-tensor unpack's)
 
     def is_activation(self, t: torch.Tensor) -> bool:
         return not _is_param_like(t) and _storage_key(t) not in self.param_keys
@@ -207,10 +233,16 @@ class _Recorder:
         return SavedStorage(_storage_key(t), t.untyped_storage().nbytes(), self.current, t.is_floating_point(),
                             self.inside)
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
         if self.is_activation(t) and _storage_key(t) not in self.seen:
             self.seen.add(_storage_key(t))
             self.profile.saved.append(self.record(t))
+        # the frame of the op that saves it, not of the storage: one storage (RoPE's cos and
+        # sin) is saved by every layer, and its unpack in layer 3's backward is layer 3's
+        return self.current, t
+
+    def unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
+        self.in_backward, t = packed
         return t
 
     def add_flops(self, flops: int) -> None:
@@ -223,10 +255,88 @@ class _Recorder:
         for t in _tensors((args, kwargs)):
             if self.is_activation(t) and _storage_key(t) not in self.profile.inputs:
                 self.profile.inputs[_storage_key(t)] = self.record(t)
+            if t.requires_grad:
+                edge = get_gradient_edge(t)
+                self.entries[_edge_key(edge)] = edge
 
-    def exit(self, index: int) -> None:
+    def exit(self, index: int, output: Any) -> None:
         self.profile.flops[index] += self.counter.get_total_flops() - self.flops_at_entry
         self.current, self.inside = index + 1, False
+        for t in _tensors(output):
+            if t.requires_grad:
+                self.outputs.add(_edge_key(get_gradient_edge(t)))
+
+    def stopping_points(self) -> list[Any]:
+        """The groups' inputs that no group made (the first decoder layer's, the first vision
+        layer's): backward stops there. Each edge asked for holds its gradient to the end, so
+        asking for every layer's input would keep one hidden state per layer that a real
+        backward frees."""
+        return [edge for key, edge in self.entries.items() if key not in self.outputs]
+
+
+class _BackwardWatch(TorchDispatchMode):
+    """After each op of a meta backward: the live bytes of every storage it tracks (the saves,
+    and what backward ops make), over what the replay counts for the group whose backward runs."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        profile = recorder.profile
+        per_group = profile.bytes_per_group()
+        # what `activations.residency` counts at frame i's backward: the saves of frames <= i
+        self.counted = [sum(per_group[: i + 1]) for i in range(len(per_group))]
+        self.extra = [0] * len(per_group)
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes)
+        for t in recorder._hold:
+            self.track(t)
+
+    def track(self, t: torch.Tensor) -> None:
+        if self.recorder.is_activation(t):
+            storage = t.untyped_storage()
+            self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            self.track(t)
+        self.check()
+        return out
+
+    def check(self) -> None:
+        group = self.recorder.in_backward
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[key]  # freed: its key may come back for a new storage
+        live = sum(nbytes for _, nbytes in self.live.values())
+        self.extra[group] = max(self.extra[group], live - self.counted[group])
+
+
+def _measure_backward(recorder: _Recorder, root: torch.Tensor | None) -> None:
+    """Fill `backward_extra` from a backward of `root` on meta that stops at the groups' inputs;
+    a model whose backward cannot run on meta leaves it empty and says why (`backward_error`)."""
+    profile = recorder.profile
+    entries = recorder.stopping_points()
+    if root is None or not entries:
+        profile.backward_error = "the forward returned no loss" if root is None else "no group input needs a gradient"
+        return
+    watch = _BackwardWatch(recorder)
+    recorder._hold.clear()  # from here on, only autograd keeps the saves alive, as in a real backward
+    try:
+        with watch:
+            torch.autograd.grad(root, entries, allow_unused=True)
+    except Exception as exc:  # noqa: BLE001 - an op without a meta backward: the forward's figures stand
+        profile.backward_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return
+    profile.backward_extra = watch.extra
+
+
+def _backward_root(output: Any) -> torch.Tensor | None:
+    """The loss, else (a head run without labels) the sum of the first output that has a graph."""
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    values = output.values() if hasattr(output, "values") else output
+    graphed = [t for t in _tensors(list(values)) if t.requires_grad and t.is_floating_point()]
+    return graphed[0].sum() if graphed else None
 
 
 def _parameters_reached(loss: torch.Tensor | None) -> set[int]:
@@ -254,26 +364,30 @@ def offload_groups(model: nn.Module, layer_classes: list[str] | None) -> list[nn
 
 def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_classes: list[str] | None,
                         target: str = "cuda") -> ActivationProfile:
-    """Run one training forward (loss included) of `model` on `meta` and record what it saves."""
+    """Run one training forward (loss included) of `model` on `meta` and record what it saves,
+    then its backward, for what each group's backward holds beyond its saves."""
     groups = offload_groups(model, layer_classes)
     names = {id(m): n for n, m in model.named_modules()}
     recorder = _Recorder(model, [names[id(g)] for g in groups])
     hooks = []
     for i, g in enumerate(groups):
         hooks.append(g.register_forward_pre_hook(lambda _m, a, k, i=i: recorder.enter(i, a, k), with_kwargs=True))
-        hooks.append(g.register_forward_hook(lambda _m, _a, _o, i=i: recorder.exit(i)))
+        hooks.append(g.register_forward_hook(lambda _m, _a, out, i=i: recorder.exit(i, out)))
     was_training = model.training
     model.train()
     for p in model.parameters():
         p.requires_grad_(True)
     try:
         with meta_forward(), _attention_as_on(target, recorder.add_flops), recorder.counter, \
-                saved_tensors_hooks(recorder.pack, lambda t: t), torch.enable_grad():
+                saved_tensors_hooks(recorder.pack, recorder.unpack), torch.enable_grad():
             output = model(**batch)
         recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
         for t in _cache_tensors(output_cache(output)):
             if recorder.is_activation(t):
                 recorder.profile.held.setdefault(_storage_key(t), recorder.record(t))
+        root = _backward_root(output)
+        del output  # the logits and the cache go, as a training step drops them before backward
+        _measure_backward(recorder, root)
     finally:
         for h in hooks:
             h.remove()

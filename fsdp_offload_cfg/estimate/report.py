@@ -77,7 +77,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
-        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating),
+        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -172,13 +172,14 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
 
     - backward's: the resident states, the gathered units (current + prefetched, and one unit's
       gradients), the activations at their own peak or at the head's backward, which allocates the
-      logits' gradient while everything saved is still there (`logits_grad`), and the gradients
+      logits' gradient while everything saved is still there (`logits_grad`: what the head's
+      backward holds beyond the saves, `head_backward_bytes`), and the gradients
       of only the groups backward has finished by then: between steps they are None
       (`zero_grad`'s default), and they appear group by group as backward walks back (all of
       them when `accumulating`: micro-batches before this one left theirs);
     - the optimizer step's: every gradient, no activation, and the step's own transient.
     """
-    head = max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
+    head = head_backward_bytes(profile)
     resident = not config.offload_params
     at_head = residency.forward_end_device_bytes + head
     done = residency.peak_groups_done if residency.device_peak_bytes >= at_head else 0
@@ -199,13 +200,25 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     return max(backward, step, key=lambda parts: sum(parts.values()))
 
 
+def head_backward_bytes(profile: ActivationProfile) -> int:
+    """What the head's backward (final norm, output layer, loss) holds beyond every save, as the
+    probe's meta backward measured it; where it could not run, the largest save after the last
+    group (the logits, whose gradient the loss's backward allocates)."""
+    if profile.backward_extra:
+        return profile.backward_extra[-1]
+    return max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
+
+
 def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -> dict[str, Any]:
     per_group = profile.bytes_per_group()
     inside = profile.inside_bytes_per_group()
+    extra = profile.backward_extra or [0] * len(per_group)
     return {
         "per_group": [{"name": name, "saved_bytes": per_group[i], "inside_bytes": inside[i],
-                       "forward_flops": profile.flops[i]} for i, name in enumerate(profile.groups)],
+                       "backward_extra_bytes": extra[i], "forward_flops": profile.flops[i]}
+                      for i, name in enumerate(profile.groups)],
         "after_last_group_bytes": per_group[-1],
+        "head_backward_bytes": head_backward_bytes(profile),
         "settings": {name: {"saved_bytes": r.saved_bytes, "device_peak_bytes": r.device_peak_bytes,
                             "host_bytes": r.host_bytes} for name, r in by_setting.items()},
     }
@@ -258,7 +271,7 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
 
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
-                 batch: dict[str, torch.Tensor], accumulating: bool) -> list[str]:
+                 batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile) -> list[str]:
     batch_size = batch["input_ids"].shape[0]
     out = [
         f"per rank = rank 0, which holds the largest dim-0 shard of every parameter (FSDP2 Shard(0)); "
@@ -279,8 +292,12 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
            if device == "cuda" else "attention as torch's CPU SDPA backend for these shapes"),
         "use_cache as the model config says: with it on, checkpointed layers keep the KV cache (every layer's "
         "keys and values) alive until backward; frameworks that turn use_cache off for training save that",
+        "backward's working set measured by one backward on the meta device: what each layer's backward "
+        "and the head's (the logits' gradient) hold beside the saves"
+        + (f" (not measured: {profile.backward_error}; the head counts its largest save)"
+           if profile.backward_error else ""),
         "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
-        "and one-op temporaries other than the logits' gradient",
+        "and temporaries that live inside one op",
         "loading figures are host RSS above each rank's baseline after imports; on a GPU run the shards and "
         "the broadcast buckets live on the device unless offload_params",
     ]
