@@ -127,6 +127,20 @@ def test_copies_that_hide_go_first_and_slow_copies_lose_to_recompute(llama: str)
     assert slow.residency.host_bytes == 0
 
 
+def test_a_plan_keeps_the_heads_backward_within_its_budget(llama: str):
+    """The head's backward (the loss's and the log-softmax's float32 gradients of the logits)
+    runs while every save the plan keeps is still on the device: a plan must leave it room. Plans
+    made for the layers' moments alone overran every budget here at that moment."""
+    profile = profile_of(llama)
+    time = TimeModel(compute_flops=1e12, copy_bytes=1e10, overlapped=True)
+    head = profile.head_backward_bytes()
+    assert head > 0
+    _, budgets = _budgets(profile, time)
+    for budget in budgets[:-1]:
+        plan = plan_to_budget(profile, budget, OFFLOAD, True, time)
+        assert plan.residency.forward_end_device_bytes + head <= plan.residency.device_peak_bytes <= budget
+
+
 def test_the_last_layer_is_never_offloaded_unless_the_config_says_so(llama: str):
     profile = profile_of(llama)
     free = TimeModel(compute_flops=1e12, copy_bytes=1e15, overlapped=True)

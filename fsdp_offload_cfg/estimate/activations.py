@@ -13,9 +13,10 @@ replay exactly:
   whatever does not fit under `max_pinned_bytes`. Backward reloads a group plus `prefetch_groups`
   ahead (async; the sync handler reloads on demand, one group at a time).
 
-What is replayed is the device-resident activation bytes at the end of forward and at each group
-of backward (its saves and, measured by the probe's meta backward, the gradients of its
-intermediates that its backward holds beside them); the peak is the larger of those.
+What is replayed is the device-resident activation bytes at the head's backward (every save kept,
+plus the logits' gradients) and at each group of backward (its saves and the gradients of its
+intermediates that its backward holds beside them), both measured by the probe's meta backward;
+the peak is the largest of those.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ class Residency:
     forward_end_device_bytes: int  # on the device when forward ends (all kept saves still alive)
     device_peak_bytes: int  # on the device, at the worst moment of forward end or backward
     host_bytes: int  # offloaded to the host pool (pool bytes, rounded as the pool rounds)
-    # groups whose backward had finished at that moment (0: the end of forward), whose gradients
+    # groups whose backward had finished at that moment (0: the head's backward), whose gradients
     # exist by then: the device peak adds those (`report.device_at_peak`)
     peak_groups_done: int = 0
+    # the worst moment is the head's backward: every save kept so far, plus the head's gradients
+    # (the logits'), which `report.device_at_peak` shows apart as `logits_grad`
+    peak_at_head: bool = False
 
 
 def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[int] | None = None) -> list[SavedStorage]:
@@ -60,10 +64,12 @@ def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[i
 
 def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOffloadConfig | None,
               async_reload: bool, recompute: list[int] | None = None,
-              offloaded_groups: Collection[int] | None = None, backward_extra: list[int] | None = None) -> Residency:
+              offloaded_groups: Collection[int] | None = None, backward_extra: list[int] | None = None,
+              head_extra: int = 0) -> Residency:
     """Replay the offload's keep/offload decisions and backward's walk over the groups (the
     offload on `offloaded_groups`; default: every group it offloads when on for the whole model),
-    each group's backward holding `backward_extra` more than its saves (`probe`)."""
+    from the head's backward (`head_extra` beyond every save) down, each group's backward holding
+    `backward_extra` more than its saves (`probe`)."""
     kept = [0] * (n_groups + 1)
     offloaded = [0] * (n_groups + 1)
     pool = 0
@@ -82,13 +88,14 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
     extra = backward_extra or [0] * n_groups
-    peak, done = sum(kept), 0  # end of forward: everything kept is still there
+    peak, done = sum(kept) + head_extra, 0  # the head's backward: everything kept is still there
     for i in range(n_groups - 1, -1, -1):  # backward at group i: later groups' saves are freed
         reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
         now = sum(kept[: i + 1]) + reloaded + recompute[i] + extra[i]
         if now > peak:
             peak, done = now, n_groups - 1 - i
-    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, done)
+    at_head = peak == sum(kept) + head_extra and head_extra > 0
+    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, done, at_head)
 
 
 def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async_reload: bool) -> dict[str, Residency]:
@@ -98,7 +105,7 @@ def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async
     ckpt = checkpointed_storages(profile)
     recompute = profile.inside_bytes_per_group()
     enabled = dataclasses.replace(offload, enabled=True)  # the config's knobs, even where it leaves it off
-    extra = {"backward_extra": profile.backward_extra}
+    extra = {"backward_extra": profile.backward_extra, "head_extra": profile.head_backward_bytes()}
     return {
         "plain": residency(plain, n, None, async_reload, **extra),
         "checkpointing": residency(ckpt, n, None, async_reload, recompute, **extra),

@@ -15,8 +15,9 @@ for every layer. Per decoder layer (offload group) there are four choices:
 The plan is greedy over each layer's choices that are worth taking (no other saves as many
 bytes for less time), the way a knapsack's fractional relaxation is solved: copies that hide under the layer's own compute go
 first (they cost nothing), then whichever move buys the most bytes per second of extra time,
-until the replayed peak (`activations.residency`: forward end and every backward step, reload
-window and recompute included) is within the budget. The four uniform settings are candidates
+until the replayed peak (`activations.residency`: the head's backward, where every kept save
+meets the logits' gradients, and every layer's backward step, its working set, reload window
+and recompute included) is within the budget. The four uniform settings are candidates
 too, so a plan is never estimated slower than the best single setting that fits.
 
 The time model is stated, not measured: a layer's forward takes its FLOPs at `compute_flops`
@@ -212,7 +213,8 @@ def _replay(profile: ActivationProfile, choices: list[str], offload: ActivationO
     inside = profile.inside_bytes_per_group()
     recompute = [inside[i] if i in checkpointed else 0 for i in range(len(choices))]
     return residency(checkpointed_storages(profile, checkpointed), len(choices), offload, async_reload, recompute,
-                     offloaded_groups=offloaded, backward_extra=profile.backward_extra)
+                     offloaded_groups=offloaded, backward_extra=profile.backward_extra,
+                     head_extra=profile.head_backward_bytes())
 
 
 def _plan(profile: ActivationProfile, choices: list[str], budget_bytes: int | None, offload: ActivationOffloadConfig,

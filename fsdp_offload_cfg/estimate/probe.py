@@ -90,6 +90,14 @@ class ActivationProfile:
             out[s.group] += s.nbytes
         return out
 
+    def head_backward_bytes(self) -> int:
+        """What the head's backward (final norm, output layer, loss) holds beyond every save, as
+        the meta backward measured it; where it could not run, the largest save after the last
+        group (the logits, whose gradient the loss's backward allocates)."""
+        if self.backward_extra:
+            return self.backward_extra[-1]
+        return max((s.nbytes for s in self.saved if s.group == len(self.groups)), default=0)
+
     def inside_bytes_per_group(self) -> list[int]:
         """Bytes saved inside each group's own forward (what checkpointing recomputes)."""
         out = [0] * len(self.groups)

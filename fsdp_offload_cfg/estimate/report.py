@@ -173,40 +173,29 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     - backward's: the resident states, the gathered units (current + prefetched, and one unit's
       gradients), the activations at their own peak or at the head's backward, which allocates the
       logits' gradient while everything saved is still there (`logits_grad`: what the head's
-      backward holds beyond the saves, `head_backward_bytes`), and the gradients
+      backward holds beyond the saves, `ActivationProfile.head_backward_bytes`), and the gradients
       of only the groups backward has finished by then: between steps they are None
       (`zero_grad`'s default), and they appear group by group as backward walks back (all of
       them when `accumulating`: micro-batches before this one left theirs);
     - the optimizer step's: every gradient, no activation, and the step's own transient.
     """
-    head = head_backward_bytes(profile)
     resident = not config.offload_params
-    at_head = residency.forward_end_device_bytes + head
-    done = residency.peak_groups_done if residency.device_peak_bytes >= at_head else 0
+    at_head = residency.peak_at_head
+    done = 0 if at_head else residency.peak_groups_done
     groups = max(len(profile.groups), 1)
     backward = {
         "params": states.params if resident else 0,
         "grads": (states.grads if accumulating else states.grads * done // groups) if resident else 0,
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + states.always_gathered + 3 * states.unit_max,
-        "activations": residency.device_peak_bytes if residency.device_peak_bytes >= at_head
-        else residency.forward_end_device_bytes,
-        "logits_grad": 0 if residency.device_peak_bytes >= at_head else head,
+        "activations": residency.forward_end_device_bytes if at_head else residency.device_peak_bytes,
+        "logits_grad": residency.device_peak_bytes - residency.forward_end_device_bytes if at_head else 0,
         "optimizer_step": 0,
     }
     step = {**dict.fromkeys(backward, 0), "params": backward["params"], "grads": states.grads if resident else 0,
             "optimizer": backward["optimizer"], "buffers_and_gathered": states.buffers,
             "optimizer_step": step_transient if resident else 0}
     return max(backward, step, key=lambda parts: sum(parts.values()))
-
-
-def head_backward_bytes(profile: ActivationProfile) -> int:
-    """What the head's backward (final norm, output layer, loss) holds beyond every save, as the
-    probe's meta backward measured it; where it could not run, the largest save after the last
-    group (the logits, whose gradient the loss's backward allocates)."""
-    if profile.backward_extra:
-        return profile.backward_extra[-1]
-    return max((s.nbytes for s in profile.saved if s.group == len(profile.groups)), default=0)
 
 
 def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -> dict[str, Any]:
@@ -218,7 +207,7 @@ def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -
                        "backward_extra_bytes": extra[i], "forward_flops": profile.flops[i]}
                       for i, name in enumerate(profile.groups)],
         "after_last_group_bytes": per_group[-1],
-        "head_backward_bytes": head_backward_bytes(profile),
+        "head_backward_bytes": profile.head_backward_bytes(),
         "settings": {name: {"saved_bytes": r.saved_bytes, "device_peak_bytes": r.device_peak_bytes,
                             "host_bytes": r.host_bytes} for name, r in by_setting.items()},
     }
