@@ -88,13 +88,13 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
     extra = backward_extra or [0] * n_groups
-    peak, done = sum(kept) + head_extra, 0  # the head's backward: everything kept is still there
+    # the head's backward first: everything kept is still there, beside the logits' gradients
+    peak, done, at_head = sum(kept) + head_extra, 0, head_extra > 0
     for i in range(n_groups - 1, -1, -1):  # backward at group i: later groups' saves are freed
         reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
         now = sum(kept[: i + 1]) + reloaded + recompute[i] + extra[i]
         if now > peak:
-            peak, done = now, n_groups - 1 - i
-    at_head = peak == sum(kept) + head_extra and head_extra > 0
+            peak, done, at_head = now, n_groups - 1 - i, False
     return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, done, at_head)
 
 
