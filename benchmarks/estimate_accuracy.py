@@ -10,10 +10,13 @@ For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two se
   allocator       independent of saved-tensor hooks: what the C allocator (glibc `mallinfo2`) holds
                   after a real forward while its loss is alive, plain and checkpointed, for Llamas
                   large enough that the allocator's other traffic is noise (hidden 256, 4 layers,
-                  GQA and MHA, 512 and 1024 tokens);
+                  GQA and MHA, 512 and 1024 tokens); and the most it holds after any op of a real
+                  forward and backward (stopped at the embeddings' output: no weight gradient)
+                  against the plain setting's `device_peak_bytes` (saves and backward's working set);
   offload         `enable_activation_offload` (async handler, CPU proxy), forward + backward:
-                  `offload_stats()` peak resident bytes and pool bytes against
-                  `activations_on_device_bytes` and `pinned_host_bytes`;
+                  `offload_stats()` peak resident bytes and pool bytes against the estimate's
+                  replay of the saves alone (the counters see saved tensors, not backward's
+                  working set, which `activations_on_device_bytes` adds) and `pinned_host_bytes`;
   params/grads/optimizer
                   2 gloo ranks, `fully_shard` per layer and root with bf16 mixed precision over
                   fp32 weights, one AdamW step: rank 0's local storages of parameters, gradients
@@ -100,16 +103,19 @@ HEADER = ["| model | seq | figure | estimate bytes | measured bytes | estimate /
 
 
 def model_rows(name: str, model_dir: str, seq_lens: list[int]) -> list[str]:
+    from _real_runs import estimated_saves_only
+
     rows = []
     for seq in seq_lens:
         report = estimate(model_dir, seq)
         layers = report["model"]["layer_classes"]
         real = measured_activations(model_dir, seq, layers)
         per, acts = report["per_rank"], report["activations"]["settings"]
+        saves = estimated_saves_only(model_dir, report, bench_config().activation_cpu_offload)["offload"]
         rows += [
             row(name, seq, "activations_bytes", per["activations_bytes"], real["activations"], 0.10),
             row(name, seq, "checkpointing saved_bytes", acts["checkpointing"]["saved_bytes"], real["checkpointed"], 0.10),
-            row(name, seq, "activations_on_device_bytes (offload)", per["activations_on_device_bytes"],
+            row(name, seq, "on the device, saves only (offload)", saves.device_peak_bytes,
                 real["offload_on_device"], 0.10),
             row(name, seq, "pinned_host_bytes", per["pinned_host_bytes"], real["pool"], 0.10),
         ]
@@ -128,7 +134,13 @@ ALLOCATOR_MODELS = {  # name -> save_llama overrides
 def allocator_rows(work: Path, seq_lens: list[int]) -> list[str]:
     """Plain and checkpointed activations against the C allocator (see the module docstring)."""
     from _models import save_llama
-    from _real_runs import MALLINFO2, allocator_held_after_forward, checkpoint_every_group, real_model
+    from _real_runs import (
+        MALLINFO2,
+        allocator_held_after_forward,
+        allocator_peak_in_backward,
+        checkpoint_every_group,
+        real_model,
+    )
 
     if MALLINFO2 is None:
         return ["| (allocator rows need glibc's mallinfo2) | | | | | | |"]
@@ -141,12 +153,15 @@ def allocator_rows(work: Path, seq_lens: list[int]) -> list[str]:
             layers = report["model"]["layer_classes"]
             model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq)
             plain = allocator_held_after_forward(model, batch)
+            peak = allocator_peak_in_backward(model, batch)
             checkpoint_every_group(model, layers)
             checkpointed = allocator_held_after_forward(model, batch)
             rows += [
                 row(name, seq, "activations_bytes vs allocator", report["per_rank"]["activations_bytes"], plain, 0.10),
                 row(name, seq, "checkpointing saved_bytes vs allocator",
                     report["activations"]["settings"]["checkpointing"]["saved_bytes"], checkpointed, 0.10),
+                row(name, seq, "plain device_peak_bytes vs allocator's peak in backward",
+                    report["activations"]["settings"]["plain"]["device_peak_bytes"], peak, 0.10),
             ]
     return rows
 

@@ -122,6 +122,26 @@ def allocator_peak_in_backward(model: nn.Module, batch: dict[str, Any]) -> int:
     return watch.peak
 
 
+def estimated_saves_only(path: str, report: dict[str, Any], offload: ActivationOffloadConfig) -> dict[str, Any]:
+    """The estimate's replay of the saves alone, per setting, for the report's model, batch and
+    device: what the offload's counters see (saved tensors, not backward's working set, which
+    the report's device figures add). Not a real run: the report's own probe, its backward
+    figures set to nothing."""
+    from fsdp_offload_cfg.estimate.activations import settings
+    from fsdp_offload_cfg.estimate.model import build_on_meta
+    from fsdp_offload_cfg.estimate.probe import measure_activations
+
+    inputs = report["inputs"]
+    source = read_model(path)
+    compute, load = (getattr(torch, inputs[key]) for key in ("compute_dtype", "load_dtype"))
+    model = build_on_meta(source, compute, load)
+    batch = example_batch(source, inputs["batch_size"], inputs["seq_len"], compute)
+    profile = measure_activations(model, batch, report["model"]["layer_classes"], target=inputs["device"])
+    profile.backward_extra = [0] * (len(profile.groups) + 1)  # measured as nothing: the head adds none either
+    async_reload = offload.mode == "async" or (offload.mode == "auto" and inputs["device"] == "cuda")
+    return settings(profile, offload, async_reload)
+
+
 def cache_bytes(model: nn.Module, batch: dict[str, Any]) -> int:
     """Bytes of the KV cache one forward returns (each storage once; 0 without a cache)."""
     from fsdp_offload_cfg.compat.model_output import output_cache

@@ -24,6 +24,7 @@ from _real_runs import (
     allocator_peak_in_backward,
     cache_bytes,
     checkpoint_every_group,
+    estimated_saves_only,
     offload_counters,
     real_model,
     saved_bytes,
@@ -34,11 +35,9 @@ from fsdp_offload_cfg import cli, load_config
 from fsdp_offload_cfg._sizes import size_in_bytes
 from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
 from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
-from fsdp_offload_cfg.estimate.activations import settings
 from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
-from fsdp_offload_cfg.estimate.model import build_on_meta, example_batch, model_class, read_model
+from fsdp_offload_cfg.estimate.model import model_class, read_model
 from fsdp_offload_cfg.estimate.plan import layer_runs
-from fsdp_offload_cfg.estimate.probe import measure_activations
 from fsdp_offload_cfg.estimate.states import shard_numel
 
 # transformers 4.x routes MoE tokens with a Python loop over `nonzero()` and merges Llava's image
@@ -236,24 +235,12 @@ def test_offload_figures_match_offload_stats(models: dict[str, str], name: str):
     model, batch = real_model(models[name], torch.bfloat16, BATCH, SEQ)
     stats = offload_counters(model, batch, report["model"]["layer_classes"])
     per_rank = report["per_rank"]
-    saves = _saves_only(models[name], report)["offload"]
+    saves = estimated_saves_only(models[name], report, config().activation_cpu_offload)["offload"]
     assert close(saves.device_peak_bytes, stats["peak_resident_bytes"]), (saves, stats)
     assert close(per_rank["pinned_host_bytes"], stats["pinned_pool_bytes"]), (per_rank, stats)
     # the device figure adds backward's temporaries to the saves the offload leaves there
     plain_peak = report["activations"]["settings"]["plain"]["device_peak_bytes"]
     assert saves.device_peak_bytes < per_rank["activations_on_device_bytes"] <= plain_peak
-
-
-def _saves_only(path: str, report: dict) -> dict:
-    """The estimate's replay of the saves alone (the offload's counters see only saved tensors,
-    not backward's temporaries): the report's probe with its backward figures left out."""
-    source = read_model(path)
-    compute, load = (getattr(torch, report["inputs"][key]) for key in ("compute_dtype", "load_dtype"))
-    model = build_on_meta(source, compute, load)
-    batch = example_batch(source, BATCH, SEQ, compute)
-    profile = measure_activations(model, batch, report["model"]["layer_classes"], target="cpu")
-    profile.backward_extra = [0] * (len(profile.groups) + 1)  # measured as nothing: the head adds none either
-    return settings(profile, config().activation_cpu_offload, async_reload=True)
 
 
 def test_gpu_target_counts_fused_attention_linear_in_sequence_length(models: dict[str, str]):
