@@ -185,6 +185,22 @@ def test_a_backward_that_fails_on_meta_leaves_the_forwards_figures_and_says_so(m
                for line in report["assumptions"]), report["assumptions"]
 
 
+def test_a_head_that_dominates_the_leanest_setting_is_said_with_its_remedy(wide_mlp_llama: str, tmp_path: Path):
+    """With a large vocabulary the logits' float32 gradients are most of what checkpointing and
+    offload leave on the device, and no per-layer setting touches them: the estimate says so, and
+    what does. Not said where the layers dominate."""
+    big_vocab = save_llama(str(tmp_path / "big_vocab"), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=8000, max_position_embeddings=1024,
+                           use_cache=False)
+    report = estimate(big_vocab, seq_len=256)
+    head = report["activations"]["head_backward_bytes"]
+    smallest = min(s["device_peak_bytes"] for s in report["activations"]["settings"].values())
+    assert head * 2 >= smallest
+    advice = [line for line in report["assumptions"] if line.startswith("the head's backward")]
+    assert len(advice) == 1 and "chunked or fused cross-entropy" in advice[0], report["assumptions"]
+    assert not any(line.startswith("the head's backward") for line in estimate(wide_mlp_llama, seq_len=512)["assumptions"])
+
+
 def test_the_estimate_reads_the_cache_without_a_deprecation_warning(models: dict[str, str], tmp_path: Path):
     """transformers 5.24 renamed the outputs' `past_key_values` to `cache`; reading the old name
     logged "`past_key_values`/`cache_params` are deprecated" under every estimate of a model with a

@@ -77,7 +77,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
-        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile),
+        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile)
+        + _head_advice(profile, by_setting),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -302,6 +303,20 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         out.append("text-only batch: this model's image inputs are not modelled, so the vision tower's activations "
                    "are not included")
     return out
+
+
+def _head_advice(profile: ActivationProfile, by_setting: dict[str, Residency]) -> list[str]:
+    """A line when the head's backward is most of what the leanest setting leaves on the device:
+    the logits' float32 gradients (vocabulary x tokens) that no layer's choice touches, which a
+    user with a large vocabulary otherwise tries to checkpoint or offload away."""
+    head = profile.head_backward_bytes()
+    smallest = min(r.device_peak_bytes for r in by_setting.values())
+    if not smallest or head * 2 < smallest:
+        return []
+    return [f"the head's backward (the loss's gradients of the logits, float32) holds {show_size(head)}, "
+            f"{100 * head // smallest}% of the smallest activation peak any setting reaches "
+            f"({show_size(smallest)}); no layer's checkpointing or offload shrinks it: a chunked or fused "
+            "cross-entropy (Liger's fused linear cross entropy) or shorter sequences do"]
 
 
 def _name(dtype: torch.dtype) -> str:
