@@ -138,8 +138,7 @@ def estimated_saves_only(path: str, report: dict[str, Any], offload: ActivationO
     batch = example_batch(source, inputs["batch_size"], inputs["seq_len"], compute)
     profile = measure_activations(model, batch, report["model"]["layer_classes"], target=inputs["device"])
     profile.backward_extra = [0] * (len(profile.groups) + 1)  # measured as nothing: the head adds none either
-    async_reload = offload.mode == "async" or (offload.mode == "auto" and inputs["device"] == "cuda")
-    return settings(profile, offload, async_reload)
+    return settings(profile, offload, offload.resolved_mode(inputs["device"]) == "async")
 
 
 def cache_bytes(model: nn.Module, batch: dict[str, Any]) -> int:

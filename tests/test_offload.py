@@ -244,6 +244,24 @@ def _wrap_ckpt(m: nn.Module) -> nn.Module:
     return m
 
 
+@pytest.mark.parametrize("mode", ["auto", "sync", "async"])
+def test_the_estimate_replays_the_handler_the_run_builds(mode: str) -> None:
+    """The estimate decides whether backward reloads ahead (`prefetch_groups`) from the config's
+    `resolved_mode`; the run builds its handler from the same rule, checked here on the CPU."""
+    config = ActivationOffloadConfig(enabled=True, mode=mode)
+    handle = enable_activation_offload(tiny_llama(2), config)
+    try:
+        assert isinstance(handle.handler, AsyncHandler) is (config.resolved_mode("cpu") == "async")
+    finally:
+        handle.remove()
+    # where no run is possible here: auto is async on CUDA only; async needs streams (or the CPU proxy)
+    table = {(m, d): ActivationOffloadConfig(mode=m).resolved_mode(d)
+             for m in ("auto", "sync", "async") for d in ("cuda", "cpu", "xpu")}
+    assert table == {("auto", "cuda"): "async", ("auto", "cpu"): "sync", ("auto", "xpu"): "sync",
+                     ("sync", "cuda"): "sync", ("sync", "cpu"): "sync", ("sync", "xpu"): "sync",
+                     ("async", "cuda"): "async", ("async", "cpu"): "async", ("async", "xpu"): "sync"}
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("ac", [None, _wrap_ckpt, _hf_ckpt], ids=["no_ac", "checkpoint_wrapper", "hf_gc"])
 def test_llama_bit_identical_with_and_without_checkpointing(mode: str, ac) -> None:

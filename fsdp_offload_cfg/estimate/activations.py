@@ -98,17 +98,24 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
     return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, done, at_head)
 
 
+def replay(profile: ActivationProfile, storages: list[SavedStorage], offload: ActivationOffloadConfig | None,
+           async_reload: bool, recompute: list[int] | None = None,
+           offloaded_groups: Collection[int] | None = None) -> Residency:
+    """`residency` of `storages` (the profile's saves, or what checkpointing leaves of them) with
+    the profile's own backward figures: each setting and each plan reads them from here alone."""
+    return residency(storages, len(profile.groups), offload, async_reload, recompute, offloaded_groups,
+                     profile.backward_extra, profile.head_backward_bytes())
+
+
 def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async_reload: bool) -> dict[str, Residency]:
     """Residency under the four combinations of checkpointing and offload."""
-    n = len(profile.groups)
     plain = profile.saved
     ckpt = checkpointed_storages(profile)
     recompute = profile.inside_bytes_per_group()
     enabled = dataclasses.replace(offload, enabled=True)  # the config's knobs, even where it leaves it off
-    extra = {"backward_extra": profile.backward_extra, "head_extra": profile.head_backward_bytes()}
     return {
-        "plain": residency(plain, n, None, async_reload, **extra),
-        "checkpointing": residency(ckpt, n, None, async_reload, recompute, **extra),
-        "offload": residency(plain, n, enabled, async_reload, **extra),
-        "checkpointing_and_offload": residency(ckpt, n, enabled, async_reload, recompute, **extra),
+        "plain": replay(profile, plain, None, async_reload),
+        "checkpointing": replay(profile, ckpt, None, async_reload, recompute),
+        "offload": replay(profile, plain, enabled, async_reload),
+        "checkpointing_and_offload": replay(profile, ckpt, enabled, async_reload, recompute),
     }

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.estimate import EstimateError
-from fsdp_offload_cfg.estimate.activations import Residency, checkpointed_storages, residency
+from fsdp_offload_cfg.estimate.activations import Residency, checkpointed_storages, replay
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, SavedStorage
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
@@ -212,9 +212,7 @@ def _replay(profile: ActivationProfile, choices: list[str], offload: ActivationO
     offloaded = {i for i, c in enumerate(choices) if c.endswith("offload")}
     inside = profile.inside_bytes_per_group()
     recompute = [inside[i] if i in checkpointed else 0 for i in range(len(choices))]
-    return residency(checkpointed_storages(profile, checkpointed), len(choices), offload, async_reload, recompute,
-                     offloaded_groups=offloaded, backward_extra=profile.backward_extra,
-                     head_extra=profile.head_backward_bytes())
+    return replay(profile, checkpointed_storages(profile, checkpointed), offload, async_reload, recompute, offloaded)
 
 
 def _plan(profile: ActivationProfile, choices: list[str], budget_bytes: int | None, offload: ActivationOffloadConfig,

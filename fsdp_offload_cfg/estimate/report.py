@@ -55,7 +55,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
     offload = config.activation_cpu_offload
-    async_reload = offload.mode == "async" or (offload.mode == "auto" and device == "cuda")
+    async_reload = offload.resolved_mode(device) == "async"
     by_setting = settings(profile, offload, async_reload)
     chosen = _setting_name(config)
     plan = None

@@ -84,15 +84,11 @@ def _compute_device(model: nn.Module) -> torch.device:
     return device
 
 
-def _resolve_mode(mode: str, device: torch.device) -> str:
-    if mode not in ("auto", "async", "sync"):
-        raise ValueError(f"activation offload mode must be auto|async|sync, got {mode!r}")
-    if mode == "auto":
-        return "async" if device.type == "cuda" else "sync"
-    if mode == "async" and device.type not in ("cuda", "cpu"):
+def _resolve_mode(config: ActivationOffloadConfig, device: torch.device) -> str:
+    mode = config.resolved_mode(device.type)
+    if mode != config.mode and config.mode == "async":
         warnings.warn(f"async activation offload needs CUDA streams; using sync on {device.type}", stacklevel=3)
-        return "sync"
-    return mode  # async on CPU: the CPU proxy of the async path (no streams, same prefetch order)
+    return mode
 
 
 def enable_activation_offload(
@@ -140,7 +136,7 @@ def _pick_groups(model: nn.Module, layer_classes: LayerClasses | None,
 
 def _make_handler(model: nn.Module, config: ActivationOffloadConfig, n_groups: int) -> OffloadHandler:
     device = _compute_device(model)
-    mode = _resolve_mode(config.mode, device)
+    mode = _resolve_mode(config, device)
     pool = HostPool(pinned=device.type == "cuda", max_bytes=config.max_pinned_bytes)
     common: dict[str, Any] = {
         "min_tensor_bytes": config.min_tensor_bytes,

@@ -41,6 +41,16 @@ class ActivationOffloadConfig:
         if problems:
             raise ValueError("ActivationOffloadConfig: " + "; ".join(problems))
 
+    def resolved_mode(self, device_type: str) -> OffloadMode:
+        """The handler the offload builds on `device_type`: "auto" is async on CUDA, sync elsewhere;
+        async needs streams, so only CUDA and the CPU (its proxy: same prefetch order, no streams)
+        keep it. The one rule for the run (`api`) and the estimate's replay of it."""
+        if self.mode == "auto":
+            return "async" if device_type == "cuda" else "sync"
+        if self.mode == "async" and device_type not in ("cuda", "cpu"):
+            return "sync"
+        return self.mode
+
 
 def _out_of_range(cfg: ActivationOffloadConfig) -> list[tuple[str, str]]:
     def is_int(value: Any) -> bool:
