@@ -120,6 +120,7 @@ class _Applied:
     owner: Any  # module or class the attribute lives on
     attr: str
     original: Any  # the raw object from owner.__dict__ (classmethod objects kept as such)
+    replacement: Any  # what was set: revert only while it is still there
 
 
 @dataclass
@@ -200,13 +201,17 @@ def resolve(patch: Patch) -> tuple[Any, str, Any]:
     owner: Any = module
     for part in owner_path:
         owner = getattr(owner, part)
-    raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    raw = _current(owner, attr)
     if raw is None:
         raise UnsupportedVersionError(
             f"patch {patch.name!r}: {patch.module}.{patch.attribute} does not exist in the installed "
             "version; this release of fsdp_offload_cfg does not support it"
         )
     return owner, attr, raw
+
+
+def _current(owner: Any, attr: str) -> Any:
+    return owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
 
 
 def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
@@ -315,7 +320,7 @@ def _apply(p: Patch, owner: Any, attr: str, raw: Any, config: FSDPOffloadConfig,
     else:
         replacement = p.build(raw, config)
     setattr(owner, attr, replacement)
-    applied.append(_Applied(p, owner, attr, raw))
+    applied.append(_Applied(p, owner, attr, raw, replacement))
 
 
 def _install_later(session: PatchSession, patches: list[Patch]) -> None:
@@ -358,6 +363,9 @@ def _restore_env(before: Mapping[str, str | None]) -> None:
 
 
 def _revert(applied: list[_Applied], env_before: Mapping[str, str | None]) -> None:
+    """Put each original back, unless something replaced ours since (a framework's own copy,
+    e.g. axolotl's `fsdp2_prepare_model`): restoring the original would undo theirs."""
     for a in reversed(applied):
-        setattr(a.owner, a.attr, a.original)
+        if _current(a.owner, a.attr) is a.replacement:
+            setattr(a.owner, a.attr, a.original)
     _restore_env(env_before)

@@ -14,7 +14,7 @@
 #                     through `fsdp-offload-cfg run` (tests/clients)
 #   axolotl-plugin    what `pip install axolotl==0.19.0` resolves      .venv-axolotl-plugin
 #                     (transformers 5.16.1 + accelerate 1.13.0, trl 1.9.0, peft 0.20.0): axolotl's
-#                     config loader with our plugin listed (tests/clients; axolotl trains only on CUDA)
+#                     config loader with our plugin listed, and `axolotl train` on 2 gloo ranks (tests/clients)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LEG="${LEG:-newest}"

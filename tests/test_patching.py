@@ -121,6 +121,29 @@ def test_unpatch_restores_every_original_object_and_env():
     assert acc.fsdp2_prepare_model is importlib.import_module("accelerate.utils.fsdp_utils").fsdp2_prepare_model
 
 
+def test_unpatch_leaves_a_frameworks_replacement_made_after_patch():
+    """axolotl replaces `accelerate.accelerator.fsdp2_prepare_model` with its copy after `patch()`:
+    unpatching put accelerate's original back over it, undoing axolotl's patch in its own run."""
+    import accelerate.accelerator as acc
+
+    before = _snapshot()
+    fsdp_offload_cfg.patch(EVERYTHING_ON)
+
+    def theirs(accelerator: Any, model: Any) -> Any:
+        return model
+
+    acc.fsdp2_prepare_model = theirs
+    try:
+        fsdp_offload_cfg.unpatch()
+        assert acc.fsdp2_prepare_model is theirs
+        after = _snapshot()
+        for name, original in before.items():  # everything else is back
+            if name != "fsdp2-prepare-model":
+                assert after[name] is original, name
+    finally:
+        acc.fsdp2_prepare_model = before["fsdp2-prepare-model"]
+
+
 def test_classmethods_stay_classmethods_and_restore_exactly():
     from transformers.modeling_utils import PreTrainedModel
 

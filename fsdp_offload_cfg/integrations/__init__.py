@@ -26,7 +26,7 @@ from fsdp_offload_cfg.registry import LaunchContext
 
 _ORDER = [
     "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "rank0-from-pretrained", "rank0-from-config",
-    "meta-optimizer-mapping", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
+    "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
     "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
     "fsdp1-activation-offload",
     "trainer-fsdp-config",

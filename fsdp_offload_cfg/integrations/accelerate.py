@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import budget_bytes, enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.dtype_groups import one_dtype_per_group
@@ -20,7 +21,6 @@ from fsdp_offload_cfg.integrations.common import (
     fsdp2_prepare_needed,
     fsdp_requested,
     fully_shard_swap,
-    loader_enabled,
     logger,
 )
 from fsdp_offload_cfg.registry import LaunchContext, Patch
@@ -84,34 +84,50 @@ def _stock_loading_off(plugin: Any) -> Iterator[None]:
     finally:
         plugin.cpu_ram_efficient_loading = saved
 
+_OURS = "_fsdp_offload_cfg_prepare"  # marks the fsdp2_prepare_model this module built
+_preparing = 0  # depth of our fsdp2_prepare_model calls: a framework's copy that calls ours inside ours runs as itself
+
+
 def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """accelerate's `fsdp2_prepare_model` (or a framework's copy of it) with our steps around it:
+    each layer wrapped for a budget's plan, the loader's shard-and-fill (or accelerate's own
+    sharding, one `fully_shard` group per dtype), then the offload or the budget's plan."""
     @functools.wraps(original)
     def fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule
 
-        plugin = accelerator.state.fsdp_plugin
-        if isinstance(model, FSDPModule):
+        global _preparing
+        if isinstance(model, FSDPModule) or _preparing:
             return original(accelerator, model)
-        budget = budget_bytes(cfg) is not None
-        if budget:
-            wrap_layers(model, cfg)
-        if fill_through_loader(model, plugin, cfg):
+        _preparing += 1
+        try:
+            return _prepare(original, accelerator, model, cfg)
+        finally:
+            _preparing -= 1
 
-            def shard(m: torch.nn.Module) -> torch.nn.Module:
-                with _stock_loading_off(plugin), one_dtype_per_group(m):
-                    return original(accelerator, m)
-
-            model = load_through_loader(model, shard, plugin, cfg)
-        else:
-            with one_dtype_per_group(model):
-                model = original(accelerator, model)
-        if budget:
-            enable_budget(model, cfg)
-        elif cfg.activation_cpu_offload.enabled:
-            enable_offload(model, cfg)
-        return model
-
+    fsdp2_prepare_model.__dict__[_OURS] = True
     return fsdp2_prepare_model
+
+def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Module, cfg: FSDPOffloadConfig) -> Any:
+    plugin = accelerator.state.fsdp_plugin
+    budget = budget_bytes(cfg) is not None
+    if budget:
+        wrap_layers(model, cfg)
+    if fill_through_loader(model, plugin, cfg):
+
+        def shard(m: torch.nn.Module) -> torch.nn.Module:
+            with _stock_loading_off(plugin), one_dtype_per_group(m):
+                return original(accelerator, m)
+
+        model = load_through_loader(model, shard, plugin, cfg)
+    else:
+        with one_dtype_per_group(model):
+            model = original(accelerator, model)
+    if budget:
+        enable_budget(model, cfg)
+    elif cfg.activation_cpu_offload.enabled:
+        enable_offload(model, cfg)
+    return model
 
 def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:
     """Shard and fill `model` with `load_into_sharded` (else accelerate's own prepare)?
@@ -154,11 +170,15 @@ def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
     return prepare_model
 
 def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
-    """Keep accelerate's optimizer remapping correct when parameters are still on `meta`.
+    """`Accelerator._prepare_fsdp2`, which calls `fsdp2_prepare_model` on each model:
 
-    accelerate maps each old parameter to its sharded replacement by `data_ptr()`; every meta
-    tensor reports 0, so all optimizer slots would collapse onto one parameter on ranks != 0.
-    Give meta parameters a distinct negative id for the duration of the call.
+    - its `fsdp2_prepare_model` is ours even where a framework replaced accelerate's with its own
+      copy after `patch()` (axolotl does, when it loads the model): for the call, ours wraps
+      theirs, else a loader-built model would reach their copy still on meta, and neither the
+      loader nor the offload would run;
+    - accelerate maps each old parameter to its sharded replacement by `data_ptr()`; every meta
+      tensor reports 0, so all optimizer slots would collapse onto one parameter on ranks != 0.
+      Meta parameters get a distinct negative id for the duration of the call.
     """
 
     @functools.wraps(original)
@@ -167,12 +187,34 @@ def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
         for p in tagged:
             p.data_ptr = functools.partial(int, -id(p))  # type: ignore[method-assign]
         try:
-            return original(self, *args)
+            with _ours_outermost(cfg):
+                return original(self, *args)
         finally:
             for p in tagged:
                 p.__dict__.pop("data_ptr", None)
 
     return _prepare_fsdp2
+
+_said_replaced: set[str] = set()  # whose copy rank 0 has named already: once per process, not per prepare
+
+
+@contextmanager
+def _ours_outermost(cfg: FSDPOffloadConfig) -> Iterator[None]:
+    import accelerate.accelerator as module
+
+    theirs = module.fsdp2_prepare_model
+    if getattr(theirs, _OURS, False):
+        yield
+        return
+    where = f"{getattr(theirs, '__module__', '?')}.{getattr(theirs, '__qualname__', theirs)}"
+    if is_rank0() and where not in _said_replaced:
+        _said_replaced.add(where)
+        logger.info("accelerate's fsdp2_prepare_model was replaced after patch() (by %s): ours runs around it", where)
+    module.fsdp2_prepare_model = build_fsdp2_prepare_model(theirs, cfg)
+    try:
+        yield
+    finally:
+        module.fsdp2_prepare_model = theirs
 
 def _offload_fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg) and cfg.activation_cpu_offload.enabled and cfg.version == 1
@@ -185,8 +227,9 @@ PATCHES = [
     Patch("cpu-fsdp-accelerator-state", "accelerate.state", "AcceleratorState.__init__",
           build_accelerator_state_init, cpu_fsdp_needed, _REQUIRES,
           "promote MULTI_CPU to FSDP so accelerate runs FSDP2 on the CPU"),
-    Patch("meta-optimizer-mapping", "accelerate.accelerator", "Accelerator._prepare_fsdp2",
-          build_prepare_fsdp2, loader_enabled, _REQUIRES, "keep optimizer remapping right for meta parameters"),
+    Patch("prepare-fsdp2", "accelerate.accelerator", "Accelerator._prepare_fsdp2", build_prepare_fsdp2,
+          fsdp2_prepare_needed, _REQUIRES, "keep optimizer remapping right for meta parameters; run our "
+          "fsdp2_prepare_model around a framework's copy installed after patch() (axolotl's)"),
     Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
           fsdp2_prepare_needed, _REQUIRES,
           "one fully_shard group per dtype; with meta loading, shard on meta and fill params + all buffers "

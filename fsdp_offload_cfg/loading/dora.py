@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_offload_cfg.loading.spec import unwrapped
+
 PENDING_ATTR = "_fsdp_offload_cfg_pending_norm"
 
 
@@ -111,12 +113,12 @@ def fill_pending(model: nn.Module, names: list[str], rank: int, world_size: int)
 
     for name in names:
         path = name.rpartition(".")[0]
-        dora = model.get_submodule(path)
+        dora = unwrapped(model.get_submodule(path))
         pending = dora.__dict__.get(PENDING_ATTR)
         if pending is None:
             raise RuntimeError(f"{name}: rank 0 computes this DoRA magnitude after the load, this rank has no "
                                "record of how (its get_peft_model differed from rank 0's)")
-        layer = model.get_submodule(path.rsplit(".", 2)[0])  # <layer>.lora_magnitude_vector.<adapter>
+        layer = unwrapped(model.get_submodule(path.rsplit(".", 2)[0]))  # <layer>.lora_magnitude_vector.<adapter>
         adapter = path.rpartition(".")[2]
         rows = _own_rows(dora.weight, rank, world_size)
         weight = _local(layer.get_base_layer().weight)

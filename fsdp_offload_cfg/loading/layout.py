@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
+from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, named_tensors
 
 Region = tuple[slice, ...]
 
@@ -120,8 +120,7 @@ def _regions(
 
 def plan(model: nn.Module, spec: ModelSpec, rank: int, world_size: int) -> list[Target]:
     """One `Target` per tensor of `spec`, in `spec` order (sorted by name: the send order)."""
-    named = dict(model.named_parameters())
-    named.update(model.named_buffers())
+    named = dict(named_tensors(model))
     targets = []
     for s in spec.tensors:
         tensor = named[s.name]

@@ -53,6 +53,7 @@ from fsdp_offload_cfg.loading.spec import (
     describe,
     meta_tensor_names,
     mismatch,
+    named_tensors,
     rebuild_on_meta,
     retie,
 )
@@ -226,8 +227,7 @@ def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str],
 
         def collect() -> dict[str, torch.Tensor | sharded.FileSlice]:
             wanted = {t.name for t in spec.tensors} - skip
-            named: dict[str, Any] = {
-                n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()] if n in wanted}
+            named: dict[str, Any] = {n: t.detach() for n, t in named_tensors(model) if n in wanted}
             dtypes = {t.name: t.dtype for t in spec.tensors}
             staging = sharded.ReadStaging()
             named.update({n: sharded.FileSlice(where, dtypes[n], staging) for n, where in streamed.items() if n in named})

@@ -43,7 +43,7 @@ from fsdp_offload_cfg.loading.checkpoint import record_of
 from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.loading.safetensors_index import FileTensor
-from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec
+from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, owner, tensor_at
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -78,12 +78,12 @@ class ReadStats:
 
 
 def _tensor(model: nn.Module, t: TensorSpec) -> torch.Tensor:
-    return model.get_parameter(t.name) if t.is_param else model.get_buffer(t.name)
+    return tensor_at(model, t.name, t.is_param)
 
 
 def _non_persistent(model: nn.Module, name: str) -> bool:
-    module_name, _, attr = name.rpartition(".")
-    return attr in model.get_submodule(module_name)._non_persistent_buffers_set
+    module, attr = owner(model, name)
+    return attr in module._non_persistent_buffers_set
 
 
 def digest(t: torch.Tensor) -> str:

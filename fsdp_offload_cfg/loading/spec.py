@@ -5,16 +5,53 @@ every name it is reachable under (tied weights are one tensor with several names
 describes its real model; every other rank checks its own meta model against that and rebuilds
 it to match, so that all ranks agree on names, dtypes and ties before the first collective that
 carries data (a mismatch found later surfaces as a gloo size mismatch or an NCCL hang).
+
+Names leave out the segments of torch's `checkpoint_wrapper` (`_checkpoint_wrapped_module`), as
+its `state_dict()` does: a framework may wrap layers for checkpointing between rank 0's
+description and `fully_shard` (axolotl's `fsdp2_prepare_model` does, inside the sharding step),
+and the sharded model is still the model rank 0 described. `tensor_at` and `owner` find a
+tensor by such a name through the wrappers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 MAX_NAMES_IN_ERROR = 20
+WRAPPER = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper holds the wrapped module under it
+
+
+def canonical_name(name: str) -> str:
+    """`name` without checkpoint-wrapper segments: the name a checkpoint and `state_dict()` use."""
+    return ".".join(part for part in name.split(".") if part != WRAPPER)
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    while WRAPPER in module._modules:
+        module = module._modules[WRAPPER]
+    return module
+
+
+def owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """(the module that registers the tensor at `fqn`, its attribute name), through wrappers:
+    `get_submodule` reaches past a wrapper (it forwards attributes), but the tensor is registered
+    on the module inside it."""
+    module_name, _, attr = fqn.rpartition(".")
+    return unwrapped(model.get_submodule(module_name)), attr
+
+
+def tensor_at(model: nn.Module, fqn: str, is_param: bool) -> torch.Tensor:
+    module, attr = owner(model, fqn)
+    return (module._parameters if is_param else module._buffers)[attr]
+
+
+def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter, then every buffer, each once, by canonical name."""
+    return [(canonical_name(n), t) for n, t in [*model.named_parameters(), *model.named_buffers()]]
 
 
 @dataclass(frozen=True)
@@ -57,15 +94,19 @@ def _aliases(named: list[tuple[str, torch.Tensor]]) -> list[tuple[tuple[str, ...
     return [(tuple(names), t) for names, t in groups.values()]
 
 
+def _canonical(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return [(canonical_name(n), t) for n, t in named]
+
+
 def describe(model: nn.Module) -> ModelSpec:
     """Every parameter and buffer of `model` with all its names; no data is read."""
     tensors = [
         TensorSpec(names, p.dtype, tuple(p.shape), True, p.requires_grad)
-        for names, p in _aliases(list(model.named_parameters(remove_duplicate=False)))
+        for names, p in _aliases(_canonical(model.named_parameters(remove_duplicate=False)))
     ]
     tensors += [
         TensorSpec(names, b.dtype, tuple(b.shape), False)
-        for names, b in _aliases(list(model.named_buffers(remove_duplicate=False)))
+        for names, b in _aliases(_canonical(model.named_buffers(remove_duplicate=False)))
     ]
     return ModelSpec(tuple(sorted(tensors, key=lambda t: t.name)))
 
@@ -116,8 +157,7 @@ def mismatch(
 
 
 def _set(model: nn.Module, fqn: str, value: torch.Tensor, *, is_param: bool) -> None:
-    module_name, _, attr = fqn.rpartition(".")
-    module = model.get_submodule(module_name)
+    module, attr = owner(model, fqn)
     (module._parameters if is_param else module._buffers)[attr] = value
 
 
@@ -140,7 +180,7 @@ def rebuild_on_meta(model: nn.Module, spec: ModelSpec) -> None:
 def meta_tensor_names(model: nn.Module) -> list[str]:
     """Names of parameters and buffers still on the meta device (DTensors: their local shard)."""
     names = []
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in named_tensors(model):
         local = t.to_local() if hasattr(t, "to_local") else t
         if local.is_meta:
             names.append(name)
@@ -151,8 +191,8 @@ def retie(model: nn.Module, spec: ModelSpec) -> None:
     """Point every alias of a tied tensor back at the object under its first name (a no-op when
     the ties held, as they do for FSDP's DTensor parameters)."""
     for t in spec.tensors:
-        first = model.get_parameter(t.name) if t.is_param else model.get_buffer(t.name)
+        first = tensor_at(model, t.name, t.is_param)
         for name in t.names[1:]:
-            current = model.get_parameter(name) if t.is_param else model.get_buffer(name)
+            current = tensor_at(model, name, t.is_param)
             if current is not first:
                 _set(model, name, first, is_param=t.is_param)

@@ -2,17 +2,21 @@
 `axolotl-plugin` CI leg, where `pip install axolotl==0.19.0` chose the versions (transformers
 5.16.1, accelerate 1.13.0, trl 1.9, peft 0.20). Skipped where axolotl is not installed.
 
-axolotl trains only on CUDA (its model loader builds a "cuda" device mesh before any model), so
-these tests stop where axolotl hands over to training: its `load_cfg` (which registers plugins,
+Most tests stop where axolotl hands over to training: its `load_cfg` (which registers plugins,
 then validates with its schema), its plugin manager's `pre_model_load`, its trainer builder's
 training-argument kwargs and its `AxolotlTrainingArguments`. Each runs in a fresh process:
 `load_cfg` exports accelerate's variables and the plugin manager is a process-wide singleton.
+
+One runs `axolotl train` whole, on 2 gloo CPU ranks. axolotl 0.19 trains on CUDA only because it
+builds its device mesh for "cuda" whatever the machine has; `axolotl_cpu/sitecustomize.py` builds
+that one mesh on the CPU where there is no CUDA, and changes nothing else.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -150,3 +154,83 @@ def test_axolotls_activation_offloading_beside_ours_is_refused_naming_both(model
     out, _ = _probe(model, {**BASE, "activation_cpu_offload": True}, activation_offloading=True)
     assert out["error"].startswith("ConfigError"), out
     assert "activation_offloading" in out["error"] and "fsdp_config.activation_cpu_offload" in out["error"]
+
+
+TRAIN = {"baseline": {"cpu_ram_efficient_loading": False},
+         "sharded_offload": {"load_strategy": "sharded", "activation_cpu_offload": True},
+         # FSDP's checkpointing (axolotl applies it in its fsdp2_prepare_model), with which the offload composes
+         "broadcast_offload_checkpointing": {"load_strategy": "broadcast", "activation_cpu_offload": True,
+                                             "activation_checkpointing": True},
+         # planned per layer at the first forward (the smallest peak a plan reaches here is 0.2 MiB)
+         "sharded_budget": {"load_strategy": "sharded", "activation_memory_budget": 250_000}}
+
+
+def _train(root: Path, variant: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`axolotl train cfg.yml` as a user types it: axolotl execs `accelerate launch`, which reads
+    accelerate's default config (2 CPU processes) from `$HF_HOME/accelerate`."""
+    import yaml
+
+    from _dist import free_port
+
+    out = root / f"out_{variant}"
+    fsdp_config = {**BASE, "cpu_ram_efficient_loading": True, **TRAIN[variant]}
+    cfg = {"base_model": str(root / "model"), "output_dir": str(out), "sequence_len": 64, "micro_batch_size": 1,
+           "max_steps": 4, "learning_rate": 1e-3, "optimizer": "adamw_torch", "seed": 0,
+           "bf16": False, "fp16": False,  # float32: axolotl's float16 on the CPU gives NaN from step 2, plugin or not
+           "datasets": [{"path": str(root / "data.jsonl"), "type": "alpaca", "ds_type": "json"}],
+           "dataset_prepared_path": str(root / f"prepared_{variant}"),
+           "plugins": [PLUGIN], "fsdp_version": 2, "fsdp_config": fsdp_config}
+    path = root / f"train_{variant}.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    home = root / "hf"
+    (home / "accelerate").mkdir(parents=True, exist_ok=True)
+    (home / "accelerate" / "default_config.yaml").write_text(yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_machines": 1, "num_processes": 2,
+        "machine_rank": 0, "mixed_precision": "no", "use_cpu": True, "rdzv_backend": "static",
+        "main_process_port": free_port()}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HF_HOME=str(home),
+               PYTHONPATH=str(Path(__file__).parent / "axolotl_cpu"), AXOLOTL_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([str(Path(sys.executable).parent / "axolotl"), "train", str(path)], capture_output=True,
+                          text=True, timeout=420, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc, out
+
+
+def _trained(out: Path) -> tuple[dict, list[float]]:
+    from safetensors.torch import load_file
+
+    history = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    return load_file(out / "model.safetensors"), [h["loss"] for h in history if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def baseline(model: Path) -> tuple[dict, list[float]]:
+    return _trained(_train(model, "baseline")[1])
+
+
+@pytest.mark.parametrize("variant", ["sharded_offload", "broadcast_offload_checkpointing", "sharded_budget"])
+def test_axolotl_train_with_the_plugin_saves_what_the_run_without_it_saves(model: Path, baseline, variant: str):
+    """The whole `axolotl train`, with the plugin listed: axolotl replaces accelerate's
+    `fsdp2_prepare_model` with its own copy when it loads the model, which left the loader's meta
+    model unfilled ("still on the meta device", every rank) until ours ran around theirs. Same
+    losses and saved weights, bit for bit, as the run with the loader and the offload off."""
+    import torch
+
+    proc, out = _train(model, variant)
+    weights, losses = _trained(out)
+    base_weights, base_losses = baseline
+    assert len(losses) == 4 and losses == base_losses
+    assert weights.keys() == base_weights.keys()
+    assert all(torch.equal(weights[k], base_weights[k]) for k in weights)
+    text = proc.stdout + proc.stderr
+    assert "[fsdp_offload_cfg rank 0] config from argument (axolotl config" in text
+    assert "replaced after patch() (by axolotl.monkeypatch.accelerate.fsdp2.fsdp2_prepare_model)" in text
+    assert "[fsdp_offload_cfg rank 0] rank-0 loading:" in text
+    if variant.endswith("budget"):  # the plan's line; whether it offloads depends on the rates measured
+        assert re.search(r"\[fsdp_offload_cfg rank 0\] activation_memory_budget \S+ MiB at 1 x 64 tokens per rank: "
+                         r"layer 0: ", text), text[-3000:]
+    else:
+        moved = re.search(r"activation offload moved .* \((\d+) tensors\)", text)
+        assert moved and int(moved.group(1)) > 0, text[-3000:]
