@@ -80,6 +80,17 @@ def _input_grads_and_checkpointing(path: str) -> nn.Module:
     return model
 
 
+def _checkpoint_wrapped(path: str) -> nn.Module:
+    """Each decoder layer wrapped with torch's `checkpoint_wrapper` before prepare: its names hold
+    `_checkpoint_wrapped_module`, which rank 0's description leaves out, as `state_dict()` does."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = _causal(path)
+    decoder = type(model.model.layers[0])
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, decoder))
+    return model
+
+
 def _two_adapters(path: str) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -102,6 +113,7 @@ CASES: dict[str, Callable[[str], nn.Module]] = {
     "compiled": _compiled,
     "frozen_by_name": _frozen_by_name,
     "input_grads_and_checkpointing": _input_grads_and_checkpointing,
+    "checkpoint_wrapped": _checkpoint_wrapped,
     "two_adapters": _two_adapters,
     "modules_to_save": _modules_to_save,
 }
