@@ -86,6 +86,7 @@ def _checkpoint_wrapped(path: str) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
     model = _causal(path)
+    model.config.use_cache = False  # a cache grown in forward fails the recompute (transformers 4 uses one)
     decoder = type(model.model.layers[0])
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, decoder))
     return model

@@ -64,6 +64,7 @@ def _install_framework_copy(kind: str) -> list[int]:
 def _checkpoint_layers_and_their_parts(model: torch.nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
+    model.config.use_cache = False  # a cache grown in forward fails the recompute (transformers 4 uses one)
     decoder = type(model.model.layers[0])
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, decoder) or any(
         m is child for layer in model.model.layers for child in layer.children()))
