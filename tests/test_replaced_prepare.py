@@ -37,7 +37,7 @@ def _digest(t: torch.Tensor) -> str:
     return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _install_framework_copy(kind: str) -> list[int]:
+def _install_framework_copy(kind: str, stock: Any) -> list[int]:
     """Replace accelerate's `fsdp2_prepare_model` as a framework would, after `patch()`:
     "copy" calls accelerate's own function as it was before `patch()` (axolotl's is a copy of
     it); "calls_ours" calls `accelerate.utils.fsdp2_prepare_model`, which is ours by then;
@@ -46,7 +46,6 @@ def _install_framework_copy(kind: str) -> list[int]:
     import accelerate.accelerator
     import accelerate.utils
 
-    stock = _STOCK[0]
     inner = accelerate.utils.fsdp2_prepare_model if kind == "calls_ours" else stock
     calls: list[int] = []
 
@@ -70,8 +69,6 @@ def _checkpoint_layers_and_their_parts(model: torch.nn.Module) -> None:
         m is child for layer in model.model.layers for child in layer.children()))
 
 
-_STOCK: list[Any] = []
-
 
 def _worker(rank: int, world_size: int, path: str, ours: bool, kind: str) -> dict[str, Any]:
     import accelerate.utils.fsdp_utils
@@ -80,9 +77,9 @@ def _worker(rank: int, world_size: int, path: str, ours: bool, kind: str) -> dic
 
     import fsdp_offload_cfg
 
-    _STOCK.append(accelerate.utils.fsdp_utils.fsdp2_prepare_model)
+    stock = accelerate.utils.fsdp_utils.fsdp2_prepare_model  # as a framework's copy is: taken before patch()
     fsdp_offload_cfg.patch(_config(ours))
-    calls = _install_framework_copy(kind)  # the framework patches accelerate when it loads a model
+    calls = _install_framework_copy(kind, stock)  # the framework patches accelerate when it loads a model
     accelerator = Accelerator()
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_pretrained(path)

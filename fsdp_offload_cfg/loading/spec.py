@@ -31,6 +31,7 @@ def canonical_name(name: str) -> str:
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
+    """The module inside any checkpoint wrappers around `module` (itself when there are none)."""
     while WRAPPER in module._modules:
         module = module._modules[WRAPPER]
     return module
@@ -51,7 +52,7 @@ def tensor_at(model: nn.Module, fqn: str, is_param: bool) -> torch.Tensor:
 
 def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter, then every buffer, each once, by canonical name."""
-    return [(canonical_name(n), t) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    return _canonical([*model.named_parameters(), *model.named_buffers()])
 
 
 @dataclass(frozen=True)
