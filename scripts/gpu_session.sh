@@ -9,6 +9,7 @@
 #                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (issue 24's 10% rows)
 #                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes
 #                 bash scripts/gpu_session.sh equal       # TRL's offload against a plan at its memory (4 GiB)
+#                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL, checkpointing
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -78,9 +79,18 @@ offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none o
     | tee "$OUT/offload_fsdp2.md"
 }
 
-profile() {  # issue 23: the FSDP2 offload row ran at 1.19x of its copy bound, 1.03x in one process
-  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --fsdp2 --methods none ours-async --ac no \
+profile() {  # issue 23: the FSDP2 offload row ran at 1.19x of its copy bound, 1.03x in one process:
+  # the same row profiled both ways (4 files under $OUT/profile: the op tables and Chrome traces)
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --fsdp2 --methods ours-async --ac no \
     --steps 2 --profile "$OUT/profile" 2>&1 | tee "$OUT/profile.md"
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods ours-async --ac no \
+    --steps 2 --profile "$OUT/profile" 2>&1 | tee -a "$OUT/profile.md"
+}
+
+goals() {  # issue 24's GPU goals under the budget semantics of stop 37: each plan's peak against its
+  # budget, its step against the fixed settings (none, checkpointing) and TRL's offload at equal memory
+  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods none trl --ac no yes \
+    --budget ${GOAL_BUDGETS:-4GiB 6GiB 9GiB} --steps 4 2>&1 | tee "$OUT/goals.md"
 }
 
 equal() {  # issue 24: faster than TRL's offload at equal memory (TRL kept 4.06 GiB on the H200)
@@ -99,8 +109,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH 
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|offload|estimate|profile|equal) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, offload, estimate, profile, equal)" >&2; exit 2 ;;
+    suite|offload|estimate|profile|equal|goals) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, offload, estimate, profile, equal, goals)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate

@@ -302,6 +302,28 @@ def test_the_end_of_run_line_says_what_moved_or_that_nothing_did(moves: bool) ->
         assert "gradient checkpointing" in line
 
 
+@pytest.mark.parametrize("kept", ["every_layer", "all_but_one"])
+def test_the_end_of_run_line_warns_only_about_layers_it_was_to_move(kept: str) -> None:
+    """An activation_memory_budget plan that offloads no layer (it only checkpoints, as under
+    `axolotl train` with a small budget) runs the handler with every layer kept: moving nothing is
+    the plan, and the old "moved nothing ... turn gradient checkpointing off" warning misled. A
+    layer the plan was to move that moved nothing (tensors too small here) still warns."""
+    import logging
+
+    from fsdp_offload_cfg.offload.stats import describe_moved
+
+    model = tiny_llama(3)
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, min_tensor_bytes=2**40))
+    handle.handler.kept_groups = frozenset(range(3) if kept == "every_layer" else range(1, 3))  # as budget.py sets it
+    llama_step(model, batch())
+    assert offload_stats()["offloaded_bytes"] == 0 and offload_stats()["groups_entered"] == 3
+    line = describe_moved(offload_stats())
+    if kept == "every_layer":
+        assert line is None
+    else:
+        assert line is not None and line[0] == logging.WARNING and "moved nothing" in line[1]
+
+
 def test_the_end_of_run_line_is_silent_when_the_offload_never_ran() -> None:
     from fsdp_offload_cfg.offload.stats import describe_moved
 

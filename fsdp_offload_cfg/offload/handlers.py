@@ -196,6 +196,8 @@ class OffloadHandler:
             return
         refuse_other_offloader(f"inside {type(module).__name__}")
         COUNTS["groups_entered"] += 1
+        if index < self.n_offloadable and index not in self.kept_groups:
+            COUNTS["groups_to_offload_entered"] += 1  # ones whose moving nothing is worth a warning
         p.current = p.frame(index)
         p.group_params = ParamStorages(module)
 

@@ -49,7 +49,7 @@ KEPT: Counter[str] = Counter()  # reason -> saved tensors kept in place
 
 
 def offload_stats() -> dict[str, Any]:
-    """Snapshot of all counters (bytes unless named *_tensors / *_storages / groups_entered)."""
+    """Snapshot of all counters (bytes unless named *_tensors / *_storages / groups_*)."""
     return {
         "offloaded_bytes": COUNTS["offloaded_bytes"],
         "reloaded_bytes": COUNTS["reloaded_bytes"],
@@ -57,6 +57,7 @@ def offload_stats() -> dict[str, Any]:
         "offloaded_tensors": COUNTS["offloaded_tensors"],
         "packed_tensors": COUNTS["packed_tensors"],
         "groups_entered": COUNTS["groups_entered"],
+        "groups_to_offload_entered": COUNTS["groups_to_offload_entered"],
         "resident_bytes": RESIDENT.current,
         "peak_resident_bytes": RESIDENT.peak,
         "pinned_pool_bytes": POOL.current,
@@ -69,7 +70,9 @@ def describe_moved(stats: dict[str, Any]) -> tuple[int, str] | None:
     """The end-of-run line about what the offload did (a logging level and the message), or None
     when it never ran. Moving nothing while it was on is worth a warning: the user turned it on for
     memory it is not saving (seen under ms-swift, whose default gradient checkpointing leaves the
-    layers nothing to move)."""
+    layers nothing to move). Layers it was never to move (the last one, those an
+    activation_memory_budget plan keeps or only checkpoints) are no such surprise: a plan that
+    offloads no layer runs it without a word beyond the plan's own line."""
     import logging
 
     if stats["offloaded_bytes"]:
@@ -77,7 +80,7 @@ def describe_moved(stats: dict[str, Any]) -> tuple[int, str] | None:
             f"activation offload moved {stats['offloaded_bytes'] / 2**30:.2f} GiB to the host "
             f"({stats['offloaded_tensors']} tensors) and {stats['reloaded_bytes'] / 2**30:.2f} GiB back; pinned host "
             f"pool peaked at {stats['pinned_pool_peak_bytes'] / 2**30:.2f} GiB")
-    if not stats["groups_entered"]:
+    if not stats["groups_to_offload_entered"]:
         return None
     kept = ", ".join(f"{reason} {n}" for reason, n in sorted(stats["kept_tensors"].items())) or "none saved"
     return logging.WARNING, (
