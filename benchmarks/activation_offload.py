@@ -20,8 +20,10 @@ pinned pool or compiled kernels never flatter the next. `--fsdp2` shards every d
 the root with `fully_shard` in a one-rank process group first, as `accelerate launch` with FSDP2
 does, and hooks the offload after (where the plugin's prepare puts it).
 
-Memory: on CUDA the peak is `torch.cuda.max_memory_allocated()` over the measured steps, and
-"activations" is that peak less what was allocated when the step began (weights, optimizer
+Memory: on CUDA the peak is `torch.cuda.max_memory_allocated()` over the measured steps, beside
+`max_memory_reserved()` (what the allocator held from the device: freed blocks that a copy stream
+still uses stay reserved until that stream passes them, and an out-of-memory comes from there), and
+"activations" is the allocated peak less what was allocated when the step began (weights, optimizer
 state: what remains is what the step saved for backward, plus gradients as they appear). On the
 CPU there is no device memory to read: both columns are the saved-activation proxy, the bytes of
 tensors saved for backward left in place (`offload_stats()["peak_resident_bytes"]` for ours, a
@@ -73,6 +75,7 @@ class Row:
     moved_in: int  # and back
     loss: float
     plan: str = ""  # the budget's plan, as rank 0 logs it
+    reserved: int = 0  # CUDA: the allocator's peak reserved bytes (what the device really gave it)
     error: str = ""  # why the row did not run (a peer that is not installed, or that failed)
     step_s: float = field(init=False)
 
@@ -191,6 +194,7 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     stats = offload_stats()
     if args.profile:  # after the counters are read: the profiled step changes no figure of the row
         profile_step(args, model, opt, ids, method, ac, cuda)
+    reserved = torch.cuda.max_memory_reserved() if cuda else 0
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     elif method.startswith(("ours", "budget")):
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     del model, opt
     gc.collect()
     return Row(method, ac, peak, peak - start if cuda else peak, {k: statistics.median(v) for k, v in phases.items()},
-               stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan)
+               stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan, reserved=reserved)
 
 
 def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
@@ -264,21 +268,23 @@ def copy_bandwidth(args: argparse.Namespace) -> float:
 
 def table(rows: list[Row], cuda: bool, bandwidth: float) -> str:
     what = "peak device MiB" if cuda else "peak saved-on-device MiB (CPU proxy)"
+    reserved = " reserved MiB |" if cuda else ""
     lines = [
-        f"| method | AC | {what} | activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
+        f"| method | AC | {what} |{reserved} activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
         "| copy bound ms | x bound | loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|" + ("---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {r.ac: r for r in rows if r.method == "none" and not r.error}
     for r in rows:
         if r.error:
-            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} |||||||||")
+            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} |||||||||{'|' if cuda else ''}")
             continue
         b = base.get(r.ac)
         moved = r.moved_out > 0
         bound = _copy_bound(b, r, bandwidth) if b and moved and not r.method.startswith("budget") else None
         lines.append(
-            f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} | {r.activations / MIB:.1f} | "
+            f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} |{f' {r.reserved / MIB:.1f} |' if cuda else ''}"
+            f" {r.activations / MIB:.1f} | "
             f"{_ratio(r.activations, b.activations if b else 0)} | {r.step_s * 1e3:.0f} | "
             f"{_ratio(r.step_s, b.step_s if b else 0)} | {_mib(r.moved_out, moved)} | {_mib(r.moved_in, moved)} | "
             f"{f'{bound * 1e3:.0f}' if bound else '-'} | {f'{r.step_s / bound:.2f}' if bound else '-'} | {r.loss:.4f} |"
