@@ -7,7 +7,7 @@
 #   on the GPU:   bash scripts/gpu_session.sh suite       # the whole suite, the GPU visible
 #                 bash scripts/gpu_session.sh offload     # activation_offload.py, one process, then --fsdp2
 #                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (issue 24's 10% rows)
-#                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes
+#                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes (3 traces)
 #                 bash scripts/gpu_session.sh equal       # TRL's offload against a plan at its memory (4 GiB)
 #                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL, checkpointing
 #
@@ -17,6 +17,9 @@
 # 565 of 671 tests by its cap; the estimate's six rows took 251 s), `offload` with the four methods
 # and two budgets of docs/benchmarks.md 322 s, its --fsdp2 half (4 rows) 108 s. A 15-minute device
 # lease holds two such calls: give the suite its own call (SUITE_LIMIT_S=540) to run it whole.
+# On an H100 (2026-11-26): `goals profile` 281 s (goals 180 s; profile, then two rows, 88 s), and
+# `SUITE_LIMIT_S=490 ... suite` reached 636 of 699 tests (GPU-only first, 51 s): the rest need
+# their own call, e.g. SUITE_TESTS="tests/test_zero_code.py tests/test_budget.py tests/test_cli.py".
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
 # e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
@@ -79,12 +82,16 @@ offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none o
     | tee "$OUT/offload_fsdp2.md"
 }
 
-profile() {  # issue 23: the FSDP2 offload row ran at 1.19x of its copy bound, 1.03x in one process:
-  # the same row profiled both ways (4 files under $OUT/profile: the op tables and Chrome traces)
-  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --fsdp2 --methods ours-async --ac no \
-    --steps 2 --profile "$OUT/profile" 2>&1 | tee "$OUT/profile.md"
-  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods ours-async --ac no \
-    --steps 2 --profile "$OUT/profile" 2>&1 | tee -a "$OUT/profile.md"
+profile() {  # issue 23: the FSDP2 offload row ran at 1.19x of its copy bound, 1.03x in one process;
+  # the H100 trace (docs/benchmarks.md) showed backward's compute stalled behind FSDP's copy while
+  # ~10 layers of reloads sat queued. Three rows profiled (6 files under $OUT/profile): FSDP2, FSDP2
+  # with at most 32 reloads in flight (two layers here), one process. Read them with
+  # `python benchmarks/trace_streams.py gpu_out/profile/*.json.gz`.
+  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods ours-async --ac no
+             --steps 2 --profile "$OUT/profile")
+  "${row[@]}" --fsdp2 2>&1 | tee "$OUT/profile.md"
+  "${row[@]}" --fsdp2 --max-queued-reloads "${QUEUED_RELOADS:-32}" 2>&1 | tee -a "$OUT/profile.md"
+  "${row[@]}" 2>&1 | tee -a "$OUT/profile.md"
 }
 
 goals() {  # issue 24's GPU goals under the budget semantics of stop 37: each plan's peak against its
