@@ -194,18 +194,18 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
                 peak = max(peak, ctx.peak_bytes)
         loss = out.loss.item()
     stats = offload_stats()
-    if args.profile:  # after the counters are read: the profiled step changes no figure of the row
-        profile_step(args, model, opt, ids, method, ac, cuda)
-    reserved = torch.cuda.max_memory_reserved() if cuda else 0
+    reserved = 0
     if cuda:
-        peak = torch.cuda.max_memory_allocated()
+        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     elif method.startswith(("ours", "budget")):
         peak = stats["peak_resident_bytes"]
+    if args.profile:  # after the counters and peaks are read: the profiled step changes no figure of the row
+        profile_step(args, model, opt, ids, method, ac, cuda)
     plan = _plan_line(model, args) if method.startswith("budget") else ""
     del model, opt
     gc.collect()
     return Row(method, ac, peak, peak - start if cuda else peak, {k: statistics.median(v) for k, v in phases.items()},
-               stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan, reserved=reserved)
+               stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan, reserved)
 
 
 def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,

@@ -35,6 +35,12 @@ def gaps(events: list[dict[str, Any]], over_us: float) -> list[tuple[float, floa
             if b["ts"] - a["ts"] - a["dur"] > over_us]
 
 
+def kind(event: dict[str, Any]) -> str:
+    """What an event is: a kernel, or a copy's or memset's kind ("Memcpy HtoD" of "Memcpy HtoD
+    (Pinned -> Device)")."""
+    return "kernel" if event["cat"] == "kernel" else event["name"].split(" (")[0]
+
+
 def busy_in(events: list[dict[str, Any]], start: float, end: float) -> float:
     """Microseconds of `events` inside [start, end)."""
     return sum(max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start)) for e in events)
@@ -53,8 +59,7 @@ def report(path: str, gap_ms: float) -> None:
     print(f"| stream | kinds | busy ms | first ms | last ms | gaps over {gap_ms:g} ms (at ms: length) |")
     print("|---:|---|---:|---:|---:|---|")
     for s, es in sorted(streams.items()):
-        kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(e["name"].split(" (")[0] if e["cat"] != "kernel"
-                                                                      else "kernel" for e in es).most_common(3))
+        kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(map(kind, es)).most_common(3))
         first, last = min(e["ts"] for e in es) - t0, max(e["ts"] + e["dur"] for e in es) - t0
         idle = ", ".join(f"{(a - t0) / 1e3:.0f}: {g / 1e3:.1f}" for a, g in gaps(es, gap_ms * 1e3)[:12])
         print(f"| {s} | {kinds} | {sum(e['dur'] for e in es) / 1e3:.1f} | {first / 1e3:.1f} | {last / 1e3:.1f} | {idle} |")

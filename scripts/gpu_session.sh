@@ -8,8 +8,7 @@
 #                 bash scripts/gpu_session.sh offload     # activation_offload.py, one process, then --fsdp2
 #                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (issue 24's 10% rows)
 #                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes (3 traces)
-#                 bash scripts/gpu_session.sh equal       # TRL's offload against a plan at its memory (4 GiB)
-#                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL, checkpointing
+#                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL at equal memory, checkpointing
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -100,11 +99,6 @@ goals() {  # issue 24's GPU goals under the budget semantics of stop 37: each pl
     --budget ${GOAL_BUDGETS:-4GiB 6GiB 9GiB} --steps 4 2>&1 | tee "$OUT/goals.md"
 }
 
-equal() {  # issue 24: faster than TRL's offload at equal memory (TRL kept 4.06 GiB on the H200)
-  python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods none trl --ac no \
-    --budget ${EQUAL_BUDGET:-4GiB} 2>&1 | tee "$OUT/equal.md"
-}
-
 estimate() {
   python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/estimate.md"
 }
@@ -116,8 +110,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH 
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|offload|estimate|profile|equal|goals) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, offload, estimate, profile, equal, goals)" >&2; exit 2 ;;
+    suite|offload|estimate|profile|goals) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, offload, estimate, profile, goals)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate

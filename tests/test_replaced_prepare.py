@@ -69,7 +69,6 @@ def _checkpoint_layers_and_their_parts(model: torch.nn.Module) -> None:
         m is child for layer in model.model.layers for child in layer.children()))
 
 
-
 def _worker(rank: int, world_size: int, path: str, ours: bool, kind: str) -> dict[str, Any]:
     import accelerate.utils.fsdp_utils
     from accelerate import Accelerator

@@ -196,7 +196,7 @@ class OffloadHandler:
             return
         refuse_other_offloader(f"inside {type(module).__name__}")
         COUNTS["groups_entered"] += 1
-        if index < self.n_offloadable and index not in self.kept_groups:
+        if self._moves(index):
             COUNTS["groups_to_offload_entered"] += 1  # ones whose moving nothing is worth a warning
         p.current = p.frame(index)
         p.group_params = ParamStorages(module)
@@ -206,6 +206,12 @@ class OffloadHandler:
         if p is not None and not in_backward():
             p.current = p.frame(index + 1)  # what follows feeds the next group
 
+    def _moves(self, index: int) -> bool:
+        """Whether group `index`'s saves go to the host: not the last group (unless
+        offload_last_group), not code after the groups, not a layer a budget plan keeps on the
+        device or only checkpoints."""
+        return index < self.n_offloadable and index not in self.kept_groups
+
     # ---- saved tensor hooks ----
     def pack(self, t: torch.Tensor) -> _KeptHandle | _OffloadedHandle:
         p = self._pass
@@ -214,10 +220,9 @@ class OffloadHandler:
         COUNTS["packed_tensors"] += 1
         frame = p.current
         reason = keep_reason(t, self.device, self.min_bytes, p)
-        if reason is None and frame.index >= self.n_offloadable:
-            reason = "last_group" if frame.index < self.n_groups else "outside_groups"
-        if reason is None and frame.index in self.kept_groups:
-            reason = "planned_kept"
+        if reason is None and not self._moves(frame.index):
+            reason = ("planned_kept" if frame.index < self.n_offloadable
+                      else "last_group" if frame.index < self.n_groups else "outside_groups")
         entry = self._entry_for(t, p) if reason is None else None
         if entry is None:
             reason = reason or "pool_full"
