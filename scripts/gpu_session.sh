@@ -18,8 +18,8 @@
 # and two budgets of docs/benchmarks.md 322 s, its --fsdp2 half (4 rows) 108 s. A 15-minute device
 # lease holds two such calls: give the suite its own call (SUITE_LIMIT_S=540) to run it whole.
 # On an H100 (2026-11-26): `goals profile` 281 s (goals 180 s; profile, then two rows, 88 s), and
-# `SUITE_LIMIT_S=490 ... suite` reached 636 of 699 tests (GPU-only first, 51 s): the rest need
-# their own call, e.g. SUITE_TESTS="tests/test_zero_code.py tests/test_budget.py tests/test_cli.py".
+# `SUITE_LIMIT_S=490 ... suite` reached 636 of 699 tests (GPU-only first, 51 s): the part `rest`
+# runs the files of the others in a call of their own.
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
 # e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
