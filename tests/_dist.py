@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ def _worker(
     env: dict[str, str],
     local_world_size: int,
     pg_timeout: float | None,
+    rendezvous_timeout: float,
     queue: Any,
 ) -> None:
     from datetime import timedelta
@@ -52,8 +54,14 @@ def _worker(
         }
     )
     try:
+        # The store is made here, not by init_process_group: there the collective timeout also
+        # bounds the rendezvous, and a short one (a test's 2 s) failed whenever the ranks started
+        # more than that apart (spawned interpreters importing torch on a loaded machine). The
+        # rendezvous waits as long as the run may last; `pg_timeout` bounds the collectives only.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                              timeout=timedelta(seconds=rendezvous_timeout))
         timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **timeout)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -89,10 +97,12 @@ def run_workers(
     local_world_size: int | None = None,
     expect_errors: bool = False,
     pg_timeout: float | None = None,
+    start_gap: float = 0.0,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
     `pg_timeout` (seconds) is the process group's collective timeout (gloo's default otherwise).
+    `start_gap` (seconds) passes between starting one rank and the next, as on a loaded machine.
 
     With `expect_errors=True` a rank's traceback string is returned in its slot instead of
     failing the test (for failure-propagation tests); a hang still fails.
@@ -103,17 +113,17 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, dict(env or {}), local_world_size or world_size, pg_timeout, queue),
+            args=(r, world_size, port, fn, args, dict(env or {}), local_world_size or world_size, pg_timeout,
+                  timeout, queue),
             daemon=False,
         )
         for r in range(world_size)
     ]
     with _cpu_only_children():
-        for p in procs:
+        for r, p in enumerate(procs):
+            time.sleep(start_gap if r else 0.0)
             p.start()
     results: dict[int, tuple[str, Any]] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) < world_size and time.monotonic() < deadline:
         if not queue.empty():

@@ -41,3 +41,12 @@ def test_gloo_ranks_see_no_gpu_whatever_the_machine_has():
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert run_workers(_devices_seen, 2) == [("", 0), ("", 0)]
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+
+
+def test_ranks_starting_further_apart_than_the_collective_timeout_still_meet():
+    """Issue 23: on the GPU machine, with 12 test workers beside it, rank 1 started more than the 2 s
+    a test gave as its collective timeout after rank 0, and the rendezvous, which
+    init_process_group bounds by that same timeout, failed both ranks before the test began. The
+    collective timeout is the test's subject; the rendezvous must wait out a slow start."""
+    pg_timeout = 1.0  # rank 0 hosts the store: before, it waited this long for rank 1, then failed
+    assert run_workers(_allreduce, 2, pg_timeout=pg_timeout, start_gap=pg_timeout + 3.0, timeout=60) == [3.0, 3.0]

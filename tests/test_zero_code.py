@@ -140,8 +140,12 @@ def test_run_keeps_the_users_own_sitecustomize(tmp_path: Path):
     own.mkdir()
     (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE_RAN'] = '1'\n")
     code = "import os, sys; print(os.environ.get('OWN_SITECUSTOMIZE_RAN'), 'fsdp_offload_cfg.autopatch' in sys.modules)"
+    # the user's folder goes before whatever PYTHONPATH already holds: where the package itself is
+    # reached through PYTHONPATH (an install with `pip --target`, as on the GPU machine), replacing
+    # it would leave `fsdp-offload-cfg` unable to import its own package
+    pythonpath = os.pathsep.join(filter(None, [str(own), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", sys.executable, "-c", code],
-                          capture_output=True, text=True, timeout=120, env=_env(PYTHONPATH=str(own)))
+                          capture_output=True, text=True, timeout=120, env=_env(PYTHONPATH=pythonpath))
     assert proc.stdout.split() == ["1", "True"], proc.stderr[-2000:]
 
 
