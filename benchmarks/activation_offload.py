@@ -168,8 +168,10 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, 
 
 
 def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
-    if args.max_queued_reloads:
-        bound_reloads(args.max_queued_reloads)
+    if args.ungated_prefetch:
+        from fsdp_offload_cfg.offload.handlers import AsyncHandler
+
+        AsyncHandler.gate_prefetch = False
     if args.fsdp2:
         _one_rank_group(args.device)
     cuda = args.device.startswith("cuda")
@@ -223,7 +225,7 @@ def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Op
     with profile(activities=activities) as prof:
         train_step(model, opt, ids, method, ac, cuda)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{method}-{'ac' if ac else 'noac'}{'-fsdp2' if args.fsdp2 else ''}"
-                  f"{f'-queued{args.max_queued_reloads}' if args.max_queued_reloads else ''}")
+                  f"{'-ungated' if args.ungated_prefetch else ''}")
     os.makedirs(args.profile, exist_ok=True)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
@@ -250,29 +252,6 @@ def _one_rank_group(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device).index or 0)  # "cuda" names no index
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
-
-
-def bound_reloads(queued: int) -> None:
-    """--max-queued-reloads N, an experiment for issue 23 (not the plugin's behaviour): before each
-    reload the CPU waits until at most N-1 reloads are still in flight. The FSDP2 profile showed the
-    CPU queueing the reloads of about 10 layers ahead of the GPU in backward, and the compute stream
-    stalling behind FSDP's collective copy until that queue ran dry; this tells whether a short
-    queue removes the stall (at about 16 reloads a layer here, N=32 keeps two layers queued)."""
-    import collections
-
-    from fsdp_offload_cfg.offload.handlers import AsyncHandler
-
-    in_flight: collections.deque = collections.deque()
-    load = AsyncHandler._load
-
-    def bounded(self: AsyncHandler, entry: object) -> None:
-        while len(in_flight) >= queued:
-            in_flight.popleft().synchronize()
-        load(self, entry)
-        if self.streams:
-            in_flight.append(entry.ready)  # type: ignore[attr-defined]
-
-    AsyncHandler._load = bounded  # type: ignore[method-assign]
 
 
 def run_row(args: argparse.Namespace, method: str, ac: bool) -> Row:
@@ -365,16 +344,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fsdp2", action="store_true", help="fully_shard layers and root in a one-rank group first")
     p.add_argument("--same-process", action="store_true", help="run every row in this process")
     p.add_argument("--profile", metavar="DIR", help="profile one more step per row into DIR (op table, Chrome trace)")
-    p.add_argument("--max-queued-reloads", type=int, default=0, metavar="N",
-                   help="experiment: the CPU waits before a reload while N are in flight (default: no bound)")
+    p.add_argument("--ungated-prefetch", action="store_true",
+                   help="reload a layer ahead when the CPU asks, not when compute reaches the layer before "
+                        "it (the offload before issue 23's fix; measures the gate)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     bandwidth = copy_bandwidth(args)
     rows = [run_row(args, m, ac == "yes") for ac in args.ac for m in methods(args, ac == "yes")]
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
           f"{args.steps} steps, device {_device_name(args.device)}, torch {torch.__version__}"
-          f"{', FSDP2 (one rank)' if args.fsdp2 else ''}; copies measured at {bandwidth / 1e9:.1f} GB/s "
-          "(the slower direction)\n")
+          f"{', FSDP2 (one rank)' if args.fsdp2 else ''}{', prefetch ungated' if args.ungated_prefetch else ''}; "
+          f"copies measured at {bandwidth / 1e9:.1f} GB/s (the slower direction)\n")
     print(table(rows, args.device.startswith("cuda"), bandwidth))
     for r in rows:
         if r.plan:

@@ -10,6 +10,7 @@
 #                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes (3 traces)
 #                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL at equal memory, checkpointing
 #                 bash scripts/gpu_session.sh rest        # the suite's files the H100 run of stop 39 did not reach
+#                 bash scripts/gpu_session.sh gate        # the FSDP2 offload row, reloads gated by compute or not
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -89,16 +90,25 @@ offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none o
     | tee "$OUT/offload_fsdp2.md"
 }
 
-profile() {  # issue 23: the FSDP2 offload row ran at 1.19x of its copy bound, 1.03x in one process;
-  # the H100 trace (docs/benchmarks.md) showed backward's compute stalled behind FSDP's copy while
-  # ~10 layers of reloads sat queued. Three rows profiled (6 files under $OUT/profile): FSDP2, FSDP2
-  # with at most 32 reloads in flight (two layers here), one process. Read them with
-  # `python benchmarks/trace_streams.py gpu_out/profile/*.json.gz`.
+profile() {  # issue 23: where the FSDP2 offload row's time goes. Stop 41's H200 trace found backward's
+  # compute stalled 138 ms behind a copy of FSDP2's own while the CPU kept ~10 layers of reloads
+  # queued; reloads now wait for compute to reach the layer before them. Three rows profiled
+  # (6 files under $OUT/profile): FSDP2, FSDP2 ungated (the handler before), one process. Read them
+  # with `python benchmarks/trace_streams.py gpu_out/profile/*.json.gz`.
   local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods ours-async --ac no
              --steps 2 --profile "$OUT/profile")
   "${row[@]}" --fsdp2 2>&1 | tee "$OUT/profile.md"
-  "${row[@]}" --fsdp2 --max-queued-reloads "${QUEUED_RELOADS:-32}" 2>&1 | tee -a "$OUT/profile.md"
+  "${row[@]}" --fsdp2 --ungated-prefetch 2>&1 | tee -a "$OUT/profile.md"
   "${row[@]}" 2>&1 | tee -a "$OUT/profile.md"
+}
+
+gate() {  # issue 23's FSDP2 row with reloads gated by compute against ungated, on one machine, each
+  # row in its own process; then the one-process row and the FSDP2 row with checkpointing
+  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods ours-async --steps 4)
+  "${row[@]}" --fsdp2 --ac no 2>&1 | tee "$OUT/gate.md"
+  "${row[@]}" --fsdp2 --ac no --ungated-prefetch 2>&1 | tee -a "$OUT/gate.md"
+  "${row[@]}" --ac no 2>&1 | tee -a "$OUT/gate.md"
+  "${row[@]}" --fsdp2 --ac yes 2>&1 | tee -a "$OUT/gate.md"
 }
 
 goals() {  # issue 24's GPU goals under the budget semantics of stop 37: each plan's peak against its
@@ -118,8 +128,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH 
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|gate) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, gate)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate

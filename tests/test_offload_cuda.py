@@ -6,6 +6,8 @@ overwrite memory too early and corrupt a gradient: they check values, never timi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -116,6 +118,40 @@ def test_compute_waits_for_the_reload() -> None:
         torch.cuda._sleep(STALL)  # reloads are late: compute that did not wait reads garbage
     loss.backward()
     torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(grads(net), grads(ref_net), strict=True))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_layer_loaded_ahead_waits_for_compute_to_reach_the_layer_before_it(gated: bool,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23: in backward the CPU runs layers ahead of the GPU; reloads asked for by the CPU
+    queued ~10 layers deep, and under FSDP2 a copy of FSDP's own on the compute stream waited
+    138 ms for that queue to empty. Block 2's backward loads block 1 ahead: that reload must not
+    start before compute has reached block 2's backward, here held back by a long stall. (The
+    ungated case, the handler before the fix, shows the check tells the two apart.)"""
+    from fsdp_offload_cfg.offload.handlers import AsyncHandler
+
+    monkeypatch.setattr(AsyncHandler, "gate_prefetch", gated)
+    x = torch.randn(64, 256, device="cuda")
+    ref_net, _ = _net_saving(lambda y: y * 2.0, n=4)
+    ref_net(x).backward()
+    net, _ = _net_saving(lambda y: y * 2.0, n=4)
+    handle = enable_activation_offload(net, ASYNC, layer_classes=[Block])
+    reload_stream_idle: list[bool] = []
+
+    def stall_compute(module: nn.Module, grad_output: object) -> None:
+        torch.cuda._sleep(1 << 31)  # about a second of GPU time, before block 2's backward
+
+    def look(module: nn.Module, grad_output: object) -> None:  # the CPU, at block 1, ahead of the GPU
+        time.sleep(0.1)  # an ungated reload of block 1's 64 KB is long done by now
+        reload_stream_idle.append(handle.handler.h2d.query())
+
+    net.blocks[2].register_full_backward_pre_hook(stall_compute)
+    net.blocks[1].register_full_backward_pre_hook(look)
+    net(x).backward()
+    torch.cuda.synchronize()
+    assert reload_stream_idle == [not gated]  # gated, block 1's reload still waits for compute
+    assert handle.handler.h2d.query()
     assert all(torch.equal(a, b) for a, b in zip(grads(net), grads(ref_net), strict=True))
 
 

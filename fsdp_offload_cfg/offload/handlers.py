@@ -309,10 +309,15 @@ class AsyncHandler(OffloadHandler):
 
     Ordering on CUDA: the D2H copy waits on the stream that produced the tensor; the source is
     kept from reuse by `record_stream` until that copy ends; a reload waits on the D2H stream and
-    records an event; compute waits on that event before touching the tensor, and the restored
+    records an event, and one loaded ahead of need also waits for compute to reach the group
+    before it; compute waits on that event before touching the tensor, and the restored
     buffer is `record_stream`ed to compute so the H2D stream cannot recycle it early. Without
     CUDA (CPU proxy) the copies are immediate and only the prefetch order remains, which CI runs.
     """
+
+    # whether a group loaded ahead waits for compute to reach the group before it (`_on_frame`);
+    # False only in `benchmarks/activation_offload.py --ungated-prefetch`, which measures the gate
+    gate_prefetch = True
 
     def __init__(self, *args: object, prefetch_groups: int, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -350,13 +355,25 @@ class AsyncHandler(OffloadHandler):
             entry.device_buf.record_stream(compute)  # type: ignore[union-attr]
 
     def _on_frame(self, frame: _Frame) -> None:
-        """Load this group whole, then the next `prefetch` groups of backward (lower indices)."""
+        """Load this group whole, then the next `prefetch` groups of backward (lower indices).
+
+        A group loaded ahead is gated on the GPU, not only asked for by the CPU: its copies wait
+        until the compute stream reaches this point (this group's backward). In backward the CPU
+        runs layers ahead of the GPU, so ungated, "one layer ahead" counted from the CPU kept the
+        reloads of ~10 layers queued at once, and the copy engine served that queue before any
+        other stream's copy. Under FSDP2 that starved a copy of its own (a 360 KB pinned upload in
+        its reduce-scatter's `_chunk_cat`, on the compute stream): backward's compute stalled
+        138 ms (H200 trace, docs/benchmarks.md). Gated, the reload stream runs dry once a layer,
+        and such a copy waits at most for the reloads compute is waiting on anyway.
+        """
         frames = frame.pass_.frames
         for index in range(frame.index, frame.index - 1 - self.prefetch, -1):
             ahead = frames.get(index)
             if ahead is None or ahead.loaded:
                 continue
             ahead.loaded = True
+            if index < frame.index and self.streams and self.gate_prefetch:
+                self.h2d.wait_stream(torch.cuda.current_stream(self.device))
             for entry in list(ahead.entries):
                 if entry.device_buf is None:
                     self._load(entry)
