@@ -20,7 +20,8 @@
 # lease holds two such calls: give the suite its own call (SUITE_LIMIT_S=540) to run it whole.
 # On an H100 (2026-11-26): `goals profile` 281 s (goals 180 s; profile, then two rows, 88 s), and
 # `SUITE_LIMIT_S=490 ... suite` reached 636 of 699 tests (GPU-only first, 51 s): the part `rest`
-# runs the files of the others in a call of their own.
+# runs the files of the others in a call of their own. On an H200 (stop 41): `SUITE_LIMIT_S=370 ...
+# rest profile` 516 s (rest reached 187 of its 192 tests; profile 131 s), `gate` 181 s.
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
 # e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
