@@ -193,7 +193,9 @@ def _train(root: Path, variant: str) -> tuple[subprocess.CompletedProcess[str], 
         "main_process_port": free_port()}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HF_HOME=str(home),
-               PYTHONPATH=str(Path(__file__).parent / "axolotl_cpu"), AXOLOTL_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
+               # before, not instead of, a PYTHONPATH the package may be reached through (`pip --target`)
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent / "axolotl_cpu"), env.get("PYTHONPATH")])),
+               AXOLOTL_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run([str(Path(sys.executable).parent / "axolotl"), "train", str(path)], capture_output=True,
                           text=True, timeout=420, env=env, cwd=root)
