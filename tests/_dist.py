@@ -35,6 +35,7 @@ def _worker(
     local_world_size: int,
     pg_timeout: float | None,
     rendezvous_timeout: float,
+    connect_gap: float,
     queue: Any,
 ) -> None:
     from datetime import timedelta
@@ -54,14 +55,18 @@ def _worker(
         }
     )
     try:
-        # The store is made here, not by init_process_group: there the collective timeout also
-        # bounds the rendezvous, and a short one (a test's 2 s) failed whenever the ranks started
-        # more than that apart (spawned interpreters importing torch on a loaded machine). The
-        # rendezvous waits as long as the run may last; `pg_timeout` bounds the collectives only.
+        # The store is made here, and the group made with the run's timeout, not the test's short
+        # collective one: init_process_group's timeout also bounds the rendezvous and gloo's
+        # full-mesh connect, and a short one (a test's 2 s) failed whenever the ranks started more
+        # than that apart (spawned interpreters importing torch on a loaded machine). `pg_timeout`
+        # is set on the group once it exists, so it bounds the collectives only.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
                               timeout=timedelta(seconds=rendezvous_timeout))
-        timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **timeout)
+        time.sleep(connect_gap * rank)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=rendezvous_timeout))
+        collective_timeout = dist.default_pg_timeout if pg_timeout is None else timedelta(seconds=pg_timeout)
+        dist.distributed_c10d._set_pg_timeout(collective_timeout)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -98,11 +103,14 @@ def run_workers(
     expect_errors: bool = False,
     pg_timeout: float | None = None,
     start_gap: float = 0.0,
+    connect_gap: float = 0.0,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
     `pg_timeout` (seconds) is the process group's collective timeout (gloo's default otherwise).
-    `start_gap` (seconds) passes between starting one rank and the next, as on a loaded machine.
+    `start_gap` (seconds) passes between starting one rank and the next, as on a loaded machine;
+    `connect_gap` (seconds, times the rank) between a rank meeting the others at the store and
+    joining the process group.
 
     With `expect_errors=True` a rank's traceback string is returned in its slot instead of
     failing the test (for failure-propagation tests); a hang still fails.
@@ -114,7 +122,7 @@ def run_workers(
         ctx.Process(
             target=_worker,
             args=(r, world_size, port, fn, args, dict(env or {}), local_world_size or world_size, pg_timeout,
-                  timeout, queue),
+                  timeout, connect_gap, queue),
             daemon=False,
         )
         for r in range(world_size)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,3 +52,30 @@ def test_ranks_starting_further_apart_than_the_collective_timeout_still_meet():
     collective timeout is the test's subject; the rendezvous must wait out a slow start."""
     pg_timeout = 1.0  # rank 0 hosts the store: before, it waited this long for rank 1, then failed
     assert run_workers(_allreduce, 2, pg_timeout=pg_timeout, start_gap=pg_timeout + 3.0, timeout=60) == [3.0, 3.0]
+
+
+def test_ranks_joining_the_group_further_apart_than_the_collective_timeout_still_meet():
+    """After the store, init_process_group connects gloo's full mesh, bounded by the timeout it is
+    given: with the test's short collective timeout there, a rank that joined the group more than
+    that after the other (a loaded machine between the two steps) failed both before the test began."""
+    pg_timeout = 1.0
+    assert run_workers(_allreduce, 2, pg_timeout=pg_timeout, connect_gap=pg_timeout + 3.0, timeout=60) == [3.0, 3.0]
+
+
+def _allreduce_late_on_rank0(rank: int, world_size: int, delay: float) -> tuple[str, float]:
+    if rank == 0:
+        time.sleep(delay)
+    start = time.monotonic()
+    try:
+        _allreduce(rank, world_size)
+    except RuntimeError:  # gloo's timeout (rank 1), or its peer gone (rank 0); wording differs by torch
+        return "failed", time.monotonic() - start
+    return "done", time.monotonic() - start
+
+
+def test_the_collective_timeout_still_bounds_the_collectives():
+    """The short timeout a test gives is set on the group after it is made: a collective that one
+    rank enters far later still fails on the other after about that long, not after the run's."""
+    delay = 10.0
+    status, waited = run_workers(_allreduce_late_on_rank0, 2, delay, pg_timeout=2.0, timeout=60)[1]
+    assert status == "failed" and waited < delay / 2, (status, waited)
