@@ -60,11 +60,10 @@ def _worker(
         # full-mesh connect, and a short one (a test's 2 s) failed whenever the ranks started more
         # than that apart (spawned interpreters importing torch on a loaded machine). `pg_timeout`
         # is set on the group once it exists, so it bounds the collectives only.
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
-                              timeout=timedelta(seconds=rendezvous_timeout))
+        run_timeout = timedelta(seconds=rendezvous_timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=run_timeout)
         time.sleep(connect_gap * rank)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=rendezvous_timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=run_timeout)
         collective_timeout = dist.default_pg_timeout if pg_timeout is None else timedelta(seconds=pg_timeout)
         dist.distributed_c10d._set_pg_timeout(collective_timeout)
         result = fn(rank, world_size, *args)
