@@ -24,7 +24,11 @@ Memory: on CUDA the peak is `torch.cuda.max_memory_allocated()` over the measure
 `max_memory_reserved()` (what the allocator held from the device: freed blocks that a copy stream
 still uses stay reserved until that stream passes them, and an out-of-memory comes from there), and
 "activations" is the allocated peak less what was allocated when the step began (weights, optimizer
-state: what remains is what the step saved for backward, plus gradients as they appear). On the
+state: what remains is what the step saved for backward, plus gradients as they appear, and the
+optimizer's own temporaries). "fwd+bwd" is the same over forward and backward only: AdamW's
+foreach step holds the gradients and one parameter-sized temporary, which can be the whole
+step's peak once activations are small (every checkpointing row of docs/benchmarks.md stood
+within 41 MiB of those two), so this column is the one that shows what an offload keeps. On the
 CPU there is no device memory to read: both columns are the saved-activation proxy, the bytes of
 tensors saved for backward left in place (`offload_stats()["peak_resident_bytes"]` for ours, a
 saved-tensor-hooks meter for the others). Ratios are to the `none` row with the same checkpointing.
@@ -49,6 +53,7 @@ import multiprocessing
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +81,7 @@ class Row:
     loss: float
     plan: str = ""  # the budget's plan, as rank 0 logs it
     reserved: int = 0  # CUDA: the allocator's peak reserved bytes (what the device really gave it)
+    fwd_bwd: int = 0  # CUDA: the allocated peak of forward and backward above the step's start (no optimizer)
     error: str = ""  # why the row did not run (a peer that is not installed, or that failed)
     step_s: float = field(init=False)
 
@@ -147,9 +153,11 @@ def _sync(cuda: bool) -> float:
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, method: str, ac: bool,
-               cuda: bool) -> tuple[contextlib.AbstractContextManager, Any, tuple[float, float, float]]:
+               cuda: bool, after_backward: Callable[[], None] = lambda: None,
+               ) -> tuple[contextlib.AbstractContextManager, Any, tuple[float, float, float]]:
     """One step as the row's method runs it: its forward context, the output, and the seconds of
-    forward, backward and the optimizer."""
+    forward, backward and the optimizer. `after_backward` runs between backward and the optimizer,
+    untimed (it reads the device's peak there)."""
     ctx = forward_context(model, method, ac, cuda)
     t0 = _sync(cuda)
     with ctx:
@@ -161,10 +169,12 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, 
         t1 = _sync(cuda)
         out.loss.backward()
     t2 = _sync(cuda)
+    after_backward()
+    t2_opt = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
     t3 = _sync(cuda)
-    return ctx, out, (t1 - t0, t2 - t1, t3 - t2)
+    return ctx, out, (t1 - t0, t2 - t1, t3 - t2_opt)
 
 
 def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
@@ -180,26 +190,32 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(args.device)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-    peak = start = 0
+    peak = start = reserved = fwd_bwd = 0
     loss = 0.0
+
+    def read_fwd_bwd_peak() -> None:
+        nonlocal fwd_bwd
+        fwd_bwd = max(fwd_bwd, torch.cuda.max_memory_allocated())
+
     for step in range(args.steps + 1):  # step 0 warms up (pool, allocator, kernels, the budget's plan)
         if step == 1:
             reset_offload_stats()
             if cuda:
-                torch.cuda.reset_peak_memory_stats()
                 start = torch.cuda.memory_allocated()
-        ctx, out, seconds = train_step(model, opt, ids, method, ac, cuda)
+        if step >= 1 and cuda:  # each step's peaks from its start, so the one after backward is the step's own
+            torch.cuda.reset_peak_memory_stats()
+        ctx, out, seconds = train_step(model, opt, ids, method, ac, cuda,
+                                       read_fwd_bwd_peak if step >= 1 and cuda else lambda: None)
         if step >= 1:
             for name, phase_s in zip(phases, seconds):
                 phases[name].append(phase_s)
             if isinstance(ctx, SavedBytesMeter):
                 peak = max(peak, ctx.peak_bytes)
+            if cuda:
+                peak, reserved = max(peak, torch.cuda.max_memory_allocated()), max(reserved, torch.cuda.max_memory_reserved())
         loss = out.loss.item()
     stats = offload_stats()
-    reserved = 0
-    if cuda:
-        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    elif method.startswith(("ours", "budget")):
+    if not cuda and method.startswith(("ours", "budget")):
         peak = stats["peak_resident_bytes"]
     if args.profile:  # after the counters and peaks are read: the profiled step changes no figure of the row
         profile_step(args, model, opt, ids, method, ac, cuda)
@@ -207,7 +223,8 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     del model, opt
     gc.collect()
     return Row(method, ac, peak, peak - start if cuda else peak, {k: statistics.median(v) for k, v in phases.items()},
-               stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan, reserved)
+               stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan, reserved,
+               fwd_bwd - start if cuda else 0)
 
 
 def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
@@ -273,22 +290,24 @@ def copy_bandwidth(args: argparse.Namespace) -> float:
 
 def table(rows: list[Row], cuda: bool, bandwidth: float) -> str:
     what = "peak device MiB" if cuda else "peak saved-on-device MiB (CPU proxy)"
-    reserved = " reserved MiB |" if cuda else ""
+    on_cuda = " reserved MiB | fwd+bwd MiB | x none |" if cuda else ""
     lines = [
-        f"| method | AC | {what} |{reserved} activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
+        f"| method | AC | {what} |{on_cuda} activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
         "| copy bound ms | x bound | loss |",
-        "|---|---|---:|" + ("---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|" + ("---:|---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {r.ac: r for r in rows if r.method == "none" and not r.error}
     for r in rows:
         if r.error:
-            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} |||||||||{'|' if cuda else ''}")
+            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} ||||||||||{'|||' if cuda else ''}")
             continue
         b = base.get(r.ac)
         moved = r.moved_out > 0
         bound = _copy_bound(b, r, bandwidth) if b and moved and not r.method.startswith("budget") else None
+        cuda_cells = (f" {r.reserved / MIB:.1f} | {r.fwd_bwd / MIB:.1f} | {_ratio(r.fwd_bwd, b.fwd_bwd if b else 0)} |"
+                      if cuda else "")
         lines.append(
-            f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} |{f' {r.reserved / MIB:.1f} |' if cuda else ''}"
+            f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} |{cuda_cells}"
             f" {r.activations / MIB:.1f} | "
             f"{_ratio(r.activations, b.activations if b else 0)} | {r.step_s * 1e3:.0f} | "
             f"{_ratio(r.step_s, b.step_s if b else 0)} | {_mib(r.moved_out, moved)} | {_mib(r.moved_in, moved)} | "

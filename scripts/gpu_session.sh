@@ -105,12 +105,13 @@ profile() {  # issue 23: where the FSDP2 offload row's time goes. Stop 41's H200
 }
 
 gate() {  # issue 23's FSDP2 rows with reloads gated by compute against ungated (the handler before),
-  # on one machine, each row in its own process: without checkpointing (the stall the gate fixed),
-  # one process, then with checkpointing beside its baseline (stop 41 ran no baseline there: 212 ms)
+  # on one machine, each row in its own process: without checkpointing (the stall the gate fixed)
+  # beside its baseline (the copy bound, and the fwd+bwd peak without the optimizer's), one process
+  # the same, then with checkpointing beside its baseline (stop 41 ran no baseline there: 212 ms)
   local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4)
-  "${row[@]}" --methods ours-async --fsdp2 --ac no 2>&1 | tee "$OUT/gate.md"
+  "${row[@]}" --methods none ours-async --fsdp2 --ac no 2>&1 | tee "$OUT/gate.md"
   "${row[@]}" --methods ours-async --fsdp2 --ac no --ungated-prefetch 2>&1 | tee -a "$OUT/gate.md"
-  "${row[@]}" --methods ours-async --ac no 2>&1 | tee -a "$OUT/gate.md"
+  "${row[@]}" --methods none ours-async --ac no 2>&1 | tee -a "$OUT/gate.md"
   "${row[@]}" --methods none ours-async --fsdp2 --ac yes 2>&1 | tee -a "$OUT/gate.md"
   "${row[@]}" --methods ours-async --fsdp2 --ac yes --ungated-prefetch 2>&1 | tee -a "$OUT/gate.md"
 }
