@@ -22,7 +22,9 @@ does, and hooks the offload after (where the plugin's prepare puts it).
 
 Memory: on CUDA the peak is `torch.cuda.max_memory_allocated()` over the measured steps, beside
 `max_memory_reserved()` (what the allocator held from the device: freed blocks that a copy stream
-still uses stay reserved until that stream passes them, and an out-of-memory comes from there), and
+still uses stay reserved until that stream passes them, and an out-of-memory comes from there;
+"retries" counts the allocations that found the device full and waited for every stream to free
+what it held, which `--device-memory 9GiB` provokes as a smaller GPU would), and
 "activations" is the allocated peak less what was allocated when the step began (weights, optimizer
 state: what remains is what the step saved for backward, plus gradients as they appear, and the
 optimizer's own temporaries). "fwd+bwd" is the same over forward and backward only: AdamW's
@@ -62,6 +64,7 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
 
+from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ActivationOffloadConfig
 from fsdp_offload_cfg.offload import SavedBytesMeter, enable_activation_offload, offload_stats, reset_offload_stats
 
@@ -82,6 +85,7 @@ class Row:
     plan: str = ""  # the budget's plan, as rank 0 logs it
     reserved: int = 0  # CUDA: the allocator's peak reserved bytes (what the device really gave it)
     fwd_bwd: int = 0  # CUDA: the allocated peak of forward and backward above the step's start (no optimizer)
+    retries: int = 0  # CUDA: allocations over the measured steps that found the device full (`num_alloc_retries`)
     error: str = ""  # why the row did not run (a peer that is not installed, or that failed)
     step_s: float = field(init=False)
 
@@ -185,12 +189,14 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     if args.fsdp2:
         _one_rank_group(args.device)
     cuda = args.device.startswith("cuda")
+    if args.device_memory:
+        _cap_device_memory(args.device, args.device_memory)
     model = build(args, method, ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(args.device)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-    peak = start = reserved = fwd_bwd = 0
+    peak = start = reserved = fwd_bwd = retries = 0
     loss = 0.0
 
     def read_fwd_bwd_peak() -> None:
@@ -202,6 +208,7 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
             reset_offload_stats()
             if cuda:
                 start = torch.cuda.memory_allocated()
+                retries = torch.cuda.memory_stats()["num_alloc_retries"]
         if step >= 1 and cuda:  # each step's peaks from its start, so the one after backward is the step's own
             torch.cuda.reset_peak_memory_stats()
         ctx, out, seconds = train_step(model, opt, ids, method, ac, cuda,
@@ -215,6 +222,8 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
                 peak, reserved = max(peak, torch.cuda.max_memory_allocated()), max(reserved, torch.cuda.max_memory_reserved())
         loss = out.loss.item()
     stats = offload_stats()
+    if cuda:
+        retries = torch.cuda.memory_stats()["num_alloc_retries"] - retries
     if not cuda and method.startswith(("ours", "budget")):
         peak = stats["peak_resident_bytes"]
     if args.profile:  # after the counters and peaks are read: the profiled step changes no figure of the row
@@ -224,7 +233,25 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     gc.collect()
     return Row(method, ac, peak, peak - start if cuda else peak, {k: statistics.median(v) for k, v in phases.items()},
                stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan, reserved,
-               fwd_bwd - start if cuda else 0)
+               fwd_bwd - start if cuda else 0, retries)
+
+
+def _size_arg(text: str) -> int:
+    from fsdp_offload_cfg._sizes import size_in_bytes
+
+    nbytes = size_in_bytes(text)
+    if nbytes is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write bytes or a size such as 9GiB")
+    return nbytes
+
+
+def _cap_device_memory(device: str, nbytes: int) -> None:
+    """Hold the allocator to `size` of the device, as a smaller GPU would: reserved blocks that a
+    copy stream still holds are then freed by a retry that waits for every stream, a cost a
+    device with room to spare never shows."""
+    index = torch.device(device).index or 0
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), index)
 
 
 def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
@@ -290,21 +317,21 @@ def copy_bandwidth(args: argparse.Namespace) -> float:
 
 def table(rows: list[Row], cuda: bool, bandwidth: float) -> str:
     what = "peak device MiB" if cuda else "peak saved-on-device MiB (CPU proxy)"
-    on_cuda = " reserved MiB | fwd+bwd MiB | x none |" if cuda else ""
+    on_cuda = " reserved MiB | retries | fwd+bwd MiB | x none |" if cuda else ""
     lines = [
         f"| method | AC | {what} |{on_cuda} activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
         "| copy bound ms | x bound | loss |",
-        "|---|---|---:|" + ("---:|---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|" + ("---:|---:|---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {r.ac: r for r in rows if r.method == "none" and not r.error}
     for r in rows:
         if r.error:
-            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} ||||||||||{'|||' if cuda else ''}")
+            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} ||||||||||{'||||' if cuda else ''}")
             continue
         b = base.get(r.ac)
         moved = r.moved_out > 0
         bound = _copy_bound(b, r, bandwidth) if b and moved and not r.method.startswith("budget") else None
-        cuda_cells = (f" {r.reserved / MIB:.1f} | {r.fwd_bwd / MIB:.1f} | {_ratio(r.fwd_bwd, b.fwd_bwd if b else 0)} |"
+        cuda_cells = (f" {r.reserved / MIB:.1f} | {r.retries} | {r.fwd_bwd / MIB:.1f} | {_ratio(r.fwd_bwd, b.fwd_bwd if b else 0)} |"
                       if cuda else "")
         lines.append(
             f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} |{cuda_cells}"
@@ -363,16 +390,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fsdp2", action="store_true", help="fully_shard layers and root in a one-rank group first")
     p.add_argument("--same-process", action="store_true", help="run every row in this process")
     p.add_argument("--profile", metavar="DIR", help="profile one more step per row into DIR (op table, Chrome trace)")
+    p.add_argument("--device-memory", metavar="SIZE", type=_size_arg,
+                   help="CUDA: cap the allocator at SIZE (such as 9GiB), as a smaller GPU would")
     p.add_argument("--ungated-prefetch", action="store_true",
                    help="reload a layer ahead when the CPU asks, not when compute reaches the layer before "
                         "it (the offload before issue 23's fix; measures the gate)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.device_memory and not args.device.startswith("cuda"):
+        p.error("--device-memory caps a CUDA device's allocator: use it with --device cuda")
     bandwidth = copy_bandwidth(args)
     rows = [run_row(args, m, ac == "yes") for ac in args.ac for m in methods(args, ac == "yes")]
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
           f"{args.steps} steps, device {_device_name(args.device)}, torch {torch.__version__}"
-          f"{', FSDP2 (one rank)' if args.fsdp2 else ''}{', prefetch ungated' if args.ungated_prefetch else ''}; "
+          f"{', FSDP2 (one rank)' if args.fsdp2 else ''}{', prefetch ungated' if args.ungated_prefetch else ''}"
+          f"{f', allocator capped at {show_size(args.device_memory)}' if args.device_memory else ''}; "
           f"copies measured at {bandwidth / 1e9:.1f} GB/s (the slower direction)\n")
     print(table(rows, args.device.startswith("cuda"), bandwidth))
     for r in rows:

@@ -11,7 +11,9 @@
 #                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL at equal memory, checkpointing
 #                 bash scripts/gpu_session.sh rest        # the suite's files the H100 run of stop 39 did not reach
 #                 bash scripts/gpu_session.sh gate        # the FSDP2 offload rows, reloads gated by compute or not
-#                 bash scripts/gpu_session.sh leftover    # the suite's tests no GPU run has passed yet (15)
+#                 bash scripts/gpu_session.sh leftover    # the suite's tests no GPU run had passed (15; passed, stop 43)
+#                 bash scripts/gpu_session.sh ac          # FSDP2 with checkpointing: rows both orders, gated or not, profiles
+#                 bash scripts/gpu_session.sh tight       # the offload with the allocator capped at 9 GiB (retries)
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -22,7 +24,9 @@
 # On an H100 (2026-11-26): `goals profile` 281 s (goals 180 s; profile, then two rows, 88 s), and
 # `SUITE_LIMIT_S=490 ... suite` reached 636 of 699 tests (GPU-only first, 51 s): the part `rest`
 # runs the files of the others in a call of their own. On an H200 (stop 41): `SUITE_LIMIT_S=370 ...
-# rest profile` 516 s (rest reached 187 of its 192 tests; profile 131 s), `gate` 181 s.
+# rest profile` 516 s (rest reached 187 of its 192 tests; profile 131 s), `gate` 181 s. On an H200
+# (stop 43): `gate leftover` 526 s (gate's 8 rows 311 s; leftover 202 s). `ac` and `tight` are
+# not timed yet: about 300 and 220 s by those rows' times, so give each its own call.
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
 # e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
@@ -129,6 +133,32 @@ leftover() {
     tests/test_reader.py tests/test_trl_cli.py -k "$LEFTOVER_K" 2>&1 | tee "$OUT/leftover.log" | tail -40
 }
 
+ac() {  # issue 23's last open figure: with checkpointing under FSDP2 the offload took 1.04x (4 steps)
+  # and 1.08x (10 steps) of checkpointing alone on an H200 (stop 43), against <= 1.03x, while one
+  # process took 1.01x; ungated, 1.025x (4 steps). Rows in both orders (a row run second may meet
+  # a hotter, slower GPU), ungated beside them, then one profiled step of each FSDP2 row, read by
+  # trace_streams.py into ac.md: does compute stall behind a copy, or is backward CPU-bound?
+  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --ac yes --fsdp2)
+  "${row[@]}" --steps 10 --methods none ours-async 2>&1 | tee "$OUT/ac.md"
+  "${row[@]}" --steps 10 --methods ours-async none 2>&1 | tee -a "$OUT/ac.md"
+  "${row[@]}" --steps 10 --methods ours-async --ungated-prefetch 2>&1 | tee -a "$OUT/ac.md"
+  "${row[@]}" --steps 2 --methods none ours-async --profile "$OUT/profile" 2>&1 | tee -a "$OUT/ac.md"
+  "${row[@]}" --steps 2 --methods ours-async --ungated-prefetch --profile "$OUT/profile" 2>&1 | tee -a "$OUT/ac.md"
+  rm -f "$OUT"/profile/*.txt  # the device tool brings back 8 files: the traces, ac.md, versions.txt
+  python3 benchmarks/trace_streams.py "$OUT"/profile/*.json.gz 2>&1 | tee -a "$OUT/ac.md"
+}
+
+tight() {  # the offload where users need it, on a GPU with little room: the H200 runs left the
+  # allocator 20-23 GiB reserved for a 7.3-7.5 GiB allocated peak (freed blocks a copy stream still
+  # held), which a smaller GPU cannot give. Capped at 9 GiB, an allocation that finds the device
+  # full waits for every stream ("retries"): what does that cost the step? Uncapped beside it.
+  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4)
+  "${row[@]}" --methods none ours-async --ac no 2>&1 | tee "$OUT/tight.md"
+  "${row[@]}" --methods ours-async --ac no --device-memory 9GiB 2>&1 | tee -a "$OUT/tight.md"
+  "${row[@]}" --methods none ours-async --ac yes --device-memory 9GiB 2>&1 | tee -a "$OUT/tight.md"
+  "${row[@]}" --methods ours-async --ac no --fsdp2 --device-memory 9GiB 2>&1 | tee -a "$OUT/tight.md"
+}
+
 goals() {  # issue 24's GPU goals under the budget semantics of stop 37: each plan's peak against its
   # budget, its step against the fixed settings (none, checkpointing) and TRL's offload at equal memory
   python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods none trl --ac no yes \
@@ -139,15 +169,15 @@ estimate() {
   python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/estimate.md"
 }
 
-[ $# -gt 0 ] || { sed -n '2,14p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|gate|leftover) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, gate, leftover)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|gate|leftover|ac|tight) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, gate, leftover, ac, tight)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
