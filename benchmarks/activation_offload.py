@@ -66,6 +66,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ActivationOffloadConfig
+from fsdp_offload_cfg.estimate import EstimateError
+from fsdp_offload_cfg.estimate.plot import parse_size
 from fsdp_offload_cfg.offload import SavedBytesMeter, enable_activation_offload, offload_stats, reset_offload_stats
 
 METHODS = ("none", "save_on_cpu", "trl", "ours-sync", "ours-async")
@@ -236,17 +238,8 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
                fwd_bwd - start if cuda else 0, retries)
 
 
-def _size_arg(text: str) -> int:
-    from fsdp_offload_cfg._sizes import size_in_bytes
-
-    nbytes = size_in_bytes(text)
-    if nbytes is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write bytes or a size such as 9GiB")
-    return nbytes
-
-
 def _cap_device_memory(device: str, nbytes: int) -> None:
-    """Hold the allocator to `size` of the device, as a smaller GPU would: reserved blocks that a
+    """Hold the allocator to `nbytes` of the device, as a smaller GPU would: reserved blocks that a
     copy stream still holds are then freed by a retry that waits for every stream, a cost a
     device with room to spare never shows."""
     index = torch.device(device).index or 0
@@ -390,15 +383,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fsdp2", action="store_true", help="fully_shard layers and root in a one-rank group first")
     p.add_argument("--same-process", action="store_true", help="run every row in this process")
     p.add_argument("--profile", metavar="DIR", help="profile one more step per row into DIR (op table, Chrome trace)")
-    p.add_argument("--device-memory", metavar="SIZE", type=_size_arg,
+    p.add_argument("--device-memory", metavar="SIZE",
                    help="CUDA: cap the allocator at SIZE (such as 9GiB), as a smaller GPU would")
     p.add_argument("--ungated-prefetch", action="store_true",
                    help="reload a layer ahead when the CPU asks, not when compute reaches the layer before "
                         "it (the offload before issue 23's fix; measures the gate)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    if args.device_memory and not args.device.startswith("cuda"):
-        p.error("--device-memory caps a CUDA device's allocator: use it with --device cuda")
+    if args.device_memory:  # parsed as `fsdp-offload-cfg estimate --device-memory` parses it
+        if not args.device.startswith("cuda"):
+            p.error("--device-memory caps a CUDA device's allocator: use it with --device cuda")
+        try:
+            args.device_memory = parse_size(args.device_memory)
+        except EstimateError as error:
+            p.error(str(error))
     bandwidth = copy_bandwidth(args)
     rows = [run_row(args, m, ac == "yes") for ac in args.ac for m in methods(args, ac == "yes")]
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
