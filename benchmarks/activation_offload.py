@@ -30,7 +30,10 @@ state: what remains is what the step saved for backward, plus gradients as they 
 optimizer's own temporaries). "fwd+bwd" is the same over forward and backward only: AdamW's
 foreach step holds the gradients and one parameter-sized temporary, which can be the whole
 step's peak once activations are small (every checkpointing row of docs/benchmarks.md stood
-within 41 MiB of those two), so this column is the one that shows what an offload keeps. On the
+within 41 MiB of those two), so this column is the one that shows what an offload keeps.
+"less grads" is that peak without the gradients alive at it (`NonGradientPeak`, read over one
+more, untimed step): an offloading row peaks late in backward beside nearly all the gradients,
+the `none` row early, before most exist, so only this column compares the activations. On the
 CPU there is no device memory to read: both columns are the saved-activation proxy, the bytes of
 tensors saved for backward left in place (`offload_stats()["peak_resident_bytes"]` for ours, a
 saved-tensor-hooks meter for the others). Ratios are to the `none` row with the same checkpointing.
@@ -88,6 +91,7 @@ class Row:
     reserved: int = 0  # CUDA: the allocator's peak reserved bytes (what the device really gave it)
     fwd_bwd: int = 0  # CUDA: the allocated peak of forward and backward above the step's start (no optimizer)
     retries: int = 0  # CUDA: allocations over the measured steps that found the device full (`num_alloc_retries`)
+    less_grads: int = 0  # CUDA: fwd+bwd less the gradients alive, at most (`NonGradientPeak`, one more step)
     error: str = ""  # why the row did not run (a peer that is not installed, or that failed)
     step_s: float = field(init=False)
 
@@ -228,6 +232,7 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
         retries = torch.cuda.memory_stats()["num_alloc_retries"] - retries
     if not cuda and method.startswith(("ours", "budget")):
         peak = stats["peak_resident_bytes"]
+    less_grads = non_gradient_peak(model, opt, ids, method, ac) if cuda else 0
     if args.profile:  # after the counters and peaks are read: the profiled step changes no figure of the row
         profile_step(args, model, opt, ids, method, ac, cuda)
     plan = _plan_line(model, args) if method.startswith("budget") else ""
@@ -235,7 +240,68 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
     gc.collect()
     return Row(method, ac, peak, peak - start if cuda else peak, {k: statistics.median(v) for k, v in phases.items()},
                stats["offloaded_bytes"] // args.steps, stats["reloaded_bytes"] // args.steps, loss, plan, reserved,
-               fwd_bwd - start if cuda else 0, retries)
+               fwd_bwd - start if cuda else 0, retries, less_grads)
+
+
+class NonGradientPeak:
+    """The device's allocated peak over forward and backward without the gradients in it.
+
+    Why: "fwd+bwd" counts the gradients as backward makes them. The `none` row peaks as backward
+    starts, before most exist; an offloading row peaks near backward's end, next to nearly all of
+    them (1.6 GiB for the issue's 0.85B bf16 model). Its ratio to `none` then reads gradients as
+    activations. Issue 23's "activation bytes at peak" is the other part.
+
+    How, with the allocator alone (no figure of the offload's own): a tensor hook on each decoder
+    layer's output fires as that layer's backward starts. At each firing the allocated peak since
+    the last one, less the gradients alive at the last one, is read, and the peak reset. Gradients
+    only grow in backward, so each reading is at least the true non-gradient bytes at its
+    interval's peak. It overstates them by at most the gradients made within one interval: one
+    layer's, or the head's in the first interval (forward and the loss's backward).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.peak = 0
+        self.grads_then = 0  # gradient bytes at the last reading: a floor for those alive since
+        self.hooks = [layer.register_forward_hook(self._on_layer_output) for layer in model.model.layers]
+
+    def _on_layer_output(self, module: nn.Module, args: object, out: object) -> None:
+        hidden = out[0] if isinstance(out, tuple) else out
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: self.read())  # recomputed outputs never get a gradient
+
+    def read(self) -> None:
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated() - self.grads_then)
+        torch.cuda.reset_peak_memory_stats()
+        self.grads_then = self._gradient_bytes()
+
+    def _gradient_bytes(self) -> int:
+        """Bytes of the storages under the gradients, each once: FSDP2's sharded gradients are
+        views into one reduce-scatter output per layer."""
+        storages = {}
+        for param in self.model.parameters():  # under FSDP2, the unsharded ones while a layer is
+            grad = param.grad
+            if grad is not None:
+                storage = (grad.to_local() if hasattr(grad, "to_local") else grad).untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def non_gradient_peak(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, method: str, ac: bool) -> int:
+    """One more step, untimed (its readings sum parameter gradients in backward), read by
+    `NonGradientPeak`; the bytes above the step's start."""
+    meter = NonGradientPeak(model)
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        train_step(model, opt, ids, method, ac, True, meter.read)
+    finally:
+        meter.close()
+    return meter.peak - start
 
 
 def _cap_device_memory(device: str, nbytes: int) -> None:
@@ -310,22 +376,22 @@ def copy_bandwidth(args: argparse.Namespace) -> float:
 
 def table(rows: list[Row], cuda: bool, bandwidth: float) -> str:
     what = "peak device MiB" if cuda else "peak saved-on-device MiB (CPU proxy)"
-    on_cuda = " reserved MiB | retries | fwd+bwd MiB | x none |" if cuda else ""
+    on_cuda = " reserved MiB | retries | fwd+bwd MiB | x none | less grads MiB | x none |" if cuda else ""
     lines = [
         f"| method | AC | {what} |{on_cuda} activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
         "| copy bound ms | x bound | loss |",
-        "|---|---|---:|" + ("---:|---:|---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|" + ("---:|---:|---:|---:|---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {r.ac: r for r in rows if r.method == "none" and not r.error}
     for r in rows:
         if r.error:
-            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} ||||||||||{'||||' if cuda else ''}")
+            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} ||||||||||{'||||||' if cuda else ''}")
             continue
         b = base.get(r.ac)
         moved = r.moved_out > 0
         bound = _copy_bound(b, r, bandwidth) if b and moved and not r.method.startswith("budget") else None
         cuda_cells = (f" {r.reserved / MIB:.1f} | {r.retries} | {r.fwd_bwd / MIB:.1f} | {_ratio(r.fwd_bwd, b.fwd_bwd if b else 0)} |"
-                      if cuda else "")
+                      f" {r.less_grads / MIB:.1f} | {_ratio(r.less_grads, b.less_grads if b else 0, digits=3)} |" if cuda else "")
         lines.append(
             f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} |{cuda_cells}"
             f" {r.activations / MIB:.1f} | "
@@ -341,8 +407,8 @@ def _copy_bound(none: Row, row: Row, bandwidth: float) -> float:
             + none.phases["optimizer"])
 
 
-def _ratio(value: float, base: float) -> str:
-    return f"{value / base:.2f}" if base else "-"
+def _ratio(value: float, base: float, digits: int = 2) -> str:
+    return f"{value / base:.{digits}f}" if base else "-"
 
 
 def _mib(value: int, counted: bool) -> str:

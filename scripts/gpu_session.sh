@@ -13,7 +13,7 @@
 #                 bash scripts/gpu_session.sh gate        # the FSDP2 offload rows, reloads gated by compute or not
 #                 bash scripts/gpu_session.sh leftover    # the suite's tests no GPU run had passed (15; passed, stop 43)
 #                 bash scripts/gpu_session.sh ac          # FSDP2 with checkpointing: rows both orders, gated or not, profiles
-#                 bash scripts/gpu_session.sh tight       # the offload with the allocator capped at 9 GiB (retries)
+#                 bash scripts/gpu_session.sh tight       # activations less gradients; the allocator capped at 9 GiB
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -152,8 +152,11 @@ tight() {  # the offload where users need it, on a GPU with little room: the H20
   # allocator 20-23 GiB reserved for a 7.3-7.5 GiB allocated peak (freed blocks a copy stream still
   # held), which a smaller GPU cannot give. Capped at 9 GiB, an allocation that finds the device
   # full waits for every stream ("retries"): what does that cost the step? Uncapped beside it.
+  # First, uncapped, the "less grads" column (issue 23's activations at peak <= 0.25x without the
+  # gradients that "fwd+bwd" counts beside an offloading row's late peak), one process and FSDP2.
   local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4)
   "${row[@]}" --methods none ours-async --ac no 2>&1 | tee "$OUT/tight.md"
+  "${row[@]}" --methods none ours-async --ac no --fsdp2 2>&1 | tee -a "$OUT/tight.md"
   "${row[@]}" --methods ours-async --ac no --device-memory 9GiB 2>&1 | tee -a "$OUT/tight.md"
   "${row[@]}" --methods none ours-async --ac yes --device-memory 9GiB 2>&1 | tee -a "$OUT/tight.md"
   "${row[@]}" --methods ours-async --ac no --fsdp2 --device-memory 9GiB 2>&1 | tee -a "$OUT/tight.md"
