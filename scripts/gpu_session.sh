@@ -25,8 +25,8 @@
 # `SUITE_LIMIT_S=490 ... suite` reached 636 of 699 tests (GPU-only first, 51 s): the part `rest`
 # runs the files of the others in a call of their own. On an H200 (stop 41): `SUITE_LIMIT_S=370 ...
 # rest profile` 516 s (rest reached 187 of its 192 tests; profile 131 s), `gate` 181 s. On an H200
-# (stop 43): `gate leftover` 526 s (gate's 8 rows 311 s; leftover 202 s). `ac` and `tight` are
-# not timed yet: about 300 and 220 s by those rows' times, so give each its own call.
+# (stop 43): `gate leftover` 526 s (gate's 8 rows 311 s; leftover 202 s). On an H200 (stop 44):
+# `tight` 226 s (first call: 265 s of device time with the start), `ac` 193 s.
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
 # e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
