@@ -248,8 +248,8 @@ class NonGradientPeak:
 
     Why: "fwd+bwd" counts the gradients as backward makes them. The `none` row peaks as backward
     starts, before most exist; an offloading row peaks near backward's end, next to nearly all of
-    them (1.6 GiB for the issue's 0.85B bf16 model). Its ratio to `none` then reads gradients as
-    activations. Issue 23's "activation bytes at peak" is the other part.
+    them (1.4 GiB in bf16 for the issue's 16 x 2048 shape). Its ratio to `none` then reads
+    gradients as activations. Issue 23's "activation bytes at peak" is the other part.
 
     How, with the allocator alone (no figure of the offload's own): a tensor hook on each decoder
     layer's output fires as that layer's backward starts. At each firing the allocated peak since
