@@ -1,0 +1,92 @@
+"""`benchmarks/activation_offload.py`'s "less grads" column (issue 23's activations at peak): the
+parts of its `NonGradientPeak` that run without a GPU, for real.
+
+It reads the CUDA allocator's peak at each decoder layer's backward start and takes off the
+gradients alive at the reading before. Two things make that figure honest, and both are checked
+here, in one process and on 2 gloo ranks under FSDP2, with and without checkpointing:
+- its readings come at every layer's backward start and once after backward, never more (a
+  recomputed layer must not add one), and they see the gradients grow;
+- the gradient bytes it takes off are the bytes the gradients hold, each storage once. FSDP2's
+  sharded gradients are views into one reduce-scatter output per layer: counted per parameter,
+  that output was counted once for each of its parameters (7.7x the gradients on an earlier run),
+  which would have read activations as gradients and flattered the offload.
+Only the allocator's peak, which a CPU has not got, is left out (`read` is replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_workers
+
+LAYERS = 3
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "bench_activation_offload", Path(__file__).parents[1] / "benchmarks" / "activation_offload.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _exact_gradient_bytes(model: torch.nn.Module) -> int:
+    """What the gradients hold, counted element by element (a rank's own shard under FSDP2)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()
+             if p.grad is not None]
+    return sum(g.numel() * g.element_size() for g in grads)
+
+
+def _readings(rank: int, world_size: int, fsdp2: bool) -> dict[bool, dict[str, Any]]:
+    """One training step per checkpointing setting, as the benchmark's row runs it, with the
+    meter's hooks on: the gradient bytes at each reading, and the exact ones after backward."""
+    bench = _bench()
+
+    class Readings(bench.NonGradientPeak):
+        def read(self) -> None:  # the allocator's peak is CUDA's; the gradient count is the meter's own
+            self.seen.append(self._gradient_bytes())
+            self.exact = _exact_gradient_bytes(self.model)
+
+    results = {}
+    for ac in (False, True):
+        # hidden, vocab and every dimension even: FSDP2 pads no shard on 2 ranks, so storages hold
+        # exactly the gradients' elements
+        args = argparse.Namespace(layers=LAYERS, hidden=64, seq=16, batch=2, vocab=128, device="cpu",
+                                  dtype="float32", attn="sdpa", fsdp2=fsdp2)
+        model = bench.build(args, "none", ac)
+        hooks_before = [len(layer._forward_hooks) for layer in model.model.layers]
+        meter = Readings(model)
+        meter.seen = []
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
+        bench.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), ids, "none", ac, False, meter.read)
+        meter.close()
+        results[ac] = {"seen": meter.seen, "exact": meter.exact,
+                       "hooks_left": [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before}
+    return results
+
+
+def _check(results: dict[bool, dict[str, Any]]) -> None:
+    for ac, r in results.items():
+        seen = r["seen"]
+        assert len(seen) == LAYERS + 1, (ac, seen)  # each layer's backward start, and after backward
+        assert seen[0] > 0 and seen == sorted(seen), (ac, seen)  # the head's gradients first, then growing
+        assert seen[-1] == r["exact"], (ac, seen[-1], r["exact"])
+        assert r["hooks_left"], ac
+
+
+def test_the_meter_reads_at_each_layer_and_takes_off_exactly_the_gradients():
+    _check(_readings(0, 1, fsdp2=False))
+
+
+@pytest.mark.distributed
+def test_under_fsdp2_the_meter_counts_each_gradient_storage_once():
+    for rank_results in run_workers(_readings, 2, True):
+        _check(rank_results)
