@@ -104,12 +104,20 @@ def build(args: argparse.Namespace, method: str, ac: bool) -> nn.Module:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64 or 64,
-        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=max(args.seq, 128),
+        vocab_size=args.vocab, hidden_size=args.hidden,
+        intermediate_size=args.intermediate or int(args.hidden * 8 / 3) // 64 * 64 or 64,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads or max(1, args.hidden // 64),
+        num_key_value_heads=args.kv_heads or max(1, args.hidden // 128), max_position_embeddings=max(args.seq, 128),
         use_cache=False, attn_implementation=args.attn,
     )
-    model = LlamaForCausalLM(cfg).to(device=args.device, dtype=getattr(torch, args.dtype))
+    # built where it runs, in its dtype: a 3B model's float32 init on the host takes minutes
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    try:
+        with torch.device(args.device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
     if ac:
         for i, layer in enumerate(model.model.layers):
             wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
@@ -188,10 +196,6 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, 
 
 
 def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
-    if args.ungated_prefetch:
-        from fsdp_offload_cfg.offload.handlers import AsyncHandler
-
-        AsyncHandler.gate_prefetch = False
     if args.fsdp2:
         _one_rank_group(args.device)
     cuda = args.device.startswith("cuda")
@@ -327,8 +331,7 @@ def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Op
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         train_step(model, opt, ids, method, ac, cuda)
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{method}-{'ac' if ac else 'noac'}{'-fsdp2' if args.fsdp2 else ''}"
-                  f"{'-ungated' if args.ungated_prefetch else ''}")
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{method}-{'ac' if ac else 'noac'}{'-fsdp2' if args.fsdp2 else ''}")
     os.makedirs(args.profile, exist_ok=True)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
@@ -374,18 +377,18 @@ def copy_bandwidth(args: argparse.Namespace) -> float:
     return measure_rates(torch.device(args.device), getattr(torch, args.dtype), args.hidden, args.batch * args.seq)[1]
 
 
-def table(rows: list[Row], cuda: bool, bandwidth: float) -> str:
+def table(rows: list[Row], cuda: bool, bandwidth: float, tokens: int) -> str:
     what = "peak device MiB" if cuda else "peak saved-on-device MiB (CPU proxy)"
     on_cuda = " reserved MiB | retries | fwd+bwd MiB | x none | less grads MiB | x none |" if cuda else ""
     lines = [
-        f"| method | AC | {what} |{on_cuda} activations MiB | x none | step ms | x none | out MiB/step | in MiB/step "
+        f"| method | AC | {what} |{on_cuda} activations MiB | x none | step ms | x none | tokens/s | out MiB/step | in MiB/step "
         "| copy bound ms | x bound | loss |",
-        "|---|---|---:|" + ("---:|---:|---:|---:|---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|" + ("---:|---:|---:|---:|---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {r.ac: r for r in rows if r.method == "none" and not r.error}
     for r in rows:
         if r.error:
-            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} ||||||||||{'||||||' if cuda else ''}")
+            lines.append(f"| {r.method} | {'yes' if r.ac else 'no'} | not run: {r.error[:120]} |||||||||||{'||||||' if cuda else ''}")
             continue
         b = base.get(r.ac)
         moved = r.moved_out > 0
@@ -396,7 +399,7 @@ def table(rows: list[Row], cuda: bool, bandwidth: float) -> str:
             f"| {r.method} | {'yes' if r.ac else 'no'} | {r.peak / MIB:.1f} |{cuda_cells}"
             f" {r.activations / MIB:.1f} | "
             f"{_ratio(r.activations, b.activations if b else 0)} | {r.step_s * 1e3:.0f} | "
-            f"{_ratio(r.step_s, b.step_s if b else 0)} | {_mib(r.moved_out, moved)} | {_mib(r.moved_in, moved)} | "
+            f"{_ratio(r.step_s, b.step_s if b else 0)} | {tokens / r.step_s:.0f} | {_mib(r.moved_out, moved)} | {_mib(r.moved_in, moved)} | "
             f"{f'{bound * 1e3:.0f}' if bound else '-'} | {f'{r.step_s / bound:.2f}' if bound else '-'} | {r.loss:.4f} |"
         )
     return "\n".join(lines)
@@ -438,6 +441,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=0, help="MLP width (default: 8/3 of hidden, rounded to 64)")
+    p.add_argument("--heads", type=int, default=0, help="attention heads (default: hidden / 64)")
+    p.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default: hidden / 128)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)")
@@ -451,9 +457,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", metavar="DIR", help="profile one more step per row into DIR (op table, Chrome trace)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="CUDA: cap the allocator at SIZE (such as 9GiB), as a smaller GPU would")
-    p.add_argument("--ungated-prefetch", action="store_true",
-                   help="reload a layer ahead when the CPU asks, not when compute reaches the layer before "
-                        "it (the offload before issue 23's fix; measures the gate)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.device_memory:  # parsed as `fsdp-offload-cfg estimate --device-memory` parses it
@@ -467,10 +470,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = [run_row(args, m, ac == "yes") for ac in args.ac for m in methods(args, ac == "yes")]
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
           f"{args.steps} steps, device {_device_name(args.device)}, torch {torch.__version__}"
-          f"{', FSDP2 (one rank)' if args.fsdp2 else ''}{', prefetch ungated' if args.ungated_prefetch else ''}"
+          f"{', FSDP2 (one rank)' if args.fsdp2 else ''}"
           f"{f', allocator capped at {show_size(args.device_memory)}' if args.device_memory else ''}; "
           f"copies measured at {bandwidth / 1e9:.1f} GB/s (the slower direction)\n")
-    print(table(rows, args.device.startswith("cuda"), bandwidth))
+    print(table(rows, args.device.startswith("cuda"), bandwidth, args.batch * args.seq))
     for r in rows:
         if r.plan:
             print(f"\n{r.method}: {r.plan}")

@@ -10,10 +10,10 @@
 #                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes (3 traces)
 #                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL at equal memory, checkpointing
 #                 bash scripts/gpu_session.sh rest        # the suite's files the H100 run of stop 39 did not reach
-#                 bash scripts/gpu_session.sh gate        # the FSDP2 offload rows, reloads gated by compute or not
 #                 bash scripts/gpu_session.sh leftover    # the suite's tests no GPU run had passed (15; passed, stop 43)
-#                 bash scripts/gpu_session.sh ac          # FSDP2 with checkpointing: rows both orders, gated or not, profiles
 #                 bash scripts/gpu_session.sh tight       # activations less gradients; the allocator capped at 9 GiB
+#                 bash scripts/gpu_session.sh reserved    # issue 47: reserved vs allocated, capped at the peak + 10%
+#                 bash scripts/gpu_session.sh scale3b     # issue 47: a Llama-3.2-3B shape at long sequences, every peer
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -26,7 +26,8 @@
 # runs the files of the others in a call of their own. On an H200 (stop 41): `SUITE_LIMIT_S=370 ...
 # rest profile` 516 s (rest reached 187 of its 192 tests; profile 131 s), `gate` 181 s. On an H200
 # (stop 43): `gate leftover` 526 s (gate's 8 rows 311 s; leftover 202 s). On an H200 (stop 44):
-# `tight` 226 s (first call: 265 s of device time with the start), `ac` 193 s.
+# `tight` 226 s (first call: 265 s of device time with the start), `ac` 193 s. On an H100
+# (2026-11-27): `SCALE_SEQS=16384 ... reserved scale3b` 455 s (reserved 228 s, scale3b 214 s).
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
 # e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
@@ -96,28 +97,13 @@ offload() {  # OFFLOAD_ARGS / FSDP2_ARGS narrow the rows (e.g. "--methods none o
     | tee "$OUT/offload_fsdp2.md"
 }
 
-profile() {  # issue 23: where the FSDP2 offload row's time goes. Stop 41's H200 trace found backward's
-  # compute stalled 138 ms behind a copy of FSDP2's own while the CPU kept ~10 layers of reloads
-  # queued; reloads now wait for compute to reach the layer before them. Three rows profiled
-  # (6 files under $OUT/profile): FSDP2, FSDP2 ungated (the handler before), one process. Read them
+profile() {  # where the offload rows' time goes: two rows profiled (4 files under $OUT/profile),
+  # FSDP2 and one process. Read them
   # with `python benchmarks/trace_streams.py gpu_out/profile/*.json.gz`.
   local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods ours-async --ac no
              --steps 2 --profile "$OUT/profile")
   "${row[@]}" --fsdp2 2>&1 | tee "$OUT/profile.md"
-  "${row[@]}" --fsdp2 --ungated-prefetch 2>&1 | tee -a "$OUT/profile.md"
   "${row[@]}" 2>&1 | tee -a "$OUT/profile.md"
-}
-
-gate() {  # issue 23's FSDP2 rows with reloads gated by compute against ungated (the handler before),
-  # on one machine, each row in its own process: without checkpointing (the stall the gate fixed)
-  # beside its baseline (the copy bound, and the fwd+bwd peak without the optimizer's), one process
-  # the same, then with checkpointing beside its baseline (stop 41 ran no baseline there: 212 ms)
-  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4)
-  "${row[@]}" --methods none ours-async --fsdp2 --ac no 2>&1 | tee "$OUT/gate.md"
-  "${row[@]}" --methods ours-async --fsdp2 --ac no --ungated-prefetch 2>&1 | tee -a "$OUT/gate.md"
-  "${row[@]}" --methods none ours-async --ac no 2>&1 | tee -a "$OUT/gate.md"
-  "${row[@]}" --methods none ours-async --fsdp2 --ac yes 2>&1 | tee -a "$OUT/gate.md"
-  "${row[@]}" --methods ours-async --fsdp2 --ac yes --ungated-prefetch 2>&1 | tee -a "$OUT/gate.md"
 }
 
 # The tests no GPU run has passed (15, `--collect-only` here to list them): the 3 fixed after stop
@@ -133,19 +119,52 @@ leftover() {
     tests/test_reader.py tests/test_trl_cli.py -k "$LEFTOVER_K" 2>&1 | tee "$OUT/leftover.log" | tail -40
 }
 
-ac() {  # issue 23's last open figure: with checkpointing under FSDP2 the offload took 1.04x (4 steps)
-  # and 1.08x (10 steps) of checkpointing alone on an H200 (stop 43), against <= 1.03x, while one
-  # process took 1.01x; ungated, 1.025x (4 steps). Rows in both orders (a row run second may meet
-  # a hotter, slower GPU), ungated beside them, then one profiled step of each FSDP2 row, read by
-  # trace_streams.py into ac.md: does compute stall behind a copy, or is backward CPU-bound?
-  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --ac yes --fsdp2)
-  "${row[@]}" --steps 10 --methods none ours-async 2>&1 | tee "$OUT/ac.md"
-  "${row[@]}" --steps 10 --methods ours-async none 2>&1 | tee -a "$OUT/ac.md"
-  "${row[@]}" --steps 10 --methods ours-async --ungated-prefetch 2>&1 | tee -a "$OUT/ac.md"
-  "${row[@]}" --steps 2 --methods none ours-async --profile "$OUT/profile" 2>&1 | tee -a "$OUT/ac.md"
-  "${row[@]}" --steps 2 --methods ours-async --ungated-prefetch --profile "$OUT/profile" 2>&1 | tee -a "$OUT/ac.md"
-  rm -f "$OUT"/profile/*.txt  # the device tool brings back 8 files: the traces, ac.md, versions.txt
-  python3 benchmarks/trace_streams.py "$OUT"/profile/*.json.gz 2>&1 | tee -a "$OUT/ac.md"
+# issue 47's first part: the offload allocates and frees device memory on the compute stream only
+# (no record_stream), so the allocator's reserved bytes follow the allocated ones. The CUDA tests,
+# then the two new ones against the handler before the change (they must fail there: kept
+# untracked in gpu_before/, written by `git show efbf7dd:fsdp_offload_cfg/offload/handlers.py`),
+# then the rows uncapped and capped at their own allocated peak + 10%. Carry [".whl", "gpu_before"].
+# RESERVED_ALLOC_CONF sets PYTORCH_CUDA_ALLOC_CONF for the rows (e.g. expandable_segments:True).
+_capped_at_peak() {  # FILE METHOD: 1.10 x the row's allocated peak (MiB), from the table in FILE
+  awk -F'|' -v m=" $2 " '$2 == m && $3 == " no " && $4 + 0 > 0 {printf "%dMiB", $4 * 1.10; exit}' "$1"
+}
+reserved() {
+  python3 -m pytest -q -rfEs -p no:cacheprovider --timeout 300 tests/test_offload_cuda.py 2>&1 \
+    | tee "$OUT/reserved_tests.log" | tail -15
+  if [ -f gpu_before/handlers.py ]; then  # run from /tmp/before: `python -m` puts the cwd first on sys.path
+    rm -rf /tmp/before && mkdir -p /tmp/before && cp -r /tmp/site/fsdp_offload_cfg /tmp/before/
+    cp gpu_before/handlers.py /tmp/before/fsdp_offload_cfg/offload/handlers.py
+    echo "## the new tests against the handler before (expected: 2 failed)" | tee -a "$OUT/reserved_tests.log"
+    (cd /tmp/before && PYTHONPATH=/tmp/before:$PYTHONPATH python3 -m pytest -q -rfE -p no:cacheprovider --timeout 300 \
+      --rootdir "$OLDPWD" "$OLDPWD/tests/test_offload_cuda.py" -k "compute_stream_only or copies_lag") 2>&1 \
+      | tee -a "$OUT/reserved_tests.log" | tail -8
+  fi
+  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4 --ac no)
+  local cap
+  [ -z "${RESERVED_ALLOC_CONF:-}" ] || export PYTORCH_CUDA_ALLOC_CONF="$RESERVED_ALLOC_CONF"
+  "${row[@]}" --methods none ours-async 2>&1 | tee "$OUT/reserved.md"
+  cap=$(_capped_at_peak "$OUT/reserved.md" ours-async)
+  [ -n "$cap" ] && "${row[@]}" --methods ours-async --device-memory "$cap" 2>&1 | tee -a "$OUT/reserved.md"
+  "${row[@]}" --methods none ours-async --fsdp2 2>&1 | tee "$OUT/reserved_fsdp2.md"
+  cap=$(_capped_at_peak "$OUT/reserved_fsdp2.md" ours-async)
+  [ -n "$cap" ] && "${row[@]}" --methods ours-async --fsdp2 --device-memory "$cap" 2>&1 | tee -a "$OUT/reserved_fsdp2.md"
+}
+
+# issue 47's second part: a Llama-3.2-3B shape (28 x 3072, MLP 8192, 24 heads, 8 kv heads, vocab
+# 128256), bf16, AdamW, FSDP2 on one rank, batch 1, built on the device. Every method at each
+# sequence (SCALE_SEQS); one that runs out of memory says so in its row. The peers: `save_on_cpu`
+# with checkpointing is accelerate's `fsdp_activation_checkpointing_offload` (torch's
+# `offload_wrapper`) and transformers' `gradient_checkpointing_kwargs={"offload": True}` (the same
+# `save_on_cpu(pin_memory=True)` around each checkpointed layer); `trl` is TRL's OffloadActivations.
+SHAPE_3B=(--layers 28 --hidden 3072 --intermediate 8192 --heads 24 --kv-heads 8 --vocab 128256 --batch 1 --fsdp2)
+scale3b() {
+  local seq
+  for seq in ${SCALE_SEQS:-8192 16384}; do
+    timeout 240 python3 benchmarks/activation_offload.py --device cuda "${SHAPE_3B[@]}" --seq "$seq" --steps 2 \
+      --ac no --methods none ours-async 2>&1 | tee -a "$OUT/scale3b.md"
+    timeout 240 python3 benchmarks/activation_offload.py --device cuda "${SHAPE_3B[@]}" --seq "$seq" --steps 2 \
+      --ac yes --methods none save_on_cpu trl ours-async 2>&1 | tee -a "$OUT/scale3b.md"
+  done
 }
 
 tight() {  # the offload where users need it, on a GPU with little room: the H200 runs left the
@@ -179,8 +198,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH 
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|gate|leftover|ac|tight) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, gate, leftover, ac, tight)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate

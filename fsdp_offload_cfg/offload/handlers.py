@@ -20,6 +20,7 @@ Bookkeeping, and why it is shaped this way:
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,7 +46,8 @@ def in_backward() -> bool:
 class _Entry:
     """One offloaded storage: a host block, plus a device copy while backward needs it."""
 
-    __slots__ = ("__weakref__", "block", "device_buf", "handles", "nbytes", "ready", "release", "sref", "unpacked")
+    __slots__ = ("__weakref__", "block", "covers", "device_buf", "handles", "nbytes", "ready", "release", "sref",
+                 "unpacked")
 
     def __init__(self, release: object, block: HostBlock, nbytes: int, sref: StorageWeakRef) -> None:
         self.release = release  # handler method called when the last handle dies
@@ -56,6 +58,9 @@ class _Entry:
         self.unpacked = 0
         self.device_buf: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None  # reload done (CUDA)
+        # the offload copies this reload was queued behind (AsyncHandler's batch number): once
+        # compute has waited for the reload, their sources may go
+        self.covers = 0
 
     def __del__(self) -> None:
         try:
@@ -183,12 +188,14 @@ class OffloadHandler:
             return
         refuse_other_offloader("around the model's forward")
         self.passes += 1
+        self._settle_copies()
         self._pass = _Pass(ParamStorages(self.root))
         try:
             with saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
             self._pass = None
+            self._close_copies()
 
     def enter_group(self, index: int, module: nn.Module) -> None:
         p = self._pass
@@ -205,6 +212,8 @@ class OffloadHandler:
         p = self._pass
         if p is not None and not in_backward():
             p.current = p.frame(index + 1)  # what follows feeds the next group
+            self._close_copies()
+            self._throttle_copies()
 
     def _moves(self, index: int) -> bool:
         """Whether group `index`'s saves go to the host: not the last group (unless
@@ -240,7 +249,7 @@ class OffloadHandler:
             return h.tensor
         entry = h.entry
         if entry.device_buf is None:
-            self._load(entry)
+            self._load([entry])
         buf = entry.device_buf
         assert buf is not None
         self._before_use(entry)
@@ -283,7 +292,8 @@ class OffloadHandler:
         RESIDENT.add(entry.nbytes)
 
     def _release(self, entry: _Entry) -> None:
-        if entry.device_buf is not None:
+        if entry.device_buf is not None:  # loaded ahead, never used (a backward cut short)
+            self._before_use(entry)  # its buffer goes back to compute only after the copy into it
             RESIDENT.sub(entry.nbytes)
         entry.block.ready = entry.ready
         self.pool.release(entry.block)
@@ -292,10 +302,11 @@ class OffloadHandler:
     def _copy_out(self, src: torch.Tensor, block: HostBlock) -> None:
         block.tensor[: src.numel()].copy_(src)
 
-    def _load(self, entry: _Entry) -> None:
-        buf = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-        buf.copy_(entry.block.tensor[: entry.nbytes])
-        self._loaded(entry, buf)
+    def _load(self, entries: list[_Entry]) -> None:
+        for entry in entries:
+            buf = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+            buf.copy_(entry.block.tensor[: entry.nbytes])
+            self._loaded(entry, buf)
 
     def _before_use(self, entry: _Entry) -> None:
         """Blocking copies are complete when they return."""
@@ -303,21 +314,41 @@ class OffloadHandler:
     def _on_frame(self, frame: _Frame) -> None:
         """Sync reloads on demand only."""
 
+    def _close_copies(self) -> None:
+        """Blocking copies keep no source beyond their return."""
+
+    def _throttle_copies(self) -> None:
+        """Blocking copies keep no source beyond their return."""
+
+    def _settle_copies(self) -> None:
+        """Blocking copies keep no source beyond their return."""
+
 
 class AsyncHandler(OffloadHandler):
     """Copies on side streams, and backward reloads `prefetch` groups ahead (double buffer).
 
-    Ordering on CUDA: the D2H copy waits on the stream that produced the tensor; the source is
-    kept from reuse by `record_stream` until that copy ends; a reload waits on the D2H stream and
-    records an event, and one loaded ahead of need also waits for compute to reach the group
-    before it; compute waits on that event before touching the tensor, and the restored
-    buffer is `record_stream`ed to compute so the H2D stream cannot recycle it early. Without
-    CUDA (CPU proxy) the copies are immediate and only the prefetch order remains, which CI runs.
-    """
+    Device memory is only ever allocated and freed on the compute stream, and no tensor is
+    `record_stream`ed. The caching allocator keeps a block freed under `record_stream` reserved
+    until the other stream passes it, and a block allocated on a side stream in that stream's own
+    pool, out of compute's reach: an 0.74B Llama at seq 8192 reserved 23.7 GiB for a 7.3 GiB
+    allocated peak that way (H200), and a GPU without the room paid allocator retries for it.
+    FSDP2 avoids `record_stream` for the same reason; torchtitan's offload frees on events. Here:
 
-    # whether a group loaded ahead waits for compute to reach the group before it (`_on_frame`);
-    # False only in `benchmarks/activation_offload.py --ungated-prefetch`, which measures the gate
-    gate_prefetch = True
+    - Offload: the D2H copy waits on the stream that produced the tensor. Its source is held by us,
+      counted as allocated, in a batch per group closed by an event on the D2H stream. When group
+      i ends, compute waits for group i-1's batch and the batch is dropped: freed in compute's
+      order after its copy, and forward runs at most one group ahead of its copies (as fast as it
+      can go when copies are the bound: backward's first reload needs every copy anyway). The last
+      batches of a pass go once compute has waited for a reload queued behind them (`covers`).
+    - Reload: the buffer is allocated on the compute stream, and the H2D stream waits for compute
+      to reach the point of that allocation (the block may be one compute freed a moment ago) and
+      for the D2H stream (the bytes must be on the host). One event per reload batch; compute
+      waits on it before touching the tensor, and frees it in its own order when autograd is done.
+      A host block is rewritten only after the reload that read it (its `ready` event).
+
+    Without CUDA (CPU proxy) the copies are immediate and only the prefetch order remains, which
+    CI runs.
+    """
 
     def __init__(self, *args: object, prefetch_groups: int, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -326,6 +357,13 @@ class AsyncHandler(OffloadHandler):
         if self.streams:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
+        # sources whose D2H copies were queued since the last batch closed: held so that their
+        # memory stays allocated (not merely reserved) until compute has waited for the copies
+        self._copying: list[torch.Tensor] = []
+        # closed batches, oldest first: (number, event after their copies, sources); a batch lives
+        # until compute waits for it (the next group's end, or a reload queued behind it)
+        self._copied: deque[tuple[int, torch.cuda.Event, list[torch.Tensor]]] = deque()
+        self._batches = 0  # batches closed so far; numbers the batches for `_Entry.covers`
 
     def _copy_out(self, src: torch.Tensor, block: HostBlock) -> None:
         if not self.streams:
@@ -335,45 +373,71 @@ class AsyncHandler(OffloadHandler):
             self.d2h.wait_event(block.ready)  # after the last reload that read this block
         with torch.cuda.stream(self.d2h):
             block.tensor[: src.numel()].copy_(src, non_blocking=True)
-        src.record_stream(self.d2h)  # the allocator keeps the source until the copy ends
+        self._copying.append(src)
 
-    def _load(self, entry: _Entry) -> None:
+    def _close_copies(self) -> None:
+        """End the open batch of copies with an event on the D2H stream."""
+        if self._copying:
+            self._batches += 1
+            self._copied.append((self._batches, self.d2h.record_event(), self._copying))
+            self._copying = []
+
+    def _throttle_copies(self) -> None:
+        """At a group's end: compute waits for the copies of all but the newest batch, then
+        their sources go (in compute's order, after the copies read them)."""
+        while len(self._copied) > 1:
+            _, done, _sources = self._copied.popleft()
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _settle_copies(self) -> None:
+        """Before a new pass: a pass that ended without a backward leaves no copy in flight."""
+        self._close_copies()
+        while self._copied:
+            _, done, _sources = self._copied.popleft()
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _load(self, entries: list[_Entry]) -> None:
         if not self.streams:
-            return super()._load(entry)
+            return super()._load(entries)
+        compute = torch.cuda.current_stream(self.device)
+        self._close_copies()
+        self.h2d.wait_stream(compute)  # buffers below may reuse blocks compute has only just freed
+        self.h2d.wait_stream(self.d2h)  # after their own offload copies
+        bufs = [torch.empty(e.nbytes, dtype=torch.uint8, device=self.device) for e in entries]  # compute's pool
         with torch.cuda.stream(self.h2d):
-            self.h2d.wait_stream(self.d2h)  # after its own offload copy
-            buf = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-            buf.copy_(entry.block.tensor[: entry.nbytes], non_blocking=True)
-            entry.ready = torch.cuda.Event()
-            entry.ready.record(self.h2d)
-        self._loaded(entry, buf)
+            for entry, buf in zip(entries, bufs):
+                buf.copy_(entry.block.tensor[: entry.nbytes], non_blocking=True)
+            ready = self.h2d.record_event()
+        for entry, buf in zip(entries, bufs):
+            entry.ready, entry.covers = ready, self._batches
+            self._loaded(entry, buf)
 
     def _before_use(self, entry: _Entry) -> None:
         if self.streams:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(entry.ready)
-            entry.device_buf.record_stream(compute)  # type: ignore[union-attr]
+            torch.cuda.current_stream(self.device).wait_event(entry.ready)
+            while self._copied and self._copied[0][0] <= entry.covers:  # compute is now after those copies
+                self._copied.popleft()
 
     def _on_frame(self, frame: _Frame) -> None:
         """Load this group whole, then the next `prefetch` groups of backward (lower indices).
 
         A group loaded ahead is gated on the GPU, not only asked for by the CPU: its copies wait
-        until the compute stream reaches this point (this group's backward). In backward the CPU
-        runs layers ahead of the GPU, so ungated, "one layer ahead" counted from the CPU kept the
-        reloads of ~10 layers queued at once, and the copy engine served that queue before any
-        other stream's copy. Under FSDP2 that starved a copy of its own (a 360 KB pinned upload in
-        its reduce-scatter's `_chunk_cat`, on the compute stream): backward's compute stalled
-        138 ms (H200 trace, docs/benchmarks.md). Gated, the reload stream runs dry once a layer,
-        and such a copy waits at most for the reloads compute is waiting on anyway.
+        until the compute stream reaches this point (this group's backward), as every reload does
+        (`_load`: its buffer comes from compute's pool). In backward the CPU runs layers ahead of
+        the GPU; ungated, "one layer ahead" counted from the CPU kept the reloads of ~10 layers
+        queued at once, and the copy engine served that queue before any other stream's copy.
+        Under FSDP2 that starved a copy of its own (a 360 KB pinned upload in its reduce-scatter's
+        `_chunk_cat`, on the compute stream): backward's compute stalled 138 ms (H200 trace,
+        docs/benchmarks.md). Gated, the reload stream runs dry once a layer, and such a copy waits
+        at most for the reloads compute is waiting on anyway.
         """
         frames = frame.pass_.frames
+        todo: list[_Entry] = []
         for index in range(frame.index, frame.index - 1 - self.prefetch, -1):
             ahead = frames.get(index)
             if ahead is None or ahead.loaded:
                 continue
             ahead.loaded = True
-            if index < frame.index and self.streams and self.gate_prefetch:
-                self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-            for entry in list(ahead.entries):
-                if entry.device_buf is None:
-                    self._load(entry)
+            todo += [entry for entry in list(ahead.entries) if entry.device_buf is None]
+        if todo:
+            self._load(todo)
