@@ -60,7 +60,7 @@ def _readings(rank: int, world_size: int, fsdp2: bool) -> dict[bool, dict[str, A
         # hidden, vocab and every dimension even: FSDP2 pads no shard on 2 ranks, so storages hold
         # exactly the gradients' elements
         args = argparse.Namespace(layers=LAYERS, hidden=64, seq=16, batch=2, vocab=128, device="cpu",
-                                  dtype="float32", attn="sdpa", fsdp2=fsdp2)
+                                  dtype="float32", attn="sdpa", fsdp2=fsdp2, intermediate=0, heads=0, kv_heads=0)
         model = bench.build(args, "none", ac)
         hooks_before = [len(layer._forward_hooks) for layer in model.model.layers]
         meter = Readings(model)
