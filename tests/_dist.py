@@ -1,14 +1,23 @@
 """Run a function on N real gloo ranks (no mocked process group) and collect what each returns.
 
-Each rank is a fresh `spawn`ed interpreter with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set exactly
-as torchrun would set them, and a gloo process group already initialised. A rank that raises
-reports its traceback; a rank that hangs is killed after `timeout` seconds and the test fails
-naming it, so a broken collective can never wedge the suite.
+Each rank is a fresh process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set exactly as torchrun
+would set them, and a gloo process group already initialised. A rank that raises reports its
+traceback; a rank that hangs is killed after `timeout` seconds and the test fails naming it, so a
+broken collective can never wedge the suite.
+
+Warm start: ranks are forked from a forkserver that has imported torch, transformers and
+accelerate once (`_WARM`), not spawned: a spawned rank spent about 4 s of CPU importing them,
+and the suite starts hundreds of ranks on CI's 2 cores. A rank still gets what a spawned one
+got: the parent's environment as it is at `run_workers` (the server's is the one it started
+with), restored before the function and its arguments are unpickled, so the test module and the
+package import under it. A forked rank runs no `atexit` handlers at its end, which is why the
+tests of exit behaviour start real launchers (`test_launch.py`, `_real_runs.py`), never this.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -25,13 +34,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# imported once by the forkserver, before any rank forks from it; what nearly every rank imports
+_WARM = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers", "accelerate",
+         "transformers.models.llama.modeling_llama"]
+
+
 def _worker(
     rank: int,
     world_size: int,
     port: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    env: dict[str, str],
+    environ: dict[str, str],
+    call: bytes,
     local_world_size: int,
     pg_timeout: float | None,
     rendezvous_timeout: float,
@@ -42,19 +55,22 @@ def _worker(
 
     import torch.distributed as dist
 
-    os.environ.update(env)
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank % local_world_size),
-            "LOCAL_WORLD_SIZE": str(local_world_size),
-            "GROUP_RANK": str(rank // local_world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.clear()
+    os.environ.update(environ)  # the parent's at run_workers, as a spawned rank would inherit it
     try:
+        fn, args, env = pickle.loads(call)  # imports the test module under that environment
+        os.environ.update(env)
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank % local_world_size),
+                "LOCAL_WORLD_SIZE": str(local_world_size),
+                "GROUP_RANK": str(rank // local_world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
         # The store is made here, and the group made with the run's timeout, not the test's short
         # collective one: init_process_group's timeout also bounds the rendezvous and gloo's
         # full-mesh connect, and a short one (a test's 2 s) failed whenever the ranks started more
@@ -79,8 +95,8 @@ def _worker(
 def _cpu_only_children() -> Iterator[None]:
     """The ranks are gloo CPU ranks whatever this machine has: they start with no GPU visible,
     so that nothing in them (FSDP2's default mesh takes the accelerator when one is visible) puts
-    tensors on a device gloo cannot serve. A spawned interpreter takes the parent's environment
-    when it starts, before it imports torch."""
+    tensors on a device gloo cannot serve. The forkserver imports torch with this environment
+    (the first run starts it inside this context), and each rank restores it before anything else."""
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
@@ -114,19 +130,21 @@ def run_workers(
     With `expect_errors=True` a rank's traceback string is returned in its slot instead of
     failing the test (for failure-propagation tests); a hang still fails.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_WARM)
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, args, dict(env or {}), local_world_size or world_size, pg_timeout,
-                  timeout, connect_gap, queue),
-            daemon=False,
-        )
-        for r in range(world_size)
-    ]
-    with _cpu_only_children():
+    call = pickle.dumps((fn, args, dict(env or {})))
+    with _cpu_only_children():  # the forkserver, started by the first run, keeps this environment too
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, dict(os.environ), call, local_world_size or world_size, pg_timeout,
+                      timeout, connect_gap, queue),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
         for r, p in enumerate(procs):
             time.sleep(start_gap if r else 0.0)
             p.start()
