@@ -31,7 +31,7 @@ from fsdp_offload_cfg.config import FSDPOffloadConfig
 # Tested ranges (inclusive lower bound, exclusive upper bound). Upper bounds are the next major
 # release: patched internals (`fsdp2_prepare_model`, `AcceleratorState.__init__`) may change there.
 SUPPORTED_VERSIONS: dict[str, tuple[str, str]] = {
-    "torch": ("2.6", "3"),
+    "torch": ("2.11", "3"),
     "accelerate": ("1.10", "2"),
     "transformers": ("4.57", "6"),
 }

@@ -1,10 +1,13 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: create (once) and activate a project venv.
 # torch is pinned to the CPU build first: an unpinned `torch` would pull a multi-GB CUDA build.
-# Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" TORCH_PIP_ARGS="--index-url ...").
+# Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" TORCH_PIP_ARGS="--index-url ...");
+# CI's newest leg floats it (TORCH_SPEC=torch: the newest release, PyPI's CUDA build, which runs
+# on the CPU too).
 #
 # LEG picks the accelerate/transformers pair (docs/compatibility.md); each leg has its own venv:
 #   newest (default)  the newest releases in the supported range   .venv
-#   oldest            transformers 4.57.6 + accelerate 1.10.1        .venv-oldest
+#   oldest            transformers 4.57.6 + accelerate 1.10.1,       .venv-oldest
+#                     torch 2.11.0 (the supported floor; PyPI's CUDA build, about 3 GB to fetch)
 #   axolotl           transformers 5.16.1 + accelerate 1.13.0        .venv-axolotl
 #   clients           what `pip install llamafactory==0.9.5` resolves  .venv-clients
 #                     (transformers 5.6.0 + accelerate 1.11.0, trl 0.24, peft 0.18): its CLI, run
@@ -18,9 +21,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LEG="${LEG:-newest}"
+TORCH_DEFAULT="torch==2.13.0"  # the CPU build this machine keeps on disk
 case "$LEG" in
   newest)  PAIR=() ;;
-  oldest)  PAIR=("transformers==4.57.6" "accelerate==1.10.1") ;;
+  oldest)  PAIR=("transformers==4.57.6" "accelerate==1.10.1"); TORCH_DEFAULT="torch==2.11.0" ;;
   axolotl) PAIR=("transformers==5.16.1" "accelerate==1.13.0") ;;
   clients) PAIR=("transformers==5.6.0" "accelerate==1.11.0" "trl==0.24.0" "peft==0.18.1") ;;
   swift)   PAIR=("transformers==5.19.0" "accelerate==1.15.0" "trl==0.29.1" "peft==0.20.0") ;;
@@ -40,7 +44,7 @@ if [ "$LEG" = clients ]; then
     echo "[setup] installing llamafactory==0.9.5 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
     # one command: alone, llamafactory's torchvision pin would replace the CPU torch with a CUDA build
-    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "llamafactory==0.9.5"
+    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "llamafactory==0.9.5"
     # PyPI's torchvision/torchaudio are CUDA builds that cannot load beside the CPU torch:
     # transformers imports torchvision when present; llamafactory imports torchaudio, which loads
     # in pure-Python mode without its compiled libraries
@@ -52,32 +56,34 @@ elif [ "$LEG" = swift ]; then
   if ! python -c "import fsdp_offload_cfg, pytest, swift" >/dev/null 2>&1; then
     echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
-    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "ms-swift==4.6.0"
+    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "ms-swift==4.6.0"
     python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = axolotl-plugin ]; then
   if ! python -c "import fsdp_offload_cfg, pytest, axolotl" >/dev/null 2>&1; then
     echo "[setup] installing axolotl==0.19.0 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
-    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" "axolotl==0.19.0"
+    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "axolotl==0.19.0"
     python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl, matplotlib" >/dev/null 2>&1; then
-  echo "[setup] installing torch (CPU build), ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
+  echo "[setup] installing ${TORCH_SPEC:-$TORCH_DEFAULT}, ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
   python -m pip install -q --upgrade pip
-  python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-torch==2.13.0}" ${PAIR[@]+"${PAIR[@]}"}
+  python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" ${PAIR[@]+"${PAIR[@]}"}
   # The package installs into an environment holding any supported pair without changing it; the
   # pins go along so that the test extras (trl, datasets) resolve around them, not over them.
   python -m pip install -q -e "$ROOT[test]" ${PAIR[@]+"${PAIR[@]}"}
 fi
-for spec in ${PAIR[@]+"${PAIR[@]}"}; do
-  python - "$spec" <<'PY'
+TORCH_PIN=()
+case "${TORCH_SPEC:-$TORCH_DEFAULT}" in *==*) TORCH_PIN=("${TORCH_SPEC:-$TORCH_DEFAULT}") ;; esac
+for spec in ${PAIR[@]+"${PAIR[@]}"} ${TORCH_PIN[@]+"${TORCH_PIN[@]}"}; do
+  python - "$spec" "$VENV" <<'PY'
 import sys
 from importlib import metadata
 name, want = sys.argv[1].split("==")
 have = metadata.version(name)
-if have != want:
-    sys.exit(f"[setup] leg needs {name}=={want}, the venv has {have}: installing fsdp-offload-cfg changed it")
+if have.split("+")[0] != want:  # torch's local tag (+cpu, +cu128) is the build, not the release
+    sys.exit(f"[setup] leg needs {name}=={want}, the venv has {have}: remove {sys.argv[2]} to build it afresh")
 PY
 done
 cd "$ROOT"

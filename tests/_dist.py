@@ -57,6 +57,7 @@ def _worker(
 
     os.environ.clear()
     os.environ.update(environ)  # the parent's at run_workers, as a spawned rank would inherit it
+    store = None
     try:
         fn, args, env = pickle.loads(call)  # imports the test module under that environment
         os.environ.update(env)
@@ -87,8 +88,24 @@ def _worker(
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        if store is not None:
+            _leave(store, rank, world_size)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave(store: Any, rank: int, world_size: int) -> None:
+    """Rank 0 hosts the store: it stays until every rank is done with it, as torchrun's agent
+    does. Without this a rank 0 that finished (or failed) first closed the store under a rank
+    still waiting on it, which then read "lost contact with rank 0" instead of its own error: a
+    race a forked rank, which exits at once, lost often enough to fail a test. A rank that dies
+    outright (`os._exit`) still takes the store with it, as a crashed rank 0 does under torchrun."""
+    try:
+        store.set(f"_dist/left/{rank}", "1")
+        if rank == 0:
+            store.wait([f"_dist/left/{r}" for r in range(world_size)])
+    except Exception:  # noqa: BLE001 - a peer gone or the store timed out: nothing left to wait for
+        pass
 
 
 @contextmanager

@@ -197,6 +197,21 @@ def test_unsupported_version_raises_before_anything_changes(monkeypatch: pytest.
     assert fsdp_offload_cfg.active_config() is None
 
 
+def test_a_torch_below_the_tested_floor_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch):
+    """torch 2.10 and older fail the suite (2.10: a launch with offload, the exit race; 2.8: the
+    loader's and the offload's torch internals, and FSDP2 on the CPU before 2.7): refused, not run."""
+    from importlib import metadata
+
+    from fsdp_offload_cfg import registry
+
+    real = metadata.version
+    monkeypatch.setattr(registry.metadata, "version", lambda dist: "2.10.0" if dist == "torch" else real(dist))
+    before = _snapshot()
+    with pytest.raises(patching.UnsupportedVersionError, match=r"torch==2\.10\.0 is outside the supported range >=2\.11"):
+        fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert _snapshot() == before
+
+
 def test_missing_target_raises_without_half_patch(monkeypatch: pytest.MonkeyPatch):
     real = list(integrations.PATCHES)
     before = _snapshot(real)
