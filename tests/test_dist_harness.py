@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from _dist import run_workers
 
+pytestmark = pytest.mark.distributed  # every test here starts real gloo ranks
+
 
 def _allreduce(rank: int, world_size: int) -> float:
     t = torch.tensor([float(rank + 1)])
