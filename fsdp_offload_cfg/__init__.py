@@ -9,10 +9,34 @@ Rank-0 meta loading (`cpu_ram_efficient_loading`) and activation CPU offload
 
 from __future__ import annotations
 
-from fsdp_offload_cfg.config import ActivationOffloadConfig, ConfigError, FSDPOffloadConfig, load_config
-from fsdp_offload_cfg.loading.local import local_loading
-from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats
-from fsdp_offload_cfg.patching import PatchSession, UnsupportedVersionError, active_config, patch, unpatch
+from typing import TYPE_CHECKING
+
+from fsdp_offload_cfg._lazy import lazy_exports
+
+# Resolved on first use, so that importing the package (the CLI, the autopatch line) loads no torch.
+__getattr__, __dir__ = lazy_exports(__name__, globals(), {
+    "ActivationOffloadConfig": "fsdp_offload_cfg.offload.options",
+    "ConfigError": "fsdp_offload_cfg.config.model",
+    "FSDPOffloadConfig": "fsdp_offload_cfg.config.model",
+    "load_config": "fsdp_offload_cfg.config.sources",
+    "local_loading": "fsdp_offload_cfg.loading.local",
+    "enable_activation_offload": "fsdp_offload_cfg.offload.api",
+    "offload_stats": "fsdp_offload_cfg.offload.stats",
+    "PatchSession": "fsdp_offload_cfg.patching",
+    "UnsupportedVersionError": "fsdp_offload_cfg.patching",
+    "active_config": "fsdp_offload_cfg.patching",
+    "patch": "fsdp_offload_cfg.patching",
+    "unpatch": "fsdp_offload_cfg.patching",
+})
+
+if TYPE_CHECKING:
+    from fsdp_offload_cfg.config.model import ConfigError, FSDPOffloadConfig
+    from fsdp_offload_cfg.config.sources import load_config
+    from fsdp_offload_cfg.loading.local import local_loading
+    from fsdp_offload_cfg.offload.api import enable_activation_offload
+    from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+    from fsdp_offload_cfg.offload.stats import offload_stats
+    from fsdp_offload_cfg.patching import PatchSession, UnsupportedVersionError, active_config, patch, unpatch
 
 __all__ = [
     "ActivationOffloadConfig",

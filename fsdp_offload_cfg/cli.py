@@ -31,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-offload-cfg", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fsdp-offload-cfg", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the versions of this plugin and its stack")
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{validate,schema,explain,estimate,run,swift-plugin,install-hook,uninstall-hook}")
 
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     explain = verbs.add_parser("explain", help="print the effective config and the patches it turns on")
     explain.add_argument("file", metavar="FILE")
     explain.add_argument("--format", choices=("yaml", "json"), default="yaml")
-    explain.add_argument("--num-processes", type=int, metavar="P",
+    explain.add_argument("--num-processes", type=_count, metavar="P",
                          help="ranks of the launch to plan for (default: the config's num_processes, else 1)")
     _add_set(explain)
     explain.set_defaults(run=_explain)
@@ -58,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="a local model directory, or its config.json (nothing is downloaded)")
     estimate.add_argument("--seq-len", type=int, required=True, metavar="N")
     estimate.add_argument("--batch-size", type=int, required=True, metavar="B", help="micro-batch per rank")
-    estimate.add_argument("--num-processes", type=int, metavar="P", help="ranks (default: the config's num_processes)")
+    estimate.add_argument("--num-processes", type=_count, metavar="P", help="ranks (default: the config's num_processes)")
     estimate.add_argument("--optimizer", choices=("adamw", "adamw_fused", "sgd"), default="adamw",
                           help="adamw: torch.optim.AdamW's defaults (foreach on CUDA); adamw_fused: fused=True, "
                           "the Trainer's adamw_torch_fused")
@@ -97,6 +98,41 @@ def _parser() -> argparse.ArgumentParser:
         hook.add_argument("--target", metavar="DIR", help="site-packages folder (default: this environment's)")
         hook.set_defaults(run=_install_hook if verb == "install-hook" else _uninstall_hook)
     return parser
+
+
+def _versions() -> str:
+    """This package's version and the stack's, read from the installed metadata (nothing imported:
+    `--version` answers at once, and says what to paste into a bug report)."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    stack = ", ".join(f"{name} {version(name)}" for name in ("torch", "accelerate", "transformers"))
+    return f"fsdp-offload-cfg {version('fsdp-offload-cfg')} ({stack}; Python {sys.version.split()[0]})"
+
+
+class _Version(argparse.Action):
+    """--version, printed as one line (argparse's own action wraps it at the terminal's width)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        _print(_versions())
+        parser.exit()
+
+
+def _count(text: str) -> int:
+    """--num-processes: 1 or more (0 read as 'unset' and planned for the config's 8; -3 was
+    printed as the launch's size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _add_set(parser: argparse.ArgumentParser) -> None:

@@ -221,3 +221,45 @@ def test_swift_plugin_prints_a_file_alone_in_its_folder(capsys: pytest.CaptureFi
     assert path.is_file() and path.suffix == ".py"
     assert [p.name for p in path.parent.iterdir() if p.name != "__pycache__"] == [path.name]
     assert "fsdp_offload_cfg.patch()" in path.read_text()
+
+
+def test_the_quick_verbs_import_no_torch():
+    """`--help`, `--version`, `validate` and `schema` answer without torch, transformers or
+    accelerate (importing them took 3-6 s a verb)."""
+    code = ("import contextlib, io, sys; from fsdp_offload_cfg import cli\n"
+            f"for argv in (['--help'], ['--version'], ['schema'], ['validate', *{EXAMPLES!r}]):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        assert cli.main(argv) == 0, argv\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_version_names_the_plugin_and_its_stack_on_one_line(capsys: pytest.CaptureFixture[str]):
+    import accelerate
+    import transformers
+
+    import fsdp_offload_cfg
+
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"fsdp-offload-cfg {fsdp_offload_cfg.__version__} ("), out
+    for name, module in (("torch", torch), ("accelerate", accelerate), ("transformers", transformers)):
+        assert f"{name} {module.__version__}" in out, out
+
+
+def test_help_describes_every_verb_in_whole_sentences(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "run a command with the plugin on (`run`, `install-hook`)." in out, out
+
+
+@pytest.mark.parametrize("argv", [["explain", "--num-processes", "0"], ["explain", "--num-processes", "-3"],
+                                  ["estimate", "--num-processes", "0", "--model", "m", "--seq-len", "8",
+                                   "--batch-size", "1"]])
+def test_a_process_count_below_one_is_a_usage_error_naming_the_option(argv: list[str], capsys: pytest.CaptureFixture[str]):
+    assert cli.main([*argv, EXAMPLES[0]]) == 2
+    err = capsys.readouterr().err
+    option = next(a for a, v in zip(argv, argv[1:]) if a.startswith("--") and v.lstrip("-").isdigit() and int(v) < 1)
+    assert f"argument {option}: must be 1 or more" in err, err

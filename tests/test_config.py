@@ -167,11 +167,35 @@ BAD = [
     ({"activation_memory_budget": "lots"}, "activation_memory_budget", "or a size such as 12GiB"),
     ({"activation_memory_budget": 0}, "activation_memory_budget", "bytes as an integer >= 1"),
     ({"activation_memory_budget": "12 gigs"}, "activation_memory_budget", 'got "12 gigs"'),
+    ({"activation_memory_budget": 1.0e30}, "activation_memory_budget", "a size from 1 byte to 1 PiB"),
+    ({"activation_memory_budget": "1e30"}, "activation_memory_budget", "a size from 1 byte to 1 PiB"),
+    ({"activation_memory_budget": 2**50 + 1}, "activation_memory_budget", "a size from 1 byte to 1 PiB"),
     ({"activation_memory_budget": "8GiB", "activation_budget_compute_tflops": 0}, "activation_budget_compute_tflops",
      "a number > 0"),
     ({"activation_memory_budget": "8GiB", "activation_budget_copy_gb_per_s": "fast"}, "activation_budget_copy_gb_per_s",
      'a number > 0; got "fast"'),
 ]
+
+
+@pytest.mark.parametrize("number, text", [(1.5e9, "1.5e9"), (4096, "4096"), (2**40, "1TiB"), (1.0e15, "1e15")])
+def test_a_size_reads_alike_as_a_number_and_as_text(number: float, text: str):
+    """One rule for sizes: YAML gives `1.5e9` as a float and `"1.5e9"` as a string; both are the
+    same budget, and both are refused past 1 PiB (a typo such as `1.0e+30` was logged as
+    931322574615478534144.00 GiB)."""
+    from fsdp_offload_cfg._sizes import size_in_bytes
+
+    assert size_in_bytes(number) == size_in_bytes(text) == int(float(number))
+    for value in (number, text):
+        assert size_in_bytes(load_config({"activation_memory_budget": value}).activation_memory_budget) == int(number)
+
+
+@pytest.mark.parametrize("nbytes, shown", [(1, "1 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (int(3.2 * 2**20), "3.2 MiB"),
+                                           (2**30, "1.00 GiB"), (3 * 2**40, "3.00 TiB")])
+def test_sizes_are_shown_in_a_unit_that_shows_them(nbytes: int, shown: str):
+    """1 KiB read "0.0 MiB" and a 3.2 MiB pool "0.00 GiB"."""
+    from fsdp_offload_cfg._sizes import show_size
+
+    assert show_size(nbytes) == shown
 
 
 @pytest.mark.parametrize(("mapping", "path", "fragment"), BAD, ids=[f"{p}={m}" for m, p, _ in BAD])

@@ -609,7 +609,7 @@ def test_plot_errors_come_before_the_estimate_and_name_what_to_fix(models: dict[
     assert cli.main([*base, "--plot", str(tmp_path / "no" / "m.png")]) == 1
     assert "--plot: the folder" in capsys.readouterr().err
     assert cli.main([*base, "--plot", str(tmp_path / "m.png"), "--device-memory", "80 gigs"]) == 1
-    assert "--device-memory: expected bytes > 0 or a size such as 80GiB, got '80 gigs'" in capsys.readouterr().err
+    assert "--device-memory: expected a size from 1 byte to 1 PiB, such as 80GiB, got '80 gigs'" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises
     assert cli.main([*base, "--plot", str(tmp_path / "m.png")]) == 1
     assert "pip install 'fsdp-offload-cfg[plot]'" in capsys.readouterr().err

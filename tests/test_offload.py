@@ -6,6 +6,7 @@ behaviour would change (restored storage identity, exact strides, counters, grad
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 
@@ -288,6 +289,7 @@ def test_the_end_of_run_line_says_what_moved_or_that_nothing_did(moves: bool) ->
     `min_tensor_bytes`."""
     import logging
 
+    from fsdp_offload_cfg._sizes import UNITS
     from fsdp_offload_cfg.offload.stats import describe_moved
 
     model = tiny_llama(3)
@@ -295,7 +297,12 @@ def test_the_end_of_run_line_says_what_moved_or_that_nothing_did(moves: bool) ->
     llama_step(model, batch())
     level, line = describe_moved(offload_stats())
     if moves:
-        assert level == logging.INFO and line.startswith("activation offload moved ") and "GiB to the host" in line
+        assert level == logging.INFO and line.startswith("activation offload moved "), line
+        # in a unit that shows it: a tiny model's few KiB once read "0.00 GiB"
+        moved = re.match(r"activation offload moved ([0-9.]+) (B|KiB|MiB|GiB) to the host", line)
+        assert moved is not None and float(moved.group(1)) >= 1, line
+        assert float(moved.group(1)) * UNITS[moved.group(2).lower()] == pytest.approx(
+            offload_stats()["offloaded_bytes"], rel=0.01), line
     else:
         assert offload_stats()["offloaded_bytes"] == 0 and offload_stats()["groups_entered"] > 0
         assert level == logging.WARNING and "moved nothing" in line and "small" in line, line
@@ -310,6 +317,7 @@ def test_the_end_of_run_line_warns_only_about_layers_it_was_to_move(kept: str) -
     layer the plan was to move that moved nothing (tensors too small here) still warns."""
     import logging
 
+    from fsdp_offload_cfg._sizes import UNITS
     from fsdp_offload_cfg.offload.stats import describe_moved
 
     model = tiny_llama(3)
@@ -325,6 +333,7 @@ def test_the_end_of_run_line_warns_only_about_layers_it_was_to_move(kept: str) -
 
 
 def test_the_end_of_run_line_is_silent_when_the_offload_never_ran() -> None:
+    from fsdp_offload_cfg._sizes import UNITS
     from fsdp_offload_cfg.offload.stats import describe_moved
 
     assert describe_moved(offload_stats()) is None

@@ -9,6 +9,7 @@ model's extremes (free copies: offload; copies slower than recompute: checkpoint
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from _models import save_llama
 from _real_runs import MALLINFO2, allocator_held_after_forward, real_model
 from fsdp_offload_cfg import cli, load_config
+from fsdp_offload_cfg._sizes import UNITS
 from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
 from fsdp_offload_cfg.estimate.activations import settings
 from fsdp_offload_cfg.estimate.model import build_on_meta, example_batch, layer_class_names, read_model
@@ -153,11 +155,11 @@ def test_the_last_layer_is_never_offloaded_unless_the_config_says_so(llama: str)
 def test_a_budget_nothing_meets_names_the_smallest_that_does(llama: str):
     profile = profile_of(llama)
     time = TimeModel(compute_flops=1e12, copy_bytes=1e10, overlapped=True)
-    with pytest.raises(EstimateError, match=r"activation budget 0.0 MiB: no plan fits; the smallest activation "
-                                            r"peak on the device a plan reaches is ([0-9.]+) MiB") as error:
+    with pytest.raises(EstimateError, match=r"activation budget 1 B: no plan fits; the smallest activation "
+                                            r"peak on the device a plan reaches is ([0-9.]+) (KiB|MiB)") as error:
         plan_to_budget(profile, 1, OFFLOAD, True, time)
-    smallest = float(error.value.args[0].split("reaches is ")[1].split(" MiB")[0])
-    plan_to_budget(profile, int((smallest + 0.1) * 2**20), OFFLOAD, True, time)  # and that one fits
+    number, unit = re.search(r"reaches is ([0-9.]+) (KiB|MiB)", error.value.args[0]).groups()
+    plan_to_budget(profile, int((float(number) + 0.1) * UNITS[unit.lower()]), OFFLOAD, True, time)  # and that fits
 
 
 def test_a_budget_just_under_the_smallest_names_both_in_bytes(llama: str):
@@ -213,7 +215,7 @@ def test_cli_table_and_errors(llama: str, tmp_path: Path, capsys: pytest.Capture
     assert _cli(tmp_path, llama, "--activation-budget", "1") == 1
     assert "no plan fits; the smallest activation peak on the device a plan reaches is" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--activation-budget", "lots") == 1
-    assert "--activation-budget: expected bytes > 0 or a size such as 80GiB, got 'lots'" in capsys.readouterr().err
+    assert "--activation-budget: expected a size from 1 byte to 1 PiB, such as 80GiB, got 'lots'" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--activation-budget", "1GiB", "--compute-tflops", "0") == 1
     assert "--compute-tflops must be positive" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--copy-gb-per-s", "3") == 0

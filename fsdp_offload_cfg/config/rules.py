@@ -114,7 +114,8 @@ RULES: tuple[Rule, ...] = (
                    "checkpoint inputs to the host; keep this one (async, filtered) and drop the other"),
     Rule("budget-is-positive", ("activation_memory_budget",), "activation_memory_budget",
          lambda c: c["activation_memory_budget"] is not None and size_in_bytes(c["activation_memory_budget"]) is None,
-         lambda c: f"expected a size > 0 (bytes, or such as 12GiB); got {c.shown('activation_memory_budget')}"),
+         lambda c: f"expected a size from 1 byte to 1 PiB (bytes, or such as 12GiB); got "
+                   f"{c.shown('activation_memory_budget')}"),
     Rule("budget-needs-fsdp2", ("activation_memory_budget", "version"), "activation_memory_budget",
          lambda c: c["activation_memory_budget"] is not None and c.version == 1,
          lambda c: f"plans FSDP2 layers ({c.spell('version')}: 2){c.why_version()}; under FSDP1 it would do nothing"),

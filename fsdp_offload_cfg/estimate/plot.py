@@ -92,7 +92,7 @@ def parse_size(text: str, option: str = "--device-memory") -> int:
 
     value = size_in_bytes(text)
     if value is None:
-        raise EstimateError(f"{option}: expected bytes > 0 or a size such as 80GiB, got {text!r}")
+        raise EstimateError(f"{option}: expected a size from 1 byte to 1 PiB, such as 80GiB, got {text!r}")
     return value
 
 

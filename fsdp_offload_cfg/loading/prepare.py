@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.loading import dora, sharded
 from fsdp_offload_cfg.loading._sync import (
     agreed,
@@ -191,13 +192,13 @@ def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> No
         return
     if read is not None:
         logger.info(
-            "sharded loading: rank 0 read %d tensors (%.2f GiB, %d reads) from %d files in %.2fs",
-            read.tensors, read.bytes_read / 2**30, read.reads, len(read.files), read.seconds,
+            "sharded loading: rank 0 read %d tensors (%s, %d reads) from %d files in %.2fs",
+            read.tensors, show_size(read.bytes_read), read.reads, len(read.files), read.seconds,
         )  # fmt: skip
     if stats.tensors:
         logger.info(
-            "rank-0 loading: sent %d tensors (%.2f GiB to %d ranks) in %d buckets in %.2fs",
-            stats.tensors, stats.bytes_sent / 2**30, world - 1, stats.buckets, stats.seconds,
+            "rank-0 loading: sent %d tensors (%s to %d ranks) in %d buckets in %.2fs",
+            stats.tensors, show_size(stats.bytes_sent), world - 1, stats.buckets, stats.seconds,
         )  # fmt: skip
 
 

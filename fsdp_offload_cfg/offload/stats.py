@@ -75,11 +75,13 @@ def describe_moved(stats: dict[str, Any]) -> tuple[int, str] | None:
     offloads no layer runs it without a word beyond the plan's own line."""
     import logging
 
+    from fsdp_offload_cfg._sizes import show_size
+
     if stats["offloaded_bytes"]:
         return logging.INFO, (
-            f"activation offload moved {stats['offloaded_bytes'] / 2**30:.2f} GiB to the host "
-            f"({stats['offloaded_tensors']} tensors) and {stats['reloaded_bytes'] / 2**30:.2f} GiB back; pinned host "
-            f"pool peaked at {stats['pinned_pool_peak_bytes'] / 2**30:.2f} GiB")
+            f"activation offload moved {show_size(stats['offloaded_bytes'])} to the host "
+            f"({stats['offloaded_tensors']} tensors) and {show_size(stats['reloaded_bytes'])} back; pinned host "
+            f"pool peaked at {show_size(stats['pinned_pool_peak_bytes'])}")
     if not stats["groups_to_offload_entered"]:
         return None
     kept = ", ".join(f"{reason} {n}" for reason, n in sorted(stats["kept_tensors"].items())) or "none saved"
