@@ -357,21 +357,44 @@ def _hook_path(args: argparse.Namespace) -> str:
 
     from fsdp_offload_cfg.autopatch import PTH_NAME
 
-    return os.path.join(args.target or sysconfig.get_paths()["purelib"], PTH_NAME)
+    return os.path.join(os.path.abspath(args.target or sysconfig.get_paths()["purelib"]), PTH_NAME)
 
 
 def _install_hook(args: argparse.Namespace) -> int:
-    from fsdp_offload_cfg.autopatch import PTH_LINE, SWITCH
+    from fsdp_offload_cfg import hook_record
+    from fsdp_offload_cfg.autopatch import SWITCH, pth_line
 
     path = _hook_path(args)
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        _print(f"fsdp-offload-cfg install-hook: {folder} is not a folder (give --target an existing "
+               "site-packages folder, or leave it out for this environment's)", file=sys.stderr)
+        return EXIT_UNREADABLE
     with open(path, "w", encoding="utf-8") as f:
-        f.write(PTH_LINE)
-    return _print(f"{path}: every Python process of this environment now calls fsdp_offload_cfg.patch() first "
-                  f"when {SWITCH}=1 is set (and imports nothing otherwise)")
+        f.write(pth_line(path))
+    recorded = hook_record.add(path)
+    who = ("every Python process of this environment" if _is_site_dir(folder) else
+           f"every Python process that adds {folder} as a site folder (it is not one of this Python's)")
+    _print(f"{path}: {who} now calls fsdp_offload_cfg.patch() first when {SWITCH}=1 is set, and imports "
+           f"nothing otherwise")
+    return _print("removed by `pip uninstall fsdp-offload-cfg` with the package" if recorded else
+                  f"not removed with the package (it lives outside it): `fsdp-offload-cfg uninstall-hook "
+                  f"--target {folder}` removes it")
+
+
+def _is_site_dir(folder: str) -> bool:
+    import site
+    import sysconfig
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()]
+    return any(os.path.realpath(folder) == os.path.realpath(d) for d in dirs if d)
 
 
 def _uninstall_hook(args: argparse.Namespace) -> int:
+    from fsdp_offload_cfg import hook_record
+
     path = _hook_path(args)
+    hook_record.remove(path)
     if os.path.exists(path):
         os.remove(path)
         return _print(f"{path}: removed")

@@ -115,24 +115,106 @@ def test_run_refuses_a_bad_config_file_before_starting_anything(tmp_path: Path):
     assert proc.returncode == 1 and "load_strategy" in proc.stderr, proc.stderr
 
 
-def test_the_pth_switch_patches_only_when_set_and_chains_nothing_heavy(tmp_path: Path):
+def _hook(site_dir: Path) -> None:
+    from fsdp_offload_cfg import cli
+
+    assert cli.main(["install-hook", "--target", str(site_dir)]) == 0
+    assert (site_dir / PTH_NAME).exists()
+
+
+def _start(site_dir: Path, code: str, value: str | None, isolated: bool = False,
+           **extra: str) -> subprocess.CompletedProcess[str]:
+    """A Python start that reads the hook in `site_dir`, with the switch at `value`; `isolated`:
+    no site-packages, no current folder (the package is not importable, as after an uninstall)."""
+    env = _env(**extra)
+    env.pop(SWITCH, None)
+    if value is not None:
+        env[SWITCH] = value
+    flags = ["-I", "-S"] if isolated else []
+    return subprocess.run([sys.executable, *flags, "-c", f"import site, sys; site.addsitedir({str(site_dir)!r}); {code}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_pth_switch_patches_only_when_on_and_imports_nothing_when_off(tmp_path: Path):
     site_dir = tmp_path / "site"
     site_dir.mkdir()
-    subprocess.run([str(BIN / "fsdp-offload-cfg"), "install-hook", "--target", str(site_dir)], check=True,
-                   capture_output=True, timeout=60)  # fmt: skip
-    assert (site_dir / PTH_NAME).exists()
+    _hook(site_dir)
     config = tmp_path / "f.yaml"
     config.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
-    code = (f"import site, sys; site.addsitedir({str(site_dir)!r}); m = sys.modules.get('fsdp_offload_cfg'); "
+    code = ("m = sys.modules.get('fsdp_offload_cfg'); "
             "print(m is not None and m.active_config() is not None, 'torch' in sys.modules)")
-    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                        env=_env(**{SWITCH: "1", "FSDP_OFFLOAD_CFG": str(config)}))
-    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    on = _start(site_dir, code, "On", FSDP_OFFLOAD_CFG=str(config))
     assert on.stdout.split() == ["True", "True"], on.stderr[-2000:]
-    assert off.stdout.split() == ["False", "False"], off.stderr[-2000:]  # nothing imported without the switch
-    subprocess.run([str(BIN / "fsdp-offload-cfg"), "uninstall-hook", "--target", str(site_dir)], check=True,
-                   capture_output=True, timeout=60)  # fmt: skip
-    assert not (site_dir / PTH_NAME).exists()
+    # the documented off-values: not even the package is imported (`=0` imported it and torch, 2.8 s)
+    for value in (None, "", "0", "false", "No", "off"):
+        off = _start(site_dir, "print(sorted(m for m in sys.modules if m.startswith(('fsdp_offload_cfg', 'torch'))))",
+                     value)
+        assert off.returncode == 0 and off.stdout.split() == ["[]"], (value, off.stdout, off.stderr[-2000:])
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable"])
+def test_a_switch_neither_on_nor_off_stops_naming_the_variable(tmp_path: Path, value: str):
+    _hook(tmp_path)
+    proc = _start(tmp_path, "print('ran')", value)
+    assert proc.returncode == 1 and "ran" not in proc.stdout, proc
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{SWITCH}={value!r} is neither on (1, true, yes, on) nor off" in proc.stderr, proc.stderr
+
+
+def test_a_hook_outliving_its_package_is_one_line_and_a_stop_when_on(tmp_path: Path):
+    """After `pip uninstall` the hook printed two ModuleNotFoundError tracebacks and, with the
+    switch on, the launcher trained without the plugin and exited 0."""
+    _hook(tmp_path)
+    on = _start(tmp_path, "print('ran')", "1", isolated=True)
+    assert on.returncode == 1 and "ran" not in on.stdout, on
+    assert on.stderr.count("\n") == 1 and "Traceback" not in on.stderr, on.stderr
+    assert f"not installed for {sys.executable}" in on.stderr and str(tmp_path / PTH_NAME) in on.stderr, on.stderr
+    off = _start(tmp_path, "print('ran')", None, isolated=True)
+    assert (off.returncode, off.stdout, off.stderr) == (0, "ran\n", ""), off
+
+
+def test_the_hook_is_listed_in_the_packages_record_so_pip_removes_it(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """pip uninstall removes the files the distribution's RECORD lists: the hook beside the
+    `.dist-info` is added there (here a copy of this environment's own `.dist-info`) and taken out
+    by uninstall-hook."""
+    import shutil
+    import sysconfig
+    from importlib import metadata
+
+    from fsdp_offload_cfg import cli
+
+    site_packages = sysconfig.get_paths()["purelib"]
+    installed = next(metadata.distributions(name="fsdp-offload-cfg", path=[site_packages]))
+    record = next(f for f in installed.files if f.name == "RECORD")
+    shutil.copytree(Path(str(record.locate())).parent, tmp_path / Path(str(record.locate())).parent.name)
+    assert cli.main(["install-hook", "--target", str(tmp_path)]) == 0
+    assert "removed by `pip uninstall fsdp-offload-cfg` with the package" in capsys.readouterr().out
+    def listed() -> list:
+        (copy,) = metadata.distributions(name="fsdp-offload-cfg", path=[str(tmp_path)])
+        return [f for f in copy.files if f.name == PTH_NAME]
+
+
+    assert [Path(str(f.locate())).resolve() for f in listed()] == [(tmp_path / PTH_NAME).resolve()]
+    assert cli.main(["install-hook", "--target", str(tmp_path)]) == 0  # again: still one row
+    assert len(listed()) == 1
+    assert cli.main(["uninstall-hook", "--target", str(tmp_path)]) == 0
+    assert not (tmp_path / PTH_NAME).exists()
+    assert not listed()
+
+
+def test_install_hook_refuses_a_missing_folder_and_says_whom_a_folder_reaches(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]):
+    from fsdp_offload_cfg import cli
+
+    assert cli.main(["install-hook", "--target", str(tmp_path / "missing")]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and f"{tmp_path / 'missing'} is not a folder" in captured.err, captured
+    assert cli.main(["install-hook", "--target", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "every Python process of this environment" not in out, out
+    assert f"adds {tmp_path} as a site folder (it is not one of this Python's)" in out, out
+    assert f"fsdp-offload-cfg uninstall-hook --target {tmp_path}" in out, out
 
 
 def test_run_keeps_the_users_own_sitecustomize(tmp_path: Path):
