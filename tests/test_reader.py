@@ -144,15 +144,16 @@ def test_patch_under_a_launcher_reports_the_file_without_a_traceback(content: st
     path = tmp_path / "bad.yaml"
     path.write_text(content)
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    proc = subprocess.run([sys.executable, "-c", PATCH_UNDER_LAUNCHER, str(path)], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 1, proc
-    assert "Traceback" not in proc.stderr and f"{path}: " in proc.stderr, proc.stderr
+    # both ranks at once, as a launcher starts them
+    ranks = [subprocess.Popen([sys.executable, "-c", PATCH_UNDER_LAUNCHER, str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": rank, "LOCAL_RANK": rank})
+             for rank in ("0", "1")]
+    (_, err), (_, other_err) = (rank.communicate(timeout=300) for rank in ranks)
+    assert ranks[0].returncode == 1, err
+    assert "Traceback" not in err and f"{path}: " in err, err
     # Every rank speaks for itself: the launcher kills the others when the first one exits.
-    other = subprocess.run([sys.executable, "-c", PATCH_UNDER_LAUNCHER, str(path)], capture_output=True, text=True,
-                           env={**env, "RANK": "1", "LOCAL_RANK": "1"}, timeout=300)
-    assert other.returncode == 1 and "Traceback" not in other.stderr, other.stderr
-    assert other.stderr.startswith("[fsdp_offload_cfg rank 1] invalid config") and f"{path}: " in other.stderr
+    assert ranks[1].returncode == 1 and "Traceback" not in other_err, other_err
+    assert other_err.startswith("[fsdp_offload_cfg rank 1] invalid config") and f"{path}: " in other_err
 
 
 # -------------------------------------------------------------------------------------------
