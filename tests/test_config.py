@@ -931,3 +931,28 @@ def test_messages_spell_keys_as_the_file_does(tmp_path: Path):
     assert "when cpu_ram_efficient_loading is true" in unprefixed.message
     defaulted = only_problem({"fsdp_activation_checkpointing_offload": True})
     assert "needs fsdp_activation_checkpointing: true" in defaulted.message
+
+
+def test_a_launch_file_is_judged_as_accelerate_launch_reads_it(tmp_path: Path):
+    """`accelerate launch` exports a YAML list of layer classes as the text "['LlamaDecoderLayer']",
+    which every rank then refused; `validate` passed the file. A list stays right where no launcher
+    turns it into text: a mapping given in code, a Trainer's fsdp_config file."""
+    launch = tmp_path / "fsdp2.yaml"
+    launch.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                      "  fsdp_transformer_layer_cls_to_wrap: [LlamaDecoderLayer, Qwen2DecoderLayer]\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(launch)
+    (problem,) = error.value.problems
+    assert (problem.file, problem.path) == (str(launch), "fsdp_config.fsdp_transformer_layer_cls_to_wrap")
+    assert "\"['LlamaDecoderLayer', 'Qwen2DecoderLayer']\"" in problem.message, problem.message
+    assert problem.message.endswith("fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer,Qwen2DecoderLayer")
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(launch.read_text().replace("[LlamaDecoderLayer, Qwen2DecoderLayer]",
+                                                "LlamaDecoderLayer,Qwen2DecoderLayer"))
+    expected = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+    assert load_config(fixed).transformer_layer_cls_to_wrap == expected
+    assert load_config(yaml.safe_load(launch.read_text())).transformer_layer_cls_to_wrap == expected
+    trainer = tmp_path / "trainer.json"
+    trainer.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {
+        "fsdp_version": 2, "transformer_layer_cls_to_wrap": list(expected)}}))
+    assert load_config(trainer).transformer_layer_cls_to_wrap == expected

@@ -140,6 +140,23 @@ def test_accelerate_launch_finds_its_config_and_runs_fsdp2_on_cpu(tmp_path: Path
         assert "cpu-fsdp-accelerator-state" in r["patches"]
 
 
+def test_what_explain_writes_launches_as_is(tmp_path: Path, checkpoint: str, capsys: pytest.CaptureFixture[str]):
+    """The README calls `explain`'s `config` a file you can run: it wrote the layer classes as a
+    YAML list, which `accelerate launch` turns into text no rank can read."""
+    import yaml
+
+    from fsdp_offload_cfg import cli
+
+    source = _write(tmp_path, "source.yaml", extra="  activation_cpu_offload: true\n")
+    assert cli.main(["explain", str(source)]) == 0
+    written = tmp_path / "explained.yaml"
+    written.write_text(yaml.safe_dump(yaml.safe_load(capsys.readouterr().out)["config"], sort_keys=False))
+    reports = _reports(_accelerate_launch(written, checkpoint))
+    _assert_fsdp2_sharded(reports)
+    for r in reports:
+        assert str(written) in r["source"] and r["offload_enabled"], r
+
+
 def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "full.yaml", loading="true",
                     extra="  activation_cpu_offload: true\n  load_strategy: broadcast\n")

@@ -70,7 +70,7 @@ def load_config(
         return _load(as_accelerate_mapping(source), name or source.source, overrides, layout="accelerate", rebuilt=True)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        return _load(read_config_file(path), name or path, overrides)
+        return _load(read_config_file(path), name or path, overrides, launch_file=True)
     if isinstance(source, Mapping):
         label = name or "<dict>"
         check_shape(source, label)
@@ -167,7 +167,12 @@ def as_config_file(config: FSDPOffloadConfig) -> dict[str, Any]:
     `explain` prints this: the user can save it and run with it.
     """
     data = as_accelerate_mapping(config)
-    return data if config.distributed_type is not None else data["fsdp_config"]
+    if config.distributed_type is None:
+        return data["fsdp_config"]  # a bare fsdp_config (a Trainer's, say): a list of classes is right there
+    classes = data["fsdp_config"].get("transformer_layer_cls_to_wrap")
+    if isinstance(classes, list):  # a launch file: accelerate launch reads classes comma-separated only
+        data["fsdp_config"]["transformer_layer_cls_to_wrap"] = ",".join(classes)
+    return data
 
 
 # -------------------------------------------------------------------------------------------
@@ -185,15 +190,38 @@ def _detect_layout(top: Mapping[Any, Any]) -> Layout:
 
 
 def _load(top: dict[Any, Any], file: str, overrides: Any, layout: Layout | None = None,
-          rebuilt: bool = False) -> FSDPOffloadConfig:
+          rebuilt: bool = False, launch_file: bool = False) -> FSDPOffloadConfig:
+    """`launch_file`: `top` is a file `accelerate launch --config_file` may read, judged as it reads it."""
     layout = layout or _detect_layout(top)
     problems = list(_interpolation_problems(top, file, ()))
     items = _override_items(overrides, file, problems)
     if problems:
         raise ConfigError(problems)
+    # the file as launch reads it (overrides given here never reach the launcher)
+    launch_problems = list(_launch_reading_problems(top, file)) if launch_file and layout == "accelerate" else []
     if items:
         top = _merge_overrides(top, [(_route(top, key, layout), value) for key, value in items], file)
-    return _build_from_top(top, layout, file, rebuilt)
+    try:
+        config = _build_from_top(top, layout, file, rebuilt)
+    except ConfigError as error:
+        raise ConfigError([*launch_problems, *error.problems]) from None
+    if launch_problems:
+        raise ConfigError(launch_problems)
+    return config
+
+
+def _launch_reading_problems(top: Mapping[Any, Any], file: str) -> Iterator[Problem]:
+    """What `accelerate launch` would pass on broken. It exports each fsdp_config value with
+    `str()`: a YAML list of layer classes reaches every rank as the text "['LlamaDecoderLayer']",
+    which neither accelerate nor this plugin can read as class names. (A list is right in a
+    Trainer's `fsdp_config`, which no launcher turns into text.)"""
+    fsdp = top.get("fsdp_config")
+    for key, value in (fsdp.items() if isinstance(fsdp, Mapping) else ()):
+        if _canonical(key) == "transformer_layer_cls_to_wrap" and isinstance(value, list):
+            names = ",".join(str(v) for v in value)
+            yield Problem(file, f"fsdp_config.{key}",
+                          f"accelerate launch passes a list on as the text {str(value)!r}, which no rank can read "
+                          f"as class names; write it comma-separated: {key}: {names}")
 
 
 def _override_items(overrides: Any, file: str, problems: list[Problem]) -> list[tuple[str, Any]]:
