@@ -956,3 +956,21 @@ def test_a_launch_file_is_judged_as_accelerate_launch_reads_it(tmp_path: Path):
     trainer.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {
         "fsdp_version": 2, "transformer_layer_cls_to_wrap": list(expected)}}))
     assert load_config(trainer).transformer_layer_cls_to_wrap == expected
+
+
+@pytest.mark.parametrize("key, shown, named", [
+    ("fsdp_versi\u043en", "fsdp_versi\\u043en", "U+043E CYRILLIC SMALL LETTER O"),
+    ("fsdp_\u200bversion", "fsdp_\\u200bversion", "U+200B ZERO WIDTH SPACE"),
+    ("activation_cpu_offload.m\u043ede", "activation_cpu_offload.m\\u043ede", "U+043E CYRILLIC SMALL LETTER O"),
+])
+def test_a_look_alike_key_is_shown_escaped_beside_its_suggestion(tmp_path: Path, key: str, shown: str, named: str):
+    """Printed as written, the foreign letter made the key and the suggestion read the same."""
+    path = tmp_path / "f.yaml"
+    outer, _, inner = key.partition(".")
+    body = f"  {outer}:\n    {inner}: async\n" if inner else f"  {key}: 2\n"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n" + body, encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    (problem,) = error.value.problems
+    assert problem.path == f"fsdp_config.{shown}" and str(problem).isascii(), str(problem)
+    assert f"not plain ASCII: {named}; retype it" in problem.message and "did you mean" in problem.message, problem

@@ -199,10 +199,26 @@ def unknown_key_message(key: Any, candidates: list[str], what: str = "unknown ke
     """"unknown key; did you mean 'x'?" with the closest candidate, else the `listing` (default:
     the candidates; empty: none)."""
     close = difflib.get_close_matches(str(key), candidates, n=1, cutoff=0.6)
+    foreign = _foreign_characters(str(key))
+    if foreign:  # printed as is, the key would read exactly like its suggestion
+        what = f"{what} (not plain ASCII: {foreign}; retype it)"
     if close:
         return f"{what}; did you mean {close[0]!r}?"
     listing = candidates if listing is None else listing
     return f"{what}; expected one of {', '.join(listing)}" if listing else what
+
+
+def key_text(key: Any) -> str:
+    """A key as the user wrote it, with anything outside printable ASCII escaped (`fsdp_versi\\u043en`):
+    every key we know is ASCII, and a Cyrillic o or a zero-width space prints like nothing odd."""
+    return str(key).encode("ascii", "backslashreplace").decode("ascii") if _foreign_characters(str(key)) else str(key)
+
+
+def _foreign_characters(text: str) -> str:
+    import unicodedata
+
+    odd = [c for c in dict.fromkeys(text) if not (c.isascii() and c.isprintable())]
+    return ", ".join(f"U+{ord(c):04X} {unicodedata.name(c, 'unnamed character')}" for c in odd)
 
 
 def show(value: Any, limit: int = 80) -> str:

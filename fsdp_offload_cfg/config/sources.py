@@ -368,7 +368,7 @@ def _build_from_top(top: dict[Any, Any], layout: Layout, file: str, rebuilt: boo
     if layout == "accelerate":
         for key in top:
             if key not in ACCELERATE_TOP_KEYS:
-                problems.append(Problem(file, str(key), _schema.unknown_key_message(
+                problems.append(Problem(file, _schema.key_text(key), _schema.unknown_key_message(
                     key, sorted(ACCELERATE_TOP_KEYS), "unknown top-level key (accelerate refuses it)", listing=[])))
         launch = {k: top[k] for k in LAUNCH_KEYS if top.get(k) is not None}
         given.where.update({k: k for k in launch})
@@ -384,7 +384,7 @@ def _canonicalize(raw: Mapping[Any, Any], layout: Layout, prefix: str, file: str
     for key, value in raw.items():
         name = _canonical(key)
         if name not in allowed:
-            problems.append(Problem(file, prefix + str(key), _unknown_key(key, name, layout)))
+            problems.append(Problem(file, prefix + _schema.key_text(key), _unknown_key(key, name, layout)))
             continue
         name = ALIASES.get(name, name)
         if value is None and name in NULL_MEANS_UNSET:
@@ -539,7 +539,7 @@ def _class_names(value: Any) -> Any:
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in path)
+    return ".".join(_schema.key_text(p) for p in path)
 
 
 def _first_line(exc: BaseException) -> str:
