@@ -130,7 +130,8 @@ def _report_uncaught_config_errors() -> None:
             previous(kind, error, tb)
             return
         rank = os.environ.get("RANK", "?")
-        print(f"[fsdp_offload_cfg rank {rank}] invalid config, nothing was patched:\n{error}", file=sys.stderr)
+        when = "stopping" if registry.active() is not None else "nothing was patched"  # a run-time check, or patch()
+        print(f"[fsdp_offload_cfg rank {rank}] invalid config, {when}:\n{error}", file=sys.stderr)
 
     excepthook._fsdp_offload_cfg = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook

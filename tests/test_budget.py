@@ -205,7 +205,8 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str,
             labels = ids[:, 0] % 3 if case == "classifier" else ids
             accelerator.backward(model(input_ids=ids, labels=labels).loss)
     except Exception as exc:  # noqa: BLE001 - what the rank saw is the result
-        return {"error": f"{type(exc).__name__}: {exc}", "records": records}
+        chained = exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__)
+        return {"error": f"{type(exc).__name__}: {exc}", "records": records, "chained": chained}
     planner = fsdp_offload_cfg.budget.planned(model)
     return {"error": None, "records": records, "choices": fsdp_offload_cfg.budget.planned_choices(model),
             "rates": planner.rates if planner else None, "shape": planner.shape if planner else None}
@@ -224,6 +225,10 @@ def test_a_budget_no_plan_meets_stops_every_rank_naming_the_key_and_the_smallest
         error = failures["too_small"][rank]["error"]
         assert error is not None and "activation_memory_budget: at 2 x 48 tokens per rank" in error, error
         assert "no plan fits; the smallest activation peak on the device a plan reaches is" in error
+        # the user's to fix: a ConfigError with no chain, which a launch prints as one message per
+        # rank (it was a RuntimeError chained to the ConfigError and the EstimateError: ~60 lines)
+        assert error.startswith("ConfigError: ") and not failures["too_small"][rank]["chained"], error
+        assert "budget 1 B:" in error, error  # in a unit that shows it (it read "0.0 MiB")
 
 
 def test_a_rank_failing_to_plan_stops_every_rank_naming_it(failures: dict[str, Any]):

@@ -161,13 +161,24 @@ def raise_if_any_failed(error: BaseException | None, what: str) -> None:
 
     The failing rank re-raises its own exception (chained to a RuntimeError naming all failures)
     so its traceback stays intact; the others raise a RuntimeError naming the rank and cause.
+    When every failure is a `ConfigError` (a config the run cannot honour, such as a budget no
+    plan meets) every rank raises a `ConfigError` instead, with no chain: it is the user's to fix,
+    and under a launcher it prints as one message per rank, not three chained tracebacks.
     """
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, describe_error(error) if error is not None else None)
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
+    from fsdp_offload_cfg.config.model import ConfigError
+
+    errors: list[tuple[str, str | None] | None] = [None] * dist.get_world_size()
+    mine = None if error is None else (describe_error(error), str(error) if isinstance(error, ConfigError) else None)
+    dist.all_gather_object(errors, mine)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if not failed:
         return
-    summary = f"{what} failed on " + "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
+    if all(config_text is not None for _, (_, config_text) in failed):
+        if isinstance(error, ConfigError):
+            raise error.with_traceback(None) from None
+        rank, (_, config_text) = failed[0]
+        raise ConfigError(f"{what} failed on rank {rank}:\n{config_text}") from None
+    summary = f"{what} failed on " + "; ".join(f"rank {rank}: {msg}" for rank, (msg, _) in failed)
     raise RuntimeError(summary) from error
 
 
