@@ -334,12 +334,16 @@ def _run(args: argparse.Namespace) -> int:
                file=sys.stderr)
         return EXIT_UNREADABLE
     env = dict(os.environ)
-    if args.config is not None:
+    config = _config_of_run(args.config, command)
+    if isinstance(config, int):
+        return config
+    if config is not None:
         try:
-            load_config(args.config)  # a bad file stops here, before any process starts
+            load_config(config)  # a bad file stops here, before any process starts
         except ConfigError as error:
             _print(str(error), file=sys.stderr)
             return _exit_code(error)
+    if args.config is not None:
         env["FSDP_OFFLOAD_CFG"] = os.path.abspath(args.config)
     bootstrap = os.path.join(os.path.dirname(os.path.abspath(autopatch.__file__)), "_bootstrap")
     env["PYTHONPATH"] = os.pathsep.join([bootstrap, *filter(None, [env.get("PYTHONPATH")])])
@@ -350,6 +354,21 @@ def _run(args: argparse.Namespace) -> int:
         _print(f"fsdp-offload-cfg run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
     return EXIT_OK  # not reached: exec replaced this process
+
+
+def _config_of_run(given: str | None, command: list[str]) -> str | int | None:
+    """The config `run` checks before starting anything: `--config`, else the one the wrapped
+    launcher names (`accelerate launch --config_file F`, `trl sft --accelerate_config F`), which
+    the workers find the same way. Two different files named is a usage error (exit 2)."""
+    from fsdp_offload_cfg.discovery import launch_config_file
+
+    _, named = launch_config_file(command, os.getcwd())
+    named_file = str(named) if named is not None and named.is_file() else None
+    if given is not None and named_file is not None and os.path.realpath(given) != os.path.realpath(named_file):
+        _print(f"fsdp-offload-cfg run: --config {given} and the command's own config {named_file} are two files; "
+               "name one (the command's is the one the launcher reads)", file=sys.stderr)
+        return EXIT_UNREADABLE
+    return given if given is not None else named_file
 
 
 def _hook_path(args: argparse.Namespace) -> str:

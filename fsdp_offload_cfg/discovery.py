@@ -1,8 +1,10 @@
 """Find the user's config without being told: the file they launched with.
 
 Order, first hit wins: explicit argument; env `FSDP_OFFLOAD_CFG`; the `--config_file` of the
-`accelerate launch` process that started this one (workers are its descendants), or accelerate's
-default config file when that launch named none; accelerate's exported `FSDP_*` variables.
+`accelerate launch` process that started this one (workers are its descendants), or the
+`--accelerate_config` of a TRL CLI (`trl sft`, which runs accelerate's launcher inside its own
+process), or accelerate's default config file when that launch named none; accelerate's
+exported `FSDP_*` variables.
 The `FSDP_*` variables are the last resort because `accelerate launch` drops every key it does
 not know (this plugin's keys and typos alike) when exporting them.
 
@@ -64,16 +66,72 @@ def _config_file_arg(cmdline: Sequence[str]) -> str | None:
     return None
 
 
+def _is_trl_cli(cmdline: Sequence[str]) -> bool:
+    """`trl sft ...` (the console script) or `python -m trl ...`: TRL's CLI runs accelerate's
+    launcher in its own process, so it is the launch its workers descend from."""
+    for i, arg in enumerate(cmdline[:3]):
+        if os.path.basename(arg) == "trl" and i + 1 < len(cmdline) and not cmdline[i + 1].startswith("-"):
+            return True
+        if arg == "-m" and i + 1 < len(cmdline) and cmdline[i + 1] in ("trl", "trl.cli", "trl.cli.main"):
+            return True
+    return False
+
+
+def _trl_config_arg(cmdline: Sequence[str]) -> str | None:
+    """TRL's `--accelerate_config F`: a path, or the name of a config TRL ships (`fsdp2`)."""
+    for i, arg in enumerate(cmdline):
+        if arg == "--accelerate_config" and i + 1 < len(cmdline):
+            return cmdline[i + 1]
+        if arg.startswith("--accelerate_config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _trl_config_path(name: str, cwd: str) -> Path:
+    """Where TRL finds `--accelerate_config name`: the file, else its packaged `name.yaml`."""
+    path = Path(name) if Path(name).is_absolute() else Path(cwd) / name
+    if path.is_file():
+        return path
+    try:
+        from importlib import resources
+
+        shipped = Path(str(resources.files("trl.accelerate_configs").joinpath(f"{name}.yaml")))
+    except (ImportError, TypeError):
+        return path
+    return shipped if shipped.is_file() else path
+
+
+def launch_config_file(cmdline: Sequence[str], cwd: str) -> tuple[bool, Path | None]:
+    """(whether `cmdline` is a launcher that reads an accelerate config, the file it names):
+    `accelerate launch --config_file F` and `trl <verb> --accelerate_config F`; a launcher that
+    names none reads accelerate's default file."""
+    if _is_accelerate_launch(cmdline):
+        arg = _config_file_arg(cmdline)
+    elif _is_trl_cli(cmdline):
+        arg = _trl_config_arg(cmdline)
+        if arg is not None:
+            return True, _trl_config_path(arg, cwd)
+    else:
+        return False, None
+    if arg is None:
+        return True, _accelerate_default_config_file()
+    return True, Path(arg) if Path(arg).is_absolute() else Path(cwd) / arg
+
+
 @dataclass(frozen=True)
 class AccelerateLaunch:
-    """The `accelerate launch` process this one descends from, as far as its command line says."""
+    """The launch this process descends from (`accelerate launch`, or a TRL CLI running
+    accelerate's launcher), as far as its command line says."""
 
     config_file: Path | None  # its --config_file (absolute), or accelerate's default file; None: neither
-    typed: frozenset[str]  # config keys given as flags on its command line (`--mixed_precision bf16`)
+    # config keys given as flags on its command line (`--mixed_precision bf16`); None: not known
+    # (TRL mixes accelerate's flags with its own)
+    typed: frozenset[str] | None
+    named_by: str = "accelerate launch --config_file"  # how the log says the file was named
 
 
 def find_accelerate_launch() -> AccelerateLaunch | None:
-    """The `accelerate launch` ancestor of this process, if there is one."""
+    """The launching ancestor of this process, if there is one."""
     try:
         ancestors = psutil.Process().parents()[:_MAX_ANCESTORS]
     except psutil.Error:
@@ -81,14 +139,11 @@ def find_accelerate_launch() -> AccelerateLaunch | None:
     for proc in ancestors:
         try:
             cmdline = proc.cmdline()
-            if not _is_accelerate_launch(cmdline):
-                continue
-            arg = _config_file_arg(cmdline)
-            if arg is None:
-                path = _accelerate_default_config_file()
-            else:
-                path = Path(arg) if Path(arg).is_absolute() else Path(proc.cwd()) / arg
-            return AccelerateLaunch(path, typed_launch_keys(cmdline))
+            is_launch, path = launch_config_file(cmdline, proc.cwd())
+            if is_launch and _is_accelerate_launch(cmdline):
+                return AccelerateLaunch(path, typed_launch_keys(cmdline))
+            if is_launch:
+                return AccelerateLaunch(path, None, "trl --accelerate_config")
         except psutil.Error:
             continue
     return None
@@ -250,7 +305,7 @@ def discover_config(
     elif env_path:
         file, label = env_path, f"${ENV_CONFIG_PATH}={env_path}"
     elif launch is not None and launch.config_file is not None:
-        file, label = launch.config_file, f"accelerate launch --config_file {launch.config_file}"
+        file, label = launch.config_file, f"{launch.named_by} {launch.config_file}"
     else:
         file, label = None, ""
     if file is not None:

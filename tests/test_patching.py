@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -292,6 +293,37 @@ def test_describe_patches_lists_what_patch_applies():
 def test_accelerate_launch_command_lines(cmdline: list[str], is_launch: bool, config_file: str | None):
     assert _is_accelerate_launch(cmdline) is is_launch
     assert _config_file_arg(cmdline) == config_file
+
+
+@pytest.mark.parametrize(
+    "cmdline, expected",
+    [
+        (["/v/bin/python", "/v/bin/trl", "sft", "--accelerate_config", "a.yaml", "--model_name_or_path", "m"], "a.yaml"),
+        (["trl", "dpo", "--accelerate_config=/abs/b.yaml"], "/abs/b.yaml"),
+        (["python", "-m", "trl", "sft", "--accelerate_config", "c.yaml"], "c.yaml"),
+        (["/v/bin/accelerate", "launch", "--config_file", "d.yaml", "t.py", "--accelerate_config", "x"], "d.yaml"),
+        (["python", "train.py", "--accelerate_config", "x.yaml"], None),
+        (["trl", "--help"], None),
+    ],
+)
+def test_the_launchers_that_name_an_accelerate_config(cmdline: list[str], expected: str | None, tmp_path):
+    """TRL's CLI runs accelerate's launcher in its own process: its workers find the file there,
+    as under `accelerate launch` (they read accelerate's FSDP_* variables, which drop our keys)."""
+    from fsdp_offload_cfg.discovery import launch_config_file
+
+    is_launch, path = launch_config_file(cmdline, str(tmp_path))
+    assert is_launch is (expected is not None)
+    assert path == (None if expected is None else tmp_path / expected)
+
+
+def test_trl_names_its_shipped_configs_by_name(tmp_path):
+    pytest.importorskip("trl.accelerate_configs")
+    from importlib import resources
+
+    from fsdp_offload_cfg.discovery import launch_config_file
+
+    shipped = Path(str(resources.files("trl.accelerate_configs").joinpath("fsdp2.yaml")))
+    assert launch_config_file(["trl", "sft", "--accelerate_config", "fsdp2"], str(tmp_path)) == (True, shipped)
 
 
 def test_discovery_order_argument_then_env_path_then_fsdp_env(tmp_path, monkeypatch: pytest.MonkeyPatch):

@@ -1,11 +1,11 @@
-"""TRL's own CLI (`trl sft --accelerate_config F`), run through `fsdp-offload-cfg run --config F`
-with no code of ours in between, on 2 gloo CPU ranks.
+"""TRL's own CLI (`trl sft --accelerate_config F`), run through `fsdp-offload-cfg run --` with no
+code of ours in between and the file named once, as users name it, on 2 gloo CPU ranks.
 
 `trl sft` starts accelerate's launcher inside its own process, and accelerate hands its workers
-only the config keys it knows: the plugin's keys reach them through `run --config`, which puts the
-file in `$FSDP_OFFLOAD_CFG` for every process it starts. Against the same CLI run with the loader
-and offload off, the loader and the offload save bit-equal weights, and the log says the plugin
-is on and what the offload moved.
+only the config keys it knows (its `FSDP_*` variables): each worker finds the file on its `trl`
+ancestor's command line, as it finds an `accelerate launch --config_file`. Against the same CLI
+run with the loader and offload off, the loader and the offload save bit-equal weights, and the
+log says the plugin is on and what the offload moved.
 """
 
 from __future__ import annotations
@@ -58,12 +58,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _trl_sft(files: Path, name: str, plugin: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`fsdp-offload-cfg run -- trl sft --accelerate_config F ...`: the file named once (passing it to
+    `run --config` as well hid that the workers lost the plugin's keys)."""
     config, out = files / f"{name}.yaml", files / f"out_{name}"
     config.write_text(YAML.format(port=free_port(), plugin=plugin))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    command = [str(BIN / "fsdp-offload-cfg"), "run", "--config", str(config), "--", str(BIN / "trl"), "sft",
+    command = [str(BIN / "fsdp-offload-cfg"), "run", "--", str(BIN / "trl"), "sft",
                "--accelerate_config", str(config), "--model_name_or_path", str(files / "llama"),
                "--dataset_name", str(files / "data"), "--output_dir", str(out), "--max_steps", "3",
                "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--max_length", "24", "--seed", "0",
@@ -89,9 +91,17 @@ def test_trl_sft_under_run_saves_what_the_run_without_the_loader_and_offload_sav
     expected, got = _weights(stock_out), _weights(out)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
     config = files / "plugin.yaml"
-    line = f"[fsdp_offload_cfg rank 0] config from $FSDP_OFFLOAD_CFG={config} (FSDP2, meta loading: auto, " \
+    line = f"[fsdp_offload_cfg rank 0] config from trl --accelerate_config {config} (FSDP2, meta loading: auto, " \
            "activation offload: on)"
     assert line in proc.stderr, proc.stderr[-3000:]
     assert "[fsdp_offload_cfg rank 0] sharded loading: rank 0 read" in proc.stderr, proc.stderr[-3000:]
     moved = [entry for entry in proc.stderr.splitlines() if "[fsdp_offload_cfg rank 0] activation offload moved" in entry]
     assert len(moved) == 1 and "(0 tensors)" not in moved[0], proc.stderr[-3000:]
+
+
+def test_a_typo_in_the_file_trl_names_stops_run_before_anything_starts(files: Path):
+    """The file reached the workers only through accelerate's `FSDP_*` variables, which drop
+    unknown keys: a typo'd key trained and exited 0."""
+    proc, out = _trl_sft(files, "typo", PLUGIN + "  fsdp_activaton_cpu_offload: true\n")
+    assert proc.returncode == 1 and "fsdp_activaton_cpu_offload: unknown key" in proc.stderr, proc.stderr[-3000:]
+    assert str(files / "typo.yaml") in proc.stderr and not out.exists(), proc.stderr[-3000:]

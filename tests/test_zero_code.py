@@ -115,6 +115,18 @@ def test_run_refuses_a_bad_config_file_before_starting_anything(tmp_path: Path):
     assert proc.returncode == 1 and "load_strategy" in proc.stderr, proc.stderr
 
 
+def test_run_refuses_two_different_config_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from fsdp_offload_cfg import cli
+
+    one, other = tmp_path / "one.yaml", tmp_path / "other.yaml"
+    for path in (one, other):
+        path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    command = ["--", "trl", "sft", "--accelerate_config", str(other), "--model_name_or_path", "m"]
+    assert cli.main(["run", "--config", str(one), *command]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {one} and the command's own config {other} are two files" in err, err
+
+
 def _hook(site_dir: Path) -> None:
     from fsdp_offload_cfg import cli
 
