@@ -20,6 +20,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import broadcast_object_list  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -33,7 +34,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--checkpoint", default=None, help="existing HF checkpoint dir (default: build a tiny one)")
     return parser.parse_args()
 
@@ -68,8 +69,19 @@ def shared_checkpoint_dir(accelerator: Accelerator, args: argparse.Namespace) ->
 def main() -> None:
     args = parse_args()
     accelerator = Accelerator()
+    if not accelerator.is_main_process:
+        transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar, rank 0's
     path, owned = shared_checkpoint_dir(accelerator, args)
+    try:
+        train(accelerator, path, args)
+        accelerator.wait_for_everyone()  # every rank is done with the files before rank 0 removes them
+    finally:  # the built checkpoint goes, whether training finished or not
+        if owned and accelerator.is_main_process:
+            shutil.rmtree(path, ignore_errors=True)
+    accelerator.end_training()
 
+
+def train(accelerator: Accelerator, path: str, args: argparse.Namespace) -> None:
     model = AutoModelForCausalLM.from_pretrained(path)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -80,11 +92,13 @@ def main() -> None:
         f"device={accelerator.device} sharded_params={len(sharded)}/{len(list(model.parameters()))}"
     )
 
-    vocab = model.config.vocab_size
+    # one fixed batch per rank, seen every step: the loss falls as the model learns it (new random
+    # tokens each step would keep it flat at log(vocab), whatever the training does)
+    generator = torch.Generator().manual_seed(accelerator.process_index)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=generator)
+    tokens = tokens.to(accelerator.device)
     start = time.perf_counter()
     for step in range(args.steps):
-        generator = torch.Generator().manual_seed(1000 * step + accelerator.process_index)
-        tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(accelerator.device)
         loss = model(input_ids=tokens, labels=tokens).loss
         accelerator.backward(loss)
         optimizer.step()
@@ -94,11 +108,6 @@ def main() -> None:
     accelerator.print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f}s")
     if fsdp_offload_cfg.active_config() and fsdp_offload_cfg.active_config().activation_cpu_offload.enabled:
         accelerator.print(f"activation offload stats: {fsdp_offload_cfg.offload_stats()}")
-
-    accelerator.wait_for_everyone()
-    if owned and accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -157,6 +157,40 @@ def test_what_explain_writes_launches_as_is(tmp_path: Path, checkpoint: str, cap
         assert str(written) in r["source"] and r["offload_enabled"], r
 
 
+def _demo(*args: str) -> Launch:
+    """The README's main job: the example, launched with the example config."""
+    root = HERE.parent
+    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(root / "examples" / "fsdp2_cpu.yaml"),
+                 "--main_process_port", str(free_port()), str(root / "examples" / "train.py"), *args])
+
+
+def _demo_folder(launch: Launch) -> Path:
+    """The checkpoint folder the demo built (named in the loader's rank-0 line)."""
+    import re
+
+    found = re.search(r"load_strategy auto: (\S+fsdp_offload_cfg_demo_\S+) built on meta", launch.output)
+    assert found is not None, launch.output[-3000:]
+    return Path(found.group(1))
+
+
+def test_the_demo_learns_shows_one_loading_bar_and_cleans_up():
+    """Its losses were flat (new random tokens every step) and every rank drew a loading bar."""
+    import re
+
+    launch = _demo("--steps", "5")
+    assert launch.proc.returncode == 0, launch.output[-3000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", launch.proc.stdout, re.MULTILINE)]
+    assert len(losses) == 5 and losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.5, losses
+    assert launch.output.count("Loading weights: 100%") == 1, launch.output[-3000:]
+    assert not _demo_folder(launch).exists()
+
+
+def test_the_demo_removes_its_checkpoint_after_a_failed_run():
+    launch = _demo("--steps", "1", "--lr", "-1")  # AdamW refuses the rate after the checkpoint is built
+    assert launch.proc.returncode != 0 and "Invalid learning rate" in launch.output, launch.output[-3000:]
+    assert not _demo_folder(launch).exists()
+
+
 def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "full.yaml", loading="true",
                     extra="  activation_cpu_offload: true\n  load_strategy: broadcast\n")
