@@ -204,18 +204,26 @@ def test_a_head_that_dominates_the_leanest_setting_is_said_with_its_remedy(wide_
 def test_the_estimate_reads_the_cache_without_a_deprecation_warning(models: dict[str, str], tmp_path: Path):
     """transformers 5.24 renamed the outputs' `past_key_values` to `cache`; reading the old name
     logged "`past_key_values`/`cache_params` are deprecated" under every estimate of a model with a
-    cache (in a fresh process: the warning is logged once per process)."""
+    cache, and a config.json without a dtype printed "`torch_dtype` is deprecated!" (in a fresh
+    process: each is logged once per process, so both estimates run in this one)."""
     import subprocess
     import sys
 
     config_file = _yaml(tmp_path, CONFIG_YAML)
-    run = subprocess.run([sys.executable, "-c", "import sys; from fsdp_offload_cfg.cli import main; "
-                          "sys.exit(main(sys.argv[1:]))", "estimate", config_file, "--model", models["llama"],
-                          "--seq-len", "32", "--batch-size", "1", "--format", "json"],
+    no_dtype = tmp_path / "no_dtype" / "config.json"
+    no_dtype.parent.mkdir()
+    fields = json.loads((Path(models["llama"]) / "config.json").read_text())
+    no_dtype.write_text(json.dumps({k: v for k, v in fields.items() if k not in ("dtype", "torch_dtype")}))
+    args = ["--seq-len", "32", "--batch-size", "1", "--format", "json"]
+    code = ("import sys; from fsdp_offload_cfg.cli import main; a = sys.argv[1:]; "
+            "sys.exit(main(a[:a.index('--')]) or main(a[a.index('--') + 1:]))")
+    run = subprocess.run([sys.executable, "-c", code, "estimate", config_file, "--model", models["llama"], *args,
+                          "--", "estimate", config_file, "--model", str(no_dtype), *args],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "deprecated" not in run.stderr, run.stderr
-    assert json.loads(run.stdout)["activations"]["settings"]["checkpointing"]["saved_bytes"] > 0
+    first = json.loads(run.stdout[:run.stdout.index("\n}\n") + 2])
+    assert first["activations"]["settings"]["checkpointing"]["saved_bytes"] > 0
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_tied", DEEPSEEK, LLAVA])
@@ -578,11 +586,17 @@ def test_the_plot_draws_each_setting_as_the_report_says(models: dict[str, str], 
     report = estimate(models["llama"])
     axes = draw_memory(report, capacity_bytes=3 * GIB).axes[0]
     names = list(report["device_by_setting"])
+    # the kinds some setting holds, each in the legend; one that is zero everywhere is neither drawn
+    # nor listed (the legend listed zero-height series)
+    held = [k for k in KINDS if any(report["device_by_setting"][n][k[0]] for n in names)]
+    assert 0 < len(held) < len(KINDS), held  # this model at this size has an empty kind to leave out
+    legend = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert [t for t in legend if not t.startswith("device memory")] == [label for _, label, _ in held], legend
     for i, name in enumerate(names):  # every kind's bar segment, from bottom to top, at its setting's x
         segments = [p for p in axes.patches if abs(p.get_x() + p.get_width() / 2 - i) < 1e-9]
-        assert len(segments) == len(KINDS)
+        assert len(segments) == len(held)
         drawn = [round(p.get_height() * GIB) for p in sorted(segments, key=lambda p: p.get_y())]
-        assert drawn == [report["device_by_setting"][name][key] for key, _, _ in KINDS]
+        assert drawn == [report["device_by_setting"][name][key] for key, _, _ in held]
     assert [line.get_ydata()[0] for line in axes.lines] == [3.0]  # the device's capacity
     labels = [t.get_text() for t in axes.get_xticklabels()]
     assert labels[names.index("offload")] == "offload *"  # the config's setting is marked

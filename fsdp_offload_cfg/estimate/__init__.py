@@ -57,7 +57,10 @@ def resolve_dtypes(config: FSDPOffloadConfig, model_config: Any, dtype: str | No
 
 
 def _config_dtype(model_config: Any) -> str | None:
-    value = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    """The checkpoint's dtype: `dtype` where transformers has it (reading the older `torch_dtype`
+    there prints a deprecation notice), `torch_dtype` on the releases before it."""
+    name = "dtype" if hasattr(model_config, "dtype") else "torch_dtype"
+    value = getattr(model_config, name, None)
     return str(value).removeprefix("torch.") if value is not None else None
 
 

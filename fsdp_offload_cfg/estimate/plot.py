@@ -50,7 +50,7 @@ def draw_memory(report: dict[str, Any], capacity_bytes: int | None = None) -> An
     figure = Figure(figsize=(1.8 * len(names) + 3.5, 4.8), layout="constrained")
     axes = figure.add_subplot()
     bottoms = [0.0] * len(names)
-    for key, label, colour in KINDS:
+    for key, label, colour in drawn_kinds(report):
         heights = [settings[n][key] / GIB for n in names]
         axes.bar(names, heights, bottom=bottoms, label=label, color=colour, width=0.6)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
@@ -69,6 +69,13 @@ def draw_memory(report: dict[str, Any], capacity_bytes: int | None = None) -> An
                    f"{inputs['seq_len']} tokens, {inputs['compute_dtype']} (* this config)", fontsize=10)
     axes.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     return figure
+
+
+def drawn_kinds(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The kinds of memory some setting holds: a kind that is zero in every bar would only add a
+    legend entry for nothing."""
+    settings = report["device_by_setting"].values()
+    return [kind for kind in KINDS if any(setting[kind[0]] for setting in settings)]
 
 
 def _mark_budget(axes: Any, x: int, plan: dict[str, int], budget_bytes: int) -> None:

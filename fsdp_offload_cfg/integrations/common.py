@@ -133,7 +133,8 @@ def log_active(session: registry.PatchSession) -> None:
         return
     cfg = session.config
     if not fsdp_requested(cfg):
-        logger.info("config from %s; patches: %s", session.source, ", ".join(session.patch_names) or "none")
+        found = "" if session.source.startswith("no config found") else "config from "  # not "config from no config"
+        logger.info("%s%s; patches: %s", found, session.source, ", ".join(session.patch_names) or "none")
         return
     loading = cfg.load_strategy if loader_enabled(cfg) else "off"
     offload = "on" if cfg.activation_cpu_offload.enabled else "off"
