@@ -252,8 +252,8 @@ class NonGradientPeak:
 
     Why: "fwd+bwd" counts the gradients as backward makes them. The `none` row peaks as backward
     starts, before most exist; an offloading row peaks near backward's end, next to nearly all of
-    them (1.4 GiB in bf16 for the issue's 16 x 2048 shape). Its ratio to `none` then reads
-    gradients as activations. Issue 23's "activation bytes at peak" is the other part.
+    them (1.4 GiB in bf16 for the 16 x 2048 shape). Its ratio to `none` then reads
+    gradients as activations. The "fwd+bwd" column, which counts them, is the other part.
 
     How, with the allocator alone (no figure of the offload's own): a tensor hook on each decoder
     layer's output fires as that layer's backward starts. At each firing the allocated peak since
@@ -319,8 +319,8 @@ def _cap_device_memory(device: str, nbytes: int) -> None:
 
 def profile_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
                  method: str, ac: bool, cuda: bool) -> None:
-    """One more step under `torch.profiler`, for finding where a row's time goes (issue 23: the
-    FSDP2 offload row sat at 1.19x of its copy bound against 1.03x in one process). Writes
+    """One more step under `torch.profiler`, for finding where a row's time goes (the FSDP2
+    offload row once sat at 1.19x of its copy bound against 1.03x in one process). Writes
     `<dir>/<row>.txt` (the ops by device time, else CPU time) and `<dir>/<row>.json.gz` (a Chrome
     trace: the copy streams beside compute and FSDP's streams)."""
     import gzip

@@ -1,4 +1,4 @@
-"""`fsdp-offload-cfg estimate` against the device's own peak, setting by setting (issue 24).
+"""`fsdp-offload-cfg estimate` against the device's own peak, setting by setting.
 
 For each activation setting the estimate models (plain, checkpointing, offload, checkpointing +
 offload, and one plan per `--budget`), one training run on the path users take: the plugin's

@@ -3,8 +3,8 @@
 
 Prints, for each trace: the step's GPU span; per stream its busy time, its first and last activity
 and its idle gaps over `--gap` ms (a copy stream that idles is waiting on something); and the
-compute stream's stalls, each with what the other streams were doing then. Issue 23 asked why the
-FSDP2 offload row sits above its copy bound while the one-process row does not: compare the two.
+compute stream's stalls, each with what the other streams were doing then. For why an FSDP2
+offload row sits above its copy bound while the one-process row does not: compare the two.
 
     python benchmarks/trace_streams.py gpu_out/profile/ours-async-noac.json.gz \
         gpu_out/profile/ours-async-noac-fsdp2.json.gz

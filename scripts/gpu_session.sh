@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The GPU work of issues 23 and 24 in few, full runs on a lent GPU machine (one H100, 16 cores,
+# The project's GPU checks and benchmarks in few, full runs on a lent GPU machine (one H100, 16 cores,
 # its own Python with torch, accelerate and transformers, nothing to download). Each part fits in
 # one 10-minute call; its logs go to $OUT (the device tool's folder), else ./gpu_out.
 #
 #   here, once:   bash scripts/gpu_session.sh wheels      # .whl/: what the device's Python lacks
 #   on the GPU:   bash scripts/gpu_session.sh suite       # the whole suite, the GPU visible
 #                 bash scripts/gpu_session.sh offload     # activation_offload.py, one process, then --fsdp2
-#                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (issue 24's 10% rows)
+#                 bash scripts/gpu_session.sh estimate    # estimate_vs_device.py (the estimate within 10% of the device)
 #                 bash scripts/gpu_session.sh profile     # where the FSDP2 offload row's time goes (3 traces)
-#                 bash scripts/gpu_session.sh goals       # issue 24's goals: budget plans, TRL at equal memory, checkpointing
-#                 bash scripts/gpu_session.sh rest        # the suite's files the H100 run of stop 39 did not reach
-#                 bash scripts/gpu_session.sh leftover    # the suite's tests no GPU run had passed (15; passed, stop 43)
+#                 bash scripts/gpu_session.sh goals       # budget plans, TRL at equal memory, checkpointing
+#                 bash scripts/gpu_session.sh rest        # the suite's files a capped H100 suite run (2026-11-26) did not reach
+#                 bash scripts/gpu_session.sh leftover    # the suite's tests no GPU run had passed (15; all passed 2026-11-27)
 #                 bash scripts/gpu_session.sh tight       # activations less gradients; the allocator capped at 9 GiB
-#                 bash scripts/gpu_session.sh reserved    # issue 47: reserved vs allocated, capped at the peak + 10%
-#                 bash scripts/gpu_session.sh scale3b     # issue 47: a Llama-3.2-3B shape at long sequences, every peer
+#                 bash scripts/gpu_session.sh reserved    # reserved vs allocated, capped at the peak + 10%
+#                 bash scripts/gpu_session.sh scale3b     # a Llama-3.2-3B shape at long sequences, every peer
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -23,9 +23,9 @@
 # lease holds two such calls: give the suite its own call (SUITE_LIMIT_S=540) to run it whole.
 # On an H100 (2026-11-26): `goals profile` 281 s (goals 180 s; profile, then two rows, 88 s), and
 # `SUITE_LIMIT_S=490 ... suite` reached 636 of 699 tests (GPU-only first, 51 s): the part `rest`
-# runs the files of the others in a call of their own. On an H200 (stop 41): `SUITE_LIMIT_S=370 ...
+# runs the files of the others in a call of their own. On an H200 (2026-11-26, `1d9aac1`): `SUITE_LIMIT_S=370 ...
 # rest profile` 516 s (rest reached 187 of its 192 tests; profile 131 s), `gate` 181 s. On an H200
-# (stop 43): `gate leftover` 526 s (gate's 8 rows 311 s; leftover 202 s). On an H200 (stop 44):
+# (2026-11-27, `5d2516c`): `gate leftover` 526 s (gate's 8 rows 311 s; leftover 202 s). On an H200 (2026-11-27, `464f015`):
 # `tight` 226 s (first call: 265 s of device time with the start), `ac` 193 s. On an H100
 # (2026-11-27): `SCALE_SEQS=16384 ... reserved scale3b` 455 s (reserved 228 s, scale3b 214 s).
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
@@ -83,7 +83,7 @@ suite() {  # every test, the GPU visible: CPU tests must pin themselves, CUDA te
     | tee "$OUT/suite.log" | tail -80
 }
 
-# The files holding the 63 tests that stop 39's capped H100 suite (624 passed, 0 failed) did not
+# The files holding the 63 tests that the capped H100 suite of 2026-11-26 (624 passed, 0 failed) did not
 # reach; `rest` runs them whole, so one call of `rest profile` finishes the suite on a GPU.
 UNREACHED=(tests/test_zero_code.py tests/test_budget.py tests/test_cli.py tests/test_launch.py
            tests/test_resize.py tests/test_script_shapes.py tests/test_loading.py tests/test_save_resume.py
@@ -119,7 +119,7 @@ leftover() {
     tests/test_reader.py tests/test_trl_cli.py -k "$LEFTOVER_K" 2>&1 | tee "$OUT/leftover.log" | tail -40
 }
 
-# issue 47's first part: the offload allocates and frees device memory on the compute stream only
+# Reserved memory: the offload allocates and frees device memory on the compute stream only
 # (no record_stream), so the allocator's reserved bytes follow the allocated ones. The CUDA tests,
 # then the two new ones against the handler before the change (they must fail there: kept
 # untracked in gpu_before/, written by `git show efbf7dd:fsdp_offload_cfg/offload/handlers.py`),
@@ -150,7 +150,7 @@ reserved() {
   [ -n "$cap" ] && "${row[@]}" --methods ours-async --fsdp2 --device-memory "$cap" 2>&1 | tee -a "$OUT/reserved_fsdp2.md"
 }
 
-# issue 47's second part: a Llama-3.2-3B shape (28 x 3072, MLP 8192, 24 heads, 8 kv heads, vocab
+# Scale: a Llama-3.2-3B shape (28 x 3072, MLP 8192, 24 heads, 8 kv heads, vocab
 # 128256), bf16, AdamW, FSDP2 on one rank, batch 1, built on the device. Every method at each
 # sequence (SCALE_SEQS); one that runs out of memory says so in its row. The peers: `save_on_cpu`
 # with checkpointing is accelerate's `fsdp_activation_checkpointing_offload` (torch's
@@ -171,7 +171,7 @@ tight() {  # the offload where users need it, on a GPU with little room: the H20
   # allocator 20-23 GiB reserved for a 7.3-7.5 GiB allocated peak (freed blocks a copy stream still
   # held), which a smaller GPU cannot give. Capped at 9 GiB, an allocation that finds the device
   # full waits for every stream ("retries"): what does that cost the step? Uncapped beside it.
-  # First, uncapped, the "less grads" column (issue 23's activations at peak <= 0.25x without the
+  # First, uncapped, the "less grads" column (the target of activations at peak <= 0.25x without the
   # gradients that "fwd+bwd" counts beside an offloading row's late peak), one process and FSDP2.
   local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4)
   "${row[@]}" --methods none ours-async --ac no 2>&1 | tee "$OUT/tight.md"
@@ -181,7 +181,7 @@ tight() {  # the offload where users need it, on a GPU with little room: the H20
   "${row[@]}" --methods ours-async --ac no --fsdp2 --device-memory 9GiB 2>&1 | tee -a "$OUT/tight.md"
 }
 
-goals() {  # issue 24's GPU goals under the budget semantics of stop 37: each plan's peak against its
+goals() {  # the budget's GPU goals (semantics of `950b120`): each plan's peak against its
   # budget, its step against the fixed settings (none, checkpointing) and TRL's offload at equal memory
   python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --methods none trl --ac no yes \
     --budget ${GOAL_BUDGETS:-4GiB 6GiB 9GiB} --steps 4 2>&1 | tee "$OUT/goals.md"

@@ -1,4 +1,4 @@
-"""`benchmarks/activation_offload.py`'s "less grads" column (issue 23's activations at peak): the
+"""`benchmarks/activation_offload.py`'s "less grads" column (the activations-at-peak target): the
 parts of its `NonGradientPeak` that run without a GPU, for real.
 
 It reads the CUDA allocator's peak at each decoder layer's backward start and takes off the

@@ -181,7 +181,7 @@ def test_installed_console_script(invalid: str):
 
 
 def test_explain_plans_the_launch_it_is_asked_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """Issue 27: explain assumed one process (no gloo patches for a 2-rank run) and listed
+    """explain assumed one process (no gloo patches for a 2-rank run) and listed
     `load_strategy` for a config whose meta loading is off."""
     path = tmp_path / "offload_only.yaml"
     path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  activation_cpu_offload: true\n")
@@ -199,7 +199,7 @@ def test_explain_plans_the_launch_it_is_asked_about(tmp_path: Path, capsys: pyte
 
 def test_validate_and_explain_warn_on_a_spelling_another_framework_reads(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]):
-    """ms-swift reads the unprefixed `activation_cpu_offload` of its --fsdp JSON itself (issue 27)."""
+    """ms-swift reads the unprefixed `activation_cpu_offload` of its --fsdp JSON itself."""
     colliding = tmp_path / "swift_fsdp.json"
     colliding.write_text('{"fsdp": "full_shard auto_wrap", "fsdp_config": {"activation_cpu_offload": true}}')
     assert cli.main(["validate", str(colliding)]) == 0

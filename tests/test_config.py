@@ -756,7 +756,7 @@ def test_any_mapping_gives_a_config_or_a_config_error(mapping: dict, overrides: 
 
 
 # -------------------------------------------------------------------------------------------
-# One definition per key (issue 12)
+# One definition per key
 # -------------------------------------------------------------------------------------------
 
 
@@ -868,7 +868,7 @@ def test_each_rule_fires_alone_on_its_case(name: str):
 
 
 # -------------------------------------------------------------------------------------------
-# validate agrees with what will run (issue 12)
+# validate agrees with what will run
 # -------------------------------------------------------------------------------------------
 
 

@@ -38,7 +38,7 @@ def _devices_seen(rank: int, world_size: int) -> tuple[str | None, int]:
 
 
 def test_gloo_ranks_see_no_gpu_whatever_the_machine_has():
-    """Issue 23: on a GPU machine the gloo ranks put FSDP2's default mesh on CUDA and died
+    """on a GPU machine the gloo ranks put FSDP2's default mesh on CUDA and died
     (SIGSEGV) or hung; they are CPU ranks, and the parent's own view is left as it was."""
     import os
 
@@ -48,7 +48,7 @@ def test_gloo_ranks_see_no_gpu_whatever_the_machine_has():
 
 
 def test_ranks_starting_further_apart_than_the_collective_timeout_still_meet():
-    """Issue 23: on the GPU machine, with 12 test workers beside it, rank 1 started more than the 2 s
+    """on the GPU machine, with 12 test workers beside it, rank 1 started more than the 2 s
     a test gave as its collective timeout after rank 0, and the rendezvous, which
     init_process_group bounds by that same timeout, failed both ranks before the test began. The
     collective timeout is the test's subject; the rendezvous must wait out a slow start."""

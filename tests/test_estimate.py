@@ -228,7 +228,7 @@ def test_the_estimate_reads_the_cache_without_a_deprecation_warning(models: dict
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_tied", DEEPSEEK, LLAVA])
 def test_a_config_without_cache_is_estimated_like_the_run(models: dict[str, str], name: str, tmp_path: Path):
-    """Issue 24: `use_cache: false` (training checkpoints often carry it) made every estimate fail
+    """`use_cache: false` (training checkpoints often carry it) made every estimate fail
     in transformers' packed-sequence check, a `.item()` on the meta position ids."""
     from transformers import masking_utils
 

@@ -88,7 +88,7 @@ def _accelerate_launch(config: Path, *script_args: str, flags: tuple[str, ...] =
 @pytest.mark.parametrize("named", ["launch", "argument", "env"])
 def test_launch_command_line_overrides_win_over_the_file(tmp_path: Path, checkpoint: str, named: str) -> None:
     """`patch()` used to re-export every value of the file, undoing the command line: the run had
-    mixed precision "no", RAM-efficient loading on and no checkpointing. Until issue 22 it still
+    mixed precision "no", RAM-efficient loading on and no checkpointing. Before, it still
     did when the script named the file itself (`patch("f.yaml")`) or through `$FSDP_OFFLOAD_CFG`."""
     config = _write(tmp_path, "f.yaml", loading="true", extra="  activation_cpu_offload: true\n")
     flags = ("--mixed_precision", "bf16", "--fsdp_activation_checkpointing", "true",

@@ -476,7 +476,7 @@ def test_bit_exact_on_every_rank(matrix: list[dict[str, Any]], strategy: str, ca
 @pytest.mark.parametrize("case", LOAD_CASES)
 def test_who_holds_weights_after_from_pretrained(matrix: list[dict[str, Any]], strategy: str, case: str) -> None:
     """Where the checkpoint can be read slice by slice, no rank holds a parameter or persistent-
-    buffer byte after `from_pretrained`, rank 0 included (issue 25: under broadcast rank 0 used to
+    buffer byte after `from_pretrained`, rank 0 included (under broadcast rank 0 used to
     load the whole model; now it streams the weights from the files at prepare); only the
     non-persistent buffers a rank computes. Where it cannot (a `.bin`, keys converted on load),
     rank 0 loads it whole and the other ranks hold nothing."""
@@ -775,7 +775,7 @@ def _step_fault_worker(rank: int, world_size: int, path: str) -> dict[str, tuple
 
 
 def test_a_failure_at_any_step_raises_on_every_rank_naming_the_rank_and_step(checkpoints: dict[str, Any]) -> None:
-    """Issue 22: steps outside an agreement (rebuild, the scatter loop, the final check) used to
+    """steps outside an agreement (rebuild, the scatter loop, the final check) used to
     leave the other ranks waiting in a collective until the process-group timeout."""
     pg_timeout = 30.0
     results = run_workers(_step_fault_worker, 2, checkpoints["paths"]["llama"], pg_timeout=pg_timeout, timeout=400)

@@ -1,4 +1,4 @@
-"""Two activation offloaders on one model stop the run, naming both (issue 27): autograd hands
+"""Two activation offloaders on one model stop the run, naming both: autograd hands
 each saved tensor to the innermost saved-tensor hooks only, so one of the two moved nothing,
 silently (ms-swift's own callback took every activation and ours moved 0 bytes)."""
 

@@ -72,7 +72,7 @@ def _net_saving(make: callable, n: int = 3) -> tuple[Net, list[torch.Tensor]]:  
 
 
 def test_offload_copy_waits_for_the_producing_stream() -> None:
-    """(Issue 23: `torch.mul(..., out=)` on a tensor that requires grad raised under autograd, so
+    """(`torch.mul(..., out=)` on a tensor that requires grad raised under autograd, so
     this test never reached the stream wait. The product is saved by Probe, which needs no grad:
     it is computed outside autograd, late on the compute stream.)"""
 
@@ -122,12 +122,12 @@ def test_compute_waits_for_the_reload() -> None:
 
 
 def test_a_layer_loaded_ahead_waits_for_compute_to_reach_the_layer_before_it() -> None:
-    """Issue 23: in backward the CPU runs layers ahead of the GPU; reloads asked for by the CPU
+    """in backward the CPU runs layers ahead of the GPU; reloads asked for by the CPU
     queued ~10 layers deep, and under FSDP2 a copy of FSDP's own on the compute stream waited
     138 ms for that queue to empty. Block 2's backward loads block 1 ahead: that reload must not
     start before compute has reached block 2's backward, here held back by a long stall. (Issue
     47 made the gate a matter of correctness too: the reload's buffer comes from compute's pool.
-    Ungated, the handler of issue 23 failed this test: its reload was done at the look.)"""
+    Ungated, an earlier handler failed this test: its reload was done at the look.)"""
     x = torch.randn(64, 256, device="cuda")
     ref_net, _ = _net_saving(lambda y: y * 2.0, n=4)
     ref_net(x).backward()
@@ -156,7 +156,7 @@ def _segment_streams() -> set[int]:
 
 
 def test_the_offload_allocates_device_memory_on_the_compute_stream_only() -> None:
-    """Issue 47: reload buffers were allocated on the H2D stream. The caching allocator keeps a
+    """reload buffers were allocated on the H2D stream. The caching allocator keeps a
     stream's blocks in that stream's own pool, which compute cannot reuse: the reserved bytes
     grew beside the allocated ones (23.7 GiB reserved for a 7.3 GiB peak on an H200)."""
     torch.cuda.synchronize()
@@ -172,7 +172,7 @@ def test_the_offload_allocates_device_memory_on_the_compute_stream_only() -> Non
 
 
 def test_reserved_stays_with_allocated_while_the_copies_lag() -> None:
-    """Issue 47: under `record_stream` a source freed while its copy had not run stayed reserved,
+    """under `record_stream` a source freed while its copy had not run stayed reserved,
     unusable by compute, until the copy stream passed it; when copies lag compute (they are the
     bound without checkpointing), the allocator reserved a block per activation. Held by the
     offload until compute has waited for its copy, a source stays *allocated*, and compute reuses

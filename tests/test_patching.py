@@ -499,7 +499,7 @@ def test_patch_after_accelerator_is_refused(monkeypatch: pytest.MonkeyPatch):
 
 
 # -------------------------------------------------------------------------------------------
-# The Trainer's fsdp_config, the exported environment, the module graph (issue 12)
+# The Trainer's fsdp_config, the exported environment, the module graph
 # -------------------------------------------------------------------------------------------
 
 
@@ -530,7 +530,7 @@ def test_the_trainer_switches_the_config_without_unpatching_itself(single_proces
 
 
 def test_the_trainers_config_says_that_it_is_on(single_process: dict):
-    """Issue 27: under `swift sft` / `llamafactory-cli` the only line was "no config found", printed
+    """under `swift sft` / `llamafactory-cli` the only line was "no config found", printed
     before the trainer arguments existed; the switch to their fsdp_config logged nothing."""
     import logging
 
@@ -551,7 +551,7 @@ def test_the_trainers_config_says_that_it_is_on(single_process: dict):
 
 
 def test_a_training_arguments_made_after_the_accelerator_does_not_switch_the_config(single_process: dict):
-    """Issue 22: a second TrainingArguments (a framework's copy, an eval run) switched the patches
+    """a second TrainingArguments (a framework's copy, an eval run) switched the patches
     under an Accelerator that had already read the first config."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -628,7 +628,7 @@ def test_the_patch_modules_import_in_one_direction():
 
 
 def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
-    """Issue 22: the dynamo config `enable_activation_offload` extends stayed extended after
+    """the dynamo config `enable_activation_offload` extends stayed extended after
     `unpatch()`, and the models prepared under the patch kept their hooks."""
     import torch._dynamo
 
@@ -649,7 +649,7 @@ def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
 
 
 def test_patch_imports_no_framework_and_patches_it_when_it_is_imported():
-    """Issue 27: `patch()` imported TRL (and PEFT) itself, before a framework imported later could
+    """`patch()` imported TRL (and PEFT) itself, before a framework imported later could
     set up what TRL caches at its import (LlamaFactory's shim of transformers' package checks)."""
     import subprocess
     import sys

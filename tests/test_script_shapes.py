@@ -183,7 +183,7 @@ def test_an_unprepared_model_refuses_its_forward_and_local_loading_gives_a_full_
     message = rank1["unprepared"]
     assert "still on the meta device on rank 1" in message, message
     assert "prepare" in message and "local_loading()" in message and llama in message
-    # issue 22: the guard sat on the top module only; its parts reached meta tensors
+    # the guard sat on the top module only; its parts reached meta tensors
     assert "still on the meta device on rank 1 (its part `model.embed_tokens`" in rank1["unprepared_body"], rank1
     assert "still on the meta device on rank 1 (its part `lm_head`" in rank1["unprepared_head"], rank1
     for out in (rank0, rank1):

@@ -55,7 +55,7 @@ class TimeModel:
 def default_time_model(device: str, async_reload: bool, compute_flops: float | None = None,
                        copy_bytes: float | None = None) -> TimeModel:
     """The given rates, else assumed ones: on CUDA what an H100 ran at in this project's first GPU
-    run (issue 23: a 0.85B Llama's bf16 step at 8192 tokens, ~350 TFLOP/s; pinned copies at 55 GB/s
+    run (2026-11-25, an H100: a 0.85B Llama's bf16 step at 8192 tokens, ~350 TFLOP/s; pinned copies at 55 GB/s
     each way), copies beside compute under the async offload; on a CPU a few cores' GFLOP/s and a
     memcpy's bandwidth, copied in line."""
     default_flops, default_copy = (350e12, 55e9) if device == "cuda" else (50e9, 5e9)

@@ -171,7 +171,7 @@ def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_base
 
 
 def test_lora_with_dora_and_new_tokens_under_sharded_saves_the_baselines_adapter(files: Path):
-    """Issue 28: PEFT's adapters on a meta base, DoRA's magnitude from the base weights, and new
+    """PEFT's adapters on a meta base, DoRA's magnitude from the base weights, and new
     tokens resized and initialised from the old embeddings, all before prepare."""
     import torch
 
