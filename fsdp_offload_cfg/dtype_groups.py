@@ -19,29 +19,19 @@ Only trainable parameters count, as in FSDP's own check: a frozen float32 module
 (or bf16 base weights around fp32 LoRA adapters under mixed precision) needs no group of its own,
 and giving every LoRA layer its own group would multiply the collectives per layer.
 
-`one_dtype_per_group(model)` swaps `torch.distributed.fsdp.fully_shard` for the duration of a
-prepare call (accelerate's `fsdp2_prepare_model` and TRL's `prepare_fsdp` import it by name inside
-the call, so the swap reaches them, with their own arguments reused for the extra groups). For
-each unit it shards the largest sub-modules whose trainable parameters are all of a dtype other
-than the unit's dominant one (by element count), then the unit itself.
+`shard_groups.fsdp2_groups(model)` applies this rule to each `fully_shard` call of a prepare:
+for each unit it shards the largest sub-modules whose trainable parameters are all of a dtype
+other than the unit's dominant one (by element count), then the unit itself.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from fsdp_offload_cfg._logging import get_logger, is_rank0
-
-logger = get_logger("fsdp_offload_cfg.dtype_groups")
-
-_SWAP_MODULE, _SWAP_ATTR = "torch.distributed.fsdp", "fully_shard"
 
 
 class DtypeGroupError(RuntimeError):
@@ -115,65 +105,3 @@ def _name(dtype: torch.dtype) -> str:
 
 def _dtype_names(dtypes: set[torch.dtype]) -> str:
     return " and ".join(sorted(_name(d) for d in dtypes))
-
-
-def dtype_grouped(fully_shard: Callable[..., Any], names: Callable[[nn.Module], str],
-                  split: list[str]) -> Callable[..., Any]:
-    """`fully_shard` that first gives each odd-dtype sub-module of the unit its own group, with
-    the same arguments. `names` gives a module's name in the model (for the log), `split`
-    collects the names of the modules it split off."""
-
-    @functools.wraps(fully_shard)
-    def grouped(module: nn.Module | list[nn.Module], *args: Any, **kwargs: Any) -> Any:
-        unit = list(module) if isinstance(module, (list, tuple)) else [module]
-        ignored = {id(p) for p in kwargs.get("ignored_params") or ()}
-        odd = odd_dtype_modules(unit, ignored)
-        for sub in odd:
-            fully_shard(sub, *args, **kwargs)
-            split.append(names(sub))
-        if len(unit) > 1:  # a listed module that went its own way leaves the list
-            module = [m for m in unit if not any(m is o for o in odd)]
-            if not module:
-                return None
-        return fully_shard(module, *args, **kwargs)
-
-    return grouped
-
-
-@contextmanager
-def one_dtype_per_group(model: nn.Module) -> Iterator[None]:
-    """While the block runs, every `fully_shard` call made through `torch.distributed.fsdp`
-    splits off odd-dtype sub-modules first (see the module docstring). Logs once, on rank 0,
-    which modules got their own group."""
-    import importlib
-
-    owner = importlib.import_module(_SWAP_MODULE)
-    original = getattr(owner, _SWAP_ATTR)
-    if getattr(original, "_fsdp_offload_cfg_grouped", False):  # nested prepare: already swapped
-        yield
-        return
-    module_names: dict[int, str] = {}
-    split: list[str] = []
-
-    def name_of(module: nn.Module) -> str:
-        if not module_names:
-            module_names.update({id(m): n for n, m in model.named_modules()})
-        return module_names.get(id(module), type(module).__name__)
-
-    grouped = dtype_grouped(original, name_of, split)
-    grouped._fsdp_offload_cfg_grouped = True  # type: ignore[attr-defined]
-    setattr(owner, _SWAP_ATTR, grouped)
-    try:
-        yield
-    finally:
-        setattr(owner, _SWAP_ATTR, original)
-    if split and is_rank0():
-        shown = ", ".join(split[:8]) + (f", ... ({len(split) - 8} more)" if len(split) > 8 else "")
-        logger.info("fully_shard: %d modules whose trainable parameters differ in dtype from their unit got "
-                    "their own group: %s", len(split), shown)
-
-
-def swap_target() -> tuple[str, str]:
-    """(module, attribute) `one_dtype_per_group` swaps: checked to exist before `patch()` applies."""
-    return _SWAP_MODULE, _SWAP_ATTR
-

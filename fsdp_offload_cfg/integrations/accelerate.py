@@ -14,7 +14,7 @@ import torch
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import budget_bytes, enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.dtype_groups import one_dtype_per_group
+from fsdp_offload_cfg.shard_groups import fsdp2_groups
 from fsdp_offload_cfg.integrations.common import (
     cpu_fsdp_needed,
     enable_offload,
@@ -116,12 +116,12 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
     if fill_through_loader(model, plugin, cfg):
 
         def shard(m: torch.nn.Module) -> torch.nn.Module:
-            with _stock_loading_off(plugin), one_dtype_per_group(m):
+            with _stock_loading_off(plugin), fsdp2_groups(m):
                 return original(accelerator, m)
 
         model = load_through_loader(model, shard, plugin, cfg)
     else:
-        with one_dtype_per_group(model):
+        with fsdp2_groups(model):
             model = original(accelerator, model)
     if budget:
         enable_budget(model, cfg)

@@ -14,7 +14,7 @@ import torch
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig, env_values
-from fsdp_offload_cfg.dtype_groups import swap_target
+from fsdp_offload_cfg.shard_groups import swap_target
 from fsdp_offload_cfg.registry import LaunchContext
 
 logger = get_logger("fsdp_offload_cfg.integrations")
@@ -120,8 +120,9 @@ def accelerator_state_exists() -> bool:
     return state is not None and bool(state.AcceleratorState._shared_state)
 
 def fsdp2_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
-    """Every FSDP2 run: besides loading and offload, prepare gives odd-dtype modules their own
-    group (`dtype_groups`), which stock accelerate needs as much with the loader off."""
+    """Every FSDP2 run: besides loading and offload, prepare keeps ties in one group and gives
+    odd-dtype modules their own (`shard_groups`), which stock accelerate needs as much with the
+    loader off."""
     return fsdp_requested(cfg) and cfg.version == 2
 
 def fully_shard_swap(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:

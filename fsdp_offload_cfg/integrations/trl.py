@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.dtype_groups import one_dtype_per_group
+from fsdp_offload_cfg.shard_groups import fsdp2_groups
 from fsdp_offload_cfg.integrations.accelerate import fill_through_loader, load_through_loader
 from fsdp_offload_cfg.integrations.common import fsdp2_prepare_needed, fully_shard_swap
 from fsdp_offload_cfg.registry import LaunchContext, Patch
@@ -28,7 +28,7 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
         plugin = accelerator.state.fsdp_plugin
 
         def shard(m: torch.nn.Module) -> torch.nn.Module:
-            with one_dtype_per_group(m):
+            with fsdp2_groups(m):
                 return original(m, accelerator)
 
         if isinstance(model, FSDPModule) or plugin.fsdp_version != 2 or not fill_through_loader(model, plugin, cfg):

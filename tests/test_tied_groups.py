@@ -1,0 +1,203 @@
+"""Ties beyond a causal LM's two embeddings under FSDP2 (`fsdp_offload_cfg.tie_groups`): T5 and
+BART (`shared` tied to both stacks' `embed_tokens` and the `lm_head`), BERT and RoBERTa MLM heads
+(the decoder's weight tied to the word embeddings, its bias to the head's own `bias`).
+
+accelerate's `fsdp2_prepare_model` keeps only an input and an output embedding together, so on
+these models FSDP2 refused the tie ("shared with a parameter already managed by another FSDP
+group") or crashed on it (`_init_sharding_spec_tp`), with the loader on or off. On 2 real gloo
+ranks through `patch()` and `accelerator.prepare`: every tensor after prepare equals a plain
+load, each tie is one parameter, two AdamW steps give the same losses with the loader off,
+"broadcast" and "sharded", and the saved checkpoint loads back tied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+MODES = ["loader_off", "broadcast", "sharded"]
+# each family's layer classes, as a user lists them (transformers 4.57's RoBERTa names a class it
+# no longer has in `_no_split_modules`, which accelerate would wrap by default)
+LAYERS = {"T5ForConditionalGeneration": ["T5Block"],
+          "BartForConditionalGeneration": ["BartEncoderLayer", "BartDecoderLayer"],
+          "BertForMaskedLM": ["BertLayer"], "RobertaForMaskedLM": ["RobertaLayer"]}
+FAMILIES = list(LAYERS)
+STEPS = 2
+
+
+def _tiny(family: str) -> nn.Module:
+    import transformers
+
+    small = {"vocab_size": 64}
+    configs = {
+        "T5ForConditionalGeneration": transformers.T5Config(
+            d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0, **small),
+        "BartForConditionalGeneration": transformers.BartConfig(
+            d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, **small),
+        "BertForMaskedLM": transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, **small),
+        "RobertaForMaskedLM": transformers.RobertaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=66, **small),
+    }
+    torch.manual_seed(0)
+    return getattr(transformers, family)(configs[family])
+
+
+def _ties(model: nn.Module) -> list[tuple[str, ...]]:
+    from fsdp_offload_cfg.tie_groups import tied_holders
+
+    return sorted(tuple(name for name, _ in found) for found in tied_holders(model).values())
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _config(mode: str) -> dict[str, Any]:
+    fsdp = {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": mode != "loader_off",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
+    if mode != "loader_off":
+        fsdp["load_strategy"] = mode
+    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
+
+
+def _run_worker(rank: int, world_size: int, mode: str, paths: dict[str, str], out_root: str) -> dict[str, Any]:
+    import transformers
+    from accelerate import Accelerator
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(_config(mode))
+    results: dict[str, Any] = {}
+    for family, path in paths.items():
+        accelerator = Accelerator()
+        accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = LAYERS[family]  # the singleton keeps the first
+        model = getattr(transformers, family).from_pretrained(path)
+        ties = _ties(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        try:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        except Exception as exc:  # noqa: BLE001 - what this rank saw is the result
+            results[family] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        prepared = accelerator.get_state_dict(model)  # every rank takes part
+        one_parameter = [all(model.get_parameter(n) is model.get_parameter(tie[0]) for n in tie) for tie in ties]
+        losses = []
+        for step in range(STEPS):
+            ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        trained = accelerator.get_state_dict(model)
+        out = os.path.join(out_root, mode, family)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(out, state_dict=trained)
+        accelerator.wait_for_everyone()
+        results[family] = {
+            "error": None,
+            "ties": ties,
+            "one_parameter": one_parameter,
+            "losses": losses,
+            "prepared": {k: _digest(v) for k, v in prepared.items()} if rank == 0 else None,
+            "trained": {k: _digest(v) for k, v in trained.items()} if rank == 0 else None,
+            "saved_to": out,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tied")
+    paths = {}
+    for family in FAMILIES:
+        paths[family] = str(root / family)
+        _tiny(family).save_pretrained(paths[family])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = str(tmp_path_factory.mktemp("trained"))
+    return {mode: run_workers(_run_worker, 2, mode, checkpoints, out, timeout=300) for mode in MODES}
+
+
+def _plain(path: str, family: str) -> nn.Module:
+    import transformers
+
+    return getattr(transformers, family).from_pretrained(path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prepare_keeps_every_tie_and_every_tensor_of_a_plain_load(runs: dict[str, Any], checkpoints: dict[str, str],
+                                                                  mode: str, family: str):
+    for rank in (0, 1):
+        result = runs[mode][rank][family]
+        assert result["error"] is None, (rank, result["error"])
+        assert result["ties"], "the family ties nothing: the test would prove nothing"
+        assert all(result["one_parameter"]), (rank, result["ties"], result["one_parameter"])
+    plain = _plain(checkpoints[family], family).state_dict()
+    assert runs[mode][0][family]["prepared"] == {k: _digest(v) for k, v in plain.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_losses_are_bit_equal_with_the_loader_off_broadcast_and_sharded(runs: dict[str, Any], family: str):
+    for rank in (0, 1):
+        losses = {mode: runs[mode][rank][family]["losses"] for mode in MODES}
+        assert losses["broadcast"] == losses["loader_off"] == losses["sharded"], (rank, losses)
+        assert losses["loader_off"][1] != losses["loader_off"][0]  # the step changed the weights
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_saved_checkpoint_loads_back_tied(runs: dict[str, Any], mode: str, family: str):
+    result = runs[mode][0][family]
+    reloaded = _plain(result["saved_to"], family)
+    for tie in result["ties"]:
+        assert all(reloaded.get_parameter(n) is reloaded.get_parameter(tie[0]) for n in tie), tie
+    assert {k: _digest(v) for k, v in reloaded.state_dict().items()} == result["trained"]
+
+
+def _split_worker(rank: int, world_size: int, path: str) -> str | None:
+    """The word embeddings sharded by hand before prepare, then the model re-tied (its decoder now
+    holds their DTensor): that tie can no longer be kept in one group. FSDP2 itself crashed in
+    `_init_sharding_spec_tp` ("Invariant encountered: value was None")."""
+    from accelerate import Accelerator
+    from torch.distributed.fsdp import fully_shard
+    from transformers import BertForMaskedLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(_config("loader_off"))
+    accelerator = Accelerator()
+    model = BertForMaskedLM.from_pretrained(path)
+    fully_shard(model.bert.embeddings.word_embeddings)
+    model.tie_weights()
+    try:
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    except Exception as exc:  # noqa: BLE001 - what this rank saw is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_a_tie_that_cannot_stay_in_one_group_stops_every_rank_naming_both(checkpoints: dict[str, str]):
+    errors = run_workers(_split_worker, 2, checkpoints["BertForMaskedLM"], timeout=120)
+    for error in errors:
+        assert error is not None and error.startswith("TieGroupError: the tied parameters "), error
+        assert "bert.embeddings.word_embeddings.weight" in error and "cls.predictions.decoder.weight" in error, error
+        assert "transformer_layer_cls_to_wrap" in error, error
