@@ -36,8 +36,9 @@ from torch import nn
 
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
-from fsdp_offload_cfg._sizes import show_size, size_in_bytes
+from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
+from fsdp_offload_cfg.config.derived import budget_bytes, mixed_compute_dtype, stated_rates
 
 if TYPE_CHECKING:
     from fsdp_offload_cfg.estimate.plan import Plan
@@ -46,18 +47,6 @@ logger = get_logger("fsdp_offload_cfg.budget")
 
 _FN = "_fsdp_offload_cfg_checkpoint_fn"  # a wrapper's own checkpoint function, while it passes through
 _PLANNED = "_fsdp_offload_cfg_budget_planned"  # set on the model once its layers follow a plan
-
-
-def budget_bytes(cfg: FSDPOffloadConfig) -> int | None:
-    """The budget in bytes, or None when the config sets none (the rules refuse a size <= 0)."""
-    return None if cfg.activation_memory_budget is None else size_in_bytes(cfg.activation_memory_budget)
-
-
-def stated_rates(cfg: FSDPOffloadConfig) -> tuple[float | None, float | None]:
-    """(FLOP/s, copy bytes/s) the config states for the plan (`activation_budget_compute_tflops`,
-    `activation_budget_copy_gb_per_s`), None for each it leaves to be measured."""
-    tflops, gb_per_s = cfg.activation_budget_compute_tflops, cfg.activation_budget_copy_gb_per_s
-    return (None if tflops is None else tflops * 1e12), (None if gb_per_s is None else gb_per_s * 1e9)
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -365,7 +354,9 @@ def _original_class(model: nn.Module) -> type[nn.Module]:
 
 
 def _compute_dtype(model: nn.Module, cfg: FSDPOffloadConfig) -> torch.dtype:
-    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision or "no")
+    """The dtype this run computes activations in: the config's mixed precision (one rule with
+    the estimate, `config.derived`), else the parameters' own."""
+    mixed = mixed_compute_dtype(cfg)
     if mixed is not None:
-        return mixed
+        return getattr(torch, mixed)
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

@@ -267,3 +267,24 @@ def test_the_configs_rates_time_the_plan_and_the_command_line_wins(llama: str, t
     assert cli.main(["estimate", str(config_file), "--model", llama, "--seq-len", str(SEQ), "--batch-size", str(BATCH),
                      "--format", "json", "--compute-tflops", "9"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["time_model"]["compute_tflops"] == 9.0
+
+
+def test_the_estimate_and_the_run_time_plan_compute_in_the_same_dtype_for_every_mixed_precision():
+    """The compute dtype was decided twice: the run-time planner had no fp8 entry (it planned fp8
+    activations in the parameters' float32), the estimate took bf16."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from fsdp_offload_cfg.budget import _compute_dtype
+    from fsdp_offload_cfg.config.keys import LAUNCH
+    from fsdp_offload_cfg.estimate import resolve_dtypes
+
+    values = next(key for key in LAUNCH if key.name == "mixed_precision").schema["enum"]
+    assert set(values) == {"no", "fp8", "fp16", "bf16"}, values
+    model = nn.Linear(4, 4)  # float32 parameters, as loaded
+    for value in values:
+        cfg = load_config({"distributed_type": "FSDP", "mixed_precision": value, "fsdp_config": {"fsdp_version": 2}})
+        planned = _compute_dtype(model, cfg)
+        estimated = resolve_dtypes(cfg, SimpleNamespace(dtype=torch.float32), None).compute
+        assert planned == estimated, (value, planned, estimated)

@@ -24,7 +24,6 @@ from fsdp_offload_cfg.config import FSDPOffloadConfig
 
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
 DEVICES = ("cuda", "cpu")
-_MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,12 +45,14 @@ def resolve_dtypes(config: FSDPOffloadConfig, model_config: Any, dtype: str | No
     everything stays in the load dtype (`dtype`, else the config.json's, as transformers 5
     `from_pretrained(dtype="auto")` does, else fp32)."""
     from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
+    from fsdp_offload_cfg.config.derived import mixed_compute_dtype
 
     name = dtype or _config_dtype(model_config) or "float32"
     if name not in _DTYPES:
         raise EstimateError(f"--dtype: expected one of {', '.join(sorted(_DTYPES))}, got {name!r}")
     load = _DTYPES[name]
-    mixed = _MIXED.get(config.mixed_precision or "no")
+    mixed_name = mixed_compute_dtype(config)  # one rule with the run-time plan
+    mixed = getattr(torch, mixed_name) if mixed_name is not None else None
     storage = torch.float32 if mixed and accelerate_upcast() != "none" else load
     return Dtypes(load, storage, mixed or load)
 
