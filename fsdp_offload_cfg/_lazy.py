@@ -17,14 +17,14 @@ def lazy_exports(package: str, namespace: dict[str, Any],
                  exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """`__getattr__` and `__dir__` for `package`: `exports` maps a name to the module that defines it."""
 
-    def __getattr__(name: str) -> Any:
+    def get(name: str) -> Any:
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(exports[name]), name)
         namespace[name] = value
         return value
 
-    def __dir__() -> list[str]:
+    def listing() -> list[str]:
         return sorted({*namespace, *exports})
 
-    return __getattr__, __dir__
+    return get, listing

@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 
-
 class DtypeGroupError(RuntimeError):
     """A parameter of another dtype sits directly on a module that also holds the unit's dtype:
     no module boundary separates them, so no `fully_shard` group can."""

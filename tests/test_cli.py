@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import runpy
@@ -261,5 +262,5 @@ def test_help_describes_every_verb_in_whole_sentences(capsys: pytest.CaptureFixt
 def test_a_process_count_below_one_is_a_usage_error_naming_the_option(argv: list[str], capsys: pytest.CaptureFixture[str]):
     assert cli.main([*argv, EXAMPLES[0]]) == 2
     err = capsys.readouterr().err
-    option = next(a for a, v in zip(argv, argv[1:]) if a.startswith("--") and v.lstrip("-").isdigit() and int(v) < 1)
+    option = next(a for a, v in itertools.pairwise(argv) if a.startswith("--") and v.lstrip("-").isdigit() and int(v) < 1)
     assert f"argument {option}: must be 1 or more" in err, err

@@ -317,7 +317,6 @@ def test_the_end_of_run_line_warns_only_about_layers_it_was_to_move(kept: str) -
     layer the plan was to move that moved nothing (tensors too small here) still warns."""
     import logging
 
-    from fsdp_offload_cfg._sizes import UNITS
     from fsdp_offload_cfg.offload.stats import describe_moved
 
     model = tiny_llama(3)
@@ -333,7 +332,6 @@ def test_the_end_of_run_line_warns_only_about_layers_it_was_to_move(kept: str) -
 
 
 def test_the_end_of_run_line_is_silent_when_the_offload_never_ran() -> None:
-    from fsdp_offload_cfg._sizes import UNITS
     from fsdp_offload_cfg.offload.stats import describe_moved
 
     assert describe_moved(offload_stats()) is None

@@ -33,8 +33,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp_offload_cfg._sizes import show_size
-from fsdp_offload_cfg.estimate import EstimateError
 from fsdp_offload_cfg.estimate.activations import Residency, checkpointed_storages, replay
+from fsdp_offload_cfg.estimate.inputs import EstimateError
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, SavedStorage
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_offload_cfg.estimate import EstimateError
+from fsdp_offload_cfg.estimate.inputs import EstimateError
 
 # (key in device_by_setting, legend label, colour): bottom to top, what sharding cuts first
 KINDS = (

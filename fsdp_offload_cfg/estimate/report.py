@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from fsdp_offload_cfg._sizes import show_size
-from fsdp_offload_cfg.config.derived import budget_bytes, stated_rates
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.estimate import Dtypes, EstimateError, resolve_dtypes
+from fsdp_offload_cfg.config.derived import budget_bytes, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
+from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
     ModelSource,

@@ -14,7 +14,6 @@ import torch
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import budget_bytes, enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.shard_groups import fsdp2_groups
 from fsdp_offload_cfg.integrations.common import (
     cpu_fsdp_needed,
     enable_offload,
@@ -24,6 +23,7 @@ from fsdp_offload_cfg.integrations.common import (
     logger,
 )
 from fsdp_offload_cfg.registry import LaunchContext, Patch
+from fsdp_offload_cfg.shard_groups import fsdp2_groups
 
 
 def build_partial_state_init(original: Callable[..., None], cfg: FSDPOffloadConfig) -> Callable[..., None]:

@@ -14,8 +14,8 @@ import torch
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig, env_values
-from fsdp_offload_cfg.shard_groups import swap_target
 from fsdp_offload_cfg.registry import LaunchContext
+from fsdp_offload_cfg.shard_groups import swap_target
 
 logger = get_logger("fsdp_offload_cfg.integrations")
 
