@@ -112,6 +112,9 @@ class Plan:
     source: str
     patches: list[Patch]
     env: dict[str, str]  # variables to export (what accelerate launch would have exported)
+    # how this plan was made, for a config that arrives later (the Trainer's `fsdp_config`): the
+    # patch that receives it plans it the same way without importing the planner (a cycle)
+    replan: Callable[[FSDPOffloadConfig, str], Plan] | None = None
 
 
 @dataclass
@@ -131,6 +134,7 @@ class PatchSession:
     source: str
     applied: list[_Applied]
     env_before: dict[str, str | None]  # every variable this session set, as it was before
+    replan: Callable[[FSDPOffloadConfig, str], Plan] | None = None  # its plan's (see `Plan.replan`)
     # what the patches did to objects while the session was active (activation offload enabled
     # on prepared models): undone by `uninstall`, last first
     undo: list[Callable[[], None]] = field(default_factory=list)
@@ -223,7 +227,7 @@ def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
 
 
 def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchContext,
-         env: dict[str, str]) -> Plan:
+         env: dict[str, str], replan: Callable[[FSDPOffloadConfig, str], Plan] | None = None) -> Plan:
     """The patches `cfg` needs in `ctx`, with versions in range and every target present."""
     wanted = [p for p in patches if p.enabled(cfg, ctx)]
     check_versions({dist for p in wanted for dist in p.requires})
@@ -233,7 +237,7 @@ def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchC
         resolve(p)
         for module, attribute in p.swaps(cfg):
             _resolve_swap(p, module, attribute)
-    return Plan(cfg, source, wanted, env)
+    return Plan(cfg, source, wanted, env, replan)
 
 
 # -------------------------------------------------------------------------------------------
@@ -252,7 +256,7 @@ def install(new: Plan) -> PatchSession:
     except BaseException:
         _revert(applied, env_before)
         raise
-    _ACTIVE = PatchSession(new.config, new.source, applied, env_before)
+    _ACTIVE = PatchSession(new.config, new.source, applied, env_before, new.replan)
     _install_later(_ACTIVE, new.patches)
     return _ACTIVE
 

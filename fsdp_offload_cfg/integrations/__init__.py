@@ -41,7 +41,8 @@ def plan_for(cfg: FSDPOffloadConfig, source: str, ctx: LaunchContext) -> registr
     problems = environment_problems(cfg, ctx)
     if problems:
         raise ConfigError("\n".join(problems))
-    return registry.plan(cfg, source, PATCHES, ctx, accelerate_env(cfg, ctx))
+    return registry.plan(cfg, source, PATCHES, ctx, accelerate_env(cfg, ctx),
+                         replan=lambda later, where: plan_for(later, where, LaunchContext.from_environ()))
 
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fsdp_offload_cfg import integrations, registry
+from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, load_config, read_config_file
 from fsdp_offload_cfg.integrations.common import (
@@ -146,8 +146,8 @@ def _adopt_trainer_config(fsdp: Any, fsdp_config: Any, framework: str) -> None:
                            "one: keeping it. Pass the same fsdp_config to every TrainingArguments.", source,
                            session.source)  # fmt: skip
         return
-    log_active(registry.switch(integrations.plan_for(dataclasses.replace(trainer_cfg, source=source), source,
-                                        LaunchContext.from_environ())))
+    assert session.replan is not None, "a session made by patch() knows how it was planned"
+    log_active(registry.switch(session.replan(dataclasses.replace(trainer_cfg, source=source), source)))
 
 def _always(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return True
