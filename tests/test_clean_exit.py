@@ -10,8 +10,16 @@ from _dist import run_workers
 from fsdp_offload_cfg.clean_exit import wait_for_idle_gloo_workers
 
 
-def test_wait_returns_at_once_without_gloo_workers():
-    assert wait_for_idle_gloo_workers(max_wait=0.0)
+def test_wait_returns_at_once_without_gloo_workers(monkeypatch: pytest.MonkeyPatch):
+    """No gloo worker thread in this process: idle at once, without a single quiet window slept
+    (with `max_wait=0` it could not have waited anyway; here it may wait a minute and must not)."""
+    import fsdp_offload_cfg.clean_exit as clean_exit
+
+    slept: list[float] = []
+    monkeypatch.setattr(clean_exit.time, "sleep", slept.append)
+    assert clean_exit._worker_activity() == {}
+    assert wait_for_idle_gloo_workers(max_wait=60.0)
+    assert slept == []
 
 
 def _idle_after_collectives(rank: int, world_size: int) -> bool:

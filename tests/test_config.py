@@ -467,11 +467,20 @@ def test_rule_between_keys(mapping: dict, path: str, fragment: str):
     assert problem.path == path and fragment in problem.message
 
 
-def test_rules_hold_for_the_fixed_configs():
-    load_config({"version": 1, "reshard_after_forward": "SHARD_GRAD_OP", "sharding_strategy": "HYBRID_SHARD"})
-    load_config({"cpu_ram_efficient_loading": True, "sync_module_states": True, "load_strategy": "sharded"})
-    load_config({"version": 2, "activation_checkpointing": True, "activation_checkpointing_offload": True})
-    load_config({"sync_module_states": False})
+@pytest.mark.parametrize(("mapping", "expected"), [
+    ({"version": 1, "reshard_after_forward": "SHARD_GRAD_OP", "sharding_strategy": "HYBRID_SHARD"},
+     {"version": 1, "reshard_after_forward": "SHARD_GRAD_OP", "sharding_strategy": "HYBRID_SHARD"}),
+    ({"cpu_ram_efficient_loading": True, "sync_module_states": True, "load_strategy": "sharded"},
+     {"cpu_ram_efficient_loading": True, "sync_module_states": True, "load_strategy": "sharded"}),
+    ({"version": 2, "activation_checkpointing": True, "activation_checkpointing_offload": True},
+     {"version": 2, "activation_checkpointing": True, "activation_checkpointing_offload": True}),
+    ({"sync_module_states": False}, {"sync_module_states": False}),
+])
+def test_rules_hold_for_the_fixed_configs(mapping: dict, expected: dict):
+    """Each config is a broken one of RULES, fixed: it loads, with the values as given (a rule
+    that misfired would raise; one that rewrote a value would show here)."""
+    config = load_config(mapping)
+    assert {key: getattr(config, key) for key in expected} == expected
 
 
 def test_rule_mentions_accelerates_fsdp1_default(tmp_path: Path):
