@@ -79,7 +79,7 @@ def build_load_adapter(original: Callable[..., Any], cfg: Any) -> Callable[..., 
     """PEFT's `PeftModel.load_adapter` (behind `PeftModel.from_pretrained`): it calls `state_dict()`
     of the whole model to match the saved adapter's keys, which on a loader-built model would read
     the base model whole from the files on every rank; only keys and shapes are used there."""
-    from fsdp_offload_cfg.loading.meta import state_dict_keys_only
+    from fsdp_offload_cfg.loading.guard import state_dict_keys_only
 
     @functools.wraps(original)
     def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -132,7 +132,7 @@ def fill_pending(model: nn.Module, names: list[str], rank: int, world_size: int)
         DoraLinearLayer.__dict__["update_layer"](
             computed, base_layer=stand_in, lora_A=pending.a.to(b_rows.device), lora_B=b_rows.to(pending.a.dtype),
             scaling=pending.scaling)
-        if dora.weight.is_meta:  # a whole model filled before prepare (`meta._fill_from_files`)
+        if dora.weight.is_meta:  # a whole model filled before prepare (`guard._fill_from_files`)
             dora.weight = nn.Parameter(computed.weight.to(dora.weight.dtype), requires_grad=dora.weight.requires_grad)
         else:
             _local(dora.weight).copy_(computed.weight)

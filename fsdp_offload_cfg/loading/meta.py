@@ -1,14 +1,27 @@
-"""Rank 0 loads the checkpoint on the CPU; every other rank builds the same model on `meta`.
+"""The three loading strategies, as the bodies of the `PreTrainedModel.from_pretrained` and
+`_from_config` patches (the patch named `rank0-from-pretrained` dispatches to all three):
 
-These are the bodies of the `PreTrainedModel.from_pretrained` and `_from_config` patches. They
-are accelerate-independent: the caller decides whether the loader is on; here we only need a
-process group. Why global rank 0 and not transformers' local rank 0: transformers reads the
-checkpoint once per node, so N nodes hold N full copies in host memory; one reader is enough
-because `load_into_sharded` sends every rank its shard anyway.
+- `broadcast` (`rank0_from_pretrained`): rank 0 describes the model and every other rank builds it
+  on `meta` from that description; at prepare rank 0 streams each rank its slices from the files.
+- `sharded` (`sharded_from_pretrained`): every rank, rank 0 included, runs transformers' own
+  `from_pretrained` reading no weight (`checkpoint.py`), so each holds a meta model recording which
+  safetensors tensor fills which parameter, and reads its own slices at prepare. A checkpoint
+  that cannot be read slice by slice raises `NeedsBroadcast` on every rank alike, which falls
+  back to `broadcast`.
+- `auto` (`auto_from_pretrained`, the default): `sharded` where every rank can read the files,
+  rank 0's description for a rank that cannot, `broadcast` for a checkpoint that cannot be read
+  slice by slice.
 
-Protocol: no collective at all, so a load that only some ranks make behaves on them like a
-plain load (rank 0 alone: a real model; another rank alone: a meta model that refuses to run,
-and a clear error if it waits on a rank 0 that never loads):
+The meta model is guarded until prepare fills it (`guard.py`). They are accelerate-independent:
+the caller decides whether the loader is on; here we only need a process group. Why global rank
+0 and not transformers' local rank 0: transformers reads the checkpoint once per node, so N nodes
+hold N full copies in host memory; one reader is enough because `load_into_sharded` sends every
+rank its shard anyway.
+
+Protocol of rank 0's description (`broadcast`, and `auto` for the ranks that cannot read the
+files): no collective at all, so a load that only some ranks make behaves on them like a plain
+load (rank 0 alone: a real model; another rank alone: a meta model that refuses to run, and a
+clear error if it waits on a rank 0 that never loads):
   1. rank 0 marks the call started in the process group's store, runs the original, and posts
      (error or None, what it built: config, `ModelSpec`, generation config, RNG state) there;
   2. the other ranks wait for that post (`Rank0Mailbox`: no collective, so no timeout while rank
@@ -39,14 +52,13 @@ from torch import nn
 
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.compat import model_init
-from fsdp_offload_cfg.loading import dora
 from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import (
     NeedsBroadcast,
-    materialize_from_files,
     meta_from_pretrained,
     record_of,
 )
+from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT, guard_until_prepared
 from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
@@ -54,17 +66,6 @@ from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild
 logger = get_logger("fsdp_offload_cfg.loading")
 
 SOURCE_ATTR = "_fsdp_offload_cfg_rank0_source"
-_GUARD_ATTR = "_fsdp_offload_cfg_meta_guard"  # the forward pre-hook handle of a model still on meta
-_STATE_GUARD_ATTR = "_fsdp_offload_cfg_state_guard"  # its state_dict pre-hook (fills it from the files)
-# > 0 while a library reads `state_dict()` of a loader-built model for its keys and shapes only
-# (PEFT matching a saved adapter's keys): the state_dict guard must not read the model whole then.
-_keys_only_depth = 0
-LOCAL_LOADING_HINT = (
-    "If only some ranks load this model (an eval copy, a teacher or reference model that is never passed "
-    "to prepare), load it inside `with fsdp_offload_cfg.local_loading():` for a full copy on the ranks "
-    "that call it."
-)
-
 # `from_pretrained` keyword arguments that configure loading, not the model's `__init__`
 # (transformers 5.23: named parameters are added from the signature at call time).
 _LOADING_KWARGS = frozenset(
@@ -291,82 +292,9 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
 
 
 def _mark(model: nn.Module, what: str) -> None:
-    """Flag `model` as the loader's and guard its use before `prepare` while it holds meta tensors
-    (a model loaded but never prepared would otherwise return meta outputs without a word):
-
-    - where this rank's checkpoint record backs every meta tensor (rank 0 under "broadcast", every
-      rank under "sharded"), the first forward or `state_dict()` reads the model whole from the
-      files on this rank, with one warning: a load made on this rank alone (an export, an
-      evaluation on the main process) then behaves like a plain load;
-    - elsewhere the forward of the model, and of every part that holds a meta tensor
-      (`model.model(...)`, `model.lm_head(...)`), raises, saying to prepare it first."""
+    """Flag `model` as the loader's and guard its use before `prepare` (`guard.py`)."""
     setattr(model, SOURCE_ATTR, True)
-    rank = dist.get_rank()
-    names = {id(m): n for n, m in model.named_modules()}
-
-    def fill_or_refuse(module: nn.Module, *_: Any) -> None:
-        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]) or _fill_from_files(model, what, rank):
-            return
-        left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-        if left:
-            part = f"its part `{names.get(id(module), type(module).__name__)}`, " if module is not model else ""
-            raise RuntimeError(
-                f"fsdp_offload_cfg: the model made by `{what}` is still on the meta device on rank {rank} "
-                f"({part}{len(left)} tensors, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
-                f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}"
-            )
-
-    def holds_meta(module: nn.Module, recurse: bool) -> bool:
-        return any(t.is_meta for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)])
-
-    for module in model.modules():  # the model, and each part that holds a meta tensor itself
-        if holds_meta(module, recurse=module is model):
-            module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(fill_or_refuse)
-    def fill_unless_keys_only(module: nn.Module, *args: Any) -> None:
-        if not _keys_only_depth:
-            fill_or_refuse(module, *args)
-
-    if _GUARD_ATTR in model.__dict__ and record_of(model) is not None:
-        model.__dict__[_STATE_GUARD_ATTR] = model.register_state_dict_pre_hook(fill_unless_keys_only)
-
-
-@contextmanager
-def state_dict_keys_only() -> Iterator[None]:
-    """Inside, `state_dict()` of a loader-built model returns its meta tensors as they are: for a
-    caller that only matches keys and shapes (PEFT loading a saved adapter calls it on the whole
-    model), where the guard would otherwise read the model whole from the files on every rank."""
-    global _keys_only_depth
-    _keys_only_depth += 1
-    try:
-        yield
-    finally:
-        _keys_only_depth -= 1
-
-
-def _fill_from_files(model: nn.Module, what: str, rank: int) -> bool:
-    """Read `model` whole from the files on this rank if its record backs every meta tensor;
-    True when nothing is left on meta."""
-    record = record_of(model)
-    tensors = [*model.parameters(), *model.buffers()]
-    computed = dora.pending_names(model)  # DoRA magnitudes: computed from the base once it is read
-    owed = {id(model.get_parameter(n)) for n in computed}
-    if record is None or any(t.is_meta and record.lookup(t) is None and id(t) not in owed for t in tensors):
-        return False
-    nbytes = materialize_from_files(model)
-    dora.fill_pending(model, computed, rank=0, world_size=1)
-    release_meta_guards(model, forward_only=True)  # a state_dict hook cannot remove itself while it runs
-    logger.warning("rank %d uses the model made by `%s` before prepare: it read it whole from the files "
-                   "(%.2f GiB, as a plain load). %s", rank, what, nbytes / 2**30, LOCAL_LOADING_HINT)  # fmt: skip
-    return True
-
-
-def release_meta_guards(model: nn.Module, forward_only: bool = False) -> None:
-    """Called by `load_into_sharded`: the model is being filled, its forward may run again."""
-    for module in model.modules():
-        for attr in (_GUARD_ATTR,) if forward_only else (_GUARD_ATTR, _STATE_GUARD_ATTR):
-            handle = module.__dict__.pop(attr, None)
-            if handle is not None:
-                handle.remove()
+    guard_until_prepared(model, what)
 
 
 def _continue_rng(built: _Rank0Built, before: torch.Tensor) -> None:

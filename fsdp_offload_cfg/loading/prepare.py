@@ -46,8 +46,8 @@ from fsdp_offload_cfg.loading._sync import (
 )
 from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR, FileTensor
+from fsdp_offload_cfg.loading.guard import release_meta_guards
 from fsdp_offload_cfg.loading.layout import Target, plan
-from fsdp_offload_cfg.loading.meta import release_meta_guards
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, pair_problem, repeat_shift
 from fsdp_offload_cfg.loading.spec import (
     ModelSpec,

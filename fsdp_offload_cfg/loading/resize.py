@@ -32,7 +32,8 @@ from torch import nn
 
 from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import FileTensor, record_of
-from fsdp_offload_cfg.loading.meta import LOCAL_LOADING_HINT, is_rank0_source
+from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT
+from fsdp_offload_cfg.loading.meta import is_rank0_source
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR
 
 
