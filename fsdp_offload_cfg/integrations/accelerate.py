@@ -12,14 +12,17 @@ from typing import Any
 import torch
 
 from fsdp_offload_cfg._logging import is_rank0
-from fsdp_offload_cfg.budget import budget_bytes, enable_budget, wrap_layers
+from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.config.derived import budget_bytes
 from fsdp_offload_cfg.integrations.common import (
     cpu_fsdp_needed,
     enable_offload,
+    fill_through_loader,
     fsdp2_prepare_needed,
     fsdp_requested,
     fully_shard_swap,
+    load_through_loader,
     logger,
 )
 from fsdp_offload_cfg.registry import LaunchContext, Patch
@@ -128,32 +131,6 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
     elif cfg.activation_cpu_offload.enabled:
         enable_offload(model, cfg)
     return model
-
-def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:
-    """Shard and fill `model` with `load_into_sharded` (else accelerate's own prepare)?
-
-    Yes for a model the loader built (on meta on some ranks: only the loader can fill it, whatever
-    the switches say now), and for any model when both the plugin and the config ask for
-    RAM-efficient loading (it also keeps persistent buffers, which accelerate's path crashes on).
-    One decision for all ranks: it is followed by collectives on one path or the other.
-    """
-    from fsdp_offload_cfg.loading import is_rank0_source
-    from fsdp_offload_cfg.loading._sync import any_rank, distributed_ready
-
-    wanted = any(is_rank0_source(m) for m in model.modules()) or bool(
-        plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading
-    )
-    return any_rank(wanted) if distributed_ready() else wanted
-
-def load_through_loader(
-    model: torch.nn.Module, shard: Callable[[torch.nn.Module], Any], plugin: Any, cfg: FSDPOffloadConfig
-) -> Any:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    from fsdp_offload_cfg.loading import load_into_sharded
-
-    cpu_offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-    return load_into_sharded(model, shard, strategy=cfg.load_strategy, cpu_offload=cpu_offload).model
 
 def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """FSDP1: accelerate wraps the model inside `prepare_model`; hook the offload after it."""

@@ -1,5 +1,7 @@
 """What every target's patches share: what the config asks for, the environment accelerate and
-transformers read, turning the activation offload on, and rank 0's line saying what is active.
+transformers read, filling a loader-built model at prepare (accelerate's `fsdp2_prepare_model`
+and TRL's `prepare_fsdp` alike), turning the activation offload on, and rank 0's line saying
+what is active.
 
 Predicates take the config and the `LaunchContext`; nothing here patches anything.
 """
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -143,3 +147,31 @@ def log_active(session: registry.PatchSession) -> None:
         offload = f"planned per layer to activation_memory_budget {cfg.activation_memory_budget} at the first forward"
     logger.info("config from %s (FSDP%d, meta loading: %s, activation offload: %s); patches: %s", session.source,
                 cfg.version, loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip
+
+def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:
+    """Shard and fill `model` with `load_into_sharded` (else accelerate's own prepare)?
+
+    Yes for a model the loader built (on meta on some ranks: only the loader can fill it, whatever
+    the switches say now), and for any model when both the plugin and the config ask for
+    RAM-efficient loading (it also keeps persistent buffers, which accelerate's path crashes on).
+    One decision for all ranks: it is followed by collectives on one path or the other.
+    """
+    from fsdp_offload_cfg.loading import is_rank0_source
+    from fsdp_offload_cfg.loading._sync import any_rank, distributed_ready
+
+    wanted = any(is_rank0_source(m) for m in model.modules()) or bool(
+        plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading
+    )
+    return any_rank(wanted) if distributed_ready() else wanted
+
+def load_through_loader(
+    model: torch.nn.Module, shard: Callable[[torch.nn.Module], Any], plugin: Any, cfg: FSDPOffloadConfig
+) -> Any:
+    """`load_into_sharded` with `shard` as its shard function, the config's strategy, and the
+    plugin's CPU offload (accelerate's prepare and TRL's `prepare_fsdp` alike)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from fsdp_offload_cfg.loading import load_into_sharded
+
+    cpu_offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    return load_into_sharded(model, shard, strategy=cfg.load_strategy, cpu_offload=cpu_offload).model

@@ -11,8 +11,12 @@ from typing import Any
 import torch
 
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.integrations.accelerate import fill_through_loader, load_through_loader
-from fsdp_offload_cfg.integrations.common import fsdp2_prepare_needed, fully_shard_swap
+from fsdp_offload_cfg.integrations.common import (
+    fill_through_loader,
+    fsdp2_prepare_needed,
+    fully_shard_swap,
+    load_through_loader,
+)
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 from fsdp_offload_cfg.shard_groups import fsdp2_groups
 
