@@ -118,7 +118,7 @@ def _report_uncaught_config_errors() -> None:
 
     Every rank prints its own, prefixed with its rank: the launcher kills the other ranks as soon
     as one exits, so a rank that stays silent and exits first would take the only message with
-    it (seen as a flaky launch test when only rank 0 spoke). The exception still propagates (a
+    it. The exception still propagates (a
     script may catch it); the process exits 1.
     """
     if getattr(sys.excepthook, "_fsdp_offload_cfg", False):

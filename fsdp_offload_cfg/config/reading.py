@@ -5,7 +5,7 @@ Users and attackers write things no config should hold; every one of them must e
 
 - YAML is read the way accelerate reads it (`yaml.SafeLoader`: no code, no Python tags), but
   the event stream is scanned first, iteratively, so nesting past `MAX_DEPTH` is refused before
-  the recursive composer sees it (50,000 levels used to overflow the C stack: exit 139);
+  the recursive composer sees it (50,000 levels overflow its C stack: the process dies, exit 139);
 - tagged scalars that yaml's constructors cannot build (`!!float "abc"`, `!!bool "maybe"`,
   `!!timestamp "x"`) raise assorted exception types inside yaml; they become "cannot parse";
 - a `.json` file is read with `json`, as transformers (`TrainingArguments`) and accelerate
