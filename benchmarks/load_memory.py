@@ -22,8 +22,11 @@ Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken a
 process-group init and Accelerator creation; see `PeakMemory`), and the load wall time (from
 `from_pretrained` to the end of `fsdp2_prepare_model`/`load_into_sharded`, slowest rank), with
 two of its parts: `from_pretrained`, and moving the weight bytes (broadcast: rank 0's scatter;
-sharded: each rank's own reads, plus any scatter), the only part the strategy changes. `loss` (one forward on fixed tokens) shows that the
-methods load the same model. Model bytes = parameters + buffers as loaded (fp32).
+sharded: each rank's own reads, plus any scatter), the only part the strategy changes. Beside
+it, for a rank that read from the files, the storage/copy bound of the same bytes, measured on
+that rank after its load (`raw_read_seconds`: `pread` into a fresh buffer, then into the same
+touched buffer). `loss` (one forward on fixed tokens) shows that the methods load the same
+model. Model bytes = parameters + buffers as loaded (fp32).
 
 Each configuration runs `--repeat` times, the methods interleaved (plain, stock, broadcast, sharded,
 plain, ...) so that a slow spell of the machine hits all of them; before each launch the
@@ -133,7 +136,39 @@ def _load(method: str, model_dir: str, accelerator, result: dict):
     result["build_seconds"] = time.perf_counter() - start
     report = _prepare(method, model, accelerator)
     result["move_seconds"] = _move_seconds(report)
+    result["read_bytes"] = getattr(getattr(report, "read", None), "bytes_read", 0)
     return report if method in ("plain", "stock") else report.model
+
+
+def raw_read_seconds(model_dir: str, nbytes: int, rank: int) -> tuple[float, float]:
+    """The storage/copy bound of reading `nbytes` on this rank: `pread` of as many bytes of the
+    checkpoint (this rank's stretch of it, in 64 MiB calls) into a fresh buffer, then again into
+    the same, already touched, buffer. Fresh memory is what a load fills (the kernel faults and
+    zeroes each page as the copy reaches it); touched memory is the copy alone."""
+    import torch
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    start = (rank * nbytes) % max(1, sum(sizes) - nbytes + 1)
+    times = []
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(2):
+        view, done, began = memoryview(buffer.numpy()).cast("B"), 0, time.perf_counter()
+        offset = start
+        for path, size in zip(files, sizes):
+            if offset >= size:
+                offset -= size
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while done < nbytes and offset < size:
+                    n = os.preadv(fd, [view[done:done + min(64 * 2**20, nbytes - done, size - offset)]], offset)
+                    done, offset = done + n, offset + n
+            finally:
+                os.close(fd)
+            offset = 0
+        times.append(time.perf_counter() - began)
+    return times[0], times[1]
 
 
 def _move_seconds(report) -> float | None:
@@ -199,6 +234,10 @@ def worker(method: str, model_dir: str, out: str) -> None:
         result["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
             b.numel() * b.element_size() for b in model.buffers()
         )
+        dist.barrier()  # every rank reads its raw bytes at once, as they read their shards at once
+        if result["read_bytes"]:
+            result["raw_fresh_seconds"], result["raw_touched_seconds"] = raw_read_seconds(
+                model_dir, result["read_bytes"], rank)
     except Exception as exc:  # noqa: BLE001 - recorded as "crash" in the table
         result["crash"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
     Path(f"{out}.{rank}").write_text(json.dumps(result))
@@ -263,6 +302,8 @@ class Summary:
     move_seconds: float | None = None  # the same run's scatter/read share (slowest rank; the loader's methods)
     loss: float = 0.0
     model_bytes: int = 0
+    raw_fresh_seconds: float | None = None  # the same run's raw read of the same bytes (slowest rank)
+    raw_touched_seconds: float | None = None
 
 
 def summarize(runs: list[list[dict]]) -> Summary:
@@ -281,6 +322,8 @@ def summarize(runs: list[list[dict]]) -> Summary:
         move_seconds=None if median[0]["move_seconds"] is None else max(r["move_seconds"] for r in median),
         loss=median[0]["loss"],
         model_bytes=median[0]["model_bytes"],
+        raw_fresh_seconds=max((r.get("raw_fresh_seconds") or 0.0 for r in median), default=0.0) or None,
+        raw_touched_seconds=max((r.get("raw_touched_seconds") or 0.0 for r in median), default=0.0) or None,
     )
 
 
@@ -290,13 +333,15 @@ def _gib(nbytes: int, model_bytes: int) -> str:
 
 def row(checkpoint: str, method: str, ranks: int, s: Summary, baseline: Summary | None, model_bytes: int) -> str:
     if s.crash is not None:
-        return f"| {checkpoint} | {method} | {ranks} | crash | crash | crash | crash | | | | | | {s.crash} |"
+        return f"| {checkpoint} | {method} | {ranks} | crash | crash | crash | crash | | | | | | | {s.crash} |"
     ratio = f"{s.seconds / baseline.seconds:.2f}x" if baseline is not None and baseline.crash is None else ""
     move = "" if s.move_seconds is None else f"{s.move_seconds:.2f}"
+    raw = "" if s.raw_fresh_seconds is None else (
+        f"{s.raw_fresh_seconds:.2f} / {s.raw_touched_seconds:.2f} ({s.move_seconds / s.raw_fresh_seconds:.2f}x)")
     return (
         f"| {checkpoint} | {method} | {ranks} | {_gib(s.rank0_rss, model_bytes)} | {_gib(s.rank0_anon, model_bytes)} "
         f"| {_gib(s.others_rss, model_bytes)} | {_gib(s.others_anon, model_bytes)} | {s.seconds:.2f} "
-        f"| {s.build_seconds:.2f} | {move} | {ratio} | {s.loss:.6f} | |"
+        f"| {s.build_seconds:.2f} | {move} | {raw} | {ratio} | {s.loss:.6f} | |"
     )
 
 
@@ -304,9 +349,10 @@ HEADER = [
     (
         "| checkpoint | method | ranks | rank 0 peak RSS GiB (x model) | rank 0 peak anon | "
         "other ranks: max peak RSS | other ranks: max peak anon | time s (median) | of which from_pretrained s "
-        "| of which moving bytes s | time vs broadcast | loss | note |"
+        "| of which moving bytes s | raw read of those bytes s: fresh / touched memory (moving vs fresh) "
+        "| time vs broadcast | loss | note |"
     ),
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
