@@ -1,0 +1,109 @@
+"""Each checkpoint byte read once across the job under `sharded` and `auto`: every rank reads its
+own slices and nothing else, counted by the loader and by the kernel (`/proc/self/io` `rchar`:
+the bytes this process's `read`/`pread` calls returned), on 2 real gloo ranks.
+
+The kernel's count is taken around a second `load_into_sharded` of the same checkpoint, so that
+the first one's lazy imports (Python reading its own `.py` files) are not counted; what else the
+process reads meanwhile (the process group's store) is a few hundred bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+KERNEL_SLACK = 4096  # bytes the kernel may count besides the checkpoint reads (store traffic)
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def _needed_and_row(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of this rank's own slices of every tensor, the largest row of any tensor): what a
+    rank must read, and the most it may read beyond that (a slice boundary inside one row)."""
+    from torch.distributed.tensor import DTensor
+
+    needed, row = 0, 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith("inv_freq"):  # computed at init, not in the checkpoint
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        needed += local.numel() * local.element_size()
+        if tensor.dim() > 0:
+            row = max(row, tensor.numel() // tensor.shape[0] * tensor.element_size())
+    return needed, row
+
+
+def _worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+    from fsdp_offload_cfg.loading import auto_from_pretrained, load_into_sharded, sharded_from_pretrained
+
+    load = sharded_from_pretrained if strategy == "sharded" else auto_from_pretrained
+
+    def shard(model: torch.nn.Module) -> None:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    for _ in range(2):  # the second load is the measured one
+        model = load(PreTrainedModel.from_pretrained, LlamaForCausalLM, path)
+        before = _rchar()
+        report = load_into_sharded(model, shard, strategy=strategy)
+        kernel = _rchar() - before
+    needed, row = _needed_and_row(report.model)
+    return {"loader": report.read.bytes_read if report.read else 0, "kernel": kernel, "needed": needed, "row": row,
+            "sent": 0 if report.sent is None else report.sent.tensors}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from _models import save_llama, save_llama_multi_file
+
+    root = tmp_path_factory.mktemp("read_once")
+    return {"one_file": save_llama(str(root / "one_file")), "many_files": save_llama_multi_file(str(root / "many"))}
+
+
+def _tensor_bytes(path: str) -> int:
+    """The checkpoint's tensor bytes (its files less their headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    piece = f.get_slice(key)
+                    numel = 1
+                    for n in piece.get_shape():
+                        numel *= n
+                    total += numel * torch.empty(0, dtype=getattr(torch, _DTYPES[piece.get_dtype()])).element_size()
+    return total
+
+
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@pytest.mark.parametrize("strategy", ["sharded", "auto"])
+@pytest.mark.parametrize("name", ["one_file", "many_files"])
+def test_each_checkpoint_byte_is_read_once_across_the_ranks(checkpoints: dict[str, str], strategy: str, name: str):
+    ranks = run_workers(_worker, 2, strategy, checkpoints[name], timeout=180)
+    total = _tensor_bytes(checkpoints[name])
+    assert len([f for f in os.listdir(checkpoints[name]) if f.endswith(".safetensors")]) > (name == "many_files")
+    for rank, r in enumerate(ranks):
+        assert r["sent"] == 0, f"rank {rank}: rank 0 scattered {r['sent']} tensors that every rank can read"
+        # what the loader counts is what the kernel saw this process read
+        assert r["loader"] <= r["kernel"] <= r["loader"] + KERNEL_SLACK, (rank, r)
+        # its own slices and, at most, the rest of one row
+        assert r["needed"] <= r["loader"] <= r["needed"] + r["row"], (rank, r)
+    assert sum(r["loader"] for r in ranks) <= 1.05 * total, ([r["loader"] for r in ranks], total)
