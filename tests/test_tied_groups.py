@@ -104,6 +104,7 @@ def _run_worker(rank: int, world_size: int, mode: str, paths: dict[str, str], ou
             optimizer.zero_grad()
             losses.append(loss.item())
         trained = accelerator.get_state_dict(model)
+        reference = _trl_reference(family, path, accelerator, ties)
         out = os.path.join(out_root, mode, family)
         if accelerator.is_main_process:
             accelerator.unwrap_model(model).save_pretrained(out, state_dict=trained)
@@ -116,8 +117,30 @@ def _run_worker(rank: int, world_size: int, mode: str, paths: dict[str, str], ou
             "prepared": {k: _digest(v) for k, v in prepared.items()} if rank == 0 else None,
             "trained": {k: _digest(v) for k, v in trained.items()} if rank == 0 else None,
             "saved_to": out,
+            "reference": reference if rank == 0 or reference is None else {**reference, "prepared": None},
         }
     return results
+
+
+def _trl_reference(family: str, path: str, accelerator: Any, ties: list[tuple[str, ...]]) -> dict[str, Any] | None:
+    """The same checkpoint as a reference model through TRL's `prepare_fsdp` (its own
+    `fully_shard`, no optimizer): ties kept, a forward runs (FSDP2 checks shared parameters at
+    its first forward), every tensor as a plain load. None where TRL is not installed."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("trl") is None:
+        return None
+    from trl.models.utils import prepare_fsdp
+
+    reference = prepare_fsdp(getattr(transformers, family).from_pretrained(path), accelerator)
+    one_parameter = [all(reference.get_parameter(n) is reference.get_parameter(tie[0]) for n in tie) for tie in ties]
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        loss = reference(input_ids=ids, labels=ids).loss.item()
+    prepared = accelerator.get_state_dict(reference)
+    return {"one_parameter": one_parameter, "loss": loss, "prepared": {k: _digest(v) for k, v in prepared.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +224,18 @@ def test_a_tie_that_cannot_stay_in_one_group_stops_every_rank_naming_both(checkp
         assert error is not None and error.startswith("TieGroupError: the tied parameters "), error
         assert "bert.embeddings.word_embeddings.weight" in error and "cls.predictions.decoder.weight" in error, error
         assert "transformer_layer_cls_to_wrap" in error, error
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_trl_reference_model_keeps_its_ties_too(runs: dict[str, Any], checkpoints: dict[str, str], mode: str,
+                                                  family: str):
+    """TRL shards reference models itself (`prepare_fsdp`, the loader's `trl-prepare-fsdp` patch)."""
+    references = [runs[mode][rank][family]["reference"] for rank in (0, 1)]
+    if references[0] is None:
+        pytest.skip("TRL is not installed on this leg")
+    for rank, reference in enumerate(references):
+        assert all(reference["one_parameter"]), (rank, reference["one_parameter"])
+    assert references[0]["loss"] == references[1]["loss"] == runs["loader_off"][0][family]["reference"]["loss"]
+    plain = _plain(checkpoints[family], family).state_dict()
+    assert references[0]["prepared"] == {k: _digest(v) for k, v in plain.items()}

@@ -95,9 +95,18 @@ def test_run_with_config_under_torchrun(tmp_path: Path, checkpoint: str):
 
 @pytest.mark.distributed
 def test_a_typo_stops_every_rank_with_status_1_naming_the_key(tmp_path: Path, checkpoint: str):
+    """The switch set and the bootstrap first on the path, as `install-hook`'s line or `run` leave
+    them, with nothing checking the file first: each rank stops itself naming the key."""
+    import fsdp_offload_cfg.autopatch as autopatch
+
     config = tmp_path / "typo.yaml"
     config.write_text(YAML.format(extra="  fsdp_activaton_cpu_offload: true\n"))
-    proc = _launch(config, checkpoint, tmp_path / "probe", str(BIN / "fsdp-offload-cfg"), "run", "--")
+    bootstrap = str(Path(autopatch.__file__).parent / "_bootstrap")
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--main_process_port",
+               str(free_port()), str(PROBE), checkpoint]
+    env = _env(tmp_path / "probe", **{SWITCH: "1"})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [bootstrap, env.get("PYTHONPATH")]))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode != 0 and _results(tmp_path / "probe") == [], proc.stdout[-2000:]  # no rank trained
     # Each rank stops itself at start with the message; the launcher then stops the ranks still
     # starting (SIGTERM), so how many print before that is a race: at least one does.
@@ -105,6 +114,18 @@ def test_a_typo_stops_every_rank_with_status_1_naming_the_key(tmp_path: Path, ch
                in proc.stderr]  # fmt: skip
     assert stopped, proc.stderr[-3000:]
     assert "activaton_cpu_offload" in proc.stderr and "did you mean" in proc.stderr
+
+
+def test_run_checks_the_file_the_launch_names_before_starting_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`run -- accelerate launch --config_file F`: a typo in F stops `run` itself, naming the key,
+    before any launcher or rank starts (`run` returns instead of replacing itself)."""
+    from fsdp_offload_cfg import cli
+
+    config = tmp_path / "typo.yaml"
+    config.write_text(YAML.format(extra="  fsdp_activaton_cpu_offload: true\n"))
+    assert cli.main(["run", "--", "accelerate", "launch", "--config_file", str(config), "train.py"]) == 1
+    err = capsys.readouterr().err
+    assert f"{config}: fsdp_config.fsdp_activaton_cpu_offload: unknown key" in err, err
 
 
 def test_run_refuses_a_bad_config_file_before_starting_anything(tmp_path: Path):
