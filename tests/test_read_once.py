@@ -3,8 +3,10 @@ own slices and nothing else, counted by the loader and by the kernel (`/proc/sel
 the bytes this process's `read`/`pread` calls returned), on 2 real gloo ranks.
 
 The kernel's count is taken around a second `load_into_sharded` of the same checkpoint, so that
-the first one's lazy imports (Python reading its own `.py` files) are not counted; what else the
-process reads meanwhile (the process group's store) is a few hundred bytes.
+the first one's lazy imports (Python reading its own `.py` files) are not counted. It is compared
+on rank 1: rank 0 hosts the process group's store, and the kernel counts the store's socket reads
+too (seen: about 15 KB more than the loader's count on rank 0 under `auto` on the axolotl leg);
+what else rank 1 reads meanwhile is a few hundred bytes.
 """
 
 from __future__ import annotations
@@ -102,8 +104,10 @@ def test_each_checkpoint_byte_is_read_once_across_the_ranks(checkpoints: dict[st
     assert len([f for f in os.listdir(checkpoints[name]) if f.endswith(".safetensors")]) > (name == "many_files")
     for rank, r in enumerate(ranks):
         assert r["sent"] == 0, f"rank {rank}: rank 0 scattered {r['sent']} tensors that every rank can read"
-        # what the loader counts is what the kernel saw this process read
-        assert r["loader"] <= r["kernel"] <= r["loader"] + KERNEL_SLACK, (rank, r)
+        # the loader's reads are real reads; on a rank that hosts no store, they are all it read
+        assert r["loader"] <= r["kernel"], (rank, r)
+        if rank > 0:
+            assert r["kernel"] <= r["loader"] + KERNEL_SLACK, (rank, r)
         # its own slices and, at most, the rest of one row
         assert r["needed"] <= r["loader"] <= r["needed"] + r["row"], (rank, r)
     assert sum(r["loader"] for r in ranks) <= 1.05 * total, ([r["loader"] for r in ranks], total)
