@@ -25,20 +25,19 @@ def size_in_bytes(value: int | float | str) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        value = repr(value)
-    match = _SIZE.fullmatch(str(value))
-    if match is None or match.group(2).lower() not in UNITS:
-        return None
-    nbytes = float(match.group(1)) * UNITS[match.group(2).lower()]
+        nbytes = float(value)
+    else:
+        match = _SIZE.fullmatch(str(value))
+        if match is None or match.group(2).lower() not in UNITS:
+            return None
+        nbytes = float(match.group(1)) * UNITS[match.group(2).lower()]
     return int(nbytes) if 1 <= nbytes <= LARGEST else None
 
 
 def show_size(nbytes: int) -> str:
     """Bytes in the largest binary unit that keeps the figure at 1 or more: 1 KiB reads "1.0 KiB",
     not "0.0 MiB", and a 3.2 MiB pool is not "0.00 GiB"."""
-    if nbytes < 2**10:
-        return f"{nbytes} B"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale, digits in (("TiB", 2**40, 2), ("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}" if scale >= 2**30 else f"{nbytes / scale:.1f} {unit}"
-    raise AssertionError("not reached")
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{nbytes} B"

@@ -334,15 +334,13 @@ def _run(args: argparse.Namespace) -> int:
                file=sys.stderr)
         return EXIT_UNREADABLE
     env = dict(os.environ)
-    config = _config_of_run(args.config, command)
-    if isinstance(config, int):
-        return config
-    if config is not None:
-        try:
+    try:
+        config = _config_of_run(args.config, command)
+        if config is not None:
             load_config(config)  # a bad file stops here, before any process starts
-        except ConfigError as error:
-            _print(str(error), file=sys.stderr)
-            return _exit_code(error)
+    except ConfigError as error:
+        _print(str(error), file=sys.stderr)
+        return _exit_code(error)
     if args.config is not None:
         env["FSDP_OFFLOAD_CFG"] = os.path.abspath(args.config)
     bootstrap = os.path.join(os.path.dirname(os.path.abspath(autopatch.__file__)), "_bootstrap")
@@ -356,18 +354,18 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK  # not reached: exec replaced this process
 
 
-def _config_of_run(given: str | None, command: list[str]) -> str | int | None:
+def _config_of_run(given: str | None, command: list[str]) -> str | None:
     """The config `run` checks before starting anything: `--config`, else the one the wrapped
     launcher names (`accelerate launch --config_file F`, `trl sft --accelerate_config F`), which
-    the workers find the same way. Two different files named is a usage error (exit 2)."""
+    the workers find the same way. Two different files named: a `ConfigError` with exit code 2,
+    as for any command line that cannot run."""
     from fsdp_offload_cfg.discovery import launch_config_file
 
     _, named = launch_config_file(command, os.getcwd())
     named_file = str(named) if named is not None and named.is_file() else None
     if given is not None and named_file is not None and os.path.realpath(given) != os.path.realpath(named_file):
-        _print(f"fsdp-offload-cfg run: --config {given} and the command's own config {named_file} are two files; "
-               "name one (the command's is the one the launcher reads)", file=sys.stderr)
-        return EXIT_UNREADABLE
+        raise ConfigError(f"fsdp-offload-cfg run: --config {given} and the command's own config {named_file} are "
+                          "two files; name one (the command's is the one the launcher reads)", unreadable=True)
     return given if given is not None else named_file
 
 
