@@ -7,7 +7,8 @@ these models FSDP2 refused the tie ("shared with a parameter already managed by 
 group") or crashed on it (`_init_sharding_spec_tp`), with the loader on or off. On 2 real gloo
 ranks through `patch()` and `accelerator.prepare`: every tensor after prepare equals a plain
 load, each tie is one parameter, two AdamW steps give the same losses with the loader off,
-"broadcast" and "sharded", and the saved checkpoint loads back tied.
+"broadcast" and "sharded", and the saved checkpoint loads back tied. The same families through
+the Trainer (its `fsdp_config`, its own prepare) and as TRL reference models (`prepare_fsdp`).
 """
 
 from __future__ import annotations
@@ -239,3 +240,67 @@ def test_a_trl_reference_model_keeps_its_ties_too(runs: dict[str, Any], checkpoi
     assert references[0]["loss"] == references[1]["loss"] == runs["loader_off"][0][family]["reference"]["loss"]
     plain = _plain(checkpoints[family], family).state_dict()
     assert references[0]["prepared"] == {k: _digest(v) for k, v in plain.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# the Trainer's path: `fsdp_config` in TrainingArguments, its own Accelerator and prepare
+# --------------------------------------------------------------------------------------------
+
+
+def _trainer_worker(rank: int, world_size: int, mode: str, paths: dict[str, str], out_root: str) -> dict[str, Any]:
+    """Each family trained two steps by the Trainer, the config in its `fsdp_config` (no config
+    given to `patch()`), as a Trainer script writes it."""
+    import transformers
+    from accelerate.state import AcceleratorState
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch()
+    results: dict[str, Any] = {}
+    for family, path in paths.items():
+        fsdp_config = {"version": 2, "cpu_ram_efficient_loading": mode != "loader_off",
+                       "transformer_layer_cls_to_wrap": LAYERS[family], "state_dict_type": "SHARDED_STATE_DICT"}
+        if mode != "loader_off":
+            fsdp_config["load_strategy"] = mode
+        args = transformers.TrainingArguments(
+            output_dir=os.path.join(out_root, mode, family), per_device_train_batch_size=2, max_steps=STEPS,
+            learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], seed=0, fsdp=True,
+            fsdp_config=fsdp_config)
+        g = torch.Generator().manual_seed(0)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, 64, (4 * STEPS, 12), generator=g)]
+        model = getattr(transformers, family).from_pretrained(path)
+        ties = _ties(model)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        try:
+            trainer.train()
+        except Exception as exc:  # noqa: BLE001 - what this rank saw is the result
+            results[family] = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            trained = trainer.model_wrapped
+            results[family] = {
+                "error": None,
+                "ties": ties,
+                "one_parameter": [all(trained.get_parameter(n) is trained.get_parameter(t[0]) for n in t) for t in ties],
+                "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            }
+        AcceleratorState._reset_state()  # the next family's Trainer builds its own plugin (layer classes)
+    return results
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = str(tmp_path_factory.mktemp("trainer"))
+    return {mode: run_workers(_trainer_worker, 2, mode, checkpoints, out, timeout=300) for mode in MODES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_trainer_trains_each_family_the_same_with_the_loader_off_broadcast_and_sharded(
+        trainer_runs: dict[str, Any], family: str):
+    for rank in (0, 1):
+        results = {mode: trainer_runs[mode][rank][family] for mode in MODES}
+        for mode, result in results.items():
+            assert result["error"] is None, (mode, rank, result["error"])
+            assert result["ties"] and all(result["one_parameter"]), (mode, rank, result)
+            assert len(result["losses"]) == STEPS, (mode, rank, result["losses"])
+        losses = {mode: result["losses"] for mode, result in results.items()}
+        assert losses["broadcast"] == losses["loader_off"] == losses["sharded"], (rank, losses)
