@@ -18,6 +18,12 @@ Exactness: a choice changes only where a saved tensor waits (the offload's copie
 whether it is recomputed (`checkpoint_wrapper` with the RNG state preserved, so dropout draws
 the same masks), so gradients are bit-identical to the same run without a budget.
 
+With `auto` the budget itself is worked out at that first forward, before the plan
+(`estimate/room.py`): the device's memory less what is taken (measured here, before FSDP gathers
+the root) and what is to come (estimated), less the margin; each rank measures its own and the
+tightest rank's decides. It is kept for later plans: by then the optimizer's state is allocated
+and measuring again would count it twice.
+
 The plan is made for the largest batch shape any rank has seen: every training forward the ranks
 agree on it (one small all-reduce over a gloo group, which never waits on the device), and a
 batch longer or wider than any before is planned again before its first layer runs, so its
@@ -38,10 +44,12 @@ from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
-from fsdp_offload_cfg.config.derived import budget_bytes, mixed_compute_dtype, stated_rates
+from fsdp_offload_cfg.config.derived import auto_budget, budget_bytes, mixed_compute_dtype, stated_rates
 
 if TYPE_CHECKING:
     from fsdp_offload_cfg.estimate.plan import Plan
+    from fsdp_offload_cfg.estimate.probe import ActivationProfile
+    from fsdp_offload_cfg.estimate.room import Room
 
 logger = get_logger("fsdp_offload_cfg.budget")
 
@@ -99,7 +107,9 @@ def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
                           "layer class")
     handle.handler.kept_groups = frozenset(range(len(handle.groups)))
     planner = _Planner(model, handle, cfg, _host_group())
-    hook = model.register_forward_pre_hook(planner, with_kwargs=True)
+    # before FSDP's own pre-forward (which gathers the root's parameters): what `auto` measures
+    # as taken is then the sharded state, as the estimate counts it
+    hook = model.register_forward_pre_hook(planner, with_kwargs=True, prepend=True)
     registry.on_uninstall(hook.remove)
     summarize_offload_at_exit()
 
@@ -117,6 +127,10 @@ class _Planner:
         self.plan: Plan | None = None  # the plan the layers follow (for `planned` and the tests)
         self.no_cache = False  # training forwards run without a KV cache: a plan that checkpoints (see __call__)
         self.passes_at_plan: int | None = None  # the offload's pass count when a plan was made, until checked
+        self.auto = auto_budget(cfg)  # `auto`: the budget is worked out at the first plan
+        self.budget = budget_bytes(cfg)  # bytes the plans fit in: stated, or the room's once measured
+        self.room: Room | None = None  # with `auto`: the tightest rank's room, kept for every later plan
+        self.profiled: tuple[tuple[int, int], ActivationProfile, Any] | None = None  # (shape, profile, twin), last
 
     # Host-side bookkeeping (a collective, a meta forward, a plan), never part of a graph: under a
     # model compiled whole dynamo would trace into it (transformers 4.57's meta init crashed dynamo).
@@ -130,6 +144,9 @@ class _Planner:
         largest = _largest_over_ranks(batch_shape(args, kwargs), self.group)
         if self.shape is None:
             self.rates = self.agreed_rates(largest)
+            if self.auto is not None:
+                self.room = self.agreed_room(largest)
+                self.budget = self.room.budget_bytes
             _agreed("planning activation_memory_budget", lambda: self.make_plan(largest))
         elif largest is not None and (grown := (max(largest[0], self.shape[0]), max(largest[1], self.shape[1]))) \
                 != self.shape:
@@ -178,14 +195,16 @@ class _Planner:
         return measure_rates(self.handle.handler.device, _compute_dtype(self.model, self.cfg), hidden, tokens)
 
     def make_plan(self, shape: tuple[int, int] | None) -> None:
-        if shape is None:
-            raise ConfigError(f"{self.cfg.source}: activation_memory_budget: cannot tell the batch shape from the "
-                              "model's forward arguments (no input_ids or inputs_embeds)")
         from fsdp_offload_cfg.estimate import EstimateError
+        from fsdp_offload_cfg.estimate.plan import default_time_model, plan_to_budget
+        from fsdp_offload_cfg.offload.handlers import AsyncHandler
 
-        assert self.rates is not None
+        assert self.rates is not None and self.budget is not None
+        profile, _ = self.profile_at(self.known(shape))
+        async_reload = isinstance(self.handle.handler, AsyncHandler)
+        time = default_time_model(self.handle.handler.device.type, async_reload, *self.rates)
         try:
-            plan = plan_layers(self.model, self.handle, self.cfg, shape, self.rates)
+            plan = plan_to_budget(profile, self.budget, self.handle.config, async_reload, time)
         except EstimateError as error:
             raise ConfigError(f"{self.cfg.source}: activation_memory_budget: at {shape[0]} x {shape[1]} tokens per "
                               f"rank, {error}") from error
@@ -199,7 +218,52 @@ class _Planner:
         self.shape, self.plan = shape, plan
         if is_rank0():
             logger.info("%s%s", "planned again, for a larger batch: " if replanned else "",
-                        describe(plan, shape, self.rates_source()))
+                        describe(plan, shape, self.rates_source(), self.room))
+
+    def known(self, shape: tuple[int, int] | None) -> tuple[int, int]:
+        if shape is None:
+            raise ConfigError(f"{self.cfg.source}: activation_memory_budget: cannot tell the batch shape from the "
+                              "model's forward arguments (no input_ids or inputs_embeds)")
+        return shape
+
+    def profile_at(self, shape: tuple[int, int]) -> tuple[ActivationProfile, Any]:
+        """The model's saves measured on its `meta` twin at `shape`, and the twin (kept for the
+        last shape: `auto`'s room and the first plan read the same one)."""
+        if self.profiled is None or self.profiled[0] != shape:
+            self.profiled = (shape, *profile_layers(self.model, self.handle, self.cfg, shape))
+        return self.profiled[1], self.profiled[2]
+
+    def agreed_room(self, shape: tuple[int, int] | None) -> Room:
+        """`auto`'s room: each rank's measured, the tightest taken by every rank; a room with
+        nothing left stops every rank with its figures."""
+        from fsdp_offload_cfg.estimate import EstimateError
+
+        here = _agreed("measuring the device for activation_memory_budget: auto", lambda: self.room_here(shape))
+        tightest = _tightest_over_ranks(here, self.group)
+
+        def check() -> Room:
+            try:
+                return tightest.checked()
+            except EstimateError as error:
+                raise ConfigError(f"{self.cfg.source}: activation_memory_budget: {error}") from None
+
+        return _agreed("checking the room for activations", check)
+
+    def room_here(self, shape: tuple[int, int] | None) -> Room:
+        """This rank's room: what it holds measured, what is to come estimated from the twin as
+        the estimate counts it (AdamW: the optimizer is not known to the model)."""
+        from fsdp_offload_cfg.estimate.model import layer_class_names
+        from fsdp_offload_cfg.estimate.room import Room, to_come
+        from fsdp_offload_cfg.estimate.states import sharded_states
+
+        assert self.auto is not None
+        profile, twin = self.profile_at(self.known(shape))
+        device_bytes, taken = device_in_use(self.model, self.handle.handler.device, self.auto.device_bytes, self.cfg)
+        layers = layer_class_names(twin, self.cfg.transformer_layer_cls_to_wrap)
+        states = sharded_states(twin, layers, _world(), _storage_dtype(self.model), _compute_dtype(self.model, self.cfg),
+                                "adamw", profile.trained)
+        resident = not self.cfg.offload_params
+        return Room(device_bytes, taken, to_come(states, resident), self.auto.margin(device_bytes))
 
     def rates_source(self) -> str:
         """Where the rates came from, for the log line: the config, the device, or one from each."""
@@ -233,13 +297,12 @@ def planned_choices(model: nn.Module) -> list[str] | None:
             for i, g in enumerate(handle.groups)]
 
 
-def plan_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, shape: tuple[int, int],
-                rates: tuple[float, float]) -> Plan:
-    """The estimate's plan for this model at `shape`: its saves measured on a `meta` twin."""
+def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
+                   shape: tuple[int, int]) -> tuple[ActivationProfile, nn.Module]:
+    """What this model's layers save and compute at `shape`, measured on a `meta` twin as the
+    estimate measures it, and the twin."""
     from fsdp_offload_cfg.estimate.model import ModelSource, build_on_meta, example_batch, layer_class_names
-    from fsdp_offload_cfg.estimate.plan import default_time_model, plan_to_budget
     from fsdp_offload_cfg.estimate.probe import measure_activations
-    from fsdp_offload_cfg.offload.handlers import AsyncHandler
 
     pretrained = _transformers_model(model)
     if pretrained is None:
@@ -249,30 +312,71 @@ def plan_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, shape: tu
     dtype = _compute_dtype(model, cfg)
     twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
-    handler = handle.handler
     batch = example_batch(source, *shape, dtype)
+    target = handle.handler.device.type
     try:
-        profile = measure_activations(twin, batch, layers, target=handler.device.type)
+        profile = measure_activations(twin, batch, layers, target=target)
     except Exception:  # noqa: BLE001 - a head whose labels are not token ids (a classifier, a reward model)
         batch.pop("labels")  # its loss is a few bytes after the last layer; the layers are what is planned
-        profile = measure_activations(twin, batch, layers, target=handler.device.type)
+        profile = measure_activations(twin, batch, layers, target=target)
     if len(profile.groups) != len(handle.groups):
         raise ConfigError(f"{cfg.source}: activation_memory_budget: the plan measured {len(profile.groups)} layers "
                           f"and the model has {len(handle.groups)}; set transformer_layer_cls_to_wrap to the decoder "
                           "layer class")
-    async_reload = isinstance(handler, AsyncHandler)
-    return plan_to_budget(profile, budget_bytes(cfg), handle.config, async_reload,
-                          default_time_model(handler.device.type, async_reload, *rates))
+    return profile, twin
 
 
-def describe(plan: Plan, shape: tuple[int, int], rates_source: str) -> str:
-    """Rank 0's line: the budget, each run of layers with one choice, the estimates and the rates."""
+def device_in_use(model: nn.Module, device: torch.device, stated: int | None,
+                  cfg: FSDPOffloadConfig) -> tuple[int, int]:
+    """(device bytes, bytes taken) for `auto`. On CUDA: the allocator's allocated bytes, and, where
+    no size is stated, the device's total with what lies outside this process's allocator (the
+    CUDA context, other processes) counted as taken. Elsewhere (the CPU) only a stated size, and
+    the bytes the model holds there (its shards, buffers and gradients)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        if stated is not None:
+            return stated, allocated
+        return total, allocated + max(0, total - free - torch.cuda.memory_reserved(device))
+    if stated is None:
+        raise ConfigError(f"{cfg.source}: activation_memory_budget: auto reads the device's memory from CUDA, and "
+                          f"this run computes on {device.type}: state the size to plan against with "
+                          "activation_budget_device_memory (such as 8GiB), or give the budget in bytes")
+    return stated, _bytes_held(model)
+
+
+def _bytes_held(model: nn.Module) -> int:
+    """The bytes of the model's local parameter shards, buffers and gradients."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    return sum(local(t) for t in [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)])
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _storage_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the sharded parameters are kept in (float32 masters under mixed precision)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def describe(plan: Plan, shape: tuple[int, int], rates_source: str, room: Room | None = None) -> str:
+    """Rank 0's line: the budget (with `auto`, how it was worked out), each run of layers with one
+    choice, the estimates and the rates."""
     from fsdp_offload_cfg.estimate.plan import layer_runs
 
     choices = "; ".join((f"layers {a}-{b}" if a != b else f"layer {a}") + f": {c.replace('_', ' + ')}"
                         for a, b, c in layer_runs(plan.choices))
     extra = plan.extra_seconds / plan.compute_seconds if plan.compute_seconds else 0.0
-    return (f"activation_memory_budget {show_size(plan.budget_bytes)} at {shape[0]} x {shape[1]} tokens per rank: "
+    budget = show_size(plan.budget_bytes) if room is None else \
+        f"auto ({room.describe()}; the tightest rank's): {show_size(plan.budget_bytes)}"
+    return (f"activation_memory_budget {budget} at {shape[0]} x {shape[1]} tokens per rank: "
             f"{choices}; activations on the device {show_size(plan.residency.device_peak_bytes)}, on the host "
             f"{show_size(plan.residency.host_bytes)}, layer time +{extra:.0%} (estimated at "
             f"{plan.time.compute_flops / 1e12:.3g} TFLOP/s and copies at {plan.time.copy_bytes / 1e9:.3g} GB/s, "
@@ -309,6 +413,20 @@ def _largest_over_ranks(shape: tuple[int, int] | None, group: Any) -> tuple[int,
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     batch, tokens, missing = values.tolist()
     return None if missing else (batch, tokens)
+
+
+def _tightest_over_ranks(room: Room, group: Any) -> Room:
+    """The room of the rank that leaves activations the least, the same on every rank."""
+    from fsdp_offload_cfg.estimate.room import Room
+    from fsdp_offload_cfg.loading._sync import distributed_ready
+
+    if not distributed_ready():
+        return room
+    mine = torch.tensor([room.device_bytes, room.taken_bytes, room.to_come_bytes, room.margin_bytes],
+                        dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return min((Room(*map(int, t.tolist())) for t in every), key=lambda r: r.budget_bytes)
 
 
 def _slowest_over_ranks(rates: tuple[float, float], group: Any) -> tuple[float, float]:

@@ -70,11 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--format", choices=("table", "json"), default="table")
     estimate.add_argument("--plot", metavar="PNG", help="also draw per-rank device memory per activation setting "
                           "(needs matplotlib: pip install 'fsdp-offload-cfg[plot]')")
-    estimate.add_argument("--device-memory", metavar="SIZE", help="the device's memory for --plot, e.g. 80GiB "
-                          "(default: the visible GPU's, if any)")
+    estimate.add_argument("--device-memory", metavar="SIZE", help="the device's memory, e.g. 80GiB, for --plot "
+                          "and --activation-budget auto (default: the config's activation_budget_device_memory, "
+                          "else the visible GPU's, if any)")
     estimate.add_argument("--activation-budget", metavar="SIZE",
                           help="plan each layer (keep, offload, checkpoint, both) so that activations on the device "
-                               "stay within SIZE, e.g. 12GiB")
+                               "stay within SIZE, e.g. 12GiB; or auto (auto-2GiB, auto-5%%: another margin than "
+                               "10%%): what the device's memory leaves besides the states")
     estimate.add_argument("--compute-tflops", type=float, metavar="X",
                           help="the plan's compute rate (default: 350 on cuda, 0.05 on cpu)")
     estimate.add_argument("--copy-gb-per-s", type=float, metavar="X",
@@ -253,6 +255,9 @@ def _estimate(args: argparse.Namespace) -> int:
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",
                    file=sys.stderr)
+        if args.device_memory and not args.plot and "room" not in report.get("plan", {}):
+            _print("fsdp-offload-cfg estimate: --device-memory is read by --plot and --activation-budget auto; "
+                   "ignored without either", file=sys.stderr)
         if args.plot:
             from fsdp_offload_cfg.estimate.plot import save_memory_plot, visible_device_bytes
 
@@ -274,6 +279,7 @@ def _estimate(args: argparse.Namespace) -> int:
 def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """--activation-budget and the plan's rates (a rate left out takes the config's, else the
     device's default; a budget left out takes the config's `activation_memory_budget`)."""
+    from fsdp_offload_cfg._sizes import parse_auto, size_in_bytes
     from fsdp_offload_cfg.estimate import EstimateError
     from fsdp_offload_cfg.estimate.plot import parse_size
 
@@ -281,8 +287,13 @@ def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:
     for option, value in rates.items():
         if value is not None and value <= 0:
             raise EstimateError(f"{option} must be positive, got {value:g}")
-    budget = parse_size(args.activation_budget, "--activation-budget") if args.activation_budget else None
-    return {"activation_budget": budget,
+    budget = None
+    if args.activation_budget:
+        budget = parse_auto(args.activation_budget) or size_in_bytes(args.activation_budget)
+        if budget is None:
+            raise EstimateError(f"--activation-budget: expected a size from 1 byte to 1 PiB (such as 12GiB), or auto, "
+                                f"auto-2GiB, auto-5% (a margin below the device's size); got {args.activation_budget!r}")
+    return {"activation_budget": budget, "device_memory": parse_size(args.device_memory) if args.device_memory else None,
             "compute_flops": None if args.compute_tflops is None else args.compute_tflops * 1e12,
             "copy_bytes": None if args.copy_gb_per_s is None else args.copy_gb_per_s * 1e9}
 
@@ -298,8 +309,6 @@ def _plot_inputs(args: argparse.Namespace) -> int | None:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
             raise EstimateError(f"--plot: the folder {folder} does not exist (create it, or pick another path)")
-    elif args.device_memory:
-        _print("fsdp-offload-cfg estimate: --device-memory is only drawn with --plot; ignored", file=sys.stderr)
     return parse_size(args.device_memory) if args.device_memory else None
 
 

@@ -19,6 +19,8 @@ from _dist import run_workers
 pytestmark = pytest.mark.distributed
 
 BATCH, SEQ, LAYERS = 2, 48, 4
+AUTO_MARGIN = 2**20
+AUTO = "auto-1MiB"  # the `auto` runs' budget: a stated device size (`budgets`), less 1 MiB
 
 
 # The rates the runs plan at, stated so that a plan is the same on every run: the estimate's CPU
@@ -31,13 +33,16 @@ RATES = {"fsdp_activation_budget_compute_tflops": 0.05, "fsdp_activation_budget_
 SLOW_COPY_GB_PER_S = 0.5
 
 
-def _config(budget: int | None, loader: bool = False, rates: bool = True, slow_copies: bool = False) -> dict[str, Any]:
+def _config(budget: int | str | None, loader: bool = False, rates: bool = True, slow_copies: bool = False,
+            device_memory: int | None = None) -> dict[str, Any]:
     fsdp: dict[str, Any] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                             "fsdp_cpu_ram_efficient_loading": loader}
     if budget is not None:
         fsdp |= {"fsdp_activation_memory_budget": budget, **(RATES if rates else {})}
         if slow_copies:
             fsdp["fsdp_activation_budget_copy_gb_per_s"] = SLOW_COPY_GB_PER_S
+        if device_memory is not None:
+            fsdp["fsdp_activation_budget_device_memory"] = device_memory
     return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
 
 
@@ -46,16 +51,16 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _train(rank: int, world: int, path: str, budget: int | None, loader: bool, no_cache: bool = False,
-           slow_copies: bool = False) -> dict[str, Any]:
+def _train(rank: int, world: int, path: str, budget: int | str | None, loader: bool, no_cache: bool = False,
+           slow_copies: bool = False, device_memory: int | None = None) -> dict[str, Any]:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
     import fsdp_offload_cfg
-    from fsdp_offload_cfg.budget import planned_choices
+    from fsdp_offload_cfg.budget import planned, planned_choices
     from fsdp_offload_cfg.offload import offload_stats
 
-    fsdp_offload_cfg.patch(_config(budget, loader, slow_copies=slow_copies))
+    fsdp_offload_cfg.patch(_config(budget, loader, slow_copies=slow_copies, device_memory=device_memory))
     accelerator = Accelerator()
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
@@ -73,8 +78,9 @@ def _train(rank: int, world: int, path: str, budget: int | None, loader: bool, n
         optimizer.zero_grad()
         losses.append(loss.item())
     state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
+    planner = planned(model)
     return {"losses": losses, "norms": norms, "state": state, "before": before, "choices": planned_choices(model),
-            "moved": offload_stats()["offloaded_bytes"]}
+            "moved": offload_stats()["offloaded_bytes"], "budget": planner.budget if planner else None}
 
 
 def _plan_for(path: str, budget: int, seq: int = SEQ, rates: tuple[float, float] | None = None) -> list[str]:
@@ -110,14 +116,22 @@ def budgets(model_dir: str) -> dict[str, int]:
                              batch_size=BATCH, device="cpu", dtype="float32", activation_budget=10**12)
     peaks = [u["device_peak_bytes"] for u in report["plan"]["uniform"].values()]
     low, high = min(peaks), max(peaks)
-    return {"mix": (low + high) // 2, "tight": low + 3 * (high - low) // 100, "plain": high}
+    mix = (low + high) // 2
+    # `auto`: a device that leaves the mix budget once the states, the gathered layers and the
+    # margin are counted, by the estimate's per-rank figures (the run measures its own)
+    states = sum(report["per_rank"][f"{kind}_bytes"] for kind in ("params", "grads", "optimizer", "buffers",
+                                                                 "gathered_params"))
+    return {"mix": mix, "tight": low + 3 * (high - low) // 100, "plain": high,
+            "auto_device": mix + states + AUTO_MARGIN}
 
 
 @pytest.fixture(scope="module")
 def runs(model_dir: str, budgets: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
     cases = {"none": (None, False, False), "none_without_cache": (None, False, True), "mix": (budgets["mix"], False, False),
-             "tight": (budgets["tight"], False, False), "tight_loader": (budgets["tight"], True, False)}
-    return {name: run_workers(_train, 2, model_dir, budget, loader, no_cache, name.startswith("tight"), timeout=400)
+             "tight": (budgets["tight"], False, False), "tight_loader": (budgets["tight"], True, False),
+             "auto": (AUTO, False, False)}
+    return {name: run_workers(_train, 2, model_dir, budget, loader, no_cache, name.startswith("tight"),
+                              budgets["auto_device"] if name == "auto" else None, timeout=400)
             for name, (budget, loader, no_cache) in cases.items()}
 
 
@@ -125,10 +139,10 @@ def runs(model_dir: str, budgets: dict[str, int]) -> dict[str, list[dict[str, An
 # gradient checkpointing does (a recomputed layer would append to the cache twice); its reference
 # is the same run without a budget and without the cache (on transformers 4.x the cache's mask
 # path differs from the cacheless one in the last bits).
-BASELINE = {"mix": "none", "tight": "none_without_cache", "tight_loader": "none_without_cache"}
+BASELINE = {"mix": "none", "tight": "none_without_cache", "tight_loader": "none_without_cache", "auto": "none"}
 
 
-@pytest.mark.parametrize("case", ["mix", "tight", "tight_loader"])
+@pytest.mark.parametrize("case", ["mix", "tight", "tight_loader", "auto"])
 def test_a_budget_trains_exactly_what_the_run_without_it_trains(runs: dict[str, Any], case: str):
     baseline = BASELINE[case]
     for rank in (0, 1):
@@ -156,7 +170,31 @@ def test_the_layers_run_the_estimates_plan_for_the_first_batch(runs: dict[str, A
     assert runs["none"][0]["choices"] is None and runs["none"][0]["moved"] == 0
 
 
-def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str, Any]:
+def test_auto_plans_the_room_a_stated_device_leaves_as_the_estimate_does(runs: dict[str, Any],
+                                                                         budgets: dict[str, int], model_dir: str):
+    """The device stated as the mix budget plus the estimate's states and margin: what each rank
+    measures it holds (its shards and buffers) is what the estimate counts, so the run's budget is
+    the mix budget, its layers run the estimate's plan for it, and the offline estimate with
+    `--activation-budget auto --device-memory` plans the same."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg._sizes import parse_auto
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    expected = _plan_for(model_dir, budgets["mix"])
+    assert expected != ["keep"] * LAYERS and budgets["mix"] < budgets["plain"]  # the run without a budget exceeds it
+    for rank in (0, 1):
+        assert runs["auto"][rank]["budget"] == budgets["mix"]
+        assert runs["auto"][rank]["choices"] == expected
+    report = estimate_memory(load_config(_config(None) | {"num_processes": 2}), model_dir, seq_len=SEQ,
+                             batch_size=BATCH, device="cpu", dtype="float32", activation_budget=parse_auto(AUTO),
+                             device_memory=budgets["auto_device"])
+    assert report["plan"]["budget_bytes"] == budgets["mix"]
+    assert [layer["choice"] for layer in report["plan"]["layers"]] == expected
+    assert report["plan"]["room"]["margin_bytes"] == AUTO_MARGIN
+
+
+def _fail(rank: int, world: int, path: str, case: str, budget: int | str, device_memory: int | None = None
+          ) -> dict[str, Any]:
     """One way to fail (or to plan) per case; returns what each rank saw (an error is returned, not raised)."""
     import logging
 
@@ -167,7 +205,7 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str,
     import fsdp_offload_cfg.budget
     import fsdp_offload_cfg.estimate.rates
 
-    config = _config(budget, rates=case not in ("measured", "measure_fails"))
+    config = _config(budget, rates=case not in ("measured", "measure_fails"), device_memory=device_memory)
     if case == "one_rate":  # the compute rate stated, the copy rate measured
         del config["fsdp_config"]["fsdp_activation_budget_copy_gb_per_s"]
     fsdp_offload_cfg.patch(config)
@@ -175,7 +213,7 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str,
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise OSError("no space left on device")
 
-        fsdp_offload_cfg.budget.plan_layers = broken
+        fsdp_offload_cfg.budget.profile_layers = broken
     if case in ("measured", "one_rate"):  # each rate's slowest rank differs: every rank must plan at
         # (1e9, 1e8). Stated, not probed: a probe on a loaded machine (12 test workers on a GPU box's
         # 16 cores) measured 0.5 GFLOP/s, which would make rank 0 the slower one and the plan another
@@ -209,15 +247,46 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int) -> dict[str,
         return {"error": f"{type(exc).__name__}: {exc}", "records": records, "chained": chained}
     planner = fsdp_offload_cfg.budget.planned(model)
     return {"error": None, "records": records, "choices": fsdp_offload_cfg.budget.planned_choices(model),
-            "rates": planner.rates if planner else None, "shape": planner.shape if planner else None}
+            "rates": planner.rates if planner else None, "shape": planner.shape if planner else None,
+            "budget": planner.budget if planner else None}
 
 
 @pytest.fixture(scope="module")
 def failures(model_dir: str, budgets: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
-    budget = {"too_small": 1, "longer_batches": budgets["plain"], "measured": budgets["mix"], "one_rate": budgets["mix"]}
-    return {case: run_workers(_fail, 2, model_dir, case, budget.get(case, 10**9), timeout=120, pg_timeout=60)
+    budget = {"too_small": 1, "longer_batches": budgets["plain"], "measured": budgets["mix"], "one_rate": budgets["mix"],
+              "auto_logged": AUTO, "auto_no_device": "auto", "auto_no_room": "auto-1%"}
+    device = {"auto_logged": budgets["auto_device"], "auto_no_room": 4 * 2**20}
+    return {case: run_workers(_fail, 2, model_dir, case, budget.get(case, 10**9), device.get(case), timeout=120,
+                              pg_timeout=60)
             for case in ("too_small", "rank1_fails", "gradient_checkpointing", "longer_batches", "classifier",
-                         "measured", "measure_fails", "one_rate")}
+                         "measured", "measure_fails", "one_rate", "auto_logged", "auto_no_device", "auto_no_room")}
+
+
+def test_auto_says_on_rank_0_how_the_budget_was_worked_out(failures: dict[str, Any], budgets: dict[str, int]):
+    for rank in (0, 1):
+        assert failures["auto_logged"][rank]["error"] is None, failures["auto_logged"][rank]["error"]
+        assert failures["auto_logged"][rank]["budget"] == budgets["mix"]
+    (line,) = [r for r in failures["auto_logged"][0]["records"] if "tokens per rank:" in r]
+    assert line.startswith("activation_memory_budget auto (device "), line
+    assert "(gradients, AdamW state, gathered layers), margin 1.0 MiB; the tightest rank's): " in line, line
+    assert ": layers 0-" in line and "layer time +" in line, line  # the plan and its expected cost
+    assert not failures["auto_logged"][1]["records"]
+
+
+def test_auto_on_a_device_with_no_size_to_read_stops_every_rank_naming_the_key(failures: dict[str, Any]):
+    for rank in (0, 1):
+        error = failures["auto_no_device"][rank]["error"]
+        assert error is not None and error.startswith("ConfigError: <dict>: activation_memory_budget: auto reads "
+                                                      "the device's memory from CUDA"), error
+        assert "activation_budget_device_memory" in error and not failures["auto_no_device"][rank]["chained"]
+
+
+def test_auto_with_no_room_left_stops_every_rank_with_the_figures(failures: dict[str, Any]):
+    for rank in (0, 1):
+        error = failures["auto_no_room"][rank]["error"]
+        assert error is not None and error.startswith("ConfigError: <dict>: activation_memory_budget: auto: nothing "
+                                                      "is left for activations (device 4.0 MiB, taken "), error
+        assert "use more ranks" in error and not failures["auto_no_room"][rank]["chained"], error
 
 
 def test_a_budget_no_plan_meets_stops_every_rank_naming_the_key_and_the_smallest(failures: dict[str, Any]):

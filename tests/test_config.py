@@ -112,6 +112,9 @@ GOOD = [
     ({"activation_memory_budget": "12GiB"}, "activation_memory_budget", "12GiB"),
     ({"activation_memory_budget": "4096"}, "activation_memory_budget", 4096),
     ({"activation_memory_budget": "1.5 gb"}, "activation_memory_budget", "1.5 gb"),
+    ({"activation_memory_budget": "auto"}, "activation_memory_budget", "auto"),
+    ({"activation_memory_budget": "auto-2GiB", "activation_budget_device_memory": "80GiB"},
+     "activation_budget_device_memory", "80GiB"),
     ({"activation_memory_budget": "8GiB", "activation_budget_compute_tflops": "0.05"}, "activation_budget_compute_tflops",
      0.05),
     ({"activation_memory_budget": "8GiB", "activation_budget_copy_gb_per_s": 55}, "activation_budget_copy_gb_per_s", 55),
@@ -164,7 +167,15 @@ BAD = [
     ({"activation_cpu_offload": {"enabeld": True}}, "activation_cpu_offload.enabeld", "did you mean 'enabled'?"),
     ({"cpu_ram_efficient_loading": True, "load_strategy": "scatter"}, "load_strategy", "one of auto, broadcast, sharded"),
     ({"xla_fsdp_settings": "fast"}, "xla_fsdp_settings", "expected a mapping"),
-    ({"activation_memory_budget": "lots"}, "activation_memory_budget", "or a size such as 12GiB"),
+    ({"activation_memory_budget": "lots"}, "activation_memory_budget", "a size such as 12GiB, or auto, auto-2GiB"),
+    ({"activation_memory_budget": "auto-100%"}, "activation_memory_budget", "auto with an optional margin below"),
+    ({"activation_memory_budget": "auto-2 gigs"}, "activation_memory_budget", 'got "auto-2 gigs"'),
+    ({"activation_budget_device_memory": "80GiB"}, "activation_budget_device_memory",
+     "activation_memory_budget: auto plans against, and that key is unset"),
+    ({"activation_memory_budget": "8GiB", "activation_budget_device_memory": "80GiB"}, "activation_budget_device_memory",
+     "that key is a fixed size; set it to auto"),
+    ({"activation_memory_budget": "auto", "activation_budget_device_memory": "1e30"}, "activation_budget_device_memory",
+     "a size from 1 byte to 1 PiB"),
     ({"activation_memory_budget": 0}, "activation_memory_budget", "bytes as an integer >= 1"),
     ({"activation_memory_budget": "12 gigs"}, "activation_memory_budget", 'got "12 gigs"'),
     ({"activation_memory_budget": 1.0e30}, "activation_memory_budget", "a size from 1 byte to 1 PiB"),
@@ -175,6 +186,20 @@ BAD = [
     ({"activation_memory_budget": "8GiB", "activation_budget_copy_gb_per_s": "fast"}, "activation_budget_copy_gb_per_s",
      'a number > 0; got "fast"'),
 ]
+
+
+@pytest.mark.parametrize("text, margin_bytes, fraction", [
+    ("auto", None, 0.10), ("auto-2GiB", 2 * 2**30, 0.0), (" auto - 512MiB ", 2**29, 0.0), ("auto-5%", None, 0.05),
+    ("auto-0%", None, 0.0), ("auto-12.5%", None, 0.125)])
+def test_the_auto_forms_of_a_budget_read_their_margin(text: str, margin_bytes: int | None, fraction: float):
+    from fsdp_offload_cfg._sizes import parse_auto
+    from fsdp_offload_cfg.config.derived import auto_budget, budget_bytes
+
+    config = load_config({"activation_memory_budget": text, "activation_budget_device_memory": "8GiB"})
+    auto = auto_budget(config)
+    assert auto == parse_auto(text).__class__(margin_bytes, fraction, 8 * 2**30)
+    assert budget_bytes(config) is None  # no fixed size: the run works it out
+    assert auto.margin(10**9) == (margin_bytes if margin_bytes is not None else int(10**9 * fraction))
 
 
 @pytest.mark.parametrize("number, text", [(1.5e9, "1.5e9"), (4096, "4096"), (2**40, "1TiB"), (1.0e15, "1e15")])
@@ -520,8 +545,8 @@ def test_unknown_key_suggests_the_closest(key: str, suggestion: str):
 
 def test_unknown_key_without_a_close_match_lists_the_keys():
     message = only_problem({"zzz": 1}).message
-    assert "expected one of activation_budget_compute_tflops, activation_budget_copy_gb_per_s, activation_checkpointing" \
-        in message
+    assert "expected one of activation_budget_compute_tflops, activation_budget_copy_gb_per_s, " \
+        "activation_budget_device_memory, activation_checkpointing" in message
 
 
 def test_all_problems_reported_together(tmp_path: Path):
@@ -856,6 +881,8 @@ RULE_CASES = {
                                "activation_cpu_offload": True},
     "budget-is-positive": {"activation_memory_budget": "0GiB"},
     "budget-needs-fsdp2": {"version": 1, "activation_memory_budget": "12GiB"},
+    "device-memory-needs-auto": {"activation_budget_device_memory": "80GiB"},
+    "device-memory-is-a-size": {"activation_memory_budget": "auto", "activation_budget_device_memory": 2**51},
     "budget-decides-checkpointing": {"activation_checkpointing": True, "activation_memory_budget": 10**9},
     "activation_budget_compute_tflops-needs-a-budget": {"activation_budget_compute_tflops": 300},
     "activation_budget_copy_gb_per_s-needs-a-budget": {"activation_budget_copy_gb_per_s": 50},

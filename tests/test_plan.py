@@ -215,11 +215,33 @@ def test_cli_table_and_errors(llama: str, tmp_path: Path, capsys: pytest.Capture
     assert _cli(tmp_path, llama, "--activation-budget", "1") == 1
     assert "no plan fits; the smallest activation peak on the device a plan reaches is" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--activation-budget", "lots") == 1
-    assert "--activation-budget: expected a size from 1 byte to 1 PiB, such as 80GiB, got 'lots'" in capsys.readouterr().err
+    assert "--activation-budget: expected a size from 1 byte to 1 PiB (such as 12GiB), or auto, auto-2GiB, auto-5% " \
+        "(a margin below the device's size); got 'lots'" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--activation-budget", "1GiB", "--compute-tflops", "0") == 1
     assert "--compute-tflops must be positive" in capsys.readouterr().err
     assert _cli(tmp_path, llama, "--copy-gb-per-s", "3") == 0
     assert "ignored without one" in capsys.readouterr().err
+
+
+def test_cli_auto_plans_what_the_device_leaves(llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`--activation-budget auto --device-memory`: the budget is the device less the per-rank
+    states, gathered layers and margin the same report shows, and the plan fits it."""
+    import json
+
+    assert _cli(tmp_path, llama, "--activation-budget", "auto-5%", "--device-memory", "8GiB", "--format", "json") == 0
+    report = json.loads(capsys.readouterr().out)
+    per_rank, room = report["per_rank"], report["plan"]["room"]
+    states = sum(per_rank[f"{kind}_bytes"] for kind in ("params", "grads", "optimizer", "buffers", "gathered_params"))
+    assert room == {"device_bytes": 8 * 2**30, "taken_bytes": per_rank["params_bytes"] + per_rank["buffers_bytes"],
+                    "to_come_bytes": states - per_rank["params_bytes"] - per_rank["buffers_bytes"],
+                    "margin_bytes": int(8 * 2**30 * 0.05)}
+    assert report["plan"]["budget_bytes"] == 8 * 2**30 - states - int(8 * 2**30 * 0.05)
+    assert _cli(tmp_path, llama, "--activation-budget", "auto", "--device-memory", "8GiB") == 0
+    assert "Activation budget auto: the device's 8.00 GiB, less " in capsys.readouterr().out
+    assert _cli(tmp_path, llama, "--activation-budget", "auto", "--device-memory", "1MiB") == 1
+    assert "activation budget auto: nothing is left for activations (device 1.0 MiB" in capsys.readouterr().err
+    assert _cli(tmp_path, llama, "--activation-budget", "auto", "--device", "cpu") == 1
+    assert "the device's memory is unknown here; pass --device-memory" in capsys.readouterr().err
 
 
 def test_the_plot_draws_the_plan_and_its_budget(llama: str, tmp_path: Path):

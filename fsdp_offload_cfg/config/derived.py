@@ -1,11 +1,11 @@
 """Values derived from a config, each decided once: what the run-time plan and the offline
-estimate read alike (the budget in bytes, the stated plan rates, the compute dtype of mixed
-precision). No torch here: the CLI's quick verbs import the config layer.
+estimate read alike (the budget in bytes or `auto`, the stated plan rates, the compute dtype of
+mixed precision). No torch here: the CLI's quick verbs import the config layer.
 """
 
 from __future__ import annotations
 
-from fsdp_offload_cfg._sizes import size_in_bytes
+from fsdp_offload_cfg._sizes import AutoBudget, parse_auto, size_in_bytes
 from fsdp_offload_cfg.config.model import FSDPOffloadConfig
 
 # accelerate's mixed precision computes activations in these (fp8 runs its fp8 matmuls inside a
@@ -13,9 +13,19 @@ from fsdp_offload_cfg.config.model import FSDPOffloadConfig
 _COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 
 
+def auto_budget(cfg: FSDPOffloadConfig) -> AutoBudget | None:
+    """The config's `auto` budget with its stated device memory; None for a fixed budget or none."""
+    auto = parse_auto(cfg.activation_memory_budget)
+    if auto is None:
+        return None
+    device = cfg.activation_budget_device_memory
+    return AutoBudget(auto.margin_bytes, auto.margin_fraction, None if device is None else size_in_bytes(device))
+
+
 def budget_bytes(cfg: FSDPOffloadConfig) -> int | None:
-    """The budget in bytes, or None when the config sets none (the rules refuse a size <= 0)."""
-    return None if cfg.activation_memory_budget is None else size_in_bytes(cfg.activation_memory_budget)
+    """The budget in bytes; None when the config sets none or `auto` (the rules refuse a size <= 0)."""
+    budget = cfg.activation_memory_budget
+    return None if budget is None or parse_auto(budget) is not None else size_in_bytes(budget)
 
 
 def stated_rates(cfg: FSDPOffloadConfig) -> tuple[float | None, float | None]:

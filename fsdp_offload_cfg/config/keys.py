@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fsdp_offload_cfg._sizes import AUTO_PATTERN
 from fsdp_offload_cfg._sizes import PATTERN as SIZE_PATTERN
 from fsdp_offload_cfg.offload.options import MODES, ActivationOffloadConfig, knobs
 
@@ -100,12 +101,20 @@ KEYS: tuple[Key, ...] = (
         "where the checkpoint cannot be read slice by slice), broadcast (rank 0 reads and sends), or sharded "
         "(every rank reads its own slices).",
         owner="plugin", default="auto", annotation="str", env="FSDP_LOAD_STRATEGY"),
-    Key("activation_memory_budget", "size",
-        "fsdp_offload_cfg, FSDP2: device memory for activations (bytes, or a size such as 12GiB). At the first "
-        "training forward the plugin plans each decoder layer (keep, offload, checkpoint, or checkpoint with its "
-        "input offloaded) so that the estimated activation peak fits, at the least estimated step time; it "
-        "decides checkpointing, so activation_checkpointing stays false.",
+    Key("activation_memory_budget", "budget",
+        "fsdp_offload_cfg, FSDP2: device memory for activations (bytes, or a size such as 12GiB), or auto: the "
+        "device's memory less what the step holds besides activations (measured at the first training forward: "
+        "parameters, buffers, the CUDA context; estimated: gradients, AdamW's state, the gathered layers), less a "
+        "margin (auto keeps 10% of the device free, auto-2GiB or auto-5% another margin; the tightest rank "
+        "decides). At the first training forward the plugin plans each decoder layer (keep, offload, checkpoint, "
+        "or checkpoint with its input offloaded) so that the estimated activation peak fits, at the least "
+        "estimated step time; it decides checkpointing, so activation_checkpointing stays false.",
         owner="plugin", annotation="int | str | None", env="FSDP_ACTIVATION_MEMORY_BUDGET"),
+    Key("activation_budget_device_memory", "size",
+        "fsdp_offload_cfg: the device memory activation_memory_budget: auto plans against, for this process "
+        "(a GPU shared with other work; a CPU run, which has no device size to read). Unset: the GPU's total "
+        "memory, less what other processes and the CUDA context hold.",
+        owner="plugin", annotation="int | str | None", env="FSDP_ACTIVATION_BUDGET_DEVICE_MEMORY"),
     Key("activation_budget_compute_tflops", "positive_number",
         "fsdp_offload_cfg: the rate (TFLOP/s) activation_memory_budget plans a layer's compute at. Unset: "
         "measured on the device at the first training forward (a matmul of the model's width; the slowest "
@@ -224,6 +233,8 @@ TYPES: dict[str, dict[str, Any]] = {
     "mapping": {"description": "a mapping", "type": "object"},
     "size": {"description": "bytes as an integer >= 1, or a size such as 12GiB (KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
              "anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": SIZE_PATTERN}]},
+    "budget": {"description": "bytes as an integer >= 1, a size such as 12GiB, or auto, auto-2GiB, auto-5%",
+               "anyOf": [{"$ref": "#/$defs/size"}, {"type": "string", "pattern": AUTO_PATTERN}]},
     "load_strategy": {"description": "one of auto, broadcast, sharded", "enum": ["auto", "broadcast", "sharded"]},
     "offload_mode": {"description": "one of " + ", ".join(MODES), "enum": list(MODES)},
     "activation_cpu_offload": {

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_offload_cfg._sizes import size_in_bytes
+from fsdp_offload_cfg._sizes import parse_auto, size_in_bytes
 from fsdp_offload_cfg.config.keys import FSDP2_RESHARD_FOR, LAUNCH_KEYS, SHARDING_STRATEGIES, Layout
 from fsdp_offload_cfg.config.schema import show
 
@@ -113,9 +113,22 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"cannot be combined with {c.spell('activation_checkpointing_offload')}: both would move the "
                    "checkpoint inputs to the host; keep this one (async, filtered) and drop the other"),
     Rule("budget-is-positive", ("activation_memory_budget",), "activation_memory_budget",
-         lambda c: c["activation_memory_budget"] is not None and size_in_bytes(c["activation_memory_budget"]) is None,
-         lambda c: f"expected a size from 1 byte to 1 PiB (bytes, or such as 12GiB); got "
-                   f"{c.shown('activation_memory_budget')}"),
+         lambda c: c["activation_memory_budget"] is not None and size_in_bytes(c["activation_memory_budget"]) is None
+         and parse_auto(c["activation_memory_budget"]) is None,
+         lambda c: f"expected a size from 1 byte to 1 PiB (bytes, or such as 12GiB), or auto with an optional margin "
+                   f"below the device's size (auto, auto-2GiB, auto-5%); got {c.shown('activation_memory_budget')}"),
+    Rule("device-memory-needs-auto", ("activation_budget_device_memory", "activation_memory_budget"),
+         "activation_budget_device_memory",
+         lambda c: c["activation_budget_device_memory"] is not None
+         and parse_auto(c["activation_memory_budget"]) is None,
+         lambda c: f"is the device size {c.spell('activation_memory_budget')}: auto plans against, and that key is "
+                   f"{'unset' if c['activation_memory_budget'] is None else 'a fixed size'}; set it to auto, or drop "
+                   "this one"),
+    Rule("device-memory-is-a-size", ("activation_budget_device_memory",), "activation_budget_device_memory",
+         lambda c: c["activation_budget_device_memory"] is not None
+         and size_in_bytes(c["activation_budget_device_memory"]) is None,
+         lambda c: f"expected a size from 1 byte to 1 PiB (bytes, or such as 80GiB); got "
+                   f"{c.shown('activation_budget_device_memory')}"),
     Rule("budget-needs-fsdp2", ("activation_memory_budget", "version"), "activation_memory_budget",
          lambda c: c["activation_memory_budget"] is not None and c.version == 1,
          lambda c: f"plans FSDP2 layers ({c.spell('version')}: 2){c.why_version()}; under FSDP1 it would do nothing"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_offload_cfg._sizes import AutoBudget
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.estimate.inputs import DEVICES, OPTIMIZERS, Dtypes, EstimateError, resolve_dtypes
 
@@ -25,11 +26,12 @@ __all__ = ["DEVICES", "OPTIMIZERS", "Dtypes", "EstimateError", "estimate_memory"
 
 def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batch_size: int,
                     num_processes: int | None = None, optimizer: str = "adamw", device: str | None = None,
-                    dtype: str | None = None, activation_budget: int | None = None,
-                    compute_flops: float | None = None, copy_bytes: float | None = None,
-                    gradient_accumulation_steps: int = 1) -> dict[str, Any]:
+                    dtype: str | None = None, activation_budget: int | AutoBudget | None = None,
+                    device_memory: int | None = None, compute_flops: float | None = None,
+                    copy_bytes: float | None = None, gradient_accumulation_steps: int = 1) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
-    `activation_budget` (bytes), also the per-layer plan that keeps activations within it
+    `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
+    `estimate/room.py`), also the per-layer plan that keeps activations within it
     (`estimate.plan`), timed at `compute_flops` FLOP/s and `copy_bytes` bytes/s (default: the
     device's assumed rates). With `gradient_accumulation_steps` > 1 every gradient is on the
     device during backward (kept from the micro-batches before)."""
@@ -41,19 +43,20 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
         raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
     return build_report(config, model, ranks=ranks, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
                         device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype,
-                        activation_budget=activation_budget, rates=(compute_flops, copy_bytes),
+                        activation_budget=activation_budget, device_memory=device_memory,
+                        rates=(compute_flops, copy_bytes),
                         accumulating=gradient_accumulation_steps > 1)
 
 
 def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None,
-                  activation_budget: int | None) -> None:
+                  activation_budget: int | AutoBudget | None) -> None:
     if not ranks or ranks < 1:
         raise EstimateError("the number of ranks is unknown: the config has no num_processes; pass --num-processes")
     if seq_len < 1 or batch_size < 1:
         raise EstimateError(f"--seq-len and --batch-size must be >= 1 (got {seq_len} and {batch_size})")
     if optimizer not in OPTIMIZERS:
         raise EstimateError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    if activation_budget is not None and activation_budget <= 0:
+    if isinstance(activation_budget, int) and activation_budget <= 0:
         raise EstimateError(f"--activation-budget must be positive, got {activation_budget}")
     if device is not None and device not in DEVICES:
         raise EstimateError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")

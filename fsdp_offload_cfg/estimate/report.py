@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from fsdp_offload_cfg._sizes import show_size
+from fsdp_offload_cfg._sizes import AutoBudget, show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.config.derived import budget_bytes, stated_rates
+from fsdp_offload_cfg.config.derived import auto_budget, budget_bytes, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
@@ -36,13 +36,14 @@ from fsdp_offload_cfg.estimate.plan import (
     uniform_plans,
 )
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
+from fsdp_offload_cfg.estimate.room import Room, offline_room
 from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 
 def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_len: int, batch_size: int,
-                 optimizer: str, device: str, dtype: str | None, activation_budget: int | None = None,
-                 rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
+                 optimizer: str, device: str, dtype: str | None, activation_budget: int | AutoBudget | None = None,
+                 device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -58,9 +59,12 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     async_reload = offload.resolved_mode(device) == "async"
     by_setting = settings(profile, offload, async_reload)
     chosen = _setting_name(config)
-    plan = None
+    plan = room = None
     if activation_budget is None and config.activation_memory_budget is not None:  # the run will plan: so do we
-        activation_budget, chosen = budget_bytes(config), "plan"
+        activation_budget, chosen = budget_bytes(config) or auto_budget(config), "plan"
+    if isinstance(activation_budget, AutoBudget):
+        room = _room(config, states, activation_budget, device_memory, device)
+        activation_budget = room.budget_bytes
     if activation_budget is not None:
         given = (r if r is not None else c for r, c in zip(rates, stated_rates(config)))  # command line over file
         time_model = default_time_model(device, async_reload, *given)
@@ -82,6 +86,9 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
+        if room is not None:
+            report["plan"]["room"] = {"device_bytes": room.device_bytes, "taken_bytes": room.taken_bytes,
+                                      "to_come_bytes": room.to_come_bytes, "margin_bytes": room.margin_bytes}
     return report
 
 
@@ -106,6 +113,21 @@ def _plan(plan: Plan, uniform: dict[str, Plan]) -> dict[str, Any]:
                            "fits": p.residency.device_peak_bytes <= (plan.budget_bytes or 0)}
                     for name, p in uniform.items()},
     }
+
+
+def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_memory: int | None,
+          device: str) -> Room:
+    """`auto`'s room on the device: the command line's size, else the config's, else the visible GPU's."""
+    from fsdp_offload_cfg.estimate.plot import visible_device_bytes
+
+    device_bytes = device_memory or auto.device_bytes or visible_device_bytes(device)
+    if device_bytes is None:
+        raise EstimateError("activation budget auto: the device's memory is unknown here; pass --device-memory "
+                            "(such as 80GiB), or set activation_budget_device_memory in the config")
+    try:
+        return offline_room(states, auto, device_bytes, resident=not config.offload_params)
+    except EstimateError as error:
+        raise EstimateError(f"activation budget {error}") from None
 
 
 def _with_peak(parts: dict[str, int]) -> dict[str, int]:
@@ -362,7 +384,12 @@ def format_table(report: dict[str, Any]) -> str:
 
 def _plan_table(plan: dict[str, Any]) -> list[str]:
     """The plan in runs of consecutive layers with the same choice, then the single settings."""
-    lines = ["", f"Plan for an activation budget of {show_size(plan['budget_bytes'])}: activations peak at "
+    room = plan.get("room")
+    lines = [] if room is None else [
+        "", f"Activation budget auto: the device's {show_size(room['device_bytes'])}, less "
+        f"{show_size(room['taken_bytes'])} of parameters and buffers, {show_size(room['to_come_bytes'])} of gradients, "
+        f"optimizer state and gathered layers, and a margin of {show_size(room['margin_bytes'])}"]
+    lines += ["", f"Plan for an activation budget of {show_size(plan['budget_bytes'])}: activations peak at "
              f"{show_size(plan['device_peak_bytes'])} on the device, {show_size(plan['host_bytes'])} pinned on the host, "
              f"step time of the layers +{plan['extra_time_fraction']:.0%} (estimated)",
              "", "| layers | choice | on the device | on the host | extra ms |", "|---|---|---|---|---|"]

@@ -14,7 +14,6 @@ import torch
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.config.derived import budget_bytes
 from fsdp_offload_cfg.integrations.common import (
     cpu_fsdp_needed,
     enable_offload,
@@ -113,7 +112,7 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
 
 def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Module, cfg: FSDPOffloadConfig) -> Any:
     plugin = accelerator.state.fsdp_plugin
-    budget = budget_bytes(cfg) is not None
+    budget = cfg.activation_memory_budget is not None  # bytes or auto
     if budget:
         wrap_layers(model, cfg)
     if fill_through_loader(model, plugin, cfg):

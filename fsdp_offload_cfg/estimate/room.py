@@ -1,0 +1,66 @@
+"""The device memory left for activations: what `activation_memory_budget: auto` plans to.
+
+A budget is what the step can give activations at its worst moment, backward's (the estimate's
+`device_at_peak`): the device's memory less what is there besides activations, less a margin.
+At the first training forward part of that exists and part does not yet:
+
+- **taken**, measured: the sharded parameters and buffers, the CUDA context and whatever else
+  the process or the device already holds (the allocator, `mem_get_info`);
+- **to come**, estimated from the model as the estimate counts it (`states.ShardedStates`):
+  every gradient (they appear in backward, group by group; counting all of them holds under
+  gradient accumulation too), AdamW's two moments (they appear at the first `step()`), and the
+  gathered units (the tail and root for the whole step, a layer, its prefetched neighbour and
+  one unit's gradients in backward).
+
+Offline (`fsdp-offload-cfg estimate --activation-budget auto --device-memory 80GiB`) nothing is
+measured: taken is the estimate's parameters and buffers. Both ends take the same `to_come`, so
+a CPU run against a stated device size plans what the estimate plans for the same numbers.
+
+Prior art: torch's `activation_memory_budget` and torchtitan's `auto_perf_maxing` take a fraction
+of the activations, not of the device; DeepCompile profiles a whole step first. Here the budget
+comes before any step: the first forward is the one that has to fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_offload_cfg._sizes import AutoBudget, show_size
+from fsdp_offload_cfg.estimate.inputs import EstimateError
+from fsdp_offload_cfg.estimate.states import ShardedStates
+
+
+@dataclass(frozen=True)
+class Room:
+    device_bytes: int  # what the plan may fill: the stated size, else the device's total
+    taken_bytes: int  # there already (measured at run time; offline, the resident states)
+    to_come_bytes: int  # gradients, optimizer state, gathered units: not allocated yet
+    margin_bytes: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.device_bytes - self.taken_bytes - self.to_come_bytes - self.margin_bytes
+
+    def describe(self) -> str:
+        return (f"device {show_size(self.device_bytes)}, taken {show_size(self.taken_bytes)}, to come "
+                f"{show_size(self.to_come_bytes)} (gradients, AdamW state, gathered layers), margin "
+                f"{show_size(self.margin_bytes)}")
+
+    def checked(self) -> Room:
+        """Itself, if it leaves activations anything; else an `EstimateError` with the figures."""
+        if self.budget_bytes <= 0:
+            raise EstimateError(f"auto: nothing is left for activations ({self.describe()}); use more ranks (the "
+                                "states shard over them), offload_params, a smaller margin, or a larger device")
+        return self
+
+
+def to_come(states: ShardedStates, resident: bool) -> int:
+    """What backward's worst moment holds that the first forward has not allocated yet; with the
+    parameters offloaded (`resident` false) their gradients and optimizer state live on the host."""
+    return (states.grads + states.optimizer if resident else 0) + states.always_gathered + 3 * states.unit_max
+
+
+def offline_room(states: ShardedStates, auto: AutoBudget, device_bytes: int, resident: bool) -> Room:
+    """The estimate's room on a device of `device_bytes`: nothing measured."""
+    taken = (states.params if resident else 0) + states.buffers
+    return Room(device_bytes, taken, to_come(states, resident), auto.margin(device_bytes)).checked()
