@@ -11,7 +11,8 @@ decoder layer, as accelerate's `fsdp2_apply_ac` applies it):
                accelerator and fails);
   ours-sync    `enable_activation_offload(mode="sync")`;
   ours-async   `enable_activation_offload(mode="async")`;
-  budget=SIZE  `activation_memory_budget` (`--budget 6GiB`, without checkpointing only: the plan
+  budget=SIZE  `activation_memory_budget` (`--budget 6GiB`, or `--budget auto`: what the device,
+               or the `--device-memory` cap, leaves; without checkpointing only: the plan
                decides it): each layer kept, offloaded, checkpointed or both, planned at the first
                step at rates measured on this device; the plan is printed under the table.
 
@@ -122,7 +123,7 @@ def build(args: argparse.Namespace, method: str, ac: bool) -> nn.Module:
         for i, layer in enumerate(model.model.layers):
             wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
             model.model.layers[i] = offload_wrapper(wrapped) if method == "save_on_cpu" else wrapped
-    budget = _budget_config(method) if method.startswith("budget=") else None
+    budget = _budget_config(method, args.device_memory) if method.startswith("budget=") else None
     if budget is not None:
         from fsdp_offload_cfg.budget import wrap_layers
 
@@ -142,11 +143,16 @@ def build(args: argparse.Namespace, method: str, ac: bool) -> nn.Module:
     return model
 
 
-def _budget_config(method: str):  # type: ignore[no-untyped-def]
+def _budget_config(method: str, device_memory: int | None):  # type: ignore[no-untyped-def]
+    """The row's config; `budget=auto...` under `--device-memory` plans against that cap (the
+    allocator can hold no more), else against the device's own memory."""
     from fsdp_offload_cfg import load_config
 
-    return load_config({"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
-        "fsdp_version": 2, "activation_memory_budget": method.removeprefix("budget=")}})
+    budget = method.removeprefix("budget=")
+    fsdp = {"fsdp_version": 2, "activation_memory_budget": budget}
+    if budget.startswith("auto") and device_memory:
+        fsdp["activation_budget_device_memory"] = device_memory
+    return load_config({"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp})
 
 
 def forward_context(model: nn.Module, method: str, ac: bool, cuda: bool) -> contextlib.AbstractContextManager:

@@ -14,6 +14,7 @@
 #                 bash scripts/gpu_session.sh tight       # activations less gradients; the allocator capped at 9 GiB
 #                 bash scripts/gpu_session.sh reserved    # reserved vs allocated, capped at the peak + 10%
 #                 bash scripts/gpu_session.sh scale3b     # a Llama-3.2-3B shape at long sequences, every peer
+#                 bash scripts/gpu_session.sh auto        # activation_memory_budget: auto on the 3B shape
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -167,6 +168,17 @@ scale3b() {
   done
 }
 
+# `auto` where it matters: the 3B shape at sequences where `none` may run out of memory, beside
+# checkpointing (the best single setting that usually fits) and `auto`'s plan; each row's reserved
+# peak and allocator retries are in its table. AUTO_SEQS picks the sequences.
+auto() {
+  local seq
+  for seq in ${AUTO_SEQS:-16384 32768}; do
+    timeout 280 python3 benchmarks/activation_offload.py --device cuda "${SHAPE_3B[@]}" --seq "$seq" --steps 2 \
+      --methods none --ac no yes --budget auto 2>&1 | tee -a "$OUT/auto.md"
+  done
+}
+
 tight() {  # the offload where users need it, on a GPU with little room: the H200 runs left the
   # allocator 20-23 GiB reserved for a 7.3-7.5 GiB allocated peak (freed blocks a copy stream still
   # held), which a smaller GPU cannot give. Capped at 9 GiB, an allocation that finds the device
@@ -191,15 +203,15 @@ estimate() {
   python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/estimate.md"
 }
 
-[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
