@@ -10,12 +10,12 @@ reads them for it.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
 import torch
 
+from _compare import digest as _digest
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -41,10 +41,6 @@ def _config(mode: str) -> dict[str, Any]:
     if mode != "loader_off":
         fsdp["load_strategy"] = mode
     return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: list[str]) -> dict[str, Any]:

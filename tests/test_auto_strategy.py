@@ -11,7 +11,6 @@ Every tensor after prepare is bit-equal to a plain load in all three; `explain` 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -21,16 +20,12 @@ from typing import Any
 import pytest
 import torch
 
+from _compare import digests as _digests
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
 CONFIG = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": True}}
-
-
-def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha1(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, v in state.items()}
 
 
 def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ prepare, the RNG stream after it and the losses of two steps are bit-equal under
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from _compare import digest as _digest
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -118,11 +118,6 @@ CASES: dict[str, Callable[[str], nn.Module]] = {
     "two_adapters": _two_adapters,
     "modules_to_save": _modules_to_save,
 }
-
-
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:

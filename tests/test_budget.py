@@ -8,12 +8,12 @@ the layers run with are the planner's for that batch; a budget no plan meets sto
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
 import torch
 
+from _compare import digest as _digest
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -44,11 +44,6 @@ def _config(budget: int | str | None, loader: bool = False, rates: bool = True, 
         if device_memory is not None:
             fsdp["fsdp_activation_budget_device_memory"] = device_memory
     return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
-
-
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _train(rank: int, world: int, path: str, budget: int | str | None, loader: bool, no_cache: bool = False,

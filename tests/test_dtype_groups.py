@@ -11,7 +11,6 @@ losses are bit-equal across the three. A router kept in float32 by hand is split
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from _compare import digest as _digest
 from _dist import run_workers
 from fsdp_offload_cfg.dtype_groups import DtypeGroupError, odd_dtype_modules
 
@@ -109,11 +109,6 @@ def _cast_by_hand(model: nn.Module) -> None:
     """What a user keeping the router in float32 writes between from_pretrained and prepare (as
     recipes did before transformers 5.24 did it itself; the router casts its input to float32)."""
     model.get_submodule("model.layers.1.mlp.gate").float()
-
-
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _gathered_dtypes(model: nn.Module) -> dict[str, str]:
@@ -218,7 +213,6 @@ def runs(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
 
 
 CASES = ["deepseek_v3", "glm4_moe", "deepseek_v3_by_hand"]
-
 
 
 @pytest.mark.distributed

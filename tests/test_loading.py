@@ -9,7 +9,6 @@ one covers failure propagation, one simulates 2 nodes x 2 processes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _compare import digest as _digest
 from _dist import run_workers
 from _models import EXPERTS_FUSED_ON_LOAD
 
@@ -130,11 +130,6 @@ def _plain_model(path: str) -> nn.Module:
     from transformers import LlamaForCausalLM, PreTrainedModel
 
     return PreTrainedModel._test_original_from_pretrained(LlamaForCausalLM, path)
-
-
-def _digest(t: torch.Tensor) -> str:
-    data = t.contiguous().view(torch.uint8).numpy().tobytes()
-    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha256(data).hexdigest()
 
 
 def _compare(model: nn.Module, ref: dict[str, torch.Tensor], upcast: bool = False) -> dict[str, Any]:

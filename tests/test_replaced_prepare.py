@@ -13,12 +13,12 @@ segments rank 0's description did not ("missing from the source" on every rank).
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
 import torch
 
+from _compare import digest as _digest
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -30,11 +30,6 @@ def _config(ours: bool) -> dict[str, Any]:
     if ours:
         fsdp.update(load_strategy="sharded", activation_cpu_offload=True)
     return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
-
-
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _install_framework_copy(kind: str, stock: Any) -> list[int]:

@@ -9,12 +9,12 @@ two steps are equal. Every rank other than 0 used to die in transformers' mean r
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
 import torch
 
+from _compare import digest as _digest
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -34,11 +34,6 @@ def _config(mode: str) -> dict[str, Any]:
     if mode != "loader_off":
         fsdp["load_strategy"] = mode
     return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
-
-
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return f"{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _worker(rank: int, world_size: int, mode: str, paths: dict[str, str]) -> dict[str, Any]:

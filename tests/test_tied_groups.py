@@ -13,7 +13,6 @@ the Trainer (its `fsdp_config`, its own prepare) and as TRL reference models (`p
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from _compare import digest as _digest
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -60,11 +60,6 @@ def _ties(model: nn.Module) -> list[tuple[str, ...]]:
     from fsdp_offload_cfg.tie_groups import tied_holders
 
     return sorted(tuple(name for name, _ in found) for found in tied_holders(model).values())
-
-
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _config(mode: str) -> dict[str, Any]:
