@@ -45,6 +45,7 @@ from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import auto_budget, budget_bytes, mixed_compute_dtype, stated_rates
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
 if TYPE_CHECKING:
     from fsdp_offload_cfg.estimate.plan import Plan
@@ -90,7 +91,50 @@ def wrap_layers(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
         model.set_submodule(names[id(group)], wrapped)
 
 
-def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
+def enable_activation_budget(model: nn.Module, budget: int | str, *, layer_classes: list[str] | None = None,
+                             offload: ActivationOffloadConfig | None = None, mixed_precision: str | None = None,
+                             compute_tflops: float | None = None, copy_gb_per_s: float | None = None,
+                             device_memory: int | str | None = None) -> BudgetPlanner:
+    """`activation_memory_budget` for a script that shards with `fully_shard` itself (torchrun, no
+    accelerate): call it after sharding and before the first forward. The same planning as
+    through accelerate's prepare, at the first training forward; the arguments are the config's
+    keys (`budget`: activation_memory_budget, bytes, a size or `auto`; `layer_classes`:
+    transformer_layer_cls_to_wrap; `mixed_precision`: bf16/fp16 as the `MixedPrecisionPolicy`
+    computes, else the parameters' dtype; the rates and `device_memory`:
+    activation_budget_*). Returns the planner: `.plan`, `.budget`, `.room` once planned,
+    `.remove()` to stop planning, offloading and checkpointing.
+
+    Layers are wrapped after sharding here (accelerate wraps them before): the checkpoint wrapper
+    then sits outside each layer's FSDP2 module, whose pre-backward hook gathers the parameters
+    before the recomputation runs, so the recomputed forward is the forward (tested bit-equal).
+    FSDP1 is refused: its units own their layers' forward through flat parameters, and the plan's
+    per-layer wrappers and offload boundaries would not see the layers the estimate measures."""
+    from fsdp_offload_cfg.config import load_config
+
+    _refuse_fsdp1(model)
+    keys = {"activation_memory_budget": budget, "transformer_layer_cls_to_wrap": layer_classes,
+            "activation_budget_compute_tflops": compute_tflops, "activation_budget_copy_gb_per_s": copy_gb_per_s,
+            "activation_budget_device_memory": device_memory}
+    cfg = load_config({"distributed_type": "FSDP", "mixed_precision": mixed_precision or "no",
+                       "fsdp_config": {"version": 2, **{k: v for k, v in keys.items() if v is not None}}},
+                      name="enable_activation_budget()")
+    if offload is not None:
+        cfg = dataclasses.replace(cfg, activation_cpu_offload=offload)
+    wrap_layers(model, cfg)
+    return enable_budget(model, cfg)
+
+
+def _refuse_fsdp1(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigError("enable_activation_budget(): this model is wrapped by FSDP1 (FullyShardedDataParallel), "
+                          "whose units run their layers through flat parameters: the plan's per-layer checkpoint "
+                          "wrappers and offload boundaries cannot act on them. Shard with FSDP2 "
+                          "(torch.distributed.fsdp.fully_shard on each layer, then the model)")
+
+
+def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> BudgetPlanner:
     """After prepare: the offload on every layer, all of them kept until the plan is made, and the
     planner at the first training forward; `unpatch()` removes both."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -99,22 +143,22 @@ def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
     from fsdp_offload_cfg.offload import enable_activation_offload
 
     handle = enable_activation_offload(model, dataclasses.replace(cfg.activation_cpu_offload, enabled=True))
-    registry.on_uninstall(handle.remove)
     if not all(isinstance(g, CheckpointWrapper) for g in handle.groups):
         names = [type(g).__name__ for g in handle.groups if not isinstance(g, CheckpointWrapper)]
         raise ConfigError(f"{cfg.source}: activation_memory_budget: the offload groups {', '.join(names[:3])} are "
                           "not the layers wrapped for the plan; set transformer_layer_cls_to_wrap to the decoder "
                           "layer class")
     handle.handler.kept_groups = frozenset(range(len(handle.groups)))
-    planner = _Planner(model, handle, cfg, _host_group())
+    planner = BudgetPlanner(model, handle, cfg, _host_group())
     # before FSDP's own pre-forward (which gathers the root's parameters): what `auto` measures
     # as taken is then the sharded state, as the estimate counts it
-    hook = model.register_forward_pre_hook(planner, with_kwargs=True, prepend=True)
-    registry.on_uninstall(hook.remove)
+    planner.hook = model.register_forward_pre_hook(planner, with_kwargs=True, prepend=True)
+    registry.on_uninstall(planner.remove)
     summarize_offload_at_exit()
+    return planner
 
 
-class _Planner:
+class BudgetPlanner:
     """The root's forward pre-hook: plans at the first forward under grad, and again at a larger one."""
 
     def __init__(self, model: nn.Module, handle: Any, cfg: FSDPOffloadConfig, group: Any) -> None:
@@ -131,6 +175,17 @@ class _Planner:
         self.budget = budget_bytes(cfg)  # bytes the plans fit in: stated, or the room's once measured
         self.room: Room | None = None  # with `auto`: the tightest rank's room, kept for every later plan
         self.profiled: tuple[tuple[int, int], ActivationProfile, Any] | None = None  # (shape, profile, twin), last
+        self.hook: Any = None  # the forward pre-hook handle, until `remove`
+
+    def remove(self) -> None:
+        """Stop planning: the hook and the offload removed, every layer's wrapper passing through."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        self.handle.remove()
+        for group in self.handle.groups:
+            set_checkpointing(group, False)
+        self.model.__dict__.pop(_PLANNED, None)
 
     # Host-side bookkeeping (a collective, a meta forward, a plan), never part of a graph: under a
     # model compiled whole dynamo would trace into it (transformers 4.57's meta init crashed dynamo).
@@ -278,7 +333,7 @@ class _Planner:
             "copies from the config, compute " + measured
 
 
-def planned(model: nn.Module) -> _Planner | None:
+def planned(model: nn.Module) -> BudgetPlanner | None:
     """The budget's planner of `model` once it has planned (its `shape`, `rates`, `plan`); None before."""
     return model.__dict__.get(_PLANNED)
 

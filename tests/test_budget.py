@@ -188,6 +188,80 @@ def test_auto_plans_the_room_a_stated_device_leaves_as_the_estimate_does(runs: d
     assert report["plan"]["room"]["margin_bytes"] == AUTO_MARGIN
 
 
+def _plain_torch(rank: int, world: int, path: str, budget: int | None) -> dict[str, Any]:
+    """torchrun's kind of script: `fully_shard` by hand, no accelerate, the budget from code."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.budget import planned_choices
+
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    planner = None
+    if budget is not None:
+        planner = fsdp_offload_cfg.enable_activation_budget(
+            model, budget, compute_tflops=RATES["fsdp_activation_budget_compute_tflops"],
+            copy_gb_per_s=SLOW_COPY_GB_PER_S)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, choices = [], []
+    for step in range(3):
+        if step == 2 and planner is not None:
+            planner.remove()  # the last step runs as the plain run does
+        ids = torch.randint(1, 97, (BATCH, SEQ), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        choices.append(planned_choices(model))
+    return {"losses": losses, "choices": choices}
+
+
+def test_a_plain_torch_fsdp2_script_plans_from_code_and_trains_exactly(model_dir: str, budgets: dict[str, int]):
+    """`enable_activation_budget` after `fully_shard`: the layers run the estimate's plan (here
+    checkpointing with offload), the losses are the same run's without it, and `remove()` leaves
+    the model as it was."""
+    ours = run_workers(_plain_torch, 2, model_dir, budgets["tight"], timeout=300)
+    plain = run_workers(_plain_torch, 2, model_dir, None, timeout=300)
+    expected = _plan_for(model_dir, budgets["tight"],
+                         rates=(RATES["fsdp_activation_budget_compute_tflops"] * 1e12, SLOW_COPY_GB_PER_S * 1e9))
+    assert any(c.startswith("checkpoint") for c in expected) and any(c.endswith("offload") for c in expected)
+    for rank in (0, 1):
+        assert ours[rank]["losses"] == plain[rank]["losses"], (rank, ours[rank]["losses"], plain[rank]["losses"])
+        assert ours[rank]["choices"] == [expected, expected, None], ours[rank]["choices"]
+
+
+def test_fsdp1_is_refused_saying_why():
+    """FSDP1 wraps only on an accelerator; the refusal reads the module's class, so an FSDP1 unit
+    is made here without its init (which needs one)."""
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    import fsdp_offload_cfg
+
+    unit = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(unit)
+    with pytest.raises(fsdp_offload_cfg.ConfigError) as error:
+        fsdp_offload_cfg.enable_activation_budget(nn.Sequential(unit, nn.Linear(2, 2)), "1GiB")
+    assert str(error.value).startswith("enable_activation_budget(): this model is wrapped by FSDP1 "
+                                       "(FullyShardedDataParallel)"), error.value
+    assert "fully_shard" in str(error.value)
+
+
+def test_a_bad_budget_from_code_names_the_call_and_the_key():
+    from torch import nn
+
+    import fsdp_offload_cfg
+
+    with pytest.raises(fsdp_offload_cfg.ConfigError, match=r"enable_activation_budget\(\): fsdp_config\."
+                                                           r"activation_memory_budget: expected"):
+        fsdp_offload_cfg.enable_activation_budget(nn.Linear(2, 2), "lots")
+
+
 def _fail(rank: int, world: int, path: str, case: str, budget: int | str, device_memory: int | None = None
           ) -> dict[str, Any]:
     """One way to fail (or to plan) per case; returns what each rank saw (an error is returned, not raised)."""

@@ -13,7 +13,7 @@ forward each rank times, once, in well under a second:
 - copies: 32 MiB to the host and back the way the offload copies them (pinned host memory on
   CUDA), the slower direction.
 
-The ranks plan with the slowest rank's rates (`budget._Planner.agreed_rates`), so they agree on one plan:
+The ranks plan with the slowest rank's rates (`budget.BudgetPlanner.agreed_rates`), so they agree on one plan:
 the step waits for the slowest rank anyway. A config that states both rates
 (`activation_budget_compute_tflops`, `activation_budget_copy_gb_per_s`) skips the probe and gets
 the same plan on every run, which a measured rate does not promise.
