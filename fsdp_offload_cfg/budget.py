@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import auto_budget, budget_bytes, mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.ranks import agreed, every_rank, host_group, max_over_ranks, min_over_ranks
 
 if TYPE_CHECKING:
     from fsdp_offload_cfg.estimate.plan import Plan
@@ -136,11 +136,11 @@ def _refuse_fsdp1(model: nn.Module) -> None:
 
 def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> BudgetPlanner:
     """After prepare: the offload on every layer, all of them kept until the plan is made, and the
-    planner at the first training forward; `unpatch()` removes both."""
+    planner at the first training forward; the planner's `remove()` takes both away."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from fsdp_offload_cfg.integrations.common import summarize_offload_at_exit
     from fsdp_offload_cfg.offload import enable_activation_offload
+    from fsdp_offload_cfg.offload.stats import summarize_offload_at_exit
 
     handle = enable_activation_offload(model, dataclasses.replace(cfg.activation_cpu_offload, enabled=True))
     if not all(isinstance(g, CheckpointWrapper) for g in handle.groups):
@@ -149,11 +149,10 @@ def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> BudgetPlanner:
                           "not the layers wrapped for the plan; set transformer_layer_cls_to_wrap to the decoder "
                           "layer class")
     handle.handler.kept_groups = frozenset(range(len(handle.groups)))
-    planner = BudgetPlanner(model, handle, cfg, _host_group())
+    planner = BudgetPlanner(model, handle, cfg, host_group())
     # before FSDP's own pre-forward (which gathers the root's parameters): what `auto` measures
     # as taken is then the sharded state, as the estimate counts it
     planner.hook = model.register_forward_pre_hook(planner, with_kwargs=True, prepend=True)
-    registry.on_uninstall(planner.remove)
     summarize_offload_at_exit()
     return planner
 
@@ -202,10 +201,10 @@ class BudgetPlanner:
             if self.auto is not None:
                 self.room = self.agreed_room(largest)
                 self.budget = self.room.budget_bytes
-            _agreed("planning activation_memory_budget", lambda: self.make_plan(largest))
+            agreed("planning activation_memory_budget", lambda: self.make_plan(largest))
         elif largest is not None and (grown := (max(largest[0], self.shape[0]), max(largest[1], self.shape[1]))) \
                 != self.shape:
-            _agreed("planning activation_memory_budget again, for a larger batch", lambda: self.make_plan(grown))
+            agreed("planning activation_memory_budget again, for a larger batch", lambda: self.make_plan(grown))
         # A checkpointed layer that appends to a KV cache appends again when it is recomputed, and
         # the recomputation then differs from the forward (transformers 4.x: "recomputed metadata").
         # transformers turns the cache off under its own gradient checkpointing, and so does a plan
@@ -236,8 +235,8 @@ class BudgetPlanner:
         flops, copy = stated_rates(self.cfg)
         if flops is not None and copy is not None:
             return flops, copy
-        measured = _agreed("measuring the device for activation_memory_budget", lambda: self.measure(shape))
-        slowest = _slowest_over_ranks(measured, self.group)
+        measured = agreed("measuring the device for activation_memory_budget", lambda: self.measure(shape))
+        slowest = min_over_ranks(measured, self.group)
         return (flops or slowest[0]), (copy or slowest[1])
 
     def measure(self, shape: tuple[int, int] | None) -> tuple[float, float]:
@@ -293,7 +292,7 @@ class BudgetPlanner:
         nothing left stops every rank with its figures."""
         from fsdp_offload_cfg.estimate import EstimateError
 
-        here = _agreed("measuring the device for activation_memory_budget: auto", lambda: self.room_here(shape))
+        here = agreed("measuring the device for activation_memory_budget: auto", lambda: self.room_here(shape))
         tightest = _tightest_over_ranks(here, self.group)
 
         def check() -> Room:
@@ -302,7 +301,7 @@ class BudgetPlanner:
             except EstimateError as error:
                 raise ConfigError(f"{self.cfg.source}: activation_memory_budget: {error}") from None
 
-        return _agreed("checking the room for activations", check)
+        return agreed("checking the room for activations", check)
 
     def room_here(self, shape: tuple[int, int] | None) -> Room:
         """This rank's room: what it holds measured, what is to come estimated from the twin as
@@ -447,59 +446,20 @@ def batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     return None
 
 
-def _host_group() -> Any:
-    """The group the planner's per-forward agreement runs over: gloo, so that a few integers never
-    round-trip through the device (on NCCL that would stall the host on the device every step).
-    Its own group on every backend, gloo included, so that the CPU tests run the GPU's path. Made
-    at prepare, where every rank is; None without a process group of several ranks."""
-    from fsdp_offload_cfg.loading._sync import distributed_ready
-
-    return dist.new_group(backend="gloo") if distributed_ready() else None
-
-
 def _largest_over_ranks(shape: tuple[int, int] | None, group: Any) -> tuple[int, int] | None:
     """The largest batch and the longest sequence of any rank, the same on every rank; None where
     any rank has none."""
-    from fsdp_offload_cfg.loading._sync import distributed_ready
-
-    if not distributed_ready():
-        return shape
-    values = torch.tensor([*(shape or (0, 0)), int(shape is None)], dtype=torch.int64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    batch, tokens, missing = values.tolist()
+    batch, tokens, missing = max_over_ranks([*(shape or (0, 0)), int(shape is None)], group)
     return None if missing else (batch, tokens)
 
 
 def _tightest_over_ranks(room: Room, group: Any) -> Room:
     """The room of the rank that leaves activations the least, the same on every rank."""
     from fsdp_offload_cfg.estimate.room import Room
-    from fsdp_offload_cfg.loading._sync import distributed_ready
 
-    if not distributed_ready():
-        return room
-    mine = torch.tensor([room.device_bytes, room.taken_bytes, room.to_come_bytes, room.margin_bytes],
-                        dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return min((Room(*map(int, t.tolist())) for t in every), key=lambda r: r.budget_bytes)
-
-
-def _slowest_over_ranks(rates: tuple[float, float], group: Any) -> tuple[float, float]:
-    """Each rate's minimum over the ranks."""
-    from fsdp_offload_cfg.loading._sync import distributed_ready
-
-    if not distributed_ready():
-        return rates
-    values = torch.tensor(rates, dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    return float(values[0]), float(values[1])
-
-
-def _agreed(what: str, fn: Any) -> Any:
-    """`fn()` on every rank, raised on every rank if it failed on any (`_sync.agreed`)."""
-    from fsdp_offload_cfg.loading._sync import agreed, distributed_ready
-
-    return agreed(what, fn) if distributed_ready() else fn()
+    rooms = [Room(*values) for values in every_rank(
+        [room.device_bytes, room.taken_bytes, room.to_come_bytes, room.margin_bytes], group)]
+    return min(rooms, key=lambda r: r.budget_bytes)
 
 
 def _transformers_model(model: nn.Module) -> nn.Module | None:

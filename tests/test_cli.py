@@ -134,7 +134,7 @@ def test_explain_lists_the_patches_a_launch_would_apply(monkeypatch: pytest.Monk
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert cli.main(["explain", "--format", "json", EXAMPLES[2]]) == 0  # 2 CPU processes
     names = [p.split(":")[0] for p in json.loads(capsys.readouterr().out)["patches"]]
-    expected = {"rank0-from-pretrained", "fsdp2-prepare-model"}
+    expected = {"loader-from-pretrained", "fsdp2-prepare-model"}
     if not torch.cuda.is_available():
         expected |= {"cpu-fsdp-state", "cpu-fsdp-accelerator-state"}
     assert expected <= set(names), names

@@ -84,7 +84,7 @@ def test_direct_fsdp2_prepare_model_lookups_are_patched_too():
 
 def test_functions_swapped_during_a_sharded_load_are_declared_and_exist():
     sharded = dataclasses.replace(EVERYTHING_ON, load_strategy="sharded")
-    (loader,) = [p for p in integrations.PATCHES if p.name == "rank0-from-pretrained"]
+    (loader,) = [p for p in integrations.PATCHES if p.name == "loader-from-pretrained"]
     swaps = loader.swaps(sharded)
     assert ("transformers.modeling_utils", "_get_resolved_checkpoint_files") in swaps and len(swaps) >= 2
     assert all(callable(getattr(importlib.import_module(m), a)) for m, a in swaps)
@@ -106,7 +106,7 @@ def test_unpatch_restores_every_original_object_and_env():
     env_before = dict(os.environ)
     session = fsdp_offload_cfg.patch(EVERYTHING_ON)
     applied = set(session.patch_names)
-    assert {"fsdp2-prepare-model", "rank0-from-pretrained", "cpu-fsdp-state"} <= applied
+    assert {"fsdp2-prepare-model", "loader-from-pretrained", "cpu-fsdp-state"} <= applied
     for p in integrations.PATCHES:
         if p.name in applied:
             assert _raw(p) is not before[p.name], p.name
@@ -171,10 +171,10 @@ def test_patch_with_another_config_reapplies_cleanly():
     fsdp_offload_cfg.patch(EVERYTHING_ON)
     session = fsdp_offload_cfg.patch(FSDP1_OFFLOAD)
     assert "fsdp1-activation-offload" in session.patch_names
-    assert "rank0-from-pretrained" not in session.patch_names
+    assert "loader-from-pretrained" not in session.patch_names
     from transformers.modeling_utils import PreTrainedModel
 
-    assert PreTrainedModel.__dict__["from_pretrained"] is before["rank0-from-pretrained"]
+    assert PreTrainedModel.__dict__["from_pretrained"] is before["loader-from-pretrained"]
     fsdp_offload_cfg.unpatch()
     assert _snapshot() == before
 
@@ -521,7 +521,7 @@ def test_the_trainer_switches_the_config_without_unpatching_itself(single_proces
     assert TrainingArguments.__dict__["__post_init__"] is trainer_patch  # still the one that ran
     assert fsdp_offload_cfg.active_config().source == "TrainingArguments.fsdp_config"
     assert fsdp_offload_cfg.active_config().activation_cpu_offload.mode == "sync"
-    assert "rank0-from-pretrained" not in session.patch_names  # the Trainer's config has no RAM-efficient loading
+    assert "loader-from-pretrained" not in session.patch_names  # the Trainer's config has no RAM-efficient loading
     assert os.environ["FSDP_ACTIVATION_CPU_OFFLOAD"] == '{"enabled": true, "max_pinned_bytes": null, ' \
         '"min_tensor_bytes": 1024, "mode": "sync", "offload_last_group": false, "prefetch_groups": 1}'
     fsdp_offload_cfg.unpatch()

@@ -104,7 +104,7 @@ def _other_rank_only_worker(rank: int, world_size: int, path: str, strategy: str
     from transformers import AutoModelForCausalLM
 
     import fsdp_offload_cfg
-    import fsdp_offload_cfg.loading._sync as sync
+    import fsdp_offload_cfg.loading.mailbox as sync
 
     fsdp_offload_cfg.patch(_config(strategy))
     sync.WAIT_LOG_EVERY_S = 1.0

@@ -8,7 +8,7 @@ empty meta tensor where the data would go and record which file tensor fills whi
 
 - 5.x (`core_model_loading`): `_get_resolved_checkpoint_files`, `convert_and_load_state_dict_in_model`
   (keys mapped with transformers' own `rename_source_key`; a `WeightConverter` means the data is
-  transformed whole: `NeedsBroadcast`), `spawn_materialize` (an empty meta tensor of the cast dtype);
+  transformed whole: `NotSliceable`), `spawn_materialize` (an empty meta tensor of the cast dtype);
 - 4.x: `_get_resolved_checkpoint_files` and `load_shard_file` (keys already renamed by
   `_get_key_renaming_mapping`; dtype from `_infer_parameter_dtype`, as its own loader casts).
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_offload_cfg.loading.safetensors_index import DTYPES, FileTensor, NeedsBroadcast, read_headers
+from fsdp_offload_cfg.safetensors_index import DTYPES, FileTensor, NotSliceable, read_headers
 
 
 @dataclass
@@ -82,10 +82,10 @@ def _resolve(original: Callable[..., Any], capture: Capture) -> Callable[..., An
     def resolve(*args: Any, **kwargs: Any) -> Any:
         files, metadata = original(*args, **kwargs)
         if not files:
-            raise NeedsBroadcast("the weights are not in checkpoint files (e.g. passed as state_dict)")
+            raise NotSliceable("the weights are not in checkpoint files (e.g. passed as state_dict)")
         others = [os.path.basename(f) for f in files if not str(f).endswith(".safetensors")]
         if others:
-            raise NeedsBroadcast(f"checkpoint files are not safetensors ({', '.join(others[:3])})")
+            raise NotSliceable(f"checkpoint files are not safetensors ({', '.join(others[:3])})")
         capture.files = files  # the same list: from_pretrained may still append extra files to it
         return files, metadata
 
@@ -94,9 +94,9 @@ def _resolve(original: Callable[..., Any], capture: Capture) -> Callable[..., An
 
 def _check_first_state_dict(capture: Capture) -> None:
     if capture.keymap is not None:
-        raise NeedsBroadcast("more than one state dict is loaded (e.g. a PEFT adapter checkpoint)")
+        raise NotSliceable("more than one state dict is loaded (e.g. a PEFT adapter checkpoint)")
     if capture.files is None:
-        raise NeedsBroadcast("the weights are not in safetensors checkpoint files")
+        raise NotSliceable("the weights are not in safetensors checkpoint files")
 
 
 # ---- transformers 5.x -------------------------------------------------------------------------
@@ -106,14 +106,14 @@ def _convert_5x(original: Callable[..., Any], capture: Capture) -> Callable[...,
     def convert(model: nn.Module, state_dict: dict[str, Any], load_config: Any, *args: Any, **kwargs: Any) -> Any:
         _check_first_state_dict(capture)
         if getattr(load_config, "hf_quantizer", None) is not None:
-            raise NeedsBroadcast("the checkpoint is quantized")
+            raise NotSliceable("the checkpoint is quantized")
         keymap = map_keys_5x(model, state_dict, load_config.weight_mapping or [], capture.files)
         result = original(model, state_dict, load_config, *args, **kwargs)
         info = result[0]
         loaded = set(model.state_dict()) - set(info.missing_keys) - {k[0] for k in info.mismatched_keys}
         if loaded != set(keymap):
             diff = sorted(loaded ^ set(keymap))[:5]
-            raise NeedsBroadcast(f"transformers mapped checkpoint keys differently from a 1:1 rename ({diff})")
+            raise NotSliceable(f"transformers mapped checkpoint keys differently from a 1:1 rename ({diff})")
         capture.keymap = keymap
         return result
 
@@ -122,7 +122,7 @@ def _convert_5x(original: Callable[..., Any], capture: Capture) -> Callable[...,
 
 def _spawn_5x(thread_pool: Any, tensor: Any, device: Any = None, dtype: Any = None, **kwargs: Any) -> Callable:
     if isinstance(tensor, torch.Tensor):
-        raise NeedsBroadcast("the checkpoint yields in-memory tensors, not safetensors slices")
+        raise NotSliceable("the checkpoint yields in-memory tensors, not safetensors slices")
     empty = torch.empty(tuple(tensor.get_shape()), dtype=dtype or DTYPES[tensor.get_dtype()], device="meta")
     return lambda: empty
 
@@ -131,7 +131,7 @@ def map_keys_5x(
     model: nn.Module, state_dict: dict[str, Any], weight_mapping: list[Any], files: list[str]
 ) -> dict[str, FileTensor]:
     """Model state-dict name -> checkpoint tensor, computed the way transformers renames keys
-    (`rename_source_key`, with the model's `base_model_prefix`), or `NeedsBroadcast` when a key
+    (`rename_source_key`, with the model's `base_model_prefix`), or `NotSliceable` when a key
     is converted rather than renamed, changes shape, or two keys land on one tensor."""
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
@@ -149,18 +149,18 @@ def map_keys_5x(
         if name not in expected:
             continue  # unexpected: transformers reports and ignores it
         if pattern is not None:
-            raise NeedsBroadcast(f"checkpoint key {key!r} is converted on load (pattern {pattern!r} -> {name!r})")
+            raise NotSliceable(f"checkpoint key {key!r} is converted on load (pattern {pattern!r} -> {name!r})")
         _add(keymap, name, key, where, tuple(expected[name].shape))
     return keymap
 
 
 def _add(keymap: dict[str, FileTensor], name: str, key: str, where: dict[str, FileTensor], shape: tuple) -> None:
     if key not in where:
-        raise NeedsBroadcast(f"checkpoint key {key!r} is not in the safetensors headers")
+        raise NotSliceable(f"checkpoint key {key!r} is not in the safetensors headers")
     if name in keymap:
-        raise NeedsBroadcast(f"checkpoint keys {keymap[name].key!r} and {key!r} both map to {name!r}")
+        raise NotSliceable(f"checkpoint keys {keymap[name].key!r} and {key!r} both map to {name!r}")
     if where[key].shape != shape:
-        raise NeedsBroadcast(f"{key!r} has shape {list(where[key].shape)}, the model {list(shape)}")
+        raise NotSliceable(f"{key!r} has shape {list(where[key].shape)}, the model {list(shape)}")
     keymap[name] = where[key]
 
 
@@ -174,13 +174,13 @@ def _load_shard_file_4x(original: Callable[..., Any], capture: Capture) -> Calla
     def load_shard_file(args: tuple) -> tuple[list[str], Any]:
         shard_file, state_dict, _, is_quantized, device_map, _, renaming, _, model, _, _, offload_index, fp32_regex = args[:13]
         if state_dict is not None or not str(shard_file).endswith(".safetensors"):
-            raise NeedsBroadcast("the weights are not in safetensors checkpoint files")
+            raise NotSliceable("the weights are not in safetensors checkpoint files")
         if is_quantized:
-            raise NeedsBroadcast("the checkpoint is quantized")
+            raise NotSliceable("the checkpoint is quantized")
         if device_map is not None and "disk" in device_map.values():
-            raise NeedsBroadcast("device_map offloads weights to disk")
+            raise NotSliceable("device_map offloads weights to disk")
         if capture.files is None:
-            raise NeedsBroadcast("the weights are not in safetensors checkpoint files")
+            raise NotSliceable("the weights are not in safetensors checkpoint files")
         keymap = capture.keymap if capture.keymap is not None else {}
         where = read_headers([shard_file])
         for key in sorted(where):

@@ -274,7 +274,7 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
     """(bytes stored, whether loading converts them): from the safetensors headers when the
     directory has weights, else the parameters in the config's dtype."""
     if source.checkpoint_files:
-        from fsdp_offload_cfg.loading.safetensors_index import read_headers
+        from fsdp_offload_cfg.safetensors_index import read_headers
 
         tensors = read_headers(list(source.checkpoint_files)).values()
         stored = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)

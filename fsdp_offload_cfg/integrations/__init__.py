@@ -25,7 +25,7 @@ from fsdp_offload_cfg.integrations.common import (
 from fsdp_offload_cfg.registry import LaunchContext
 
 _ORDER = [
-    "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "rank0-from-pretrained", "rank0-from-config",
+    "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "loader-from-pretrained", "rank0-from-config",
     "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
     "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
     "fsdp1-activation-offload",

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
@@ -126,7 +127,7 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
         with fsdp2_groups(model):
             model = original(accelerator, model)
     if budget:
-        enable_budget(model, cfg)
+        registry.on_uninstall(enable_budget(model, cfg).remove)  # `unpatch()` takes the plan away
     elif cfg.activation_cpu_offload.enabled:
         enable_offload(model, cfg)
     return model

@@ -50,8 +50,8 @@ class FsdpOffloadCfgPlugin(BasePlugin):
         self._written: dict[str, Any] = {}
 
     def register(self, cfg: dict) -> None:
-        import fsdp_offload_cfg
         from fsdp_offload_cfg.config import ConfigError, load_config
+        from fsdp_offload_cfg.patching import patch
 
         where = f"axolotl config {cfg.get('axolotl_config_path') or '(in code)'}"
         written = dict(cfg.get("fsdp_config") or {})
@@ -67,7 +67,7 @@ class FsdpOffloadCfgPlugin(BasePlugin):
                               "own activation offloader and fsdp_config.activation_cpu_offload fsdp_offload_cfg's: two "
                               "offloaders on one model, one of which would move nothing. Keep one of the two keys.")
         self._written = written
-        fsdp_offload_cfg.patch(config)
+        patch(config)
         global _registered
         _registered = True
 

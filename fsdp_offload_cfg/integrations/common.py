@@ -8,7 +8,6 @@ Predicates take the config and the `LaunchContext`; nothing here patches anythin
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig, env_values
+from fsdp_offload_cfg.offload.stats import summarize_offload_at_exit
 from fsdp_offload_cfg.registry import LaunchContext
 from fsdp_offload_cfg.shard_groups import swap_target
 
@@ -99,26 +99,9 @@ def enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     registry.on_uninstall(enable_activation_offload(model, cfg.activation_cpu_offload).remove)
     summarize_offload_at_exit()
 
-@functools.cache
-def summarize_offload_at_exit() -> None:
-    """Once per process: rank 0 says at exit what the activation offload moved (registered by the
-    first model the patches enable it on)."""
-    import atexit
-
-    def summary() -> None:
-        from fsdp_offload_cfg.offload import offload_stats
-        from fsdp_offload_cfg.offload.stats import describe_moved
-
-        line = describe_moved(offload_stats())
-        if is_rank0() and line is not None and not getattr(sys.stderr, "closed", False):
-            logger.log(*line)
-
-    atexit.register(summary)
-
 def accelerator_state_exists() -> bool:
     """An `Accelerator` (accelerate's shared `AcceleratorState`) was built in this process: it has
     read its settings, so patches and config can no longer change under it."""
-    import sys
 
     state = sys.modules.get("accelerate.state")
     return state is not None and bool(state.AcceleratorState._shared_state)
@@ -157,7 +140,7 @@ def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCon
     One decision for all ranks: it is followed by collectives on one path or the other.
     """
     from fsdp_offload_cfg.loading import is_rank0_source
-    from fsdp_offload_cfg.loading._sync import any_rank, distributed_ready
+    from fsdp_offload_cfg.ranks import any_rank, distributed_ready
 
     wanted = any(is_rank0_source(m) for m in model.modules()) or bool(
         plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading

@@ -161,7 +161,7 @@ def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
 
 _REQUIRES = ("torch", "transformers")
 PATCHES = [
-    Patch("rank0-from-pretrained", "transformers.modeling_utils", "PreTrainedModel.from_pretrained",
+    Patch("loader-from-pretrained", "transformers.modeling_utils", "PreTrainedModel.from_pretrained",
           build_from_pretrained, loader_enabled, _REQUIRES,
           "every rank builds on meta; each reads its own slices, or rank 0 sends them (load_strategy)",
           swaps=_sharded_read_swaps),

@@ -120,7 +120,7 @@ def _refuse_init_computed_before_placement(config: Any, adapter_name: str) -> No
     meta that fails inside PEFT. Every rank refuses alike, at `get_peft_model`, before any collective."""
     import torch.distributed as dist
 
-    from fsdp_offload_cfg.loading._sync import distributed_ready
+    from fsdp_offload_cfg.ranks import distributed_ready
 
     init = getattr(config, "init_lora_weights", True)
     if isinstance(init, str) and init not in _INITS_DRAWN_ALONE and distributed_ready():
@@ -138,8 +138,8 @@ def _read_whole_on_rank0(model: nn.Module, adapter_name: str) -> None:
     model then. The other ranks compute it on meta, as PEFT does, and receive it."""
     import torch.distributed as dist
 
-    from fsdp_offload_cfg.loading._sync import distributed_ready
     from fsdp_offload_cfg.loading.checkpoint import materialize_from_files, record_of
+    from fsdp_offload_cfg.ranks import distributed_ready
 
     if not distributed_ready() or dist.get_rank() != 0 or record_of(model) is None:
         return

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger
-from fsdp_offload_cfg.loading._sync import agreed, attempt, describe_error, raise_if_any_failed
 from fsdp_offload_cfg.loading.layout import Target
 from fsdp_offload_cfg.loading.progress import Progress
+from fsdp_offload_cfg.ranks import agreed, attempt, describe_error, raise_if_any_failed
 
 logger = get_logger("fsdp_offload_cfg.loading")
 

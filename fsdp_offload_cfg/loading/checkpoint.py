@@ -7,7 +7,7 @@ renames, missing/unexpected-key reports, tying, non-persistent buffers (computed
 Only the functions that read weight bytes are swapped for the duration of the call; which ones
 depends on the transformers version and lives in `compat.checkpoint_reading`. A checkpoint that
 cannot be read slice by slice (not safetensors, keys fused or converted on load, shapes that
-differ, two keys for one tensor) raises `NeedsBroadcast`.
+differ, two keys for one tensor) raises `NotSliceable`.
 
 The model comes back with every checkpoint-backed tensor on `meta` (right dtype, flagged as
 loaded, tied), missing keys and non-persistent buffers materialised and initialised as in a
@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from fsdp_offload_cfg.compat.checkpoint_reading import Capture, no_read_loading
-from fsdp_offload_cfg.loading.safetensors_index import FileTensor, NeedsBroadcast, read_header
+from fsdp_offload_cfg.safetensors_index import FileTensor, NotSliceable, read_header
 
-__all__ = ["CHECKPOINT_ATTR", "CheckpointRecord", "FileTensor", "NeedsBroadcast", "meta_from_pretrained",
+__all__ = ["CHECKPOINT_ATTR", "CheckpointRecord", "FileTensor", "NotSliceable", "meta_from_pretrained",
            "read_header", "record_of"]  # fmt: skip
 
 CHECKPOINT_ATTR = "_fsdp_offload_cfg_checkpoint"
@@ -71,12 +71,12 @@ def meta_from_pretrained(call: Callable[[], Any]) -> Any:
     with no_read_loading(capture):
         result = call()
     if capture.keymap is None:
-        raise NeedsBroadcast("transformers did not read this checkpoint through safetensors")
+        raise NotSliceable("transformers did not read this checkpoint through safetensors")
     model = result[0] if isinstance(result, tuple) else result
     record = _record(model, capture)
     unbacked = [n for n, t in _named_tensors(model) if t.is_meta and record.lookup(t) is None]
     if unbacked:
-        raise NeedsBroadcast(f"tensors left on meta with no checkpoint tensor behind them ({unbacked[:3]})")
+        raise NotSliceable(f"tensors left on meta with no checkpoint tensor behind them ({unbacked[:3]})")
     setattr(model, CHECKPOINT_ATTR, record)
     return result
 

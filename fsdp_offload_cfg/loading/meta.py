@@ -1,12 +1,12 @@
 """The three loading strategies, as the bodies of the `PreTrainedModel.from_pretrained` and
-`_from_config` patches (the patch named `rank0-from-pretrained` dispatches to all three):
+`_from_config` patches (the patch named `loader-from-pretrained` dispatches to all three):
 
 - `broadcast` (`rank0_from_pretrained`): rank 0 describes the model and every other rank builds it
   on `meta` from that description; at prepare rank 0 streams each rank its slices from the files.
 - `sharded` (`sharded_from_pretrained`): every rank, rank 0 included, runs transformers' own
   `from_pretrained` reading no weight (`checkpoint.py`), so each holds a meta model recording which
   safetensors tensor fills which parameter, and reads its own slices at prepare. A checkpoint
-  that cannot be read slice by slice raises `NeedsBroadcast` on every rank alike, which falls
+  that cannot be read slice by slice raises `NotSliceable` on every rank alike, which falls
   back to `broadcast`.
 - `auto` (`auto_from_pretrained`, the default): `sharded` where every rank can read the files,
   rank 0's description for a rank that cannot, `broadcast` for a checkpoint that cannot be read
@@ -52,16 +52,17 @@ from torch import nn
 
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.compat import model_init
-from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import (
-    NeedsBroadcast,
+    NotSliceable,
     meta_from_pretrained,
     record_of,
 )
 from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT, guard_until_prepared
 from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
+from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
+from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -133,7 +134,7 @@ def _described_from_files(load: Callable[[], Any], source: Any) -> Any:
     rng = torch.get_rng_state()  # a fallback load draws what the attempt drew (keys missing from the files)
     with transformers_fsdp_gate_off():
         result, error = attempt(lambda: meta_from_pretrained(load))
-    if isinstance(error, NeedsBroadcast):
+    if isinstance(error, NotSliceable):
         logger.info("rank-0 loading: %s cannot be read slice by slice (%s): rank 0 loads it whole", source, error.reason)
         torch.set_rng_state(rng)
         return load()
@@ -166,7 +167,7 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
     rng = torch.get_rng_state()
     with _nested(), transformers_fsdp_gate_off():  # every rank loads like rank 0, reading nothing
         result, error = attempt(meta_load)
-    if isinstance(error, NeedsBroadcast):  # every rank sees the same files and decides alike
+    if isinstance(error, NotSliceable):  # every rank sees the same files and decides alike
         if dist.get_rank() == 0:
             logger.warning("load_strategy=sharded: %s: falling back to broadcast (rank 0 reads it): %s",
                            source, error.reason)  # fmt: skip
@@ -201,7 +202,7 @@ def auto_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type
     with _nested(), transformers_fsdp_gate_off():
         result, error = attempt(lambda: meta_from_pretrained(
             lambda: _call(original_from_pretrained, cls, *args, **plain_kwargs)))
-    if isinstance(error, NeedsBroadcast):  # every rank sees the same files and decides alike
+    if isinstance(error, NotSliceable):  # every rank sees the same files and decides alike
         if dist.get_rank() == 0:
             logger.info("load_strategy auto: %s cannot be read slice by slice (%s): rank 0 loads it whole and "
                         "sends it", source, error.reason)  # fmt: skip

@@ -17,7 +17,7 @@
 Under "sharded" (a model built by `sharded_from_pretrained`), step 4 is hybrid: tensors in the
 checkpoint record are read by each rank from the files (`sharded.py`), non-persistent buffers are
 each rank's own, and only the rest is scattered from rank 0.
-Every step runs on every rank and ends with an all-rank agreement (`_sync.agreed`), so a failure
+Every step runs on every rank and ends with an all-rank agreement (`ranks.agreed`), so a failure
 on any rank raises on all of them at once, naming the step and the failing ranks; no rank is left
 waiting in a collective. The scatter agrees once before its first bucket and once after its last
 (a failure on rank 0 mid-way travels in the buckets' header: `broadcast.py`).
@@ -37,13 +37,6 @@ from torch.distributed.tensor import DTensor
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.loading import dora, sharded
-from fsdp_offload_cfg.loading._sync import (
-    agreed,
-    attempt,
-    broadcast_from_rank0,
-    describe_error,
-    distributed_ready,
-)
 from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR, FileTensor
 from fsdp_offload_cfg.loading.guard import release_meta_guards
@@ -58,6 +51,7 @@ from fsdp_offload_cfg.loading.spec import (
     rebuild_on_meta,
     retie,
 )
+from fsdp_offload_cfg.ranks import agreed, attempt, broadcast_from_rank0, describe_error, distributed_ready
 
 logger = get_logger("fsdp_offload_cfg.loading")
 

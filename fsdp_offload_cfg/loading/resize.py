@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_offload_cfg.loading._sync import Rank0Mailbox, attempt, describe_error, distributed_ready
 from fsdp_offload_cfg.loading.checkpoint import FileTensor, record_of
 from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT
+from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.meta import is_rank0_source
 from fsdp_offload_cfg.loading.pairing import CALL_ATTR
+from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
 
 
 def build_resize_token_embeddings(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:

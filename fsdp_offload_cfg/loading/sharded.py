@@ -38,12 +38,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_offload_cfg._logging import get_logger
-from fsdp_offload_cfg.loading._sync import attempt, raise_if_any_failed
 from fsdp_offload_cfg.loading.checkpoint import record_of
 from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.progress import Progress
-from fsdp_offload_cfg.loading.safetensors_index import FileTensor
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, owner, tensor_at
+from fsdp_offload_cfg.ranks import attempt, raise_if_any_failed
+from fsdp_offload_cfg.safetensors_index import FileTensor
 
 logger = get_logger("fsdp_offload_cfg.loading")
 

@@ -12,6 +12,8 @@ are not activations and are never counted. On a CPU-only run this is the proxy f
 
 from __future__ import annotations
 
+import functools
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -21,7 +23,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.offload.filter import ParamStorages
+
+logger = get_logger("fsdp_offload_cfg.integrations")  # the name the closing line has always had
 
 
 class ByteGauge:
@@ -171,3 +176,17 @@ class SavedBytesMeter(saved_tensors_hooks):
     @property
     def current_bytes(self) -> int:
         return self.gauge.current
+
+
+@functools.cache
+def summarize_offload_at_exit() -> None:
+    """Once per process: rank 0 says at exit what the activation offload moved (registered by the
+    first model the integrations or the budget enable it on)."""
+    import atexit
+
+    def summary() -> None:
+        line = describe_moved(offload_stats())
+        if is_rank0() and line is not None and not getattr(sys.stderr, "closed", False):
+            logger.log(*line)
+
+    atexit.register(summary)

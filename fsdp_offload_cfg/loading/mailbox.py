@@ -1,11 +1,8 @@
-"""Small object collectives that keep every rank's control flow in step, and the store mailbox.
+"""Rank 0 hands the other ranks one result through the store: `from_pretrained` under rank-0 loading.
 
-The rule `load_into_sharded` follows: a rank never raises alone. Each step that can fail on some
-ranks is followed by `raise_if_any_failed`, so every rank raises together, naming the cause,
-instead of the healthy ranks waiting in the next collective until the process-group timeout.
-`from_pretrained` makes no collective at all (`Rank0Mailbox`): a load that only some ranks make
-must behave like a plain load on them, and a rank that fails there raises alone, before any
-collective that could leave another rank waiting.
+A load that only some ranks make must behave like a plain load on them, so this path makes no
+collective at all, and a rank that fails here raises alone, before any collective that could leave
+another rank waiting (the package's agreement rule is `ranks.py`).
 """
 
 from __future__ import annotations
@@ -13,41 +10,17 @@ from __future__ import annotations
 import itertools
 import pickle
 import time
-import traceback
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger
-
-T = TypeVar("T")
+from fsdp_offload_cfg.ranks import describe_error, process_group_timeout
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
 WAIT_LOG_EVERY_S = 60.0
 _calls: dict[str, itertools.count] = {}  # per mailbox key: how often this rank made that call
-
-
-def distributed_ready() -> bool:
-    """True when a process group with more than one rank is up (otherwise there is nothing to share)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line naming the exception and where it was raised (the last frame)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
-    """Run `fn`, returning (result, None) or (None, exception); KeyboardInterrupt still propagates."""
-    try:
-        return fn(), None
-    except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
-        return None, exc
 
 
 class Rank0Mailbox:
@@ -129,64 +102,3 @@ class Rank0Mailbox:
                 f"rank {dist.get_rank()} lost contact with rank 0 while waiting for it to {self.what} "
                 f"(did rank 0 crash, e.g. killed for lack of host memory?): {type(exc).__name__}: {exc}"
             ) from exc
-
-
-def process_group_timeout() -> float:
-    """The default process group's collective timeout in seconds (gloo's or NCCL's default if unknown)."""
-    group = dist.distributed_c10d._get_default_group()
-    for device in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 - no backend for this device type, or no `options`
-            continue
-    return dist.default_pg_timeout.total_seconds()
-
-
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (picklable objects only)."""
-    box = [obj if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is true on any rank: one decision, taken from every rank's data."""
-    flags: list[bool | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(flag))
-    return any(flags)
-
-
-def raise_if_any_failed(error: BaseException | None, what: str) -> None:
-    """Tell every rank whether any rank failed at `what`; if one did, raise on all of them.
-
-    The failing rank re-raises its own exception (chained to a RuntimeError naming all failures)
-    so its traceback stays intact; the others raise a RuntimeError naming the rank and cause.
-    When every failure is a `ConfigError` (a config the run cannot honour, such as a budget no
-    plan meets) every rank raises a `ConfigError` instead, with no chain: it is the user's to fix,
-    and under a launcher it prints as one message per rank, not three chained tracebacks.
-    """
-    from fsdp_offload_cfg.config.model import ConfigError
-
-    errors: list[tuple[str, str | None] | None] = [None] * dist.get_world_size()
-    mine = None if error is None else (describe_error(error), str(error) if isinstance(error, ConfigError) else None)
-    dist.all_gather_object(errors, mine)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if not failed:
-        return
-    if all(config_text is not None for _, (_, config_text) in failed):
-        if isinstance(error, ConfigError):
-            raise error.with_traceback(None) from None
-        rank, (_, config_text) = failed[0]
-        raise ConfigError(f"{what} failed on rank {rank}:\n{config_text}") from None
-    summary = f"{what} failed on " + "; ".join(f"rank {rank}: {msg}" for rank, (msg, _) in failed)
-    raise RuntimeError(summary) from error
-
-
-def agreed(what: str, fn: Callable[[], T]) -> T:
-    """Run the step `fn` on every rank, then agree: if it failed on any rank, every rank raises
-    (`raise_if_any_failed`, naming the step as `what` and each failing rank). The one way a step
-    that can fail on some ranks runs between two collectives."""
-    result, error = attempt(fn)
-    raise_if_any_failed(error, what)
-    return result  # type: ignore[return-value]
-

@@ -22,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 
-class NeedsBroadcast(Exception):
+class NotSliceable(Exception):
     """The checkpoint cannot be read slice by slice; `reason` says why (one line)."""
 
     def __init__(self, reason: str) -> None:
@@ -57,7 +57,7 @@ def read_header(path: str) -> dict[str, FileTensor]:
         if 8 + n + end > size:
             raise OSError(f"{path}: truncated ({size} bytes, tensor {key!r} ends at {8 + n + end})")
         if entry["dtype"] not in DTYPES:
-            raise NeedsBroadcast(f"{key!r} has safetensors dtype {entry['dtype']}, which this reader does not know")
+            raise NotSliceable(f"{key!r} has safetensors dtype {entry['dtype']}, which this reader does not know")
         out[key] = FileTensor(path, key, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + n + begin)
     return out
 

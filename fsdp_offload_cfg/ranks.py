@@ -1,0 +1,139 @@
+"""What every rank must agree on, and the one way a step that can fail on some ranks runs.
+
+The package's rule, wherever a collective follows: a rank never raises alone. Each step that can
+fail on some ranks is followed by `raise_if_any_failed` (or runs inside `agreed`), so every rank
+raises together, naming the cause, instead of the healthy ranks waiting in the next collective
+until the process-group timeout. Decisions that choose between two collective paths are taken
+from every rank's data (`any_rank`, `max_over_ranks`, `min_over_ranks`), so every rank takes the
+same path. Loading, the budget's planner and the integrations all follow it; without a process
+group of several ranks each helper is the plain local step.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def distributed_ready() -> bool:
+    """True when a process group with more than one rank is up (otherwise there is nothing to share)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line naming the exception and where it was raised (the last frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """Run `fn`, returning (result, None) or (None, exception); KeyboardInterrupt still propagates."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        return None, exc
+
+
+def process_group_timeout() -> float:
+    """The default process group's collective timeout in seconds (gloo's or NCCL's default if unknown)."""
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - no backend for this device type, or no `options`
+            continue
+    return dist.default_pg_timeout.total_seconds()
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (picklable objects only)."""
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank: one decision, taken from every rank's data."""
+    flags: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return any(flags)
+
+
+def raise_if_any_failed(error: BaseException | None, what: str) -> None:
+    """Tell every rank whether any rank failed at `what`; if one did, raise on all of them.
+
+    The failing rank re-raises its own exception (chained to a RuntimeError naming all failures)
+    so its traceback stays intact; the others raise a RuntimeError naming the rank and cause.
+    When every failure is a `ConfigError` (a config the run cannot honour, such as a budget no
+    plan meets) every rank raises a `ConfigError` instead, with no chain: it is the user's to fix,
+    and under a launcher it prints as one message per rank, not three chained tracebacks.
+    """
+    from fsdp_offload_cfg.config.model import ConfigError
+
+    errors: list[tuple[str, str | None] | None] = [None] * dist.get_world_size()
+    mine = None if error is None else (describe_error(error), str(error) if isinstance(error, ConfigError) else None)
+    dist.all_gather_object(errors, mine)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if all(config_text is not None for _, (_, config_text) in failed):
+        if isinstance(error, ConfigError):
+            raise error.with_traceback(None) from None
+        rank, (_, config_text) = failed[0]
+        raise ConfigError(f"{what} failed on rank {rank}:\n{config_text}") from None
+    summary = f"{what} failed on " + "; ".join(f"rank {rank}: {msg}" for rank, (msg, _) in failed)
+    raise RuntimeError(summary) from error
+
+
+def agreed(what: str, fn: Callable[[], T]) -> T:
+    """Run the step `fn` on every rank, then agree: if it failed on any rank, every rank raises
+    (`raise_if_any_failed`, naming the step as `what` and each failing rank). The one way a step
+    that can fail on some ranks runs between two collectives. Without several ranks: `fn()`."""
+    if not distributed_ready():
+        return fn()
+    result, error = attempt(fn)
+    raise_if_any_failed(error, what)
+    return result  # type: ignore[return-value]
+
+
+def host_group() -> Any:
+    """A gloo group for agreements made every step (a few integers): on NCCL they would
+    round-trip through the device and stall the host on it. Its own group on every backend,
+    gloo included, so that the CPU tests run the GPU's path. Made where every rank is (it is a
+    collective); None without a process group of several ranks."""
+    return dist.new_group(backend="gloo") if distributed_ready() else None
+
+
+def max_over_ranks(values: Sequence[int], group: Any = None) -> list[int]:
+    """Each integer's maximum over the ranks (the values themselves without several ranks)."""
+    return _reduced(values, torch.int64, dist.ReduceOp.MAX, group)
+
+
+def min_over_ranks(values: Sequence[float], group: Any = None) -> list[float]:
+    """Each number's minimum over the ranks (the values themselves without several ranks)."""
+    return _reduced(values, torch.float64, dist.ReduceOp.MIN, group)
+
+
+def every_rank(values: Sequence[int], group: Any = None) -> list[list[int]]:
+    """Every rank's integers, in rank order, on every rank ([values] without several ranks)."""
+    if not distributed_ready():
+        return [list(values)]
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [t.tolist() for t in gathered]
+
+
+def _reduced(values: Sequence[Any], dtype: torch.dtype, op: Any, group: Any) -> list[Any]:
+    if not distributed_ready():
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=dtype)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor.tolist()
