@@ -213,25 +213,18 @@ def auto_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type
     mailbox = Rank0Mailbox(f"described:{call.digest}", f"describe {source}")
     if dist.get_rank() == 0:
         mailbox.start()
-        built = None
-        if error is None:
-            built, error = attempt(lambda: _summarize(result, rng))
-        error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
-        if error is not None:
-            raise error
+        _post_description(mailbox, result, error, rng)
         logger.info("load_strategy auto: %s built on meta on every rank that can read it; each reads its own "
                     "slices at prepare, rank 0 streams them to any rank that cannot", source)  # fmt: skip
     elif error is not None:  # this rank cannot read the files: it builds from rank 0's description
-        message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
-        if message is not None:
-            raise RuntimeError(f"rank 0 failed to {what}: {message}") from error
         logger.warning("rank %d cannot read %s itself (%s): it builds the model from rank 0's description; rank 0 "
                        "sends it its weights at prepare", dist.get_rank(), source, describe_error(error))  # fmt: skip
-        init_kwargs = _model_init_kwargs(original_from_pretrained, plain_kwargs, built.config)
-        with _nested():
-            model = _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
-        _continue_rng(built, rng)
-        result = (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
+
+        def build(built: _Rank0Built) -> nn.Module:
+            init_kwargs = _model_init_kwargs(original_from_pretrained, plain_kwargs, built.config)
+            return _build_on_meta(cls, built, args[1:], init_kwargs, kwargs.get("allow_all_kernels", False))
+
+        result = _build_from_description(mailbox, what, build, rng, cause=error)
     model = result[0] if isinstance(result, tuple) else result
     _mark(model, what)
     setattr(model, CALL_ATTR, call)  # built by each rank (or from rank 0's description): unpaired
@@ -267,12 +260,7 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
         mailbox.start()
         with _nested():
             result, error = attempt(load)
-        built = None
-        if error is None:
-            built, error = attempt(lambda: _summarize(result, rng))
-        error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
-        if error is not None:
-            raise error
+        built = _post_description(mailbox, result, error, rng)
         model = result[0] if isinstance(result, tuple) else result
         streams = record_of(model) is not None
         logger.info("rank-0 loading: %s %s (%.2f GiB); other ranks are on meta", what,
@@ -281,14 +269,37 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
         _mark(model, what)
         setattr(model, CALL_ATTR, call)
         return result
-    message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
-    if message is not None:
-        raise RuntimeError(f"rank 0 failed to {what}: {message}")
-    with _nested():  # sub-models built inside `__init__` (e.g. a vision tower) stay plain
-        model = build(built)
-    _continue_rng(built, rng)
+    result = _build_from_description(mailbox, what, build, rng)
+    model = result[0] if isinstance(result, tuple) else result
     _mark(model, what)
     setattr(model, CALL_ATTR, call)
+    return result
+
+
+def _post_description(mailbox: Rank0Mailbox, result: Any, error: BaseException | None,
+                      rng_before: torch.Tensor) -> _Rank0Built:
+    """Rank 0: post what the other ranks build the model from, or its error, which they then
+    raise too; the error is raised here as well."""
+    built = None
+    if error is None:
+        built, error = attempt(lambda: _summarize(result, rng_before))
+    error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
+    if error is not None:
+        raise error
+    return built
+
+
+def _build_from_description(mailbox: Rank0Mailbox, what: str, build: Callable[[_Rank0Built], nn.Module],
+                            rng_before: torch.Tensor, cause: BaseException | None = None) -> Any:
+    """Any other rank: wait for rank 0's description, build the model from it, and continue the
+    RNG as after rank 0's load; returns what the load returns (the model, with its loading info
+    where the call asked for it). `cause`: why this rank did not build from the files itself."""
+    message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to {what}: {message}") from cause
+    with _nested():  # sub-models built inside `__init__` (e.g. a vision tower) stay plain
+        model = build(built)
+    _continue_rng(built, rng_before)
     return (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
 
 
