@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
@@ -54,8 +55,6 @@ if TYPE_CHECKING:
 
 logger = get_logger("fsdp_offload_cfg.budget")
 
-_FN = "_fsdp_offload_cfg_checkpoint_fn"  # a wrapper's own checkpoint function, while it passes through
-_PLANNED = "_fsdp_offload_cfg_budget_planned"  # set on the model once its layers follow a plan
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -64,9 +63,9 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def set_checkpointing(wrapper: nn.Module, on: bool) -> None:
     """Turn a `CheckpointWrapper` on, or make it call its module straight through."""
-    if _FN not in wrapper.__dict__:
-        wrapper.__dict__[_FN] = wrapper.checkpoint_fn
-    wrapper.checkpoint_fn = wrapper.__dict__[_FN] if on else _call
+    if model_state.get(wrapper, "checkpoint_fn") is None:
+        model_state.put(wrapper, "checkpoint_fn", wrapper.checkpoint_fn)
+    wrapper.checkpoint_fn = model_state.get(wrapper, "checkpoint_fn") if on else _call
 
 
 def wrap_layers(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
@@ -177,14 +176,19 @@ class BudgetPlanner:
         self.hook: Any = None  # the forward pre-hook handle, until `remove`
 
     def remove(self) -> None:
-        """Stop planning: the hook and the offload removed, every layer's wrapper passing through."""
+        """Stop planning: the hook and the offload removed, and each layer back in its parent's
+        place without the checkpoint wrapper the budget put around it."""
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
         self.handle.remove()
-        for group in self.handle.groups:
-            set_checkpointing(group, False)
-        self.model.__dict__.pop(_PLANNED, None)
+        names = {id(m): n for n, m in self.model.named_modules()}
+        for wrapper in self.handle.groups:
+            set_checkpointing(wrapper, False)
+            model_state.take(wrapper, "checkpoint_fn")
+            if id(wrapper) in names:  # not yet unwrapped (remove is idempotent)
+                self.model.set_submodule(names[id(wrapper)], wrapper._checkpoint_wrapped_module)
+        model_state.take(self.model, "planner")
 
     # Host-side bookkeeping (a collective, a meta forward, a plan), never part of a graph: under a
     # model compiled whole dynamo would trace into it (transformers 4.57's meta init crashed dynamo).
@@ -265,7 +269,7 @@ class BudgetPlanner:
         for boundary, choice in zip(self.handle.groups, plan.choices):
             set_checkpointing(boundary, choice.startswith("checkpoint"))
         self.handle.handler.kept_groups = frozenset(i for i, c in enumerate(plan.choices) if not c.endswith("offload"))
-        self.model.__dict__[_PLANNED] = self
+        model_state.put(self.model, "planner", self)
         self.no_cache = _takes_use_cache(self.model) and any(c.startswith("checkpoint") for c in plan.choices)
         replanned = self.shape is not None
         self.passes_at_plan = self.handle.handler.passes  # the plan's forward is about to run: it adds one
@@ -334,7 +338,7 @@ class BudgetPlanner:
 
 def planned(model: nn.Module) -> BudgetPlanner | None:
     """The budget's planner of `model` once it has planned (its `shape`, `rates`, `plan`); None before."""
-    return model.__dict__.get(_PLANNED)
+    return model_state.get(model, "planner")
 
 
 def planned_choices(model: nn.Module) -> list[str] | None:
@@ -343,7 +347,7 @@ def planned_choices(model: nn.Module) -> list[str] | None:
     from fsdp_offload_cfg.offload import get_offload_handle
 
     handle = get_offload_handle(model)
-    if handle is None or not handle.active or not model.__dict__.get(_PLANNED):
+    if handle is None or not handle.active or model_state.get(model, "planner") is None:
         return None
     names = {(False, False): "keep", (False, True): "offload", (True, False): "checkpoint",
              (True, True): "checkpoint_offload"}

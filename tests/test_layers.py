@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_offload_cfg"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("_sizes", "_logging", "_lazy", "safetensors_index"),
+    ("_sizes", "_logging", "_lazy", "safetensors_index", "model_state"),
     ("config", "ranks", "offload.options"),  # the offload's options are a leaf the config reads
     ("compat",),
     ("offload",),

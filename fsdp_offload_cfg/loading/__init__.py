@@ -21,11 +21,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CHECKPOINT_ATTR": "checkpoint",
     "auto_from_pretrained": "meta",
     "DEFAULT_BUCKET_BYTES": "prepare",
     "LoadReport": "prepare",
-    "SOURCE_ATTR": "meta",
     "is_rank0_source": "meta",
     "load_into_sharded": "prepare",
     "local_loading": "local",

@@ -11,7 +11,7 @@ differ, two keys for one tensor) raises `NotSliceable`.
 
 The model comes back with every checkpoint-backed tensor on `meta` (right dtype, flagged as
 loaded, tied), missing keys and non-persistent buffers materialised and initialised as in a
-plain load, and a `CheckpointRecord` under `CHECKPOINT_ATTR` that `load_into_sharded` reads.
+plain load, and a `CheckpointRecord` in its `model_state` that `load_into_sharded` reads.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg.compat.checkpoint_reading import Capture, no_read_loading
 from fsdp_offload_cfg.safetensors_index import FileTensor, NotSliceable, read_header
 
-__all__ = ["CHECKPOINT_ATTR", "CheckpointRecord", "FileTensor", "NotSliceable", "meta_from_pretrained",
+__all__ = ["CheckpointRecord", "FileTensor", "NotSliceable", "meta_from_pretrained",
            "read_header", "record_of"]  # fmt: skip
 
-CHECKPOINT_ATTR = "_fsdp_offload_cfg_checkpoint"
 
 
 @dataclass
@@ -59,7 +59,7 @@ class CheckpointRecord:
 def record_of(model: nn.Module) -> CheckpointRecord | None:
     """The record of the (sub)module `meta_from_pretrained` built, wherever wrappers put it."""
     for module in model.modules():
-        record = getattr(module, CHECKPOINT_ATTR, None)
+        record = model_state.found(module, "checkpoint")
         if isinstance(record, CheckpointRecord):
             return record
     return None
@@ -77,7 +77,7 @@ def meta_from_pretrained(call: Callable[[], Any]) -> Any:
     unbacked = [n for n, t in _named_tensors(model) if t.is_meta and record.lookup(t) is None]
     if unbacked:
         raise NotSliceable(f"tensors left on meta with no checkpoint tensor behind them ({unbacked[:3]})")
-    setattr(model, CHECKPOINT_ATTR, record)
+    model_state.put(model, "checkpoint", record)
     return result
 
 

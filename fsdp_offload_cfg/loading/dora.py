@@ -36,9 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg.loading.spec import unwrapped
-
-PENDING_ATTR = "_fsdp_offload_cfg_pending_norm"
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def defer_norms() -> Iterator[None]:
         pending = PendingNorm(weight.dtype, lora_A.detach(), scaling)
         original(self, base_layer=base_layer, lora_A=torch.empty_like(lora_A, device="meta"),
                  lora_B=torch.empty_like(lora_B, device="meta"), scaling=scaling)
-        self.__dict__[PENDING_ATTR] = pending
+        model_state.put(self, "dora_pending", pending)
         self._register_load_state_dict_pre_hook(_take_loaded_magnitude, with_module=True)
 
     DoraLinearLayer.update_layer = update_layer
@@ -90,17 +89,17 @@ def _take_loaded_magnitude(module: nn.Module, state_dict: dict[str, Any], prefix
     """A saved adapter provides the magnitude: it becomes a real tensor holding those values (the
     default load into a meta parameter would drop them), and it is no longer computed."""
     value = state_dict.get(prefix + "weight")
-    if value is None or PENDING_ATTR not in module.__dict__ or not module.weight.is_meta:
+    if value is None or model_state.get(module, "dora_pending") is None or not module.weight.is_meta:
         return
     module.weight = nn.Parameter(value.detach().to(module.weight.dtype).clone(),
                                  requires_grad=module.weight.requires_grad)
-    del module.__dict__[PENDING_ATTR]
+    model_state.take(module, "dora_pending")
 
 
 def pending_names(model: nn.Module) -> list[str]:
     """Names of the magnitudes still to compute (on meta, with a record), sorted."""
     return sorted(f"{path}.weight" for path, m in model.named_modules()
-                  if PENDING_ATTR in m.__dict__ and m.weight.is_meta)
+                  if model_state.get(m, "dora_pending") is not None and m.weight.is_meta)
 
 
 @torch.no_grad()
@@ -114,7 +113,7 @@ def fill_pending(model: nn.Module, names: list[str], rank: int, world_size: int)
     for name in names:
         path = name.rpartition(".")[0]
         dora = unwrapped(model.get_submodule(path))
-        pending = dora.__dict__.get(PENDING_ATTR)
+        pending = model_state.get(dora, "dora_pending")
         if pending is None:
             raise RuntimeError(f"{name}: rank 0 computes this DoRA magnitude after the load, this rank has no "
                                "record of how (its get_peft_model differed from rank 0's)")
@@ -136,7 +135,7 @@ def fill_pending(model: nn.Module, names: list[str], rank: int, world_size: int)
             dora.weight = nn.Parameter(computed.weight.to(dora.weight.dtype), requires_grad=dora.weight.requires_grad)
         else:
             _local(dora.weight).copy_(computed.weight)
-        del dora.__dict__[PENDING_ATTR]
+        model_state.take(dora, "dora_pending")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,13 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading import dora
 from fsdp_offload_cfg.loading.checkpoint import materialize_from_files, record_of
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
-_GUARD_ATTR = "_fsdp_offload_cfg_meta_guard"  # the forward pre-hook handle of a model still on meta
-_STATE_GUARD_ATTR = "_fsdp_offload_cfg_state_guard"  # its state_dict pre-hook (fills it from the files)
 # > 0 while a library reads `state_dict()` of a loader-built model for its keys and shapes only
 # (PEFT matching a saved adapter's keys): the state_dict guard must not read the model whole then.
 _keys_only_depth = 0
@@ -66,13 +65,13 @@ def guard_until_prepared(model: nn.Module, what: str) -> None:
 
     for module in model.modules():  # the model, and each part that holds a meta tensor itself
         if holds_meta(module, recurse=module is model):
-            module.__dict__[_GUARD_ATTR] = module.register_forward_pre_hook(fill_or_refuse)
+            model_state.put(module, "meta_guard", module.register_forward_pre_hook(fill_or_refuse))
     def fill_unless_keys_only(module: nn.Module, *args: Any) -> None:
         if not _keys_only_depth:
             fill_or_refuse(module, *args)
 
-    if _GUARD_ATTR in model.__dict__ and record_of(model) is not None:
-        model.__dict__[_STATE_GUARD_ATTR] = model.register_state_dict_pre_hook(fill_unless_keys_only)
+    if model_state.get(model, "meta_guard") is not None and record_of(model) is not None:
+        model_state.put(model, "state_guard", model.register_state_dict_pre_hook(fill_unless_keys_only))
 
 
 @contextmanager
@@ -108,7 +107,7 @@ def _fill_from_files(model: nn.Module, what: str, rank: int) -> bool:
 def release_meta_guards(model: nn.Module, forward_only: bool = False) -> None:
     """Called by `load_into_sharded`: the model is being filled, its forward may run again."""
     for module in model.modules():
-        for attr in (_GUARD_ATTR,) if forward_only else (_GUARD_ATTR, _STATE_GUARD_ATTR):
-            handle = module.__dict__.pop(attr, None)
+        for field in ("meta_guard",) if forward_only else ("meta_guard", "state_guard"):
+            handle = model_state.take(module, field)
             if handle is not None:
                 handle.remove()

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.compat import model_init
 from fsdp_offload_cfg.loading.checkpoint import (
@@ -60,13 +61,12 @@ from fsdp_offload_cfg.loading.checkpoint import (
 from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT, guard_until_prepared
 from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
-from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, load_call
+from fsdp_offload_cfg.loading.pairing import LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
 from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
-SOURCE_ATTR = "_fsdp_offload_cfg_rank0_source"
 # `from_pretrained` keyword arguments that configure loading, not the model's `__init__`
 # (transformers 5.23: named parameters are added from the signature at call time).
 _LOADING_KWARGS = frozenset(
@@ -99,7 +99,7 @@ class _Rank0Built:
 
 def is_rank0_source(model: nn.Module) -> bool:
     """True if `model` came out of `rank0_from_pretrained`/`rank0_from_config` (on any rank)."""
-    return bool(getattr(model, SOURCE_ATTR, False))
+    return bool(model_state.found(model, "loader_source"))
 
 
 def rank0_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -177,7 +177,7 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
         raise error
     model = result[0] if isinstance(result, tuple) else result
     _mark(model, f"load {source}")
-    setattr(model, CALL_ATTR, load_call(cls, "from_pretrained", args, kwargs))  # each rank built its own: unpaired
+    model_state.put(model, "load_call", load_call(cls, "from_pretrained", args, kwargs))  # each rank built its own: unpaired
     if dist.get_rank() == 0:
         logger.info("sharded loading: %s built on meta on every rank; each rank reads its own shards", source)
     return result
@@ -227,7 +227,7 @@ def auto_from_pretrained(original_from_pretrained: Callable[..., Any], cls: type
         result = _build_from_description(mailbox, what, build, rng, cause=error)
     model = result[0] if isinstance(result, tuple) else result
     _mark(model, what)
-    setattr(model, CALL_ATTR, call)  # built by each rank (or from rank 0's description): unpaired
+    model_state.put(model, "load_call", call)  # built by each rank (or from rank 0's description): unpaired
     return result
 
 
@@ -267,12 +267,12 @@ def _rank0_or_meta(load: Callable[[], Any], build: Callable[[_Rank0Built], nn.Mo
                     "described on rank 0, which streams the weights from the files at prepare" if streams else
                     "done on rank 0", built.spec.nbytes / 2**30)  # fmt: skip
         _mark(model, what)
-        setattr(model, CALL_ATTR, call)
+        model_state.put(model, "load_call", call)
         return result
     result = _build_from_description(mailbox, what, build, rng)
     model = result[0] if isinstance(result, tuple) else result
     _mark(model, what)
-    setattr(model, CALL_ATTR, call)
+    model_state.put(model, "load_call", call)
     return result
 
 
@@ -305,7 +305,7 @@ def _build_from_description(mailbox: Rank0Mailbox, what: str, build: Callable[[_
 
 def _mark(model: nn.Module, what: str) -> None:
     """Flag `model` as the loader's and guard its use before `prepare` (`guard.py`)."""
-    setattr(model, SOURCE_ATTR, True)
+    model_state.put(model, "loader_source", True)
     guard_until_prepared(model, what)
 
 

@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-CALL_ATTR = "_fsdp_offload_cfg_load_call"
-
 # Keyword arguments that change where or how files are fetched or placed, never the model built.
 _NOT_SHAPING = frozenset(
     {

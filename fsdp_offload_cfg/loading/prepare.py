@@ -34,14 +34,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.loading import dora, sharded
 from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
-from fsdp_offload_cfg.loading.checkpoint import CHECKPOINT_ATTR, FileTensor
+from fsdp_offload_cfg.loading.checkpoint import FileTensor
 from fsdp_offload_cfg.loading.guard import release_meta_guards
 from fsdp_offload_cfg.loading.layout import Target, plan
-from fsdp_offload_cfg.loading.pairing import CALL_ATTR, LoadCall, pair_problem, repeat_shift
+from fsdp_offload_cfg.loading.pairing import LoadCall, pair_problem, repeat_shift
 from fsdp_offload_cfg.loading.spec import (
     ModelSpec,
     describe,
@@ -135,7 +136,7 @@ def load_into_sharded(
 def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None, rank: int) -> None:
     """This rank's model is the model of rank 0's call, with its names and shapes."""
     release_meta_guards(model)  # it is being filled: its forward may run again afterwards
-    own_call = getattr(model, CALL_ATTR, None)
+    own_call = model_state.found(model, "load_call")
     problem = pair_problem(own_call, rank0_call, rank) or mismatch(
         spec, describe(model), what=f"rank {rank}'s model does not match rank 0's")
     if problem is not None:
@@ -177,8 +178,9 @@ def _check_loaded(model: nn.Module, spec: ModelSpec) -> None:
     problem = problem or mismatch(spec, describe(model), what="after loading", check_dtype=True)
     if problem is not None:
         raise RuntimeError(problem)
-    for module in model.modules():  # the record points at meta tensors that are gone now
-        module.__dict__.pop(CHECKPOINT_ATTR, None)
+    for module in model.modules():  # the loader is done with it: its record points at meta tensors gone now
+        for field in ("checkpoint", "load_call", "loader_source"):
+            model_state.take(module, field)
 
 
 def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> None:
@@ -202,7 +204,7 @@ def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None, lis
     described, error = None, None
     if dist.get_rank() == 0:
         described, error = attempt(lambda: (describe(model), dora.pending_names(model)))
-    call = getattr(model, CALL_ATTR, None) if dist.get_rank() == 0 else None
+    call = model_state.found(model, "load_call") if dist.get_rank() == 0 else None
     message, described, call = broadcast_from_rank0(
         (describe_error(error) if error is not None else None, described, call))
     if message is not None:

@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg.loading.checkpoint import FileTensor, record_of
 from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.meta import is_rank0_source
-from fsdp_offload_cfg.loading.pairing import CALL_ATTR
 from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
 
 
@@ -85,7 +85,7 @@ def _embedding_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 def _key(model: nn.Module, *arguments: Any) -> str:
     """The same on every rank for the same resize of the same load (pairs it like a load)."""
-    call = getattr(model, CALL_ATTR, None)
+    call = model_state.found(model, "load_call")
     text = json.dumps([getattr(call, "digest", None), type(model).__qualname__, *arguments])
     return "resize:" + hashlib.sha1(text.encode()).hexdigest()
 

@@ -17,12 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg.offload.groups import LayerClasses, find_units, hook_groups, lift_to_boundaries
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.pool import HostPool
-
-_ATTR = "_fsdp_offload_cfg_activation_offload"  # the active handle, kept on the model itself
 
 
 class OffloadHandle:
@@ -60,8 +59,8 @@ class OffloadHandle:
         if self.handler is not None:
             self.handler.pool.close()
             self.handler = None
-        if self.model.__dict__.get(_ATTR) is self:
-            del self.model.__dict__[_ATTR]
+        if model_state.get(self.model, "offload") is self:
+            model_state.take(self.model, "offload")
 
     def __enter__(self) -> OffloadHandle:
         return self
@@ -116,7 +115,7 @@ def enable_activation_offload(
     handle = OffloadHandle(model, config, boundaries, handler)
     handle._hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group)
     _wrap_forward(handle, handler)
-    model.__dict__[_ATTR] = handle
+    model_state.put(model, "offload", handle)
     return handle
 
 
@@ -212,4 +211,4 @@ def _release_compile_notice() -> None:
 
 def get_offload_handle(model: nn.Module) -> OffloadHandle | None:
     """The active handle of `model`, if offload is enabled on it."""
-    return model.__dict__.get(_ATTR)
+    return model_state.get(model, "offload")
