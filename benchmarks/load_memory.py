@@ -16,7 +16,8 @@ Methods (each in its own `torchrun` launch, CPU + gloo):
 Checkpoints: `fp32` (loaded as saved: transformers maps the safetensors file and FSDP copies
 only each rank's rows, so plain loading costs little *anonymous* memory) and `bf16->fp32` (a
 bf16 checkpoint loaded with dtype=float32, as for fp32 master weights: every reader must
-materialise converted copies).
+materialise converted copies), and `fp32x8` (the fp32 model in 8 safetensors files, as large
+checkpoints ship: each rank's slices span several files).
 
 Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken after imports,
 process-group init and Accelerator creation; see `PeakMemory`), and the load wall time (from
@@ -250,16 +251,26 @@ def worker(method: str, model_dir: str, out: str) -> None:
 # ------------------------------------------------------------------------------ driver
 
 
-CHECKPOINTS = ("fp32", "bf16->fp32")
+CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8")
 
 
 def build_model(model_dir: Path, checkpoint: str) -> None:
+    """The checkpoint of `checkpoint`: the model saved as one file (fp32, or bf16), or the fp32
+    model saved in 8 files (`max_shard_size` an eighth of it), as large checkpoints ship."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from _models import save_llama_300m
 
-    save_llama_300m(str(model_dir), torch.float32 if checkpoint == "fp32" else torch.bfloat16)
+    save_llama_300m(str(model_dir), torch.bfloat16 if checkpoint == "bf16->fp32" else torch.float32)
+    if checkpoint == "fp32x8":
+        from transformers import LlamaForCausalLM
+
+        one_file = model_dir / "model.safetensors"
+        eighth = one_file.stat().st_size * 53 // 400  # whole tensors per file: a little over an eighth makes 8
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        one_file.unlink()
+        model.save_pretrained(model_dir, max_shard_size=eighth)
 
 
 def warm_page_cache(model_dir: Path) -> None:
