@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 logger = get_logger("fsdp_offload_cfg.budget")
 
 
-
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
 

@@ -647,7 +647,6 @@ def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
     assert set(registered) == before
 
 
-
 def test_patch_imports_no_framework_and_patches_it_when_it_is_imported():
     """`patch()` imported TRL (and PEFT) itself, before a framework imported later could
     set up what TRL caches at its import (LlamaFactory's shim of transformers' package checks)."""

@@ -227,7 +227,6 @@ def test_the_hook_is_listed_in_the_packages_record_so_pip_removes_it(tmp_path: P
         (copy,) = metadata.distributions(name="fsdp-offload-cfg", path=[str(tmp_path)])
         return [f for f in copy.files if f.name == PTH_NAME]
 
-
     assert [Path(str(f.locate())).resolve() for f in listed()] == [(tmp_path / PTH_NAME).resolve()]
     assert cli.main(["install-hook", "--target", str(tmp_path)]) == 0  # again: still one row
     assert len(listed()) == 1

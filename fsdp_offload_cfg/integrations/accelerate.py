@@ -38,6 +38,7 @@ def build_partial_state_init(original: Callable[..., None], cfg: FSDPOffloadConf
 
     return __init__
 
+
 def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffloadConfig) -> Callable[..., None]:
     """Promote `MULTI_CPU` to `FSDP` with the plugin, exactly as accelerate does for GPUs."""
     signature = inspect.signature(original)
@@ -70,12 +71,14 @@ def build_accelerator_state_init(original: Callable[..., None], cfg: FSDPOffload
 
     return __init__
 
+
 def _unpin_cpu_offload(plugin: Any) -> None:
     """`CPUOffloadPolicy()` pins host memory, which needs CUDA: FSDP2 crashes allocating shards."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory:
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+
 
 @contextmanager
 def _stock_loading_off(plugin: Any) -> Iterator[None]:
@@ -86,6 +89,7 @@ def _stock_loading_off(plugin: Any) -> Iterator[None]:
         yield
     finally:
         plugin.cpu_ram_efficient_loading = saved
+
 
 _OURS = "_fsdp_offload_cfg_prepare"  # marks the fsdp2_prepare_model this module built
 _preparing = 0  # depth of our fsdp2_prepare_model calls: a framework's copy that calls ours inside ours runs as itself
@@ -111,6 +115,7 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
     fsdp2_prepare_model.__dict__[_OURS] = True
     return fsdp2_prepare_model
 
+
 def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Module, cfg: FSDPOffloadConfig) -> Any:
     plugin = accelerator.state.fsdp_plugin
     budget = cfg.activation_memory_budget is not None  # bytes or auto
@@ -132,6 +137,7 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
         enable_offload(model, cfg)
     return model
 
+
 def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """FSDP1: accelerate wraps the model inside `prepare_model`; hook the offload after it."""
 
@@ -145,6 +151,7 @@ def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
         return prepared
 
     return prepare_model
+
 
 def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """`Accelerator._prepare_fsdp2`, which calls `fsdp2_prepare_model` on each model:
@@ -172,6 +179,7 @@ def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
 
     return _prepare_fsdp2
 
+
 _said_replaced: set[str] = set()  # whose copy rank 0 has named already: once per process, not per prepare
 
 
@@ -192,6 +200,7 @@ def _ours_outermost(cfg: FSDPOffloadConfig) -> Iterator[None]:
         yield
     finally:
         module.fsdp2_prepare_model = theirs
+
 
 def _offload_fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg) and cfg.activation_cpu_offload.enabled and cfg.version == 1

@@ -43,12 +43,14 @@ def fsdp_requested(cfg: FSDPOffloadConfig) -> bool:
     """accelerate's `distributed_type: FSDP` (or a Trainer `fsdp` setting) in the config."""
     return (cfg.distributed_type or "").upper() == "FSDP"
 
+
 def cpu_fsdp_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     """FSDP asked for, several processes, on the CPU: stock accelerate would silently drop FSDP.
 
     On the CPU means no GPU, or `use_cpu` (`accelerate launch --cpu`) on a machine with one:
     accelerate then brings the group up on gloo as MULTI_CPU, as it does without a GPU."""
     return fsdp_requested(cfg) and ctx.distributed and (not ctx.accelerator or bool(cfg.use_cpu))
+
 
 def environment_problems(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> list[str]:
     """Config valid on paper but not runnable on this machine: say so before anything starts."""
@@ -61,8 +63,10 @@ def environment_problems(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> list[str
         )
     return problems
 
+
 def loader_enabled(cfg: FSDPOffloadConfig, ctx: LaunchContext | None = None) -> bool:
     return fsdp_requested(cfg) and cfg.cpu_ram_efficient_loading and cfg.version == 2
+
 
 def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]:
     """The variables `accelerate launch` would export for this config (what transformers gates on),
@@ -77,6 +81,7 @@ def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]
         env["ACCELERATE_USE_CPU"] = "true"
     return env
 
+
 def ensure_process_group() -> None:
     """Bring the process group up through accelerate (gloo on CPU) if the script has not yet."""
     import torch.distributed as dist
@@ -86,10 +91,12 @@ def ensure_process_group() -> None:
 
         PartialState()
 
+
 def rank0_loading_active(cfg: FSDPOffloadConfig) -> bool:
     from fsdp_offload_cfg.loading.local import rank0_loading_wanted
 
     return loader_enabled(cfg) and LaunchContext.from_environ().distributed and rank0_loading_wanted()
+
 
 def enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     """Offload on a model the patches prepared; `unpatch()` removes it again (and with the last
@@ -99,6 +106,7 @@ def enable_offload(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     registry.on_uninstall(enable_activation_offload(model, cfg.activation_cpu_offload).remove)
     summarize_offload_at_exit()
 
+
 def accelerator_state_exists() -> bool:
     """An `Accelerator` (accelerate's shared `AcceleratorState`) was built in this process: it has
     read its settings, so patches and config can no longer change under it."""
@@ -106,14 +114,17 @@ def accelerator_state_exists() -> bool:
     state = sys.modules.get("accelerate.state")
     return state is not None and bool(state.AcceleratorState._shared_state)
 
+
 def fsdp2_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     """Every FSDP2 run: besides loading and offload, prepare keeps ties in one group and gives
     odd-dtype modules their own (`shard_groups`), which stock accelerate needs as much with the
     loader off."""
     return fsdp_requested(cfg) and cfg.version == 2
 
+
 def fully_shard_swap(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
     return [swap_target()]
+
 
 def log_active(session: registry.PatchSession) -> None:
     """Rank 0's one line when a config becomes active: where it came from, what it does, the patches."""
@@ -131,6 +142,7 @@ def log_active(session: registry.PatchSession) -> None:
     logger.info("config from %s (FSDP%d, meta loading: %s, activation offload: %s); patches: %s", session.source,
                 cfg.version, loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip
 
+
 def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:
     """Shard and fill `model` with `load_into_sharded` (else accelerate's own prepare)?
 
@@ -146,6 +158,7 @@ def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCon
         plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading
     )
     return any_rank(wanted) if distributed_ready() else wanted
+
 
 def load_through_loader(
     model: torch.nn.Module, shard: Callable[[torch.nn.Module], Any], plugin: Any, cfg: FSDPOffloadConfig

@@ -45,6 +45,7 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
 
     return from_pretrained
 
+
 def _shard_on_read(original: Callable[..., Any], cfg: FSDPOffloadConfig, cls: type, *args: Any, **kwargs: Any) -> Any:
     """transformers 5.19+ `from_pretrained(distributed_config=...)`: each rank reads its own slices
     and transformers applies FSDP2 itself (the Trainer then skips accelerate's prepare). Nothing
@@ -66,6 +67,7 @@ def _shard_on_read(original: Callable[..., Any], cfg: FSDPOffloadConfig, cls: ty
         )  # fmt: skip
     return result
 
+
 def build_from_config(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     @functools.wraps(original)
     def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
@@ -77,6 +79,7 @@ def build_from_config(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> C
         return rank0_from_config(original, cls, config, **kwargs)
 
     return _from_config
+
 
 def build_training_args_post_init(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """Validate `TrainingArguments.fsdp_config` with our schema and make it the active config.
@@ -114,6 +117,7 @@ def _refuse_ms_swift_offloader(args: Any) -> None:
             "which would move nothing. For this plugin's offload spell the key fsdp_activation_cpu_offload (ms-swift "
             "leaves it alone); for ms-swift's, run without fsdp-offload-cfg.")
 
+
 def _hint_axolotl_plugin(framework: str) -> None:
     """axolotl's schema drops the fsdp_config keys it does not know before its TrainingArguments
     see them; only the plugin entry reads the config as written (`integrations/axolotl.py`)."""
@@ -149,8 +153,10 @@ def _adopt_trainer_config(fsdp: Any, fsdp_config: Any, framework: str) -> None:
     assert session.replan is not None, "a session made by patch() knows how it was planned"
     log_active(registry.switch(session.replan(dataclasses.replace(trainer_cfg, source=source), source)))
 
+
 def _always(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return True
+
 
 def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
     """The transformers functions the no-read load (every strategy) swaps while `from_pretrained` runs."""

@@ -41,10 +41,12 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
 
     return prepare_fsdp
 
+
 def _trl_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("trl") is not None
+
 
 def _trl_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     """Every FSDP2 run where TRL is installed: it fills loader-built models and splits dtype

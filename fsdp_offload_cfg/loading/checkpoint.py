@@ -31,7 +31,6 @@ __all__ = ["CheckpointRecord", "FileTensor", "NotSliceable", "meta_from_pretrain
            "read_header", "record_of"]  # fmt: skip
 
 
-
 @dataclass
 class CheckpointRecord:
     """Which checkpoint tensor fills which model tensor, by tensor identity (not by name), so that
