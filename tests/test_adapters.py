@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _compare import digest as _digest
+from _configs import loader_config as _config
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -33,14 +34,6 @@ ADAPTERS = {
     "dora_saved": {},  # the "dora" adapter, trained a little and saved, loaded with `PeftModel.from_pretrained`
 }
 STEPS = 3
-
-
-def _config(mode: str) -> dict[str, Any]:
-    fsdp = {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": mode != "loader_off",
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
-    if mode != "loader_off":
-        fsdp["load_strategy"] = mode
-    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
 
 
 def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: list[str]) -> dict[str, Any]:

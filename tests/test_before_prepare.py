@@ -16,19 +16,12 @@ import torch
 from torch import nn
 
 from _compare import digest as _digest
+from _configs import loader_config as _config
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
 MODES = ["loader_off", "broadcast", "sharded"]
-
-
-def _config(mode: str) -> dict[str, Any]:
-    fsdp = {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": mode != "loader_off",
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
-    if mode != "loader_off":
-        fsdp["load_strategy"] = mode
-    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
 
 
 def _causal(path: str) -> nn.Module:

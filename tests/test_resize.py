@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _compare import digest as _digest
+from _configs import loader_config as _config
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -26,14 +27,6 @@ RESIZES = {  # (model, resize_token_embeddings keyword arguments)
     "llama_padded_plain_init": ("llama", {"new_num_tokens": 99, "pad_to_multiple_of": 8, "mean_resizing": False}),
     "qwen2_tied_plain_init": ("qwen2_tied", {"new_num_tokens": 103, "mean_resizing": False}),
 }
-
-
-def _config(mode: str) -> dict[str, Any]:
-    fsdp = {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": mode != "loader_off",
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
-    if mode != "loader_off":
-        fsdp["load_strategy"] = mode
-    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
 
 
 def _worker(rank: int, world_size: int, mode: str, paths: dict[str, str]) -> dict[str, Any]:

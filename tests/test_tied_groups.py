@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from _compare import digest as _digest
+from _configs import loader_config
 from _dist import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -63,11 +64,7 @@ def _ties(model: nn.Module) -> list[tuple[str, ...]]:
 
 
 def _config(mode: str) -> dict[str, Any]:
-    fsdp = {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": mode != "loader_off",
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
-    if mode != "loader_off":
-        fsdp["load_strategy"] = mode
-    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
+    return loader_config(mode, fsdp_state_dict_type="SHARDED_STATE_DICT")
 
 
 def _run_worker(rank: int, world_size: int, mode: str, paths: dict[str, str], out_root: str) -> dict[str, Any]:
