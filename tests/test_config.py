@@ -819,6 +819,8 @@ EVERY_KEY_SET = {
     {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": "12GiB"},
     {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": 2**33,
      "fsdp_activation_budget_compute_tflops": 0.05, "fsdp_activation_budget_copy_gb_per_s": 5},
+    {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": "auto-5%",
+     "fsdp_activation_budget_device_memory": "40GiB"},
     {"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP", "fsdp_backward_prefetch": "BACKWARD_POST",
      "fsdp_forward_prefetch": True, "fsdp_use_orig_params": False, "fsdp_sync_module_states": False},
 ])
