@@ -86,6 +86,7 @@ def wrap_layers(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
             continue
         wrapped = checkpoint_wrapper(group)  # preserve_rng_state=True: recomputed dropout draws the same masks
         set_checkpointing(wrapped, False)
+        model_state.put(wrapped, "budget_wrapper", True)  # the budget's own: `remove` takes it away
         model.set_submodule(names[id(group)], wrapped)
 
 
@@ -175,17 +176,21 @@ class BudgetPlanner:
         self.hook: Any = None  # the forward pre-hook handle, until `remove`
 
     def remove(self) -> None:
-        """Stop planning: the hook and the offload removed, and each layer back in its parent's
-        place without the checkpoint wrapper the budget put around it."""
+        """Stop planning: the hook and the offload removed; each layer back in its parent's place
+        without the wrapper the budget put around it, and a wrapper the script put there itself
+        checkpointing again, as it did before the budget took it over."""
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
         self.handle.remove()
         names = {id(m): n for n, m in self.model.named_modules()}
         for wrapper in self.handle.groups:
-            set_checkpointing(wrapper, False)
+            if model_state.get(wrapper, "checkpoint_fn") is None:  # already removed (remove is idempotent)
+                continue
+            ours = model_state.take(wrapper, "budget_wrapper")
+            set_checkpointing(wrapper, not ours)
             model_state.take(wrapper, "checkpoint_fn")
-            if id(wrapper) in names:  # not yet unwrapped (remove is idempotent)
+            if ours and id(wrapper) in names:
                 self.model.set_submodule(names[id(wrapper)], wrapper._checkpoint_wrapped_module)
         model_state.take(self.model, "planner")
 

@@ -37,6 +37,7 @@ class ModuleState:
     planner: Any = None
     # on each layer's checkpoint wrapper a budget installs, for as long as the wrapper exists:
     checkpoint_fn: Any = None  # the wrapper's own checkpoint function, while it passes through
+    budget_wrapper: bool = False  # made by the budget (not by the script): the budget's removal unwraps it
 
 
 def state_of(module: nn.Module) -> ModuleState | None:

@@ -489,6 +489,33 @@ def test_layers_are_wrapped_once_and_pass_through_until_planned():
         assert layer.checkpoint_fn is _call
 
 
+def test_remove_unwraps_the_budgets_wrappers_and_gives_the_scripts_its_checkpointing_back():
+    """`remove()` undoes the budget: the layers it wrapped are back in their parents' places, and a
+    layer the script wrapped by hand keeps its wrapper and checkpoints again, as before."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from _models import llama_config
+    from fsdp_offload_cfg import load_config, model_state
+    from fsdp_offload_cfg.budget import _call, enable_budget, wrap_layers
+
+    model = LlamaForCausalLM(llama_config(num_hidden_layers=3))
+    by_hand = checkpoint_wrapper(model.model.layers[1])
+    own_fn = by_hand.checkpoint_fn
+    model.model.layers[1] = by_hand
+    config = load_config(_config(10**9))
+    wrap_layers(model, config)
+    planner = enable_budget(model, config)
+    assert all(layer.checkpoint_fn is _call for layer in model.model.layers)
+    planner.remove()
+    planner.remove()  # idempotent
+    layers = list(model.model.layers)
+    assert isinstance(layers[0], LlamaDecoderLayer) and isinstance(layers[2], LlamaDecoderLayer)
+    assert layers[1] is by_hand and isinstance(by_hand, CheckpointWrapper) and by_hand.checkpoint_fn is own_fn
+    assert [n for n, m in model.named_modules() if model_state.ATTR in m.__dict__] == []
+
+
 def test_a_plan_that_offloads_under_a_model_compiled_whole_stops_at_the_next_forward():
     """A model compiled whole bypasses the offload's hooks (one graph has no layer boundary), so
     the layers a plan offloads would keep their activations: the next training forward stops,
