@@ -244,6 +244,17 @@ def test_cli_auto_plans_what_the_device_leaves(llama: str, tmp_path: Path, capsy
     assert "the device's memory is unknown here; pass --device-memory" in capsys.readouterr().err
 
 
+def test_auto_on_the_command_line_plans_against_the_configs_device_size(llama: str):
+    """`--activation-budget auto-1MiB` without `--device-memory`: the size the config states."""
+    from fsdp_offload_cfg._sizes import parse_auto
+
+    stated = load_config({"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2, "fsdp_config": {
+        "version": 2, "activation_memory_budget": "auto", "activation_budget_device_memory": "8GiB"}})
+    report = estimate_memory(stated, llama, seq_len=SEQ, batch_size=BATCH, device="cpu",
+                             activation_budget=parse_auto("auto-1MiB"))
+    assert report["plan"]["room"]["device_bytes"] == 8 * 2**30 and report["plan"]["room"]["margin_bytes"] == 2**20
+
+
 def test_the_plot_draws_the_plan_and_its_budget(llama: str, tmp_path: Path):
     pytest.importorskip("matplotlib")
     from fsdp_offload_cfg.estimate.plot import GIB, draw_memory

@@ -43,7 +43,8 @@ from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_len: int, batch_size: int,
                  optimizer: str, device: str, dtype: str | None, activation_budget: int | AutoBudget | None = None,
-                 device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
+                 device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
+                 accumulating: bool = False) -> dict[str, Any]:
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -120,7 +121,8 @@ def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, de
     """`auto`'s room on the device: the command line's size, else the config's, else the visible GPU's."""
     from fsdp_offload_cfg.estimate.plot import visible_device_bytes
 
-    device_bytes = device_memory or auto.device_bytes or visible_device_bytes(device)
+    stated = auto_budget(config)  # the config's own device size, where it has one
+    device_bytes = device_memory or auto.device_bytes or (stated and stated.device_bytes) or visible_device_bytes(device)
     if device_bytes is None:
         raise EstimateError("activation budget auto: the device's memory is unknown here; pass --device-memory "
                             "(such as 80GiB), or set activation_budget_device_memory in the config")
