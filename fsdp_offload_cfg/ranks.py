@@ -11,6 +11,8 @@ group of several ranks each helper is the plain local step.
 
 from __future__ import annotations
 
+import os
+import socket
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -24,6 +26,24 @@ T = TypeVar("T")
 def distributed_ready() -> bool:
     """True when a process group with more than one rank is up (otherwise there is nothing to share)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def node_name() -> str:
+    """This rank's node, as the launcher numbers it (torchrun's `GROUP_RANK`: "node 1"), else the
+    host's name: what a log line names when it says which node got what."""
+    group = os.environ.get("GROUP_RANK")
+    return f"node {group}" if group not in (None, "") else socket.gethostname()
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """"0-1, 4" for [0, 1, 4]: ranks as a person reads them in a log line."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def describe_error(exc: BaseException) -> str:

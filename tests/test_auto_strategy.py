@@ -4,7 +4,7 @@ On 2 real gloo ranks through `patch()` with no `load_strategy` written, against 
 - every rank can read the safetensors files: every rank reads its own slices (as "sharded");
 - rank 1 cannot (the path exists only relative to rank 0's working directory, as on a node
   without the shared storage): rank 1 builds from rank 0's description and rank 0 streams it its
-  weights from the files; nothing fails;
+  slices from the files, reading its own for itself; nothing fails (2 nodes: `test_nodes.py`);
 - a `.bin` checkpoint: rank 0 loads it whole and sends it (as "broadcast").
 Every tensor after prepare is bit-equal to a plain load in all three; `explain` shows the default.
 """
@@ -58,7 +58,8 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
         full = {n: (t.full_tensor() if isinstance(t, DTensor) else t) for n, t in report.model.state_dict().items()}
         out[case] = {"held_after_from_pretrained": held, "digests": _digests(full),
                      "read": report.read.bytes_read if report.read else 0,
-                     "sent": report.sent.tensors if report.sent else 0, "log": list(messages)}
+                     "sent": report.sent.tensors if report.sent else 0,
+                     "received": report.sent.bytes_received if report.sent else 0, "log": list(messages)}
         messages.clear()
     os.chdir(home)
     return out
@@ -102,9 +103,11 @@ def test_every_rank_reads_its_own_slices_when_it_can(runs: tuple[dict[str, Any],
 def test_a_rank_without_the_files_gets_them_streamed_from_rank_0(runs: tuple[dict[str, Any], list[dict[str, Any]]]):
     rank0, rank1 = (r["rank1_cannot_read"] for r in runs[1])
     assert rank0["held_after_from_pretrained"] == rank1["held_after_from_pretrained"] == 0
-    assert rank0["read"] == rank1["read"] == 0 and rank0["sent"] > 0
+    # rank 0 reads its own slices (not rank 1's: those it streams), rank 1 reads nothing
+    assert rank0["read"] > 0 and rank1["read"] == 0 and rank0["sent"] > 0 and rank1["received"] > 0
+    assert rank0["received"] == 0
     assert any("rank 1 cannot read only_here itself" in line for line in rank1["log"]), rank1["log"]
-    assert any("rank 0 streams" in line for line in rank0["log"]), rank0["log"]
+    assert any("for ranks 1 (" in line and "streams them" in line for line in rank0["log"]), rank0["log"]
 
 
 def test_a_checkpoint_that_cannot_be_sliced_is_loaded_whole_by_rank_0(runs: tuple[dict[str, Any], list[dict[str, Any]]]):

@@ -739,10 +739,11 @@ STEP_FAULTS = [
 ]
 
 
-def _step_fault_worker(rank: int, world_size: int, path: str) -> dict[str, tuple[str, float]]:
+def _step_fault_worker(rank: int, world_size: int, path: str, bin_path: str) -> dict[str, tuple[str, float]]:
     """For each step of `load_into_sharded`, under each strategy, one rank's call of the step's
-    function raises (the n-th call: the scatter fails in its second bucket); the other ranks run
-    normally. What every rank raised, and when."""
+    function raises (the n-th call: the transfer fails in its second bucket); the other ranks run
+    normally. What every rank raised, and when. `_unpack` runs on the `.bin` checkpoint, which
+    rank 0 loads whole and so unpacks its own part too (from safetensors it reads its own slices)."""
     import importlib
 
     from transformers import LlamaForCausalLM
@@ -767,7 +768,7 @@ def _step_fault_worker(rank: int, world_size: int, path: str) -> dict[str, tuple
                         raise RuntimeError(f"injected fault in {_name}")
                     return _real(*args, **kwargs)
 
-                model = LlamaForCausalLM.from_pretrained(path)
+                model = LlamaForCausalLM.from_pretrained(bin_path if function == "_unpack" else path)
                 dist.barrier()
                 if rank == failing:
                     setattr(module, function, fault)
@@ -788,7 +789,8 @@ def test_a_failure_at_any_step_raises_on_every_rank_naming_the_rank_and_step(che
     """steps outside an agreement (rebuild, the scatter loop, the final check) used to
     leave the other ranks waiting in a collective until the process-group timeout."""
     pg_timeout = 30.0
-    results = run_workers(_step_fault_worker, 2, checkpoints["paths"]["llama"], pg_timeout=pg_timeout, timeout=400)
+    results = run_workers(_step_fault_worker, 2, checkpoints["paths"]["llama"], checkpoints["paths"]["llama_bin"],
+                          pg_timeout=pg_timeout, timeout=400)
     steps = {function: words for _, function, _, words, _ in STEP_FAULTS}
     for rank, out in enumerate(results):
         assert len(out) == sum(len(s) * (1 if f == "_pack" else 2) for _, f, _, _, s in STEP_FAULTS)

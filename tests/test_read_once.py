@@ -18,31 +18,9 @@ import pytest
 import torch
 
 from _dist import run_workers
+from _reads import KERNEL_SLACK, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
-
-KERNEL_SLACK = 4096  # bytes the kernel may count besides the checkpoint reads (store traffic)
-
-
-def _rchar() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("rchar")).split()[1])
-
-
-def _needed_and_row(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of this rank's own slices of every tensor, the largest row of any tensor): what a
-    rank must read, and the most it may read beyond that (a slice boundary inside one row)."""
-    from torch.distributed.tensor import DTensor
-
-    needed, row = 0, 0
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith("inv_freq"):  # computed at init, not in the checkpoint
-            continue
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        needed += local.numel() * local.element_size()
-        if tensor.dim() > 0:
-            row = max(row, tensor.numel() // tensor.shape[0] * tensor.element_size())
-    return needed, row
 
 
 def _worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, Any]:
@@ -60,10 +38,10 @@ def _worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, A
 
     for _ in range(2):  # the second load is the measured one
         model = load(PreTrainedModel.from_pretrained, LlamaForCausalLM, path)
-        before = _rchar()
+        before = rchar()
         report = load_into_sharded(model, shard, strategy=strategy)
-        kernel = _rchar() - before
-    needed, row = _needed_and_row(report.model)
+        kernel = rchar() - before
+    needed, row = needed_and_row(report.model)
     return {"loader": report.read.bytes_read if report.read else 0, "kernel": kernel, "needed": needed, "row": row,
             "sent": 0 if report.sent is None else report.sent.tensors}
 

@@ -37,6 +37,9 @@ class Target:
     regions: tuple[Region, ...]  # regions[r]: the part of the full tensor global rank r gets
     block: int = 0
     blocks: int = 1
+    # the ranks that get it from rank 0 (None: every rank): a rank that reads a tensor from the
+    # files itself takes no part in its transfer, so rank 0 sends nothing to it
+    to: frozenset[int] | None = None
 
     @property
     def last(self) -> bool:
@@ -47,9 +50,13 @@ class Target:
         """Bytes of rank `rank`'s part, in the source dtype."""
         return _numel(self.regions[rank]) * self.spec.dtype.itemsize
 
+    def sent_nbytes(self, rank: int) -> int:
+        """Bytes rank 0 sends rank `rank` of it: its part, or 0 when it fills this tensor itself."""
+        return self.nbytes_on(rank) if self.to is None or rank in self.to else 0
+
     @property
     def max_part_nbytes(self) -> int:
-        return max(self.nbytes_on(r) for r in range(len(self.regions)))
+        return max(self.sent_nbytes(r) for r in range(len(self.regions)))
 
     def split(self, max_bytes: int, rank: int) -> list[Target]:
         """Blocks whose part on every rank is at most about `max_bytes`, so no transfer buffer
@@ -73,7 +80,7 @@ class Target:
             regions.append((slice(first + lo, first + hi), *region[1:]))
             if r == rank:
                 dest = self.dest.narrow(0, lo, hi - lo)
-        return Target(self.spec, dest, tuple(regions), k, blocks)
+        return Target(self.spec, dest, tuple(regions), k, blocks, self.to)
 
 
 def _full(shape: tuple[int, ...]) -> Region:

@@ -10,21 +10,23 @@
   3. `shard_fn(model)` applies `fully_shard` on meta (e.g. accelerate's `fsdp2_prepare_model`,
      which may also upcast trainable params to fp32);
   4. storage is allocated (params on the mesh device, or the CPU with `cpu_offload`; buffers on
-     the mesh device) and rank 0 scatters each tensor's bytes, bucket by bucket, in name order,
+     the mesh device) and rank 0 sends each tensor's bytes, bucket by bucket, in name order,
      each rank receiving only its own shard, rank 0 freeing each source tensor once sent; then
      each rank computes its rows of the DoRA magnitudes from its rows of the base weights;
   5. every rank checks nothing is left on meta and ties still hold.
-Under "sharded" (a model built by `sharded_from_pretrained`), step 4 is hybrid: tensors in the
-checkpoint record are read by each rank from the files (`sharded.py`), non-persistent buffers are
-each rank's own, and only the rest is scattered from rank 0.
+Under "sharded" and "auto" (a model built by `sharded_from_pretrained`), step 4 is hybrid: a
+rank reads the tensors its checkpoint record shares with rank 0's from the files itself
+(`sharded.py`), non-persistent buffers are each rank's own, and rank 0 sends the rest to the ranks
+that need it (a node without the files gets its slices streamed from rank 0's reads).
 Every step runs on every rank and ends with an all-rank agreement (`ranks.agreed`), so a failure
 on any rank raises on all of them at once, naming the step and the failing ranks; no rank is left
-waiting in a collective. The scatter agrees once before its first bucket and once after its last
+waiting in a collective. The transfer agrees once before its first bucket and once after its last
 (a failure on rank 0 mid-way travels in the buckets' header: `broadcast.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,7 +40,7 @@ from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.loading import dora, sharded
-from fsdp_offload_cfg.loading.broadcast import TransferStats, scatter_from_rank0
+from fsdp_offload_cfg.loading.broadcast import TransferStats, send_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import FileTensor
 from fsdp_offload_cfg.loading.guard import release_meta_guards
 from fsdp_offload_cfg.loading.layout import Target, plan
@@ -52,15 +54,24 @@ from fsdp_offload_cfg.loading.spec import (
     rebuild_on_meta,
     retie,
 )
-from fsdp_offload_cfg.ranks import agreed, attempt, broadcast_from_rank0, describe_error, distributed_ready
+from fsdp_offload_cfg.ranks import agreed, attempt, broadcast_from_rank0, describe_error, distributed_ready, rank_ranges
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
-# Staging per load: what a rank reads at once, and what rank 0 packs for one scatter for all ranks
+# Staging per load: what a rank reads at once, and what rank 0 packs for one bucket for all ranks
 # together (each rank's part is this divided by the number of ranks), so rank 0 holds its shard
 # plus about one bucket (and one region read from the files), never one bucket per rank.
 DEFAULT_BUCKET_BYTES = 32 * 2**20
-_MIN_PART_BYTES = 2**20  # below this per rank, scatters get too many to be worth it
+_MIN_PART_BYTES = 2**20  # below this per rank, messages get too many to be worth it
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One rank's share of a load, as the rank-0 summary line reports it."""
+
+    node: str  # `ranks.node_name()`: "node 1" under torchrun, else the host's name
+    bytes_read: int  # from the checkpoint files, by this rank (rank 0: what it streams included)
+    bytes_received: int  # from rank 0 over the network
 
 
 @dataclass(frozen=True)
@@ -68,8 +79,9 @@ class LoadReport:
     """What one `load_into_sharded` call did on this rank (for logs, tests and benchmarks)."""
 
     model: nn.Module  # the sharded, filled model: what `shard_fn` returned (or the model itself)
-    sent: TransferStats | None  # rank 0's scatter (on rank 0: what it sent; elsewhere: what arrived); None: no scatter ran
+    sent: TransferStats | None  # rank 0's transfer (on rank 0: what it sent; elsewhere: what arrived)
     read: sharded.ReadStats | None  # this rank's own reads from the checkpoint; None: it read nothing
+    ranks: tuple[RankLoad, ...] = ()  # what every rank read and received (the same on every rank)
 
 
 def load_into_sharded(
@@ -104,33 +116,32 @@ def load_into_sharded(
     spec, rank0_call, computed = _share_rank0_spec(model)
     agreed("matching this rank's model with rank 0's", lambda: _match_rank0(model, spec, rank0_call, rank))
     # 2. where each tensor comes from: this rank's checkpoint reads, its own computation after the
-    #    load (DoRA magnitudes, `dora.py`), or rank 0
+    #    load (DoRA magnitudes, `dora.py`), or rank 0 (to the ranks named, the same on every rank)
     sources = sharded.agree_sources(model, spec)
-    own = sources.names() | set(computed)
-    if rank == 0 and sources.streamed:
-        logger.info("rank-0 loading: rank 0 streams %d tensors from the checkpoint files (every rank reads %d "
-                    "itself)", len(sources.streamed), len(sources.files))  # fmt: skip
-    elif strategy == "sharded" and not sources.files and rank == 0:
-        logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
-    source = _rank0_source(model, spec, skip=own, streamed=sources.streamed)
+    everywhere = sources.filled_everywhere() | set(computed)
+    receivers = {t.name: sources.receivers(t.name, world) for t in spec.tensors if t.name not in everywhere}
+    receivers = {name: ranks for name, ranks in receivers.items() if ranks}
+    _log_sources(sources, receivers, strategy, world)
+    source = _rank0_source(model, spec, wanted=set(receivers), streamed=sources.streamed)
     # 3. meta tensors tied as on rank 0, then fully_shard on meta
     sharded_model = agreed("sharding the model on meta (rebuild, shard_fn)", lambda: _shard_on_meta(model, spec, shard_fn))
     # 4. storage for this rank's shards
     targets, device = agreed("allocating the sharded model",
                              lambda: _allocate(sharded_model, spec, cpu_offload, rank, world))
-    # 5. this rank's own reads, then rank 0's scatter of the rest (its own agreements, bucket by bucket)
+    # 5. this rank's own reads, then rank 0 sends the rest (its own agreements, bucket by bucket)
     read_stats = agreed("reading this rank's shards from the checkpoint",
                         lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
-    from_rank0 = [t for t in targets if t.spec.name not in own]
+    from_rank0 = [dataclasses.replace(t, to=receivers[t.spec.name]) for t in targets if t.spec.name in receivers]
     part = min(bucket_bytes, max(bucket_bytes // world, _MIN_PART_BYTES))
-    stats = scatter_from_rank0(from_rank0, source, device=device, bucket_bytes=part)
-    _log(stats, read_stats, world)
+    stats = send_from_rank0(from_rank0, source, device=device, bucket_bytes=part)
+    shares = _shares(sources.nodes, stats, read_stats)
+    _log(stats, read_stats, shares)
     if computed:  # the same list on every rank (rank 0's)
         agreed("computing DoRA magnitudes from this rank's rows of the base weights",
                lambda: dora.fill_pending(sharded_model, computed, rank, world))
     # 6. nothing left on meta, every name, dtype and tie as rank 0 described it
     agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
-    return LoadReport(sharded_model, stats, read_stats)
+    return LoadReport(sharded_model, stats, read_stats, shares)
 
 
 def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None, rank: int) -> None:
@@ -162,7 +173,7 @@ def _returned_or(returned: nn.Module | None, model: nn.Module) -> nn.Module:
 def _allocate(model: nn.Module, spec: ModelSpec, cpu_offload: bool, rank: int,
               world: int) -> tuple[list[Target], torch.device]:
     """Uninitialised storage for this rank's shards and the buffers; what each rank fills where,
-    and the device the scatter's buffers live on."""
+    and the device the transfer's buffers live on."""
     problem = mismatch(spec, describe(model), what="sharded model", check_dtype=True)
     if problem is not None:
         raise RuntimeError(problem)
@@ -183,7 +194,30 @@ def _check_loaded(model: nn.Module, spec: ModelSpec) -> None:
             model_state.take(module, field)
 
 
-def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> None:
+def _log_sources(sources: sharded.Sources, receivers: dict[str, frozenset[int]], strategy: str, world: int) -> None:
+    """Rank 0: which ranks read the checkpoint themselves and which get it streamed, by node."""
+    if dist.get_rank() != 0:
+        return
+    if sources.streamed:
+        without = sorted({r for n in sources.streamed for r in receivers.get(n, ())})
+        nodes = sorted({sources.nodes[r] for r in without}) if sources.nodes else []
+        logger.info("loading: rank 0 reads %d tensors' slices for ranks %s (%s), which have no record of the "
+                    "checkpoint files (built from rank 0's description), and streams them; every other rank "
+                    "reads its own", len(sources.streamed), rank_ranges(without), ", ".join(nodes))  # fmt: skip
+    elif strategy == "sharded" and not sources.readers:
+        logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
+
+
+def _shares(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStats | None) -> tuple[RankLoad, ...]:
+    """Every rank's bytes read and received, on every rank (one small all_gather)."""
+    mine = ((read.bytes_read if read is not None else 0) + stats.bytes_read, stats.bytes_received)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    names = nodes or tuple("" for _ in gathered)
+    return tuple(RankLoad(node, r, s) for node, (r, s) in zip(names, gathered))
+
+
+def _log(stats: TransferStats, read: sharded.ReadStats | None, shares: tuple[RankLoad, ...]) -> None:
     if dist.get_rank() != 0:
         return
     if read is not None:
@@ -191,11 +225,23 @@ def _log(stats: TransferStats, read: sharded.ReadStats | None, world: int) -> No
             "sharded loading: rank 0 read %d tensors (%s, %d reads) from %d files in %.2fs",
             read.tensors, show_size(read.bytes_read), read.reads, len(read.files), read.seconds,
         )  # fmt: skip
-    if stats.tensors:
+    if stats.bytes_sent:
         logger.info(
-            "rank-0 loading: sent %d tensors (%s to %d ranks) in %d buckets in %.2fs",
-            stats.tensors, show_size(stats.bytes_sent), world - 1, stats.buckets, stats.seconds,
+            "rank-0 loading: sent %d tensors (%s to ranks %s) in %d buckets in %.2fs",
+            stats.tensors, show_size(stats.bytes_sent), rank_ranges(sorted(stats.bytes_to)), stats.buckets,
+            stats.seconds,
         )  # fmt: skip
+    if len({s.node for s in shares}) > 1:
+        logger.info("loading by node: %s", "; ".join(_node_line(node, shares) for node in dict.fromkeys(s.node for s in shares)))
+
+
+def _node_line(node: str, shares: tuple[RankLoad, ...]) -> str:
+    """"node 1 (ranks 2-3): read 0 B, received 1.2 GiB from rank 0"."""
+    ranks = [r for r, s in enumerate(shares) if s.node == node]
+    read = sum(shares[r].bytes_read for r in ranks)
+    received = sum(shares[r].bytes_received for r in ranks)
+    return (f"{node} (ranks {rank_ranges(ranks)}): read {show_size(read)} from the files, "
+            f"received {show_size(received)} from rank 0")
 
 
 def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None, list[str]]:
@@ -213,24 +259,23 @@ def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None, lis
     return spec, call, computed
 
 
-def _rank0_source(model: nn.Module, spec: ModelSpec, skip: set[str],
+def _rank0_source(model: nn.Module, spec: ModelSpec, wanted: set[str],
                   streamed: dict[str, FileTensor]) -> dict[str, torch.Tensor | sharded.FileSlice] | None:
-    """On rank 0, its tensors by name (references, not copies) for every spec tensor not in `skip`
-    (those are read from the files or computed locally), the ones in `streamed` as `FileSlice`s it
-    reads while it sends them; None elsewhere. Raises on every rank if one of them is on meta on
-    rank 0 with no file behind it."""
+    """On rank 0, its tensors by name (references, not copies) for every spec tensor in `wanted`
+    (what some rank gets from rank 0), the ones in `streamed` as `FileSlice`s it reads while it
+    sends them; None elsewhere. Raises on every rank if one of them is on meta on rank 0 with no
+    file behind it."""
     source, error = None, None
     if dist.get_rank() == 0:
 
         def collect() -> dict[str, torch.Tensor | sharded.FileSlice]:
-            wanted = {t.name for t in spec.tensors} - skip
             named: dict[str, Any] = {n: t.detach() for n, t in named_tensors(model) if n in wanted}
             dtypes = {t.name: t.dtype for t in spec.tensors}
             staging = sharded.ReadStaging()
             named.update({n: sharded.FileSlice(where, dtypes[n], staging) for n, where in streamed.items() if n in named})
             left = sorted(n for n, t in named.items() if getattr(t, "is_meta", False))
             if left:
-                hint = " (not in the checkpoint record either)" if skip else ""
+                hint = " (not in the checkpoint record either)" if len(wanted) < len(spec.tensors) else ""
                 raise RuntimeError(f"rank 0's model has meta tensors, nothing to send{hint}: {left[:20]}")
             return named
 

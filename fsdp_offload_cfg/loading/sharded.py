@@ -1,12 +1,16 @@
 """Strategy "sharded": every rank reads only its own slices from the safetensors files, so no
 rank ever holds the full model and no weight crosses the network.
 
-Where each tensor comes from (decided identically on every rank, from one `all_gather`):
-  - file:  every rank's model records the checkpoint tensor (`checkpoint.CheckpointRecord`: built
-           by `sharded_from_pretrained`): each rank reads `Target.regions[rank]` itself;
-  - streamed: only rank 0's model records it (rank 0 built on meta under "broadcast", the other
-           ranks from its description): rank 0 reads each rank's region while it sends it
-           (`FileSlice`), bucket by bucket;
+Where each tensor comes from (decided from one `all_gather` of every rank's view):
+  - file:  this rank's model records the same checkpoint tensor as rank 0's
+           (`checkpoint.CheckpointRecord`: built by `sharded_from_pretrained`): this rank reads
+           `Target.regions[rank]` itself;
+  - streamed: rank 0's model records it, this rank's does not (it was built from rank 0's
+           description: under "broadcast", or under "auto" on a node that cannot read the files):
+           rank 0 reads this rank's region while it sends it (`FileSlice`), bucket by bucket, to
+           the ranks that cannot read it only. So under "auto" each checkpoint byte is read once
+           across the job, by the node that has the files, and crosses the network only to a
+           node that has not;
   - local: a non-persistent buffer every rank computed itself in `from_pretrained` (RoPE
            `inv_freq`, ...): each rank keeps its own, after checking its checksum equals rank 0's;
   - own:   a tensor real on every rank that no file backs (LoRA adapters, which stay on the
@@ -15,7 +19,7 @@ Where each tensor comes from (decided identically on every rank, from one `all_g
            FSDP2 shards each rank's own model in a plain run (so a framework that seeds each rank
            differently, like ms-swift's seed + rank, gets what its plain run gets);
   - rank 0: anything else (a tensor real on rank 0 only, e.g. resized embeddings; every tensor
-           of a model without a record): sent by the broadcast strategy's scatter.
+           of a model without a record): sent by the broadcast strategy's transfer.
 
 The reader (`read_own_shards`) sorts the reads by file and byte offset (sequential, page-cache
 friendly), splits large parts into blocks of at most `bucket_bytes`, and reads a contiguous
@@ -42,7 +46,7 @@ from fsdp_offload_cfg.loading.checkpoint import record_of
 from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, owner, tensor_at
-from fsdp_offload_cfg.ranks import attempt, raise_if_any_failed
+from fsdp_offload_cfg.ranks import attempt, node_name, raise_if_any_failed
 from fsdp_offload_cfg.safetensors_index import FileTensor
 
 logger = get_logger("fsdp_offload_cfg.loading")
@@ -50,19 +54,28 @@ logger = get_logger("fsdp_offload_cfg.loading")
 
 @dataclass
 class Sources:
-    """Per spec name: the file tensor to read, or this rank's own computed value; and on rank 0,
-    under a streamed broadcast, the file tensors it reads for every rank."""
+    """Where every tensor comes from. `files`: what this rank reads itself; `streamed`: on rank 0,
+    what it reads for the ranks that cannot; the rest is the same on every rank."""
 
     files: dict[str, FileTensor] = field(default_factory=dict)
     local: dict[str, torch.Tensor] = field(default_factory=dict)
-    streamed: dict[str, FileTensor] = field(default_factory=dict)  # rank 0 only; sent by the scatter
+    streamed: dict[str, FileTensor] = field(default_factory=dict)  # rank 0 only; sent to the ranks that cannot read
     # real on every rank and backed by no file (PEFT adapters, heads each rank drew): each rank
     # shards its own copy, as FSDP2 does with a plain model on every rank
     own: dict[str, torch.Tensor] = field(default_factory=dict)
+    # per tensor of rank 0's checkpoint record: the ranks whose own record maps it to the same
+    # checkpoint tensor, which read it themselves (every rank on shared storage; a node without
+    # the files, none of its ranks)
+    readers: dict[str, frozenset[int]] = field(default_factory=dict)
+    nodes: tuple[str, ...] = ()  # each rank's node (`ranks.node_name`), for the log of who got what
 
-    def names(self) -> set[str]:
-        """What this rank fills itself (the same names on every rank)."""
-        return set(self.files) | set(self.local) | set(self.own)
+    def filled_everywhere(self) -> set[str]:
+        """What every rank fills itself, from no file (the same names on every rank)."""
+        return set(self.local) | set(self.own)
+
+    def receivers(self, name: str, world: int) -> frozenset[int]:
+        """The ranks rank 0 sends `name` to: every rank that does not read it itself."""
+        return frozenset(range(world)) - self.readers.get(name, frozenset())
 
 
 @dataclass
@@ -111,7 +124,9 @@ def _own_sources(model: nn.Module, spec: ModelSpec) -> tuple[bool, Sources, dict
 
 
 def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
-    """Where every tensor comes from, the same on every rank (see the module docstring).
+    """Where every tensor comes from (see the module docstring), from one `all_gather` of every
+    rank's view: `readers`, `nodes` and the names of `local` and `own` come out the same on every
+    rank.
 
     Raises on every rank if a non-persistent buffer computed on some rank differs from rank 0's
     (named, with the ranks).
@@ -119,31 +134,35 @@ def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
     mine, error = attempt(lambda: _own_sources(model, spec))
     raise_if_any_failed(error, "finding each tensor in the checkpoint record")
     has_record, sources, checksums = mine
-    summary = [(n, f.key, f.shape, str(f.dtype)) for n, f in sorted(sources.files.items())]
+    summary = [(n, f.key, f.shape, str(f.dtype), f.offset) for n, f in sorted(sources.files.items())]
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (has_record, summary, checksums, sorted(sources.own)))
-    own = set.intersection(*(set(names) for _, _, _, names in gathered))
+    dist.all_gather_object(gathered, (has_record, summary, checksums, sorted(sources.own), node_name()))
+    nodes = tuple(g[4] for g in gathered)
+    own = set.intersection(*(set(g[3]) for g in gathered))
     own_sources = {n: v for n, v in sources.own.items() if n in own}
     if not gathered[0][0]:  # rank 0 has no record: every tensor comes from rank 0 but what all hold
-        return Sources(own=own_sources)
-    # Read by every rank itself: what every rank's record maps alike. The rest of rank 0's record
-    # rank 0 reads and sends (a rank built from rank 0's description under "broadcast" has no
-    # record; a rank that filled some tensors before prepare no longer maps them).
-    common = set.intersection(*(set(summary if has else ()) for has, summary, _, _ in gathered))
-    shared = {entry[0] for entry in common}
-    files = {n: f for n, f in sources.files.items() if n in shared}
-    streamed = {n: f for n, f in sources.files.items() if n not in shared} if dist.get_rank() == 0 else {}
+        return Sources(own=own_sources, nodes=nodes)
+    # Rank 0's record decides what is in the checkpoint. A rank reads a tensor itself where its
+    # own record maps it to the same checkpoint tensor; rank 0 reads and sends it to the others (a
+    # rank built from rank 0's description has no record: a node without the files; a rank that
+    # filled some tensors before prepare no longer maps them).
+    held = [set(g[1]) if g[0] else set() for g in gathered]
+    readers = {entry[0]: frozenset(r for r, entries in enumerate(held) if entry in entries) for entry in gathered[0][1]}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = {n: f for n, f in sources.files.items() if rank in readers.get(n, ())}
+    streamed = {n: f for n, f in sources.files.items() if len(readers[n]) < world} if rank == 0 else {}
     problems = []
-    local = set(gathered[0][2]).intersection(*(c for _, _, c, _ in gathered))
+    local = set(gathered[0][2]).intersection(*(g[2] for g in gathered))
     for name in sorted(local):
-        differ = [r for r, (_, _, c, _) in enumerate(gathered) if c[name] != gathered[0][2][name]]
+        differ = [r for r, g in enumerate(gathered) if g[2][name] != gathered[0][2][name]]
         if differ:
             problems.append(f"non-persistent buffer {name} computed on ranks {differ} differs from rank 0's")
     if problems:
         raise RuntimeError("sharded loading: " + "; ".join(problems))
     # a buffer computed on rank 0 but left on meta elsewhere still comes from rank 0; so does a
     # tensor real on rank 0 only (a resize on rank 0, a base read whole for an adapter)
-    return Sources(files, {n: v for n, v in sources.local.items() if n in local}, streamed, own_sources)
+    return Sources(files, {n: v for n, v in sources.local.items() if n in local}, streamed, own_sources,
+                   readers, nodes)
 
 
 # ------------------------------------------------------------------------------------ the reader
@@ -193,7 +212,7 @@ class ReadStaging:
 
 class FileSlice:
     """Rank 0's stand-in for a checkpoint tensor it has not read (streamed broadcast): the
-    scatter asks it for each rank's region, bucket by bucket, and gets those bytes read from the
+    transfer asks it for each rank's region, bucket by bucket, and gets those bytes read from the
     file, converted to `dtype` the way transformers converts (`Tensor.to`). So rank 0 never holds
     more of the checkpoint than the bucket being sent."""
 
@@ -201,15 +220,17 @@ class FileSlice:
         self.where, self.dtype, self.shape = where, dtype, torch.Size(where.shape)
         self.staging = staging or ReadStaging()  # shared by all of rank 0's slices of one load
 
-    def read_into(self, region: Region, dest: torch.Tensor) -> None:
+    def read_into(self, region: Region, dest: torch.Tensor) -> int:
         """Write `region`, in `dtype`, into the byte buffer `dest`: read straight into it when it
         is host memory and needs no conversion (nothing allocated at all), else into the shared
-        staging buffer and converted by one `copy_` into `dest` (no per-read tensors)."""
+        staging buffer and converted by one `copy_` into `dest` (no per-read tensors). Returns
+        the checkpoint bytes read."""
         where = self.where
         byte_range = _contiguous_range(region, where.shape, where.dtype.itemsize)
         if byte_range is None:
-            dest.copy_(self[region].contiguous().reshape(-1).view(torch.uint8))
-            return
+            piece = self[region]
+            dest.copy_(piece.contiguous().reshape(-1).view(torch.uint8))
+            return piece.numel() * where.dtype.itemsize
         shape = tuple(s.stop - s.start for s in region)
         direct = where.dtype == self.dtype and dest.device.type == "cpu" and dest.is_contiguous()
         raw = dest if direct else self.staging.get(byte_range[1])
@@ -220,6 +241,7 @@ class FileSlice:
             os.close(fd)
         if not direct:
             dest.view(self.dtype).view(shape).copy_(raw.view(where.dtype).view(shape))
+        return byte_range[1]
 
     def __getitem__(self, region: Region) -> torch.Tensor:
         where = self.where
