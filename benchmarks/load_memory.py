@@ -11,7 +11,14 @@ Methods (each in its own `torchrun` launch, CPU + gloo):
             happens only for checkpoints that cannot be read slice by slice);
   sharded   `sharded_from_pretrained` + `load_into_sharded(strategy="sharded")`: every rank
             builds on meta and reads only its own slices from the safetensors file;
-  auto      `auto_from_pretrained` (the default): here, as sharded (every rank can read).
+  auto      `auto_from_pretrained` (the default): here, as sharded (every rank can read);
+  native    transformers' own FSDP2 load, `from_pretrained(distributed_config=
+            DistributedConfig(fsdp_size=ranks))` (transformers >= 5.15): each rank keeps its
+            rows as views of the mapped safetensors file, so its load copies nothing and the
+            first read of every shard pays the page faults instead, and the first write (the
+            first optimizer step) copies each page out of the file (copy on write). For a fair
+            time, the table also shows each method's first read, then first write, of every
+            local shard ("load + first read" and "+ first write").
 
 Checkpoints: `fp32` (loaded as saved: transformers maps the safetensors file and FSDP copies
 only each rank's rows, so plain loading costs little *anonymous* memory) and `bf16->fp32` (a
@@ -20,14 +27,17 @@ materialise converted copies), and `fp32x8` (the fp32 model in 8 safetensors fil
 checkpoints ship: each rank's slices span several files).
 
 Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken after imports,
-process-group init and Accelerator creation; see `PeakMemory`), and the load wall time (from
+process-group init and Accelerator creation; see `PeakMemory`; the peak runs to the end of the
+first write, so `native`'s copied pages count), and the load wall time (from
 `from_pretrained` to the end of `fsdp2_prepare_model`/`load_into_sharded`, slowest rank), with
-two of its parts: `from_pretrained`, and moving the weight bytes (broadcast: rank 0's scatter;
+two of its parts: `from_pretrained`, and moving the weight bytes (broadcast: rank 0's transfer;
 sharded: each rank's own reads, plus any scatter), the only part the strategy changes. Beside
 it, for a rank that read from the files, the storage/copy bound of the same bytes, measured on
 that rank after its load (`raw_read_seconds`: `pread` into a fresh buffer, then into the same
 touched buffer). `loss` (one forward on fixed tokens) shows that the methods load the same
-model. Model bytes = parameters + buffers as loaded (fp32).
+model. Model bytes = parameters + buffers as loaded (fp32). A second table splits the loader's
+methods' time by step (`LoadReport.seconds`, rank 0 of the median run; each step ends in an
+agreement, so it includes waiting for the slowest rank).
 
 Each configuration runs `--repeat` times, the methods interleaved (plain, stock, broadcast, sharded,
 plain, ...) so that a slow spell of the machine hits all of them; before each launch the
@@ -53,7 +63,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("plain", "stock", "broadcast", "sharded", "auto")
+METHODS = ("plain", "stock", "broadcast", "sharded", "auto", "native")
+LOADER_METHODS = ("broadcast", "sharded", "auto")
 GIB = 2**30
 
 
@@ -138,7 +149,29 @@ def _load(method: str, model_dir: str, accelerator, result: dict):
     report = _prepare(method, model, accelerator)
     result["move_seconds"] = _move_seconds(report)
     result["read_bytes"] = getattr(getattr(report, "read", None), "bytes_read", 0)
-    return report if method in ("plain", "stock") else report.model
+    result["phases"] = dict(getattr(report, "seconds", {}))
+    return report.model if method in LOADER_METHODS else report
+
+
+def first_touch_seconds(model) -> tuple[float, float]:
+    """Seconds to read every byte of this rank's shards and buffers once (a sum per tensor),
+    then to write every shard once (`mul_(1)`, which leaves every value as it is, as an optimizer
+    step writes each parameter): nothing much for memory a load filled; for shards that are views
+    of a mapped file (`native`) the page faults of the read, and the copy on write of each page."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            local(tensor).sum()
+        read = time.perf_counter()
+        for param in model.parameters():
+            local(param).mul_(1)
+    return read - start, time.perf_counter() - read
 
 
 def raw_read_seconds(model_dir: str, nbytes: int, rank: int) -> tuple[float, float]:
@@ -188,6 +221,12 @@ def _from_pretrained(method: str, model_dir: str):
 
     if method in ("plain", "stock"):
         return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if method == "native":
+        import torch.distributed as dist
+        from transformers.distributed import DistributedConfig  # transformers >= 5.15
+
+        config = DistributedConfig(fsdp_size=dist.get_world_size())
+        return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=config)
     load = {"broadcast": rank0_from_pretrained, "sharded": sharded_from_pretrained}.get(method, auto_from_pretrained)
     return load(PreTrainedModel.from_pretrained, LlamaForCausalLM, model_dir, dtype=torch.float32)
 
@@ -199,6 +238,8 @@ def _prepare(method: str, model, accelerator):
 
     if method in ("plain", "stock"):
         return fsdp2_prepare_model(accelerator, model)
+    if method == "native":  # transformers sharded it in from_pretrained
+        return model
     strategy = method
     return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy=strategy)
 
@@ -227,6 +268,8 @@ def worker(method: str, model_dir: str, out: str) -> None:
         model = _load(method, model_dir, accelerator, result)
         dist.barrier()
         result["seconds"] = time.perf_counter() - start
+        result["first_read_seconds"], result["first_write_seconds"] = first_touch_seconds(model)
+        dist.barrier()
         rss, anon = peak.stop()
         result["peak_rss"], result["peak_anon"] = rss - baseline_rss, anon - baseline_anon
         with torch.no_grad():
@@ -311,6 +354,9 @@ class Summary:
     seconds: float = 0.0  # median over repeats of the slowest rank's time
     build_seconds: float = 0.0  # the same run's `from_pretrained` share (slowest rank)
     move_seconds: float | None = None  # the same run's scatter/read share (slowest rank; the loader's methods)
+    first_read_seconds: float = 0.0  # the same run's first read of every shard (slowest rank)
+    first_write_seconds: float = 0.0  # then its first write of every parameter shard (slowest rank)
+    phases: dict[str, float] | None = None  # the same run's rank 0 `LoadReport.seconds` (loader methods)
     loss: float = 0.0
     model_bytes: int = 0
     raw_fresh_seconds: float | None = None  # the same run's raw read of the same bytes (slowest rank)
@@ -331,6 +377,9 @@ def summarize(runs: list[list[dict]]) -> Summary:
         seconds=max(r["seconds"] for r in median),
         build_seconds=max(r["build_seconds"] for r in median),
         move_seconds=None if median[0]["move_seconds"] is None else max(r["move_seconds"] for r in median),
+        first_read_seconds=max(r["first_read_seconds"] for r in median),
+        first_write_seconds=max(r["first_write_seconds"] for r in median),
+        phases=median[0]["phases"] or None,
         loss=median[0]["loss"],
         model_bytes=median[0]["model_bytes"],
         raw_fresh_seconds=max((r.get("raw_fresh_seconds") or 0.0 for r in median), default=0.0) or None,
@@ -344,7 +393,7 @@ def _gib(nbytes: int, model_bytes: int) -> str:
 
 def row(checkpoint: str, method: str, ranks: int, s: Summary, baseline: Summary | None, model_bytes: int) -> str:
     if s.crash is not None:
-        return f"| {checkpoint} | {method} | {ranks} | crash | crash | crash | crash | | | | | | | {s.crash} |"
+        return f"| {checkpoint} | {method} | {ranks} | crash | crash | crash | crash | | | | | | | | | {s.crash} |"
     ratio = f"{s.seconds / baseline.seconds:.2f}x" if baseline is not None and baseline.crash is None else ""
     move = "" if s.move_seconds is None else f"{s.move_seconds:.2f}"
     raw = "" if s.raw_fresh_seconds is None else (
@@ -352,18 +401,35 @@ def row(checkpoint: str, method: str, ranks: int, s: Summary, baseline: Summary 
     return (
         f"| {checkpoint} | {method} | {ranks} | {_gib(s.rank0_rss, model_bytes)} | {_gib(s.rank0_anon, model_bytes)} "
         f"| {_gib(s.others_rss, model_bytes)} | {_gib(s.others_anon, model_bytes)} | {s.seconds:.2f} "
+        f"| {s.seconds + s.first_read_seconds:.2f} | {s.seconds + s.first_read_seconds + s.first_write_seconds:.2f} "
         f"| {s.build_seconds:.2f} | {move} | {raw} | {ratio} | {s.loss:.6f} | |"
     )
+
+
+def phase_row(checkpoint: str, method: str, ranks: int, s: Summary) -> str | None:
+    """Where a loader method's time went, step by step (rank 0 of the median run)."""
+    if s.crash is not None or not s.phases:
+        return None
+    steps = " | ".join(f"{s.phases.get(step, 0.0):.3f}" for step in PHASES)
+    return f"| {checkpoint} | {method} | {ranks} | {s.build_seconds:.3f} | {steps} |"
+
+
+PHASES = ("describe", "agree sources", "shard on meta", "allocate", "read own slices", "transfer from rank 0", "check")
+PHASE_HEADER = [
+    "| checkpoint | method | ranks | from_pretrained (slowest rank) | " + " | ".join(PHASES) + " |",
+    "|---|---|---|---|" + "---|" * len(PHASES),
+]
 
 
 HEADER = [
     (
         "| checkpoint | method | ranks | rank 0 peak RSS GiB (x model) | rank 0 peak anon | "
-        "other ranks: max peak RSS | other ranks: max peak anon | time s (median) | of which from_pretrained s "
+        "other ranks: max peak RSS | other ranks: max peak anon | time s (median) | load + first read s "
+        "| + first write s | of which from_pretrained s "
         "| of which moving bytes s | raw read of those bytes s: fresh / touched memory (moving vs fresh) "
         "| time vs broadcast | loss | note |"
     ),
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -385,7 +451,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         root = Path(args.model_dir) if args.model_dir else work
-        lines = list(HEADER)
+        lines, phase_lines = list(HEADER), list(PHASE_HEADER)
         model_bytes = None
         for checkpoint in args.checkpoints:
             model_dir = root / ("llama-300m-" + checkpoint.replace("->", "-to-"))
@@ -405,10 +471,15 @@ def main() -> None:
                         row(checkpoint, method, ranks, summaries[method], summaries.get("broadcast"), model_bytes or 1)
                     )
                     print(lines[-1], flush=True)
+                    phases = phase_row(checkpoint, method, ranks, summaries[method])
+                    if phases:
+                        phase_lines.append(phases)
         if model_bytes:
             print(f"\nmodel bytes (fp32 parameters + buffers, as loaded): {model_bytes / GIB:.2f} GiB")
         print(f"{args.repeat} repeats per row, {time.perf_counter() - started:.0f} s in all\n")
         print("\n".join(lines))
+        print("\nseconds by step, rank 0 (`LoadReport.seconds`)\n")
+        print("\n".join(phase_lines))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from typing import Any
 
 import pytest
@@ -58,9 +59,9 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
         for _ in range(2):  # the second load is the measured one (the first imports lazily)
             messages.clear()
             model = LlamaForCausalLM.from_pretrained(path)
-            before = rchar()
+            before, began = rchar(), time.perf_counter()
             report = load_into_sharded(model, shard, strategy=session.config.load_strategy)
-            kernel = rchar() - before
+            kernel, wall = rchar() - before, time.perf_counter() - began
         needed, row = needed_and_row(report.model)
         computed = sum(b.numel() * b.element_size() for n, b in report.model.named_buffers() if n.endswith("inv_freq"))
         full = {n: (t.full_tensor() if isinstance(t, DTensor) else t) for n, t in report.model.state_dict().items()}
@@ -68,7 +69,7 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
                      "read": (report.read.bytes_read if report.read else 0) + report.sent.bytes_read,
                      "received": report.sent.bytes_received, "sent_to": dict(report.sent.bytes_to),
                      "shares": [(s.node, s.bytes_read, s.bytes_received) for s in report.ranks],
-                     "log": list(messages)}
+                     "steps": dict(report.seconds), "wall": wall, "log": list(messages)}
     os.chdir(home)
     return out
 
@@ -152,6 +153,17 @@ def test_rank_0_logs_which_node_got_what(runs: tuple[dict[str, Any], int, list[d
     assert "node 1 (ranks 2-3): read 0 B from the files, received" in by_node, by_node
     shared = runs[2][0]["shared"]["log"]
     assert not any(line.startswith("loading: rank 0 reads") for line in shared), shared
+
+
+def test_the_report_times_every_step_of_the_load(runs: tuple[dict[str, Any], int, list[dict[str, Any]]]):
+    """`LoadReport.seconds`: each step once, in order, adding up to the load's own wall time."""
+    steps = ["describe", "agree sources", "shard on meta", "allocate", "read own slices", "transfer from rank 0",
+             "check"]  # fmt: skip
+    for rank, r in enumerate(runs[2]):
+        for case in ("shared", "node0_only"):
+            timed = r[case]["steps"]
+            assert list(timed) == steps and all(s >= 0 for s in timed.values()), (rank, case, timed)
+            assert sum(timed.values()) <= r[case]["wall"], (rank, case, timed, r[case]["wall"])
 
 
 def _failing_worker(rank: int, world_size: int, node0_dir: str) -> tuple[str, float]:

@@ -27,6 +27,7 @@ waiting in a collective. The transfer agrees once before its first bucket and on
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -82,6 +83,22 @@ class LoadReport:
     sent: TransferStats | None  # rank 0's transfer (on rank 0: what it sent; elsewhere: what arrived)
     read: sharded.ReadStats | None  # this rank's own reads from the checkpoint; None: it read nothing
     ranks: tuple[RankLoad, ...] = ()  # what every rank read and received (the same on every rank)
+    # seconds of each step on this rank, in order; each ends in an agreement, so it includes
+    # waiting for the slowest rank: where a load's time goes (`benchmarks/load_memory.py`)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class _Clock:
+    """Seconds per step of one load, each from the end of the previous one."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, step: str) -> None:
+        now = time.perf_counter()
+        self.seconds[step] = now - self._last
+        self._last = now
 
 
 def load_into_sharded(
@@ -94,12 +111,13 @@ def load_into_sharded(
 ) -> LoadReport:
     """Shard `model` with `shard_fn` and fill it with its parameters and buffers.
 
-    "broadcast": rank 0 sends every tensor. "sharded": tensors the model's checkpoint record
-    covers (it was built by `sharded_from_pretrained`) are read by each rank from the files,
-    non-persistent buffers are each rank's own (checked equal to rank 0's), the rest (LoRA
-    adapters, keys missing from the checkpoint, everything of a model without a record) comes
-    from rank 0 as with "broadcast". A model with a record has no weights on rank 0, so its
-    checkpoint tensors are read from the files whatever the strategy.
+    "broadcast": rank 0 sends every tensor. "sharded" and "auto": the tensors this rank's
+    checkpoint record shares with rank 0's (its model was built by `sharded_from_pretrained`) it
+    reads from the files itself, non-persistent buffers are each rank's own (checked equal to
+    rank 0's), the rest (LoRA adapters, keys missing from the checkpoint, everything of a model
+    without a record, the slices of a rank that cannot read the files) comes from rank 0 as with
+    "broadcast". A model with a record has no weights on rank 0, so its checkpoint tensors are
+    read from the files whatever the strategy.
 
     Returns a `LoadReport` whose `model` is what `shard_fn` returned (or `model` if it returned
     None). Bit-exact for every tensor whose dtype is unchanged; floats are cast to the sharded
@@ -112,9 +130,11 @@ def load_into_sharded(
         return LoadReport(_returned_or(shard_fn(model), model), None, None)
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    clock = _Clock()
     # 1. rank 0's description; every rank checks its model against it (same call, names, shapes)
     spec, rank0_call, computed = _share_rank0_spec(model)
     agreed("matching this rank's model with rank 0's", lambda: _match_rank0(model, spec, rank0_call, rank))
+    clock.lap("describe")
     # 2. where each tensor comes from: this rank's checkpoint reads, its own computation after the
     #    load (DoRA magnitudes, `dora.py`), or rank 0 (to the ranks named, the same on every rank)
     sources = sharded.agree_sources(model, spec)
@@ -123,17 +143,22 @@ def load_into_sharded(
     receivers = {name: ranks for name, ranks in receivers.items() if ranks}
     _log_sources(sources, receivers, strategy, world)
     source = _rank0_source(model, spec, wanted=set(receivers), streamed=sources.streamed)
+    clock.lap("agree sources")
     # 3. meta tensors tied as on rank 0, then fully_shard on meta
     sharded_model = agreed("sharding the model on meta (rebuild, shard_fn)", lambda: _shard_on_meta(model, spec, shard_fn))
+    clock.lap("shard on meta")
     # 4. storage for this rank's shards
     targets, device = agreed("allocating the sharded model",
                              lambda: _allocate(sharded_model, spec, cpu_offload, rank, world))
+    clock.lap("allocate")
     # 5. this rank's own reads, then rank 0 sends the rest (its own agreements, bucket by bucket)
     read_stats = agreed("reading this rank's shards from the checkpoint",
                         lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
+    clock.lap("read own slices")
     from_rank0 = [dataclasses.replace(t, to=receivers[t.spec.name]) for t in targets if t.spec.name in receivers]
     part = min(bucket_bytes, max(bucket_bytes // world, _MIN_PART_BYTES))
     stats = send_from_rank0(from_rank0, source, device=device, bucket_bytes=part)
+    clock.lap("transfer from rank 0")
     shares = _shares(sources.nodes, stats, read_stats)
     _log(stats, read_stats, shares)
     if computed:  # the same list on every rank (rank 0's)
@@ -141,7 +166,8 @@ def load_into_sharded(
                lambda: dora.fill_pending(sharded_model, computed, rank, world))
     # 6. nothing left on meta, every name, dtype and tie as rank 0 described it
     agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
-    return LoadReport(sharded_model, stats, read_stats, shares)
+    clock.lap("check")
+    return LoadReport(sharded_model, stats, read_stats, shares, clock.seconds)
 
 
 def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None, rank: int) -> None:
