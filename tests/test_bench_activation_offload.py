@@ -1,9 +1,11 @@
 """`benchmarks/activation_offload.py`'s "less grads" column (the activations-at-peak target): the
-parts of its `NonGradientPeak` that run without a GPU, for real.
+parts of its meter (`fsdp_offload_cfg.testing.peaks.NonGradientPeak`) that run without a GPU,
+for real.
 
 It reads the CUDA allocator's peak at each decoder layer's backward start and takes off the
 gradients alive at the reading before. Two things make that figure honest, and both are checked
-here, in one process and on 2 gloo ranks under FSDP2, with and without checkpointing:
+here, in one process and on 2 gloo ranks under FSDP2, with and without checkpointing, on a Llama
+built as the benchmark builds its `none` row:
 - its readings come at every layer's backward start and once after backward, never more (a
   recomputed layer must not add one), and they see the gradients grow;
 - the gradient bytes it takes off are the bytes the gradients hold, each storage once. FSDP2's
@@ -15,27 +17,36 @@ Only the allocator's peak, which a CPU has not got, is left out (`read` is repla
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from _dist import run_workers
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.peaks import NonGradientPeak
 
 LAYERS = 3
 
 
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "bench_activation_offload", Path(__file__).parents[1] / "benchmarks" / "activation_offload.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
-    return bench
+def _llama(fsdp2: bool, ac: bool) -> torch.nn.Module:
+    """The benchmark's model at a tiny size: hidden, vocab and every dimension even, so FSDP2 pads
+    no shard on 2 ranks and storages hold exactly the gradients' elements."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=LAYERS, num_attention_heads=1, num_key_value_heads=1,
+                                         max_position_embeddings=128, use_cache=False, attn_implementation="sdpa"))
+    if ac:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    if fsdp2:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model
 
 
 def _exact_gradient_bytes(model: torch.nn.Module) -> int:
@@ -46,27 +57,25 @@ def _exact_gradient_bytes(model: torch.nn.Module) -> int:
 
 
 def _readings(rank: int, world_size: int, fsdp2: bool) -> dict[bool, dict[str, Any]]:
-    """One training step per checkpointing setting, as the benchmark's row runs it, with the
-    meter's hooks on: the gradient bytes at each reading, and the exact ones after backward."""
-    bench = _bench()
+    """One training step per checkpointing setting, as the benchmark's row runs it (forward,
+    backward, the meter's reading, the optimizer), with the meter's hooks on: the gradient bytes
+    at each reading, and the exact ones after backward."""
 
-    class Readings(bench.NonGradientPeak):
+    class Readings(NonGradientPeak):
         def read(self) -> None:  # the allocator's peak is CUDA's; the gradient count is the meter's own
             self.seen.append(self._gradient_bytes())
             self.exact = _exact_gradient_bytes(self.model)
 
     results = {}
     for ac in (False, True):
-        # hidden, vocab and every dimension even: FSDP2 pads no shard on 2 ranks, so storages hold
-        # exactly the gradients' elements
-        args = argparse.Namespace(layers=LAYERS, hidden=64, seq=16, batch=2, vocab=128, device="cpu",
-                                  dtype="float32", attn="sdpa", fsdp2=fsdp2, intermediate=0, heads=0, kv_heads=0)
-        model = bench.build(args, "none", ac)
+        model = _llama(fsdp2, ac)
         hooks_before = [len(layer._forward_hooks) for layer in model.model.layers]
         meter = Readings(model)
         meter.seen = []
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
-        bench.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), ids, "none", ac, False, meter.read)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
+        model(input_ids=ids, labels=ids).loss.backward()
+        meter.read()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
         meter.close()
         results[ac] = {"seen": meter.seen, "exact": meter.exact,
                        "hooks_left": [len(layer._forward_hooks) for layer in model.model.layers] == hooks_before}
