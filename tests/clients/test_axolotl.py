@@ -64,17 +64,10 @@ PROBE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from fsdp_offload_cfg.testing.clients import save_char_llama
 
     root = tmp_path_factory.mktemp("axolotl")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                 num_key_value_heads=2, num_hidden_layers=2)).save_pretrained(root / "model")
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>")),
-                            bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(root / "model")
+    save_char_llama(root / "model", per_character=False)  # sequence_len 64: see its docstring
     (root / "data.jsonl").write_text("".join(json.dumps({"instruction": "abc", "input": "", "output": "def"}) + "\n"
                                              for _ in range(8)))
     return root
@@ -173,7 +166,7 @@ def _train(root: Path, variant: str) -> tuple[subprocess.CompletedProcess[str], 
     accelerate's default config (2 CPU processes) from `$HF_HOME/accelerate`."""
     import yaml
 
-    from _dist import free_port
+    from fsdp_offload_cfg.testing.dist import free_port
 
     out = root / f"out_{variant}"
     fsdp_config = {**BASE, "cpu_ram_efficient_loading": True, **TRAIN[variant]}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import string
 import subprocess
 import sys
 from pathlib import Path
@@ -65,23 +64,10 @@ PLUGIN = {
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a character-level tokenizer, an SFT and a preference data set."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from fsdp_offload_cfg.testing.clients import save_char_llama
 
     root = tmp_path_factory.mktemp("llamafactory")
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + list(string.ascii_letters + string.digits + string.punctuation + " \n"))}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(root / "model")
+    save_char_llama(root / "model")
     data = root / "data"
     data.mkdir()
     counts = [(f"Count to {n}.", " ".join(str(i) for i in range(1, n + 1))) for n in range(1, 41)]
@@ -110,7 +96,7 @@ def _train(files: Path, variant: str, stage: str = "sft", lora: bool = False,
     text = CONFIG.format(model=files / "model", stage=stage, data=files / "data", out=out, adapter=LORA if lora else "",
                          dataset="pairs" if stage == "dpo" else "count", plugin=plugin or PLUGIN[variant])
     config.write_text(text.replace("finetuning_type: full\n", "") if lora else text)
-    from _dist import free_port
+    from fsdp_offload_cfg.testing.dist import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
@@ -158,7 +144,8 @@ def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_base
     say; the layers are planned at the first step, again at longer batches, and train the
     baseline's weights."""
     import torch
-    from _cli_budget import RATES, assert_planned_per_layer, smallest_budget
+
+    from fsdp_offload_cfg.testing.cli_budget import RATES, assert_planned_per_layer, smallest_budget
 
     keys = {"fsdp_cpu_ram_efficient_loading": "true", **RATES,
             "fsdp_activation_memory_budget": smallest_budget(str(files / "model"), seq_len=64)}

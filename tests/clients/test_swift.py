@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import string
 import subprocess
 import sys
 from pathlib import Path
@@ -48,23 +47,10 @@ ARGS = ["--model_type", "llama", "--template", "default", "--system", "x", "--tu
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a character-level tokenizer and a chat data set."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from fsdp_offload_cfg.testing.clients import save_char_llama
 
     root = tmp_path_factory.mktemp("swift")
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + list(string.ascii_letters + string.digits + string.punctuation + " \n"))}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(root / "model")
+    save_char_llama(root / "model")
     with open(root / "data.jsonl", "w") as f:
         for n in range(1, 41):
             messages = [{"role": "user", "content": f"Count to {n}."},
@@ -78,7 +64,7 @@ def _train(files: Path, variant: str, *extra: str, plugin: dict | None = None,
     """One `swift sft` under `fsdp-offload-cfg run` (`entry="run"`), or with the plugin's file in
     ms-swift's `--external_plugins` (`entry="external_plugins"`); the plugin's keys are
     `PLUGIN[variant]` unless given."""
-    from _dist import free_port
+    from fsdp_offload_cfg.testing.dist import free_port
 
     name = variant + "".join(a.strip("-") for a in extra)
     out = files / f"out_{name}"
@@ -187,7 +173,8 @@ def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_base
     plain run would), ms-swift's own gradient checkpointing turned off as the docs say; the layers
     are planned at the first step, again at longer batches, and train the baseline's weights."""
     import torch
-    from _cli_budget import RATES, assert_planned_per_layer, smallest_budget
+
+    from fsdp_offload_cfg.testing.cli_budget import RATES, assert_planned_per_layer, smallest_budget
 
     plugin = {"fsdp_cpu_ram_efficient_loading": True, **RATES,
               "fsdp_activation_memory_budget": smallest_budget(str(files / "model"), seq_len=200)}
