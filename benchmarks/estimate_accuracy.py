@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,8 +42,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 MODELS = ("llama", "qwen2_tied", "deepseek_v3", "llava")
 BATCH = 2
@@ -72,7 +69,13 @@ def estimate(model_dir: str, seq_len: int, **fsdp: object) -> dict:
 
 def measured_activations(model_dir: str, seq_len: int, layers: list[str]) -> dict[str, int]:
     """Saved bytes plain and checkpointed, and the offload's counters, on the real model (bf16)."""
-    from _real_runs import cache_bytes, checkpoint_every_group, offload_counters, real_model, saved_bytes
+    from fsdp_offload_cfg.testing.real_runs import (
+        cache_bytes,
+        checkpoint_every_group,
+        offload_counters,
+        real_model,
+        saved_bytes,
+    )
 
     model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq_len)
     plain = saved_bytes(model, batch)
@@ -83,8 +86,8 @@ def measured_activations(model_dir: str, seq_len: int, layers: list[str]) -> dic
 
 
 def measured_states(model_dir: str, layers: list[str]) -> dict[str, int]:
-    from _dist import run_workers
-    from _real_runs import states_after_one_step
+    from fsdp_offload_cfg.testing.dist import run_workers
+    from fsdp_offload_cfg.testing.real_runs import states_after_one_step
 
     return run_workers(states_after_one_step, RANKS, model_dir, layers, timeout=300)[0]
 
@@ -103,7 +106,7 @@ HEADER = ["| model | seq | figure | estimate bytes | measured bytes | estimate /
 
 
 def model_rows(name: str, model_dir: str, seq_lens: list[int]) -> list[str]:
-    from _real_runs import estimated_saves_only
+    from fsdp_offload_cfg.testing.real_runs import estimated_saves_only
 
     rows = []
     for seq in seq_lens:
@@ -133,8 +136,8 @@ ALLOCATOR_MODELS = {  # name -> save_llama overrides
 
 def allocator_rows(work: Path, seq_lens: list[int]) -> list[str]:
     """Plain and checkpointed activations against the C allocator (see the module docstring)."""
-    from _models import save_llama
-    from _real_runs import (
+    from fsdp_offload_cfg.testing.models import save_llama
+    from fsdp_offload_cfg.testing.real_runs import (
         MALLINFO2,
         allocator_held_after_forward,
         allocator_peak_in_backward,
@@ -205,7 +208,7 @@ def main() -> None:
     parser.add_argument("--work-dir", help="keep the built models here (the 300M Llama takes a while to write)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import _models
+    from fsdp_offload_cfg.testing import models as _models
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -47,8 +47,7 @@ class Row:
 
 
 def build_checkpoint(path: str) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     save_llama(path)
 

@@ -302,8 +302,7 @@ def build_model(model_dir: Path, checkpoint: str) -> None:
     model saved in 8 files (`max_shard_size` an eighth of it), as large checkpoints ship."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from _models import save_llama_300m
+    from fsdp_offload_cfg.testing.models import save_llama_300m
 
     save_llama_300m(str(model_dir), torch.bfloat16 if checkpoint == "bf16->fp32" else torch.float32)
     if checkpoint == "fp32x8":

@@ -1,7 +1,7 @@
 import os
 import sys
 
-# Worker processes spawned by tests/_dist.py import test modules by name: keep tests/ importable.
+# Ranks started by fsdp_offload_cfg.testing.dist import test modules by name: keep tests/ importable.
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

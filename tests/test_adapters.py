@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from _compare import digest as _digest
-from _configs import loader_config as _config
-from _dist import run_workers
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.configs import loader_config as _config
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -66,14 +67,7 @@ def _train_worker(rank: int, world_size: int, mode: str, path: str, adapters: li
             continue
         state = accelerator.get_state_dict(model)
         prepared = {k: _digest(v) for k, v in state.items() if "lora_" in k}
-        losses = []
-        for step in range(STEPS):
-            ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(10 * step + rank))
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(accelerator, model, optimizer, rank, steps=STEPS, use_cache=False)
         trained = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items() if "lora_" in k}
         out[name] = {"prepared": prepared, "losses": losses, "trained": trained,
                      "base_on_meta_before_prepare": on_meta_before_prepare}
@@ -106,7 +100,7 @@ def _saved_dora(path: str, rank: int) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     path = save_llama(str(tmp_path_factory.mktemp("adapters") / "llama"))
     return {mode: run_workers(_train_worker, 2, mode, path, list(ADAPTERS), timeout=300) for mode in MODES}

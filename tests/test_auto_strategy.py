@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from _compare import digests as _digests
-from _dist import run_workers
+from fsdp_offload_cfg.testing.compare import digests as _digests
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from transformers import AutoModelForCausalLM
 
-    from _models import save_llama, save_llama_bin
+    from fsdp_offload_cfg.testing.models import save_llama, save_llama_bin
 
     root = tmp_path_factory.mktemp("auto")
     readable = save_llama(str(root / "llama"))

@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from _compare import digest as _digest
-from _configs import loader_config as _config
-from _dist import run_workers
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.configs import loader_config as _config
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -133,22 +134,15 @@ def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
         state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
         rng = torch.rand(4).tolist()
         model.train()
-        losses = []
-        for step in range(2):
-            ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(step + rank))
-            labels = ids[:, 0] % 3 if case == "classifier_head" else ids
-            loss = model(input_ids=ids, labels=labels).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        labels = (lambda ids: ids[:, 0] % 3) if case == "classifier_head" else None
+        losses = train_steps(accelerator, model, optimizer, rank, labels=labels)
         out[case] = {"state": state, "rng": rng, "losses": losses}
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     path = save_llama(str(tmp_path_factory.mktemp("before_prepare") / "llama"))
     return {mode: run_workers(_worker, 2, mode, path, timeout=400) for mode in MODES}

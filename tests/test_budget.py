@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from _compare import digest as _digest
-from _dist import run_workers
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -92,7 +92,7 @@ def _plan_for(path: str, budget: int, seq: int = SEQ, rates: tuple[float, float]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     """Wide enough (hidden 256) that at the CPU's assumed rates a layer's copies cost less than its
     recompute: the plans use every choice."""
@@ -476,9 +476,9 @@ def test_layers_are_wrapped_once_and_pass_through_until_planned():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
     from transformers import LlamaForCausalLM
 
-    from _models import llama_config
     from fsdp_offload_cfg import load_config
     from fsdp_offload_cfg.budget import _call, wrap_layers
+    from fsdp_offload_cfg.testing.models import llama_config
 
     model = LlamaForCausalLM(llama_config(num_hidden_layers=3))
     model.model.layers[1] = checkpoint_wrapper(model.model.layers[1])
@@ -496,9 +496,9 @@ def test_remove_unwraps_the_budgets_wrappers_and_gives_the_scripts_its_checkpoin
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from _models import llama_config
     from fsdp_offload_cfg import load_config, model_state
     from fsdp_offload_cfg.budget import _call, enable_budget, wrap_layers
+    from fsdp_offload_cfg.testing.models import llama_config
 
     model = LlamaForCausalLM(llama_config(num_hidden_layers=3))
     by_hand = checkpoint_wrapper(model.model.layers[1])
@@ -523,11 +523,11 @@ def test_a_plan_that_offloads_under_a_model_compiled_whole_stops_at_the_next_for
     plan runs, and moves bytes."""
     from transformers import LlamaForCausalLM
 
-    from _models import llama_config
     from fsdp_offload_cfg import load_config
     from fsdp_offload_cfg.budget import enable_budget, planned_choices, wrap_layers
     from fsdp_offload_cfg.config import ConfigError
     from fsdp_offload_cfg.offload import offload_stats, reset_offload_stats
+    from fsdp_offload_cfg.testing.models import llama_config
 
     ids = torch.randint(0, 90, (2, 64), generator=torch.Generator().manual_seed(1))
     for whole in (True, False):
@@ -557,10 +557,10 @@ def test_a_plan_that_checkpoints_under_a_per_layer_compile_is_exact():
     bit those of the same compiled model without a budget."""
     from transformers import LlamaForCausalLM
 
-    from _models import llama_config
     from fsdp_offload_cfg import load_config
     from fsdp_offload_cfg.budget import enable_budget, planned_choices, wrap_layers
     from fsdp_offload_cfg.offload import offload_stats, reset_offload_stats
+    from fsdp_offload_cfg.testing.models import llama_config
 
     ids = torch.randint(0, 90, (2, 64), generator=torch.Generator().manual_seed(1))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import run_workers
 from fsdp_offload_cfg.clean_exit import wait_for_idle_gloo_workers
+from fsdp_offload_cfg.testing.dist import run_workers
 
 
 def test_wait_returns_at_once_without_gloo_workers(monkeypatch: pytest.MonkeyPatch):

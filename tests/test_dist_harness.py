@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_workers
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed  # every test here starts real gloo ranks
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from _compare import digest as _digest
-from _dist import run_workers
 from fsdp_offload_cfg.dtype_groups import DtypeGroupError, odd_dtype_modules
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
 
 # --------------------------------------------------------------------------------------------
 # which modules are split off
@@ -133,14 +134,7 @@ def _run_worker(rank: int, world_size: int, mode: str, paths: dict[str, str], ou
         model, optimizer = accelerator.prepare(model, optimizer)
         prepared = accelerator.get_state_dict(model)  # every rank takes part
         dtypes_after_prepare = _gathered_dtypes(model)
-        losses = []
-        for step in range(STEPS):
-            ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(accelerator, model, optimizer, rank, steps=STEPS, use_cache=False)
         trained = accelerator.get_state_dict(model)
         out = os.path.join(out_root, mode, name)
         if accelerator.is_main_process:
@@ -196,7 +190,7 @@ def _gate_kept_in_float32(path: str) -> bool:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from _models import save_deepseek_v3_fused, save_glm4_moe_fused
+    from fsdp_offload_cfg.testing.models import save_deepseek_v3_fused, save_glm4_moe_fused
 
     root = tmp_path_factory.mktemp("dtype_groups")
     return {  # in the model's own layout, so that "sharded" reads slices instead of falling back

@@ -1,6 +1,6 @@
 """`fsdp-offload-cfg estimate`: each figure against what a real run of the same model measures.
 
-The real runs are the tiny models of `_models.py`, on the CPU: saved bytes through saved-tensor
+The real runs are the tiny models of `fsdp_offload_cfg.testing.models`, on the CPU: saved bytes through saved-tensor
 hooks (`SavedBytesMeter`), the offload's own counters (`offload_stats()`), and rank 0's local
 storages after `fully_shard` and one AdamW step on 2 gloo ranks. `benchmarks/estimate_accuracy.py`
 runs the same comparisons at two sequence lengths and adds the loading peaks (RSS).
@@ -16,9 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import run_workers
-from _models import build_all, save_llama
-from _real_runs import (
+from fsdp_offload_cfg import cli, load_config
+from fsdp_offload_cfg._sizes import size_in_bytes
+from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
+from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
+from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
+from fsdp_offload_cfg.estimate.model import model_class, read_model
+from fsdp_offload_cfg.estimate.plan import layer_runs
+from fsdp_offload_cfg.estimate.states import shard_numel
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.models import build_all, save_llama
+from fsdp_offload_cfg.testing.real_runs import (
     MALLINFO2,
     allocator_held_after_forward,
     allocator_peak_in_backward,
@@ -31,14 +39,6 @@ from _real_runs import (
     states_after_accelerate_step,
     states_after_one_step,
 )
-from fsdp_offload_cfg import cli, load_config
-from fsdp_offload_cfg._sizes import size_in_bytes
-from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
-from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
-from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
-from fsdp_offload_cfg.estimate.model import model_class, read_model
-from fsdp_offload_cfg.estimate.plan import layer_runs
-from fsdp_offload_cfg.estimate.states import shard_numel
 
 # transformers 4.x routes MoE tokens with a Python loop over `nonzero()` and merges Llava's image
 # features with a boolean index computed on the embeddings' device: both data-dependent, so no

@@ -13,7 +13,7 @@ import torch
 from test_script_shapes import CONFIG as SCRIPT_CONFIG
 from test_script_shapes import IDS
 
-from _dist import run_workers
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +23,7 @@ CONFIG = {**SCRIPT_CONFIG, "fsdp_config": {**SCRIPT_CONFIG["fsdp_config"], "acti
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     return save_llama(str(tmp_path_factory.mktemp("ckpt") / "llama"))
 

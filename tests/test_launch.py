@@ -17,8 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from _dist import free_port
-from _models import EXPERTS_FUSED_ON_LOAD, save_deepseek_v3, save_deepseek_v3_fused, save_llama, save_qwen2_tied
+from fsdp_offload_cfg.testing.dist import free_port
+from fsdp_offload_cfg.testing.models import (
+    EXPERTS_FUSED_ON_LOAD,
+    save_deepseek_v3,
+    save_deepseek_v3_fused,
+    save_llama,
+    save_qwen2_tied,
+)
 
 pytestmark = pytest.mark.distributed
 

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _compare import digest as _digest
-from _dist import run_workers
-from _models import EXPERTS_FUSED_ON_LOAD
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.models import EXPERTS_FUSED_ON_LOAD
 
 pytestmark = pytest.mark.distributed
 
@@ -199,8 +199,8 @@ def _meta_left(model: nn.Module) -> list[str]:
 def _load_case(case: str, path: str, ref_dir: str, rank: int, strategy: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
-    from _models import TinyBufferModel
     from fsdp_offload_cfg.loading import is_rank0_source, load_into_sharded
+    from fsdp_offload_cfg.testing.models import TinyBufferModel
 
     decoder = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "DeepseekV3DecoderLayer"}
     upcast = offload = False
@@ -310,8 +310,8 @@ def _lora_case(path: str, ref_dir: str, strategy: str) -> dict[str, Any]:
 def _from_config_case(rank: int, strategy: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from _models import llama_config
     from fsdp_offload_cfg.loading import load_into_sharded
+    from fsdp_offload_cfg.testing.models import llama_config
 
     torch.manual_seed(123)
     model = AutoModelForCausalLM.from_config(llama_config())
@@ -428,7 +428,7 @@ def _reference_step(path: str) -> torch.Tensor:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
-    import _models
+    from fsdp_offload_cfg.testing import models as _models
 
     root = tmp_path_factory.mktemp("ckpt")
     paths = _models.build_all(str(root))

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import run_workers
 from fsdp_offload_cfg import model_state
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
 
 PREFIX = "_fsdp_offload_cfg"
 
@@ -77,11 +78,7 @@ def _worker(rank: int, world_size: int, path: str, setting: str) -> dict[str, An
     model = AutoModelForCausalLM.from_pretrained(path)
     loaded = _ours(model)  # the loader's record: built on meta, guarded until prepare
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    for step in range(2):
-        ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(step + rank))
-        accelerator.backward(model(input_ids=ids, labels=ids).loss)
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(accelerator, model, optimizer, rank)
     trained = _ours(model)  # the offload's handle, or the planner and the wrappers' functions
     fsdp_offload_cfg.unpatch()
     return {"loaded": loaded, "trained": trained, "released": _ours(model)}
@@ -90,7 +87,7 @@ def _worker(rank: int, world_size: int, path: str, setting: str) -> dict[str, An
 @pytest.mark.distributed
 @pytest.mark.parametrize("setting", ["offload", "budget"])
 def test_a_prepared_trained_and_unpatched_model_carries_nothing_of_ours(tmp_path, setting: str):
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     path = save_llama(str(tmp_path / "llama"))
     for rank, result in enumerate(run_workers(_worker, 2, path, setting, timeout=300)):

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from _compare import digests
-from _dist import run_workers
-from _reads import KERNEL_SLACK, needed_and_row, rchar
+from fsdp_offload_cfg.testing.compare import digests
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
 
@@ -79,7 +79,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], int,
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     root = tmp_path_factory.mktemp("nodes")
     shared = save_llama(str(root / "shared"))
@@ -208,7 +208,7 @@ def _failing_worker(rank: int, world_size: int, node0_dir: str) -> tuple[str, fl
 def test_a_rank_0_failure_mid_stream_stops_every_rank_at_once(tmp_path_factory: pytest.TempPathFactory):
     """Node 1 waits for its next bucket, node 0 (which receives nothing) waits for the end of the
     transfer: neither may be left waiting for the process-group timeout."""
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     node0 = tmp_path_factory.mktemp("failing") / "node0"
     node0.mkdir()

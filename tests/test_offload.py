@@ -18,11 +18,11 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
-from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 from fsdp_offload_cfg.offload import enable_activation_offload, get_offload_handle, offload_stats, reset_offload_stats
 from fsdp_offload_cfg.offload.filter import keep_reason
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.testing.offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 
 ON = ActivationOffloadConfig(enabled=True)
 

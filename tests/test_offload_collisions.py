@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
-from _offload_models import Block, Net, batch, llama_step, tiny_llama
 from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
 from fsdp_offload_cfg.offload.collisions import OffloaderCollisionError
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.testing.offload_models import Block, Net, batch, llama_step, tiny_llama
 
 ON = ActivationOffloadConfig(enabled=True, mode="sync", min_tensor_bytes=0)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from _offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.testing.offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

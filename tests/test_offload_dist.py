@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_workers
-from _offload_models import batch, tiny_llama
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.offload_models import batch, tiny_llama
 
 CASES = [
     {"name": "fsdp2_reshard_noac_sync", "fsdp": 2, "reshard": True, "ac": False, "mode": "sync"},

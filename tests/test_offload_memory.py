@@ -8,10 +8,10 @@ import psutil
 import pytest
 import torch
 
-from _offload_models import batch, grads, llama_step, tiny_llama
 from fsdp_offload_cfg.offload import SavedBytesMeter, enable_activation_offload, offload_stats, reset_offload_stats
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.pool import HostPool, round_size
+from fsdp_offload_cfg.testing.offload_models import batch, grads, llama_step, tiny_llama
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import run_workers
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -86,7 +86,7 @@ def _ranks_prepare_different_calls(rank: int, world: int, path: str, strategy: s
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     return save_llama(str(tmp_path_factory.mktemp("pairing") / "llama"))
 

@@ -632,9 +632,9 @@ def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
     `unpatch()`, and the models prepared under the patch kept their hooks."""
     import torch._dynamo
 
-    from _offload_models import tiny_llama
     from fsdp_offload_cfg.offload import get_offload_handle
     from fsdp_offload_cfg.offload.api import _whole_model_compile_notice
+    from fsdp_offload_cfg.testing.offload_models import tiny_llama
 
     registered = torch._dynamo.config.reorderable_logging_functions
     before = set(registered)

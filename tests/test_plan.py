@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from _models import save_llama
-from _real_runs import MALLINFO2, allocator_held_after_forward, real_model
 from fsdp_offload_cfg import cli, load_config
 from fsdp_offload_cfg._sizes import UNITS
 from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
@@ -25,6 +23,8 @@ from fsdp_offload_cfg.estimate.model import build_on_meta, example_batch, layer_
 from fsdp_offload_cfg.estimate.plan import TimeModel, plan_to_budget, uniform_plans
 from fsdp_offload_cfg.estimate.probe import measure_activations
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.testing.models import save_llama
+from fsdp_offload_cfg.testing.real_runs import MALLINFO2, allocator_held_after_forward, real_model
 
 SEQ, BATCH = 512, 2
 OFFLOAD = ActivationOffloadConfig(enabled=True, mode="async")

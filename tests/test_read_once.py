@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import run_workers
-from _reads import KERNEL_SLACK, needed_and_row, rchar
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
 
@@ -48,7 +48,7 @@ def _worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, A
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from _models import save_llama, save_llama_multi_file
+    from fsdp_offload_cfg.testing.models import save_llama, save_llama_multi_file
 
     root = tmp_path_factory.mktemp("read_once")
     return {"one_file": save_llama(str(root / "one_file")), "many_files": save_llama_multi_file(str(root / "many"))}

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from _compare import digest as _digest
-from _dist import run_workers
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -80,21 +81,14 @@ def _worker(rank: int, world_size: int, path: str, ours: bool, kind: str) -> dic
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
-    losses = []
-    for step in range(2):
-        ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(step + rank))
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(accelerator, model, optimizer, rank)
     return {"state": state, "losses": losses, "framework_calls": len(calls),
             "offloaded": fsdp_offload_cfg.offload_stats()["offloaded_bytes"]}
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     return save_llama(str(tmp_path_factory.mktemp("replaced_prepare") / "llama"))
 

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from _compare import digest as _digest
-from _configs import loader_config as _config
-from _dist import run_workers
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.configs import loader_config as _config
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -47,14 +48,7 @@ def _worker(rank: int, world_size: int, mode: str, paths: dict[str, str]) -> dic
         model, optimizer = accelerator.prepare(model, optimizer)
         state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
         after = torch.rand(4).tolist()  # the RNG stream every rank continues with
-        losses = []
-        for step in range(2):
-            ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(step + rank))
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(accelerator, model, optimizer, rank, vocab=model.config.vocab_size, use_cache=False)
         tied = model.get_input_embeddings().weight is getattr(model.get_output_embeddings(), "weight", None)
         out[case] = {"state": state, "rng": after, "losses": losses, "tied": tied,
                      "vocab": model.config.vocab_size}
@@ -63,7 +57,7 @@ def _worker(rank: int, world_size: int, mode: str, paths: dict[str, str]) -> dic
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    from _models import save_llama, save_qwen2_tied
+    from fsdp_offload_cfg.testing.models import save_llama, save_qwen2_tied
 
     root = tmp_path_factory.mktemp("resize")
     paths = {"llama": save_llama(str(root / "llama")), "qwen2_tied": save_qwen2_tied(str(root / "qwen2"))}

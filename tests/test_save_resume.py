@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from _dist import run_workers
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -48,7 +48,7 @@ SHARDED_RESUME_EXACT = Version(accelerate.__version__) >= Version("1.11")
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from _models import save_deepseek_v3, save_qwen2_tied
+    from fsdp_offload_cfg.testing.models import save_deepseek_v3, save_qwen2_tied
 
     root = tmp_path_factory.mktemp("ckpt")
     return {

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_workers
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -45,7 +45,7 @@ def _meta_params(model: torch.nn.Module) -> int:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     return save_llama(str(tmp_path_factory.mktemp("ckpt") / "llama"))
 

@@ -20,9 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-from _compare import digest as _digest
-from _configs import loader_config
-from _dist import run_workers
+from fsdp_offload_cfg.testing.compare import digest as _digest
+from fsdp_offload_cfg.testing.configs import loader_config
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -88,14 +89,7 @@ def _run_worker(rank: int, world_size: int, mode: str, paths: dict[str, str], ou
             continue
         prepared = accelerator.get_state_dict(model)  # every rank takes part
         one_parameter = [all(model.get_parameter(n) is model.get_parameter(tie[0]) for n in tie) for tie in ties]
-        losses = []
-        for step in range(STEPS):
-            ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(accelerator, model, optimizer, rank, steps=STEPS, vocab=64)
         trained = accelerator.get_state_dict(model)
         reference = _trl_reference(family, path, accelerator, ties)
         out = os.path.join(out_root, mode, family)

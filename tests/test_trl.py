@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from _dist import run_workers
+from fsdp_offload_cfg.testing.dist import run_workers
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -36,7 +36,7 @@ def _config(keys: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama, save_word_tokenizer
+    from fsdp_offload_cfg.testing.models import save_llama, save_word_tokenizer
 
     path = save_llama(str(tmp_path_factory.mktemp("ckpt") / "llama"), pad_token_id=0, eos_token_id=1)
     save_word_tokenizer(path)
@@ -48,7 +48,7 @@ def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys:
     from datasets import Dataset
 
     import fsdp_offload_cfg
-    from _models import words
+    from fsdp_offload_cfg.testing.models import words
 
     fsdp_offload_cfg.patch(_config(keys))
     from transformers import AutoTokenizer

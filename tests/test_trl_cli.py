@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _dist import free_port
+from fsdp_offload_cfg.testing.dist import free_port
 
 pytest.importorskip("trl.cli")
 pytestmark = pytest.mark.distributed
@@ -47,7 +47,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a word tokenizer, and a local data set of plain text."""
     import numpy as np
 
-    from _models import save_llama, save_word_tokenizer, words
+    from fsdp_offload_cfg.testing.models import save_llama, save_word_tokenizer, words
 
     root = tmp_path_factory.mktemp("trl_cli")
     save_word_tokenizer(save_llama(str(root / "llama"), pad_token_id=0, eos_token_id=1))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from _dist import free_port
 from fsdp_offload_cfg.autopatch import PTH_NAME, SWITCH, is_launcher
+from fsdp_offload_cfg.testing.dist import free_port
 
 HERE = Path(__file__).parent
 PROBE = HERE / "scripts" / "unpatched_probe.py"
@@ -36,7 +36,7 @@ fsdp_config:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from _models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama
 
     return save_llama(str(tmp_path_factory.mktemp("zero_code") / "llama"))
 

@@ -1,6 +1,6 @@
 """Shared builders for the activation offload tests (no tests here).
 
-Kept importable by name so that spawned gloo workers (tests/_dist.py) can use them too.
+Importable by name, so that the gloo ranks `testing.dist` starts can use them too.
 """
 
 from __future__ import annotations
