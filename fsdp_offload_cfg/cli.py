@@ -429,5 +429,5 @@ def _uninstall_hook(args: argparse.Namespace) -> int:
 
 def _swift_plugin(_args: argparse.Namespace) -> int:
     """The path only, so that `--external_plugins $(fsdp-offload-cfg swift-plugin)` works in a shell."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_swift_plugin")
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins", "swift")
     return _print(os.path.join(folder, "fsdp_offload_cfg_for_swift.py"))

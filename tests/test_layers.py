@@ -25,10 +25,11 @@ FLOORS: list[tuple[str, ...]] = [
     ("estimate",),
     ("tie_groups", "dtype_groups", "shard_groups", "budget", "clean_exit", "post_import"),
     ("integrations", "registry"),
-    # entry points: what users and frameworks call or load by name (axolotl's plugin keeps the
-    # documented path `fsdp_offload_cfg.integrations.axolotl`), and the package itself, whose lazy
-    # exports are the public API they use (`import fsdp_offload_cfg; fsdp_offload_cfg.patch()`)
-    ("patching", "discovery", "autopatch", "hook_record", "cli", "__main__", "_bootstrap", "_swift_plugin",
+    # entry points: what users and frameworks call or load by name (the frameworks' plugins, and
+    # the documented path of axolotl's, `fsdp_offload_cfg.integrations.axolotl`, which re-exports
+    # it), and the package itself, whose lazy exports are the public API they use
+    # (`import fsdp_offload_cfg; fsdp_offload_cfg.patch()`)
+    ("patching", "discovery", "autopatch", "hook_record", "cli", "__main__", "_bootstrap", "plugins",
      "integrations.axolotl", ""),
     ("testing",),  # the test kit: it may use anything, nothing in the package uses it
 ]

@@ -120,8 +120,8 @@ def _refuse_ms_swift_offloader(args: Any) -> None:
 
 def _hint_axolotl_plugin(framework: str) -> None:
     """axolotl's schema drops the fsdp_config keys it does not know before its TrainingArguments
-    see them; only the plugin entry reads the config as written (`integrations/axolotl.py`)."""
-    plugin = sys.modules.get("fsdp_offload_cfg.integrations.axolotl")
+    see them; only the plugin entry reads the config as written (`plugins/axolotl.py`)."""
+    plugin = sys.modules.get("fsdp_offload_cfg.plugins.axolotl")
     if framework != "axolotl" or (plugin is not None and plugin.registered()) or not is_rank0():
         return
     logger.warning("axolotl's TrainingArguments: axolotl drops the fsdp_config keys it does not know (load_strategy, "
