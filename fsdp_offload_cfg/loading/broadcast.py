@@ -37,12 +37,16 @@ HEADER = ALIGN  # each rank's message for a bucket starts with it; byte 0: 1 if 
 @dataclass
 class TransferStats:
     tensors: int = 0
-    bytes_sent: int = 0  # rank 0: summed over the ranks it sent to (its own part not counted)
     bytes_received: int = 0  # this rank's parts that came over the network (rank 0: none)
     bytes_to: dict[int, int] = field(default_factory=dict)  # rank 0: bytes sent to each rank
     bytes_read: int = 0  # rank 0: checkpoint bytes it read from the files to send (streamed)
     buckets: int = 0  # buckets this rank took part in
     seconds: float = 0.0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Rank 0: bytes sent over the network, summed over the ranks (its own part not counted)."""
+        return sum(self.bytes_to.values())
 
 
 def _aligned(n: int) -> int:
@@ -208,10 +212,8 @@ def _send(plan: list[list[Target]], sizes: list[list[int]], source: dict[str, to
             _, failure = _in_bucket(k, len(plan), _unpack, bucket, messages[0], 0)
         for work in works:
             work.wait()
-        sent = {r: sum(t.sent_nbytes(r) for t in bucket) for r in messages if r != 0}
-        for r, nbytes in sent.items():
-            stats.bytes_to[r] = stats.bytes_to.get(r, 0) + nbytes
-        stats.bytes_sent += sum(sent.values())
+        for r in messages.keys() - {0}:
+            stats.bytes_to[r] = stats.bytes_to.get(r, 0) + sum(t.sent_nbytes(r) for t in bucket)
         stats.tensors += sum(t.last for t in bucket)
         stats.buckets += 1
         progress.update(sum(row[1:]), sum(t.last for t in bucket))  # a bar on a terminal; the caller logs the summary

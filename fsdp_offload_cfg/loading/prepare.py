@@ -141,7 +141,7 @@ def load_into_sharded(
     everywhere = sources.filled_everywhere() | set(computed)
     receivers = {t.name: sources.receivers(t.name, world) for t in spec.tensors if t.name not in everywhere}
     receivers = {name: ranks for name, ranks in receivers.items() if ranks}
-    _log_sources(sources, receivers, strategy, world)
+    _log_sources(sources, receivers, strategy)
     source = _rank0_source(model, spec, wanted=set(receivers), streamed=sources.streamed)
     clock.lap("agree sources")
     # 3. meta tensors tied as on rank 0, then fully_shard on meta
@@ -220,13 +220,13 @@ def _check_loaded(model: nn.Module, spec: ModelSpec) -> None:
             model_state.take(module, field)
 
 
-def _log_sources(sources: sharded.Sources, receivers: dict[str, frozenset[int]], strategy: str, world: int) -> None:
+def _log_sources(sources: sharded.Sources, receivers: dict[str, frozenset[int]], strategy: str) -> None:
     """Rank 0: which ranks read the checkpoint themselves and which get it streamed, by node."""
     if dist.get_rank() != 0:
         return
     if sources.streamed:
         without = sorted({r for n in sources.streamed for r in receivers.get(n, ())})
-        nodes = sorted({sources.nodes[r] for r in without}) if sources.nodes else []
+        nodes = sorted({sources.nodes[r] for r in without})
         logger.info("loading: rank 0 reads %d tensors' slices for ranks %s (%s), which have no record of the "
                     "checkpoint files (built from rank 0's description), and streams them; every other rank "
                     "reads its own", len(sources.streamed), rank_ranges(without), ", ".join(nodes))  # fmt: skip
@@ -239,8 +239,7 @@ def _shares(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStat
     mine = ((read.bytes_read if read is not None else 0) + stats.bytes_read, stats.bytes_received)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    names = nodes or tuple("" for _ in gathered)
-    return tuple(RankLoad(node, r, s) for node, (r, s) in zip(names, gathered))
+    return tuple(RankLoad(node, r, s) for node, (r, s) in zip(nodes, gathered))
 
 
 def _log(stats: TransferStats, read: sharded.ReadStats | None, shares: tuple[RankLoad, ...]) -> None:
