@@ -11,17 +11,17 @@ Every tensor after prepare is bit-equal to a plain load in all three; `explain` 
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from fsdp_offload_cfg.testing.compare import digests as _digests
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.logs import MessageLog
+from fsdp_offload_cfg.testing.models import shard_by_layer
 
 pytestmark = pytest.mark.distributed
 
@@ -29,7 +29,6 @@ CONFIG = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_c
 
 
 def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
 
@@ -37,10 +36,7 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
     from fsdp_offload_cfg.loading import load_into_sharded
 
     session = fsdp_offload_cfg.patch(CONFIG)
-    messages: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fsdp_offload_cfg").addHandler(handler)
+    messages = MessageLog()
     out: dict[str, Any] = {"strategy": session.config.load_strategy}
     home = os.getcwd()
     for case, (rank0_dir, path) in cases.items():
@@ -48,13 +44,7 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
         # the model class, not an Auto class: an Auto class reads config.json before the load starts
         model = LlamaForCausalLM.from_pretrained(path)
         held = sum(p.numel() for p in model.parameters() if not p.is_meta)
-
-        def shard(m: torch.nn.Module) -> torch.nn.Module:
-            for layer in m.model.layers:
-                fully_shard(layer)
-            return fully_shard(m)
-
-        report = load_into_sharded(model, shard, strategy=session.config.load_strategy)
+        report = load_into_sharded(model, shard_by_layer, strategy=session.config.load_strategy)
         full = {n: (t.full_tensor() if isinstance(t, DTensor) else t) for n, t in report.model.state_dict().items()}
         out[case] = {"held_after_from_pretrained": held, "digests": _digests(full),
                      "read": report.read.bytes_read if report.read else 0,

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.models import shard_by_layer
 from fsdp_offload_cfg.testing.peaks import NonGradientPeak
 
 LAYERS = 3
@@ -32,7 +33,6 @@ LAYERS = 3
 def _llama(fsdp2: bool, ac: bool) -> torch.nn.Module:
     """The benchmark's model at a tiny size: hidden, vocab and every dimension even, so FSDP2 pads
     no shard on 2 ranks and storages hold exactly the gradients' elements."""
-    from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -42,11 +42,7 @@ def _llama(fsdp2: bool, ac: bool) -> torch.nn.Module:
     if ac:
         for i, layer in enumerate(model.model.layers):
             model.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-    if fsdp2:
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    return model
+    return shard_by_layer(model) if fsdp2 else model
 
 
 def _exact_gradient_bytes(model: torch.nn.Module) -> int:

@@ -15,6 +15,8 @@ import torch
 
 from fsdp_offload_cfg.testing.compare import digest as _digest
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.logs import MessageLog
+from fsdp_offload_cfg.testing.models import shard_by_layer
 
 pytestmark = pytest.mark.distributed
 
@@ -190,17 +192,13 @@ def test_auto_plans_the_room_a_stated_device_leaves_as_the_estimate_does(runs: d
 
 def _plain_torch(rank: int, world: int, path: str, budget: int | None) -> dict[str, Any]:
     """torchrun's kind of script: `fully_shard` by hand, no accelerate, the budget from code."""
-    from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     import fsdp_offload_cfg
     from fsdp_offload_cfg.budget import planned_choices
 
     torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = shard_by_layer(AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa"))
     planner = None
     if budget is not None:
         planner = fsdp_offload_cfg.enable_activation_budget(
@@ -292,10 +290,7 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int | str, device
             raise RuntimeError("cannot pin memory")
 
         fsdp_offload_cfg.estimate.rates.measure_rates = no_pinned_memory
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fsdp_offload_cfg.budget").addHandler(handler)
+    records = MessageLog("fsdp_offload_cfg.budget", logging.NOTSET)
     accelerator = Accelerator()
     if case == "classifier":  # a head whose labels are not token ids (TRL's reward models)
         from transformers import AutoModelForSequenceClassification

@@ -14,6 +14,7 @@ from test_script_shapes import CONFIG as SCRIPT_CONFIG
 from test_script_shapes import IDS
 
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.logs import MessageLog
 
 pytestmark = pytest.mark.distributed
 
@@ -157,17 +158,13 @@ def test_disable_fsdp_ram_efficient_loading_is_honoured_by_loading_and_prepare(l
 
 
 def _distributed_config_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
-    import logging
 
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     import fsdp_offload_cfg
 
-    messages: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fsdp_offload_cfg").addHandler(handler)
+    messages = MessageLog()
 
     def step() -> tuple[float, dict[str, torch.Tensor], int]:
         model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.logs import MessageLog
+from fsdp_offload_cfg.testing.models import shard_by_layer
 
 pytestmark = pytest.mark.distributed
 
@@ -27,18 +29,10 @@ def _config(strategy: str) -> dict[str, Any]:
             "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": True, "load_strategy": strategy}}
 
 
-def _shard(model: torch.nn.Module) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
-
-
 def _prepared_logits(model: torch.nn.Module) -> tuple[float, list[float]]:
     from fsdp_offload_cfg.loading import load_into_sharded
 
-    model = load_into_sharded(model, _shard, strategy=model._strategy).model
+    model = load_into_sharded(model, shard_by_layer, strategy=model._strategy).model
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
     return model.config.rms_norm_eps, logits.flatten()[:64].tolist()
@@ -62,10 +56,7 @@ def _eval_copy_then_every_rank(rank: int, world: int, path: str, strategy: str) 
     import fsdp_offload_cfg
 
     fsdp_offload_cfg.patch(_config(strategy))
-    warnings: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fsdp_offload_cfg.loading").addHandler(handler)
+    warnings = MessageLog("fsdp_offload_cfg.loading", logging.WARNING)
     if rank == 0:
         _load(path, strategy, rms_norm_eps=0.5)
         _load(path, strategy)  # the same call as the one every rank makes next: only its repeat differs

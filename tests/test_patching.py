@@ -20,6 +20,7 @@ from fsdp_offload_cfg.discovery import (
     typed_launch_keys,
 )
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.testing.logs import MessageLog
 
 EVERYTHING_ON = FSDPOffloadConfig(
     distributed_type="FSDP",
@@ -532,19 +533,11 @@ def test_the_trainer_switches_the_config_without_unpatching_itself(single_proces
 def test_the_trainers_config_says_that_it_is_on(single_process: dict):
     """under `swift sft` / `llamafactory-cli` the only line was "no config found", printed
     before the trainer arguments existed; the switch to their fsdp_config logged nothing."""
-    import logging
-
     from transformers import TrainingArguments
 
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fsdp_offload_cfg").addHandler(handler)
-    try:
+    with MessageLog() as lines:
         fsdp_offload_cfg.patch()
         TrainingArguments(fsdp=True, fsdp_config={"version": 2, "activation_cpu_offload": True}, **single_process)
-    finally:
-        logging.getLogger("fsdp_offload_cfg").removeHandler(handler)
     assert any(line.startswith("no config found yet") and "TrainingArguments" in line for line in lines), lines
     assert any(line.startswith("config from TrainingArguments.fsdp_config (FSDP2, meta loading: off, activation "
                                "offload: on); patches: ") for line in lines), lines

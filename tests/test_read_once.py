@@ -15,31 +15,25 @@ import os
 from typing import Any
 
 import pytest
-import torch
 
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.models import shard_by_layer
 from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
 
 
 def _worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM, PreTrainedModel
 
     from fsdp_offload_cfg.loading import auto_from_pretrained, load_into_sharded, sharded_from_pretrained
 
     load = sharded_from_pretrained if strategy == "sharded" else auto_from_pretrained
 
-    def shard(model: torch.nn.Module) -> None:
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-
     for _ in range(2):  # the second load is the measured one
         model = load(PreTrainedModel.from_pretrained, LlamaForCausalLM, path)
         before = rchar()
-        report = load_into_sharded(model, shard, strategy=strategy)
+        report = load_into_sharded(model, shard_by_layer, strategy=strategy)
         kernel = rchar() - before
     needed, row = needed_and_row(report.model)
     return {"loader": report.read.bytes_read if report.read else 0, "kernel": kernel, "needed": needed, "row": row,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.logs import MessageLog
 
 pytestmark = pytest.mark.distributed
 
@@ -108,10 +109,7 @@ def _other_rank_only_worker(rank: int, world_size: int, path: str, strategy: str
 
     fsdp_offload_cfg.patch(_config(strategy))
     sync.WAIT_LOG_EVERY_S = 1.0
-    warnings: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fsdp_offload_cfg.loading").addHandler(handler)
+    warnings = MessageLog("fsdp_offload_cfg.loading", logging.WARNING)
     start = time.monotonic()
     try:
         if rank == 1:

@@ -300,3 +300,13 @@ SHARDED_BUILDERS = {
     "llama_multi_file": save_llama_multi_file,
     "llama_bin": save_llama_bin,
 }
+
+
+def shard_by_layer(model: nn.Module) -> nn.Module:
+    """`fully_shard` each decoder layer (`model.model.layers`), then the root, as accelerate's
+    `transformer_based_wrap` does for a causal LM; returns the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
