@@ -1,29 +1,32 @@
 """`load_strategy: auto` at node scale: 4 real gloo ranks as 2 nodes x 2, with `LOCAL_RANK`,
 `LOCAL_WORLD_SIZE` and `GROUP_RANK` as torchrun sets them (`run_workers(local_world_size=2)`).
 
-Two checkpoints, both named by the same path on every rank:
+Three checkpoints, each named by the same path on every rank:
 - on storage both nodes share: every rank reads its own slices; nothing crosses the network;
 - on a path only node 0 has (a relative path, found from node 0's working directory only, as on
   a node without the shared filesystem): node 0's ranks read their own slices, rank 0 also reads
-  node 1's slices and streams them to node 1's ranks only; node 1 reads nothing.
-In both, every rank ends bit-equal to a plain load, each checkpoint byte is read once across the
+  node 1's slices and streams them to node 1's ranks only; node 1 reads nothing;
+- the same path holding another copy on node 1 (the same tensors at other offsets): not rank 0's
+  checkpoint, so node 1 reads none of it and gets rank 0's slices streamed, as above.
+In all three, every rank ends bit-equal to a plain load, each checkpoint byte is read once across the
 job (the loader's count, checked against the kernel's `rchar` on the ranks that host no store),
 and rank 0's log says which node got what.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from fsdp_offload_cfg.testing.compare import digests
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.logs import MessageLog
+from fsdp_offload_cfg.testing.models import shard_by_layer
 from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
@@ -32,8 +35,7 @@ CONFIG = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_c
 NODE = {0: "node 0", 1: "node 0", 2: "node 1", 3: "node 1"}
 
 
-def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
+def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str, str]]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
 
@@ -41,26 +43,17 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
     from fsdp_offload_cfg.loading import load_into_sharded
 
     session = fsdp_offload_cfg.patch(CONFIG)
-    messages: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fsdp_offload_cfg").addHandler(handler)
+    messages = MessageLog()
     home = os.getcwd()
     node = int(os.environ["GROUP_RANK"])
-
-    def shard(m: torch.nn.Module) -> torch.nn.Module:
-        for layer in m.model.layers:
-            fully_shard(layer)
-        return fully_shard(m)
-
     out: dict[str, Any] = {}
-    for case, (node0_dir, path) in cases.items():
-        os.chdir(node0_dir if node == 0 else home)  # a relative path resolves on node 0 only
+    for case, (node0_dir, node1_dir, path) in cases.items():
+        os.chdir(node0_dir if node == 0 else node1_dir)  # where a relative path resolves, per node
         for _ in range(2):  # the second load is the measured one (the first imports lazily)
             messages.clear()
             model = LlamaForCausalLM.from_pretrained(path)
             before, began = rchar(), time.perf_counter()
-            report = load_into_sharded(model, shard, strategy=session.config.load_strategy)
+            report = load_into_sharded(model, shard_by_layer, strategy=session.config.load_strategy)
             kernel, wall = rchar() - before, time.perf_counter() - began
         needed, row = needed_and_row(report.model)
         computed = sum(b.numel() * b.element_size() for n, b in report.model.named_buffers() if n.endswith("inv_freq"))
@@ -74,6 +67,17 @@ def _worker(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) -> di
     return out
 
 
+def _resave_with_another_layout(path: Path) -> None:
+    """The same tensors, their bytes at other offsets (a longer header): another copy of the
+    checkpoint than rank 0's, which a rank must not read as if it were rank 0's."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata() or {})
+    save_file(load_file(str(path)), str(path), metadata={**metadata, "copied_by": "x" * 100})
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
     from safetensors.torch import load_file
@@ -83,23 +87,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], int,
 
     root = tmp_path_factory.mktemp("nodes")
     shared = save_llama(str(root / "shared"))
-    node0 = root / "node0"
-    node0.mkdir()
+    node0, node1_empty, node1_other = root / "node0", root / "node1_empty", root / "node1_other"
+    for folder in (node0, node1_empty, node1_other):
+        folder.mkdir()
     shutil.copytree(shared, node0 / "ckpt")
-    cases = {"shared": (str(root), shared), "node0_only": (str(node0), "ckpt")}
+    shutil.copytree(shared, node1_other / "ckpt")
+    _resave_with_another_layout(node1_other / "ckpt" / "model.safetensors")
+    cases = {"shared": (str(root), str(root), shared), "node0_only": (str(node0), str(node1_empty), "ckpt"),
+             "node1_other_copy": (str(node0), str(node1_other), "ckpt")}
     plain = digests(AutoModelForCausalLM.from_pretrained(shared).state_dict())
     size = sum(t.numel() * t.element_size() for t in load_file(os.path.join(shared, "model.safetensors")).values())
     return plain, size, run_workers(_worker, 4, cases, local_world_size=2, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["shared", "node0_only"])
+@pytest.mark.parametrize("case", ["shared", "node0_only", "node1_other_copy"])
 def test_every_rank_ends_bit_equal_to_a_plain_load(runs: tuple[dict[str, Any], int, list[dict[str, Any]]], case: str):
     plain, _, ranks = runs
     for rank, r in enumerate(ranks):
         assert r[case]["digests"] == plain, f"rank {rank} ({NODE[rank]}): {case} differs from a plain load"
 
 
-@pytest.mark.parametrize("case", ["shared", "node0_only"])
+@pytest.mark.parametrize("case", ["shared", "node0_only", "node1_other_copy"])
 def test_each_byte_is_read_once_across_the_job(runs: tuple[dict[str, Any], int, list[dict[str, Any]]], case: str):
     _, size, ranks = runs
     for rank, r in enumerate(ranks):
@@ -118,18 +126,25 @@ def test_on_shared_storage_every_rank_reads_its_own_slices_and_nothing_is_sent(
         assert shared["received"] == 0 and shared["sent_to"] == {}, (rank, shared)
 
 
-def test_only_the_node_without_the_files_gets_them_streamed(runs: tuple[dict[str, Any], int, list[dict[str, Any]]]):
-    """Node 1 gets exactly its own slices; node 0 nothing from the files. The RoPE `inv_freq`
-    (computed at init, in no file) comes from rank 0 to every rank: node 1's ranks, built from
-    rank 0's description, do not report it as their own, so rank 0's value is every rank's."""
-    r0, r1, r2, r3 = (r["node0_only"] for r in runs[2])
+@pytest.mark.parametrize("case", ["node0_only", "node1_other_copy"])
+def test_only_the_node_without_the_files_gets_them_streamed(runs: tuple[dict[str, Any], int, list[dict[str, Any]]],
+                                                             case: str):
+    """Node 1 gets exactly its own slices; node 0 nothing from the files. Node 1 has no copy of
+    the checkpoint, or a copy whose tensors lie at other offsets than in rank 0's (not rank 0's
+    checkpoint: it is not read). The RoPE `inv_freq` (computed at init, in no file) comes from
+    rank 0 to every rank: node 1's ranks, built from rank 0's description or not, do not all
+    report it as their own, so rank 0's value is every rank's."""
+    r0, r1, r2, r3 = (r[case] for r in runs[2])
+    # inv_freq: sent from rank 0 where node 1 built from the description, each rank's own otherwise
+    extra = {r: x["computed"] if case == "node0_only" else 0 for r, x in enumerate((r0, r1, r2, r3))}
     for rank, r in ((2, r2), (3, r3)):  # node 1: reads nothing, receives exactly its own slices
         assert r["read"] == 0 and r["kernel"] <= KERNEL_SLACK, (rank, r)
-        assert r["received"] == r["needed"] + r["computed"], (rank, r)
-    assert r1["received"] == r1["computed"] and r1["needed"] <= r1["read"] <= r1["needed"] + r1["row"], r1
+        assert r["received"] == r["needed"] + extra[rank], (rank, r)
+    assert r1["received"] == extra[1] and r1["needed"] <= r1["read"] <= r1["needed"] + r1["row"], r1
     # rank 0 sends node 1 what it needs, and reads its own slices plus node 1's
     assert r0["received"] == 0, r0
-    assert r0["sent_to"] == {1: r1["computed"], 2: r2["needed"] + r2["computed"], 3: r3["needed"] + r3["computed"]}, r0
+    sent = {1: extra[1], 2: r2["needed"] + extra[2], 3: r3["needed"] + extra[3]}
+    assert r0["sent_to"] == {r: n for r, n in sent.items() if n}, r0
     assert r0["read"] <= r0["needed"] + r2["needed"] + r3["needed"] + 3 * r0["row"], r0
 
 
@@ -171,7 +186,6 @@ def _failing_worker(rank: int, world_size: int, node0_dir: str) -> tuple[str, fl
     raised, and how long it took."""
     import time
 
-    from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
     import fsdp_offload_cfg
@@ -190,15 +204,9 @@ def _failing_worker(rank: int, world_size: int, node0_dir: str) -> tuple[str, fl
 
     if rank == 0:
         broadcast._pack = fault
-
-    def shard(m: torch.nn.Module) -> torch.nn.Module:
-        for layer in m.model.layers:
-            fully_shard(layer)
-        return fully_shard(m)
-
     start = time.monotonic()
     try:
-        load_into_sharded(model, shard, strategy="auto", bucket_bytes=4096)
+        load_into_sharded(model, shard_by_layer, strategy="auto", bucket_bytes=4096)
         message = "no error"
     except Exception as exc:  # noqa: BLE001
         message = f"{type(exc).__name__}: {exc}"
