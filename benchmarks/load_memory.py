@@ -1,4 +1,5 @@
-"""Host memory and wall time of loading a ~320M-parameter Llama into FSDP2, per rank.
+"""Host memory and wall time of loading a Llama into FSDP2, per rank: ~320M parameters by
+default, or (`--model`) a 100M one or the Llama-3-8B shape.
 
 Methods (each in its own `torchrun` launch, CPU + gloo):
   plain     every rank runs `from_pretrained` in full, then accelerate's `fsdp2_prepare_model`;
@@ -24,7 +25,9 @@ Checkpoints: `fp32` (loaded as saved: transformers maps the safetensors file and
 only each rank's rows, so plain loading costs little *anonymous* memory) and `bf16->fp32` (a
 bf16 checkpoint loaded with dtype=float32, as for fp32 master weights: every reader must
 materialise converted copies), and `fp32x8` (the fp32 model in 8 safetensors files, as large
-checkpoints ship: each rank's slices span several files).
+checkpoints ship: each rank's slices span several files); `bf16-files` (any `--model`: bf16,
+loaded as saved, in `save_pretrained`'s layout of files of at most 5 GB and at least 4 of them,
+written tensor by tensor so that the 8B one never exists whole in memory).
 
 Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken after imports,
 process-group init and Accelerator creation; see `PeakMemory`; the peak runs to the end of the
@@ -34,8 +37,12 @@ two of its parts: `from_pretrained`, and moving the weight bytes (broadcast: ran
 sharded: each rank's own reads, plus any scatter), the only part the strategy changes. Beside
 it, for a rank that read from the files, the storage/copy bound of the same bytes, measured on
 that rank after its load (`raw_read_seconds`: `pread` into a fresh buffer, then into the same
-touched buffer). `loss` (one forward on fixed tokens) shows that the methods load the same
-model. Model bytes = parameters + buffers as loaded (fp32). A second table splits the loader's
+touched buffer). "worst anon vs ..." is the largest rank's anonymous peak over what a rank must
+hold at least, its share of the model plus one 32 MiB bucket (target at scale: 1.00x). `loss` (one
+forward on fixed tokens, models up to 2 GiB) and `weight sum` (every parameter element once,
+summed over the ranks) show that the methods load the same model. Model bytes = parameters +
+buffers as loaded. A launch that drives the host's available memory under 5% of it (or
+`--min-available-gib`) is stopped whole and its row says "does not fit", with what the ranks held. A second table splits the loader's
 methods' time by step (`LoadReport.seconds`, rank 0 of the median run; each step ends in an
 agreement, so it includes waiting for the slowest rank).
 
@@ -47,6 +54,8 @@ the median time of `broadcast` of the same configuration in the same run.
 
     python benchmarks/load_memory.py                 # 2 and 4 ranks, all methods, 3 repeats (~15 min here)
     python benchmarks/load_memory.py --ranks 4 --methods broadcast sharded --repeat 5
+    python benchmarks/load_memory.py --model 100m --ranks 4 --repeat 1 --methods stock native broadcast sharded auto
+    python benchmarks/load_memory.py --model 8b --ranks 8 --repeat 1 ...   # a 16 GB checkpoint: 16 cores, 128 GB
 """
 
 from __future__ import annotations
@@ -55,13 +64,15 @@ import argparse
 import json
 import os
 import re
-import subprocess
+import shutil
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from fsdp_offload_cfg.testing.host_memory import meminfo_bytes, run_guarded
 
 METHODS = ("plain", "stock", "broadcast", "sharded", "auto", "native")
 LOADER_METHODS = ("broadcast", "sharded", "auto")
@@ -141,10 +152,10 @@ def _setup(method: str):
     return accelerator
 
 
-def _load(method: str, model_dir: str, accelerator, result: dict):
+def _load(method: str, model_dir: str, dtype, accelerator, result: dict):
     """Load with `method`; `result["build_seconds"]` is the time spent in `from_pretrained`."""
     start = time.perf_counter()
-    model = _from_pretrained(method, model_dir)
+    model = _from_pretrained(method, model_dir, dtype)
     result["build_seconds"] = time.perf_counter() - start
     report = _prepare(method, model, accelerator)
     result["move_seconds"] = _move_seconds(report)
@@ -213,22 +224,21 @@ def _move_seconds(report) -> float | None:
     return read + (report.sent.seconds if report.sent else 0.0)
 
 
-def _from_pretrained(method: str, model_dir: str):
-    import torch
+def _from_pretrained(method: str, model_dir: str, dtype):
     from transformers import LlamaForCausalLM, PreTrainedModel
 
     from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
 
     if method in ("plain", "stock"):
-        return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if method == "native":
         import torch.distributed as dist
         from transformers.distributed import DistributedConfig  # transformers >= 5.15
 
         config = DistributedConfig(fsdp_size=dist.get_world_size())
-        return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=config)
+        return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=config)
     load = {"broadcast": rank0_from_pretrained, "sharded": sharded_from_pretrained}.get(method, auto_from_pretrained)
-    return load(PreTrainedModel.from_pretrained, LlamaForCausalLM, model_dir, dtype=torch.float32)
+    return load(PreTrainedModel.from_pretrained, LlamaForCausalLM, model_dir, dtype=dtype)
 
 
 def _prepare(method: str, model, accelerator):
@@ -244,7 +254,32 @@ def _prepare(method: str, model, accelerator):
     return load_into_sharded(model, lambda m: fsdp2_prepare_model(accelerator, m), strategy=strategy)
 
 
-def worker(method: str, model_dir: str, out: str) -> None:
+def weight_sum(model) -> float:
+    """The sum of every parameter element, each counted once over the ranks (float64, one
+    all_reduce): equal for two methods that load the same weights however each shards them, and
+    cheap at any size (a forward of an 8B model would all-gather 16 GB per rank over gloo)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for param in model.parameters():
+            if isinstance(param, DTensor):  # a replicated placement holds the same values on each of its ranks
+                copies = 1
+                for dim, placement in enumerate(param.placements):
+                    copies *= param.device_mesh.size(dim) if placement.is_replicate() else 1
+                total += param.to_local().double().sum() / copies
+            else:  # a plain tensor: the whole parameter on every rank
+                total += param.double().sum() / dist.get_world_size()
+    dist.all_reduce(total)
+    return total.item()
+
+
+LOSS_UP_TO_BYTES = 2 * GIB  # a forward on fixed tokens for models up to this size (`loss` column)
+
+
+def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -265,19 +300,21 @@ def worker(method: str, model_dir: str, out: str) -> None:
         peak = PeakMemory()
         peak.start()
         start = time.perf_counter()
-        model = _load(method, model_dir, accelerator, result)
+        model = _load(method, model_dir, getattr(torch, dtype_name), accelerator, result)
         dist.barrier()
         result["seconds"] = time.perf_counter() - start
         result["first_read_seconds"], result["first_write_seconds"] = first_touch_seconds(model)
         dist.barrier()
         rss, anon = peak.stop()
         result["peak_rss"], result["peak_anon"] = rss - baseline_rss, anon - baseline_anon
-        with torch.no_grad():
-            ids = torch.arange(16).reshape(1, 16)
-            result["loss"] = model(ids, labels=ids).loss.item()
         result["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
             b.numel() * b.element_size() for b in model.buffers()
         )
+        result["weight_sum"] = weight_sum(model)
+        if result["model_bytes"] <= LOSS_UP_TO_BYTES:
+            with torch.no_grad():
+                ids = torch.arange(16).reshape(1, 16)
+                result["loss"] = model(ids, labels=ids).loss.item()
         dist.barrier()  # every rank reads its raw bytes at once, as they read their shards at once
         if result["read_bytes"]:
             result["raw_fresh_seconds"], result["raw_touched_seconds"] = raw_read_seconds(
@@ -294,16 +331,30 @@ def worker(method: str, model_dir: str, out: str) -> None:
 # ------------------------------------------------------------------------------ driver
 
 
-CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8")
+CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8", "bf16-files")
+MODELS = ("300m", "100m", "8b")  # `fsdp_offload_cfg.testing.models.LLAMA_SHAPES`
+BUCKET_BYTES = 32 * 2**20  # the loader's default bucket (`loading.prepare.DEFAULT_BUCKET_BYTES`)
 
 
-def build_model(model_dir: Path, checkpoint: str) -> None:
-    """The checkpoint of `checkpoint`: the model saved as one file (fp32, or bf16), or the fp32
-    model saved in 8 files (`max_shard_size` an eighth of it), as large checkpoints ship."""
+def load_dtype(checkpoint: str) -> str:
+    """`bf16-files` loads as saved (bf16), the others as float32."""
+    return "bfloat16" if checkpoint == "bf16-files" else "float32"
+
+
+def build_model(model_dir: Path, checkpoint: str, model: str = "300m") -> None:
+    """The checkpoint of `checkpoint`: the 300M model saved as one file (fp32, or bf16), or the fp32
+    model saved in 8 files (`max_shard_size` an eighth of it), as large checkpoints ship; or
+    (`bf16-files`, any `model`) a bf16 checkpoint written file by file in `save_pretrained`'s
+    layout: files of at most 5 GB, and at least 4 of them (Llama-3-8B ships as 4)."""
     import torch
 
-    from fsdp_offload_cfg.testing.models import save_llama_300m
+    from fsdp_offload_cfg.testing.models import save_llama_300m, write_llama_checkpoint
 
+    if checkpoint == "bf16-files":
+        write_llama_checkpoint(str(model_dir), model, torch.bfloat16, min_files=4)
+        return
+    if model != "300m":
+        raise SystemExit(f"--checkpoints {checkpoint} is built for --model 300m only; use bf16-files for {model}")
     save_llama_300m(str(model_dir), torch.bfloat16 if checkpoint == "bf16->fp32" else torch.float32)
     if checkpoint == "fp32x8":
         from transformers import LlamaForCausalLM
@@ -323,21 +374,24 @@ def warm_page_cache(model_dir: Path) -> None:
                 pass
 
 
-def launch(method: str, ranks: int, model_dir: Path, out: Path, timeout: int) -> list[dict]:
+def launch(method: str, ranks: int, model_dir: Path, dtype: str, out: Path, timeout: int,
+           min_available: int) -> list[dict]:  # fmt: skip
     """One `torchrun` of `method`; one result dict per rank."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
-        "--worker", method, "--model-dir", str(model_dir), "--out", str(out),
+        "--worker", method, "--model-dir", str(model_dir), "--dtype", dtype, "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    try:
-        subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, check=False)
-    except subprocess.TimeoutExpired:
-        pass
+    log = Path(f"{out}.log")
+    stopped = run_guarded(cmd, env, log, timeout, min_available)
     results = []
     for rank in range(ranks):
         path = Path(f"{out}.{rank}")
-        results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "crash": "no result (hung?)"})
+        if stopped is None and path.exists():
+            results.append(json.loads(path.read_text()))
+            continue
+        last = (log.read_text(errors="replace").strip().splitlines() or ["(empty)"])[-1][:160]
+        results.append({"rank": rank, "crash": stopped or f"no result; the launch's last line: {last}"})
     return results
 
 
@@ -356,7 +410,8 @@ class Summary:
     first_read_seconds: float = 0.0  # the same run's first read of every shard (slowest rank)
     first_write_seconds: float = 0.0  # then its first write of every parameter shard (slowest rank)
     phases: dict[str, float] | None = None  # the same run's rank 0 `LoadReport.seconds` (loader methods)
-    loss: float = 0.0
+    loss: float | None = None  # a forward on fixed tokens (models up to LOSS_UP_TO_BYTES)
+    weight_sum: float = 0.0  # every parameter element summed once over the ranks (`weight_sum`)
     model_bytes: int = 0
     raw_fresh_seconds: float | None = None  # the same run's raw read of the same bytes (slowest rank)
     raw_touched_seconds: float | None = None
@@ -379,29 +434,50 @@ def summarize(runs: list[list[dict]]) -> Summary:
         first_read_seconds=max(r["first_read_seconds"] for r in median),
         first_write_seconds=max(r["first_write_seconds"] for r in median),
         phases=median[0]["phases"] or None,
-        loss=median[0]["loss"],
+        loss=median[0].get("loss"),
+        weight_sum=median[0]["weight_sum"],
         model_bytes=median[0]["model_bytes"],
         raw_fresh_seconds=max((r.get("raw_fresh_seconds") or 0.0 for r in median), default=0.0) or None,
         raw_touched_seconds=max((r.get("raw_touched_seconds") or 0.0 for r in median), default=0.0) or None,
     )
 
 
+def progress(method: str, ranks: int, repeat: int, results: list[dict]) -> str:
+    """One line per launch as it ends (a large model's table comes only after all its launches)."""
+    crashes = [r["crash"] for r in results if "crash" in r]
+    if crashes:
+        return f"  {method}, {ranks} ranks, run {repeat + 1}: {crashes[0]}"
+    worst = max(max(r["peak_anon"] for r in results), 0)
+    return (f"  {method}, {ranks} ranks, run {repeat + 1}: {max(r['seconds'] for r in results):.2f} s, "
+            f"largest rank's anonymous peak {worst / GIB:.2f} GiB")  # fmt: skip
+
+
 def _gib(nbytes: int, model_bytes: int) -> str:
     return f"{nbytes / GIB:.2f} ({nbytes / model_bytes:.2f}x)"
 
 
+def worst_rank_vs_bound(s: Summary, ranks: int, model_bytes: int) -> str:
+    """The largest rank's anonymous peak against what a rank must hold at least: its share of the
+    model plus one bucket in flight (the target of loading at scale)."""
+    bound = model_bytes / ranks + BUCKET_BYTES
+    return f"{max(s.rank0_anon, s.others_anon) / bound:.2f}x"
+
+
 def row(checkpoint: str, method: str, ranks: int, s: Summary, baseline: Summary | None, model_bytes: int) -> str:
     if s.crash is not None:
-        return f"| {checkpoint} | {method} | {ranks} | crash | crash | crash | crash | | | | | | | | | {s.crash} |"
+        label = "does not fit" if s.crash.startswith("does not fit") else "crash"
+        return f"| {checkpoint} | {method} | {ranks} | {label} |" + " |" * 13 + f" {s.crash} |"
     ratio = f"{s.seconds / baseline.seconds:.2f}x" if baseline is not None and baseline.crash is None else ""
     move = "" if s.move_seconds is None else f"{s.move_seconds:.2f}"
     raw = "" if s.raw_fresh_seconds is None else (
         f"{s.raw_fresh_seconds:.2f} / {s.raw_touched_seconds:.2f} ({s.move_seconds / s.raw_fresh_seconds:.2f}x)")
     return (
         f"| {checkpoint} | {method} | {ranks} | {_gib(s.rank0_rss, model_bytes)} | {_gib(s.rank0_anon, model_bytes)} "
-        f"| {_gib(s.others_rss, model_bytes)} | {_gib(s.others_anon, model_bytes)} | {s.seconds:.2f} "
+        f"| {_gib(s.others_rss, model_bytes)} | {_gib(s.others_anon, model_bytes)} "
+        f"| {worst_rank_vs_bound(s, ranks, model_bytes)} | {s.seconds:.2f} "
         f"| {s.seconds + s.first_read_seconds:.2f} | {s.seconds + s.first_read_seconds + s.first_write_seconds:.2f} "
-        f"| {s.build_seconds:.2f} | {move} | {raw} | {ratio} | {s.loss:.6f} | |"
+        f"| {s.build_seconds:.2f} | {move} | {raw} | {ratio} | {'' if s.loss is None else f'{s.loss:.6f}'} "
+        f"| {s.weight_sum:.6e} | |"
     )
 
 
@@ -423,12 +499,13 @@ PHASE_HEADER = [
 HEADER = [
     (
         "| checkpoint | method | ranks | rank 0 peak RSS GiB (x model) | rank 0 peak anon | "
-        "other ranks: max peak RSS | other ranks: max peak anon | time s (median) | load + first read s "
+        "other ranks: max peak RSS | other ranks: max peak anon | worst anon vs model / ranks + one bucket "
+        "| time s (median) | load + first read s "
         "| + first write s | of which from_pretrained s "
         "| of which moving bytes s | raw read of those bytes s: fresh / touched memory (moving vs fresh) "
-        "| time vs broadcast | loss | note |"
+        "| time vs broadcast | loss | weight sum | note |"
     ),
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -436,33 +513,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS), choices=CHECKPOINTS)
+    parser.add_argument("--model", default="300m", choices=MODELS,
+                        help="the Llama shape (300m: every checkpoint kind; 100m, 8b: bf16-files)")
+    parser.add_argument("--checkpoints", nargs="+", choices=CHECKPOINTS,
+                        help="default: fp32 bf16->fp32 fp32x8 for 300m, bf16-files for the others")
     parser.add_argument("--repeat", type=int, default=3, help="launches per method and configuration (median time)")
     parser.add_argument("--model-dir", help="reuse (or create) the checkpoints under here instead of a temp dir")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per launch")
+    parser.add_argument("--min-available-gib", type=float,
+                        help="stop a launch when the host's available memory falls under this (default: 5%% of it)")
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.model_dir, args.out)
+        return worker(args.worker, args.model_dir, args.dtype, args.out)
+    checkpoints = args.checkpoints or (list(CHECKPOINTS[:3]) if args.model == "300m" else ["bf16-files"])
+    min_available = int(args.min_available_gib * GIB) if args.min_available_gib else meminfo_bytes("MemTotal") // 20
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         root = Path(args.model_dir) if args.model_dir else work
         lines, phase_lines = list(HEADER), list(PHASE_HEADER)
-        model_bytes = None
-        for checkpoint in args.checkpoints:
-            model_dir = root / ("llama-300m-" + checkpoint.replace("->", "-to-"))
-            if not (model_dir / "config.json").exists():
-                build_model(model_dir, checkpoint)
+        for checkpoint in checkpoints:
+            model_dir = root / f"llama-{args.model}-{checkpoint.replace('->', '-to-')}"
+            if not model_dir.exists():  # built beside it, then renamed: an interrupted build is never reused
+                print(f"writing the {args.model} {checkpoint} checkpoint to {model_dir}", flush=True)
+                partial = model_dir.with_name(model_dir.name + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)
+                build_model(partial, checkpoint, args.model)
+                partial.rename(model_dir)
+            model_bytes = None
             for ranks in args.ranks:
                 runs: dict[str, list[list[dict]]] = {m: [] for m in args.methods}
                 for repeat in range(args.repeat):
                     for method in args.methods:
                         warm_page_cache(model_dir)
                         out = work / f"{method}-{ranks}-{model_dir.name}-{repeat}"
-                        runs[method].append(launch(method, ranks, model_dir, out, args.timeout))
+                        runs[method].append(launch(method, ranks, model_dir, load_dtype(checkpoint), out, args.timeout,
+                                                   min_available))  # fmt: skip
+                        print(progress(method, ranks, repeat, runs[method][-1]), flush=True)
                 summaries = {m: summarize(r) for m, r in runs.items()}
                 model_bytes = model_bytes or next((s.model_bytes for s in summaries.values() if s.model_bytes), None)
                 for method in args.methods:
@@ -473,8 +564,8 @@ def main() -> None:
                     phases = phase_row(checkpoint, method, ranks, summaries[method])
                     if phases:
                         phase_lines.append(phases)
-        if model_bytes:
-            print(f"\nmodel bytes (fp32 parameters + buffers, as loaded): {model_bytes / GIB:.2f} GiB")
+            if model_bytes:
+                print(f"model bytes of {checkpoint} (parameters + buffers, as loaded): {model_bytes / GIB:.2f} GiB")
         print(f"{args.repeat} repeats per row, {time.perf_counter() - started:.0f} s in all\n")
         print("\n".join(lines))
         print("\nseconds by step, rank 0 (`LoadReport.seconds`)\n")

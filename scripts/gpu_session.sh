@@ -15,6 +15,8 @@
 #                 bash scripts/gpu_session.sh reserved    # reserved vs allocated, capped at the peak + 10%
 #                 bash scripts/gpu_session.sh scale3b     # a Llama-3.2-3B shape at long sequences, every peer
 #                 bash scripts/gpu_session.sh auto        # activation_memory_budget: auto on the 3B shape
+#                 bash scripts/gpu_session.sh load8b      # an 8B checkpoint loaded by 8 CPU ranks (the host), every method
+#                 bash scripts/gpu_session.sh load8b4     # the same checkpoint on 4 ranks: sharded against broadcast
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -179,6 +181,21 @@ auto() {
   done
 }
 
+# Loading at the size users load: the GPU machine's host (16 cores, 128 GB) runs 8 gloo CPU ranks (the GPU
+# hidden) that load a Llama-3-8B-shaped bf16 checkpoint (16 GB in 4 files; written here first, about a
+# minute, and kept in /tmp/bench_models for a later part on the same warm machine). Ours first, stock
+# accelerate last: it may not fit, and its row then says so (load_memory.py stops a launch before the
+# host runs out of memory). `load8b4`: the 4-rank sharded / broadcast time ratio on the same checkpoint.
+LOAD_ARGS=(benchmarks/load_memory.py --model 8b --repeat 1 --model-dir /tmp/bench_models --timeout 200)
+load8b() {
+  CUDA_VISIBLE_DEVICES= timeout 570 python3 "${LOAD_ARGS[@]}" --ranks 8 \
+    --methods ${LOAD8B_METHODS:-auto sharded broadcast native stock} 2>&1 | tee "$OUT/load8b.md"
+}
+load8b4() {
+  CUDA_VISIBLE_DEVICES= timeout 570 python3 "${LOAD_ARGS[@]}" --ranks 4 --methods broadcast sharded 2>&1 \
+    | tee "$OUT/load8b4.md"
+}
+
 tight() {  # the offload where users need it, on a GPU with little room: the H200 runs left the
   # allocator 20-23 GiB reserved for a 7.3-7.5 GiB allocated peak (freed blocks a copy stream still
   # held), which a smaller GPU cannot give. Capped at 9 GiB, an allocation that finds the device
@@ -203,15 +220,15 @@ estimate() {
   python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/estimate.md"
 }
 
-[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,19p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|load8b|load8b4) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, load8b, load8b4)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate

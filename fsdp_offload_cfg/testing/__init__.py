@@ -10,4 +10,5 @@ accelerate). Not part of the public API; nothing in the package imports it.
   estimate are checked against;
 - `compare`, `reads`, `configs`, `cli_budget`: digests for bit-equality across processes, the
   kernel's count of bytes read, the loader configs, the framework-CLI budget checks.
+- `host_memory`: a benchmark launch stopped whole before the host runs out of memory.
 """

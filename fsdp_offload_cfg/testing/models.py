@@ -8,7 +8,9 @@ import this file; keep the builders deterministic (fixed seeds) and side-effect 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
@@ -196,18 +198,20 @@ def save_tiny_buffers(path: str) -> str:
     return _save(model, path)
 
 
+# Llama shapes of the loading benchmarks at the sizes users load (`write_llama_checkpoint`).
+LLAMA_SHAPES = {
+    "300m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
+                 num_attention_heads=16, num_key_value_heads=16),
+    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                 num_attention_heads=12, num_key_value_heads=4),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),  # Llama-3-8B
+}  # fmt: skip
+
+
 def save_llama_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
     """~320M-parameter Llama for the loading benchmark (1.2 GiB of fp32 safetensors)."""
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=20,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**LLAMA_SHAPES["300m"], max_position_embeddings=2048, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device="cpu")
@@ -217,6 +221,56 @@ def save_llama_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
             p.normal_(0.0, 0.02, generator=gen)
         model.model.rotary_emb.__init__(config)  # recompute inv_freq after to_empty
     return _save(model, path, dtype)
+
+
+HF_MAX_FILE_BYTES = 5 * 10**9  # `save_pretrained`'s default `max_shard_size` ("5GB")
+
+
+def write_llama_checkpoint(path: str, shape: str, dtype: torch.dtype = torch.bfloat16,
+                           max_file_bytes: int = HF_MAX_FILE_BYTES, min_files: int = 1, seed: int = 0) -> str:  # fmt: skip
+    """A Llama checkpoint of `LLAMA_SHAPES[shape]` in `save_pretrained`'s multi-file layout
+    (`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`), every weight drawn
+    uniformly in [-0.03, 0.03) from a seed per tensor.
+
+    Why not `save_pretrained`: an 8B model would be built whole in host memory first (16 GB in
+    bf16, 32 GB to initialise in float32); here only one file's tensors (at most
+    `max_file_bytes`) exist at a time, so the checkpoint can be written on the machine that then
+    measures loading it, beside nothing else of its size. `min_files` splits a checkpoint smaller
+    than `max_file_bytes` into that many files or more, as a large checkpoint is split."""
+    from safetensors.torch import save_file
+
+    config = LlamaConfig(**LLAMA_SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
+    config.dtype = dtype
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
+    order = {name: i for i, name in enumerate(shapes)}
+    total = sum(s.numel() * dtype.itemsize for s in shapes.values())
+    max_file_bytes = min(max_file_bytes, -(-total // min_files))
+    files: list[list[str]] = [[]]  # names per file, in the model's order, as `save_pretrained` groups them
+    size = 0
+    for name, tensor_shape in shapes.items():
+        nbytes = tensor_shape.numel() * dtype.itemsize
+        if files[-1] and size + nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+
+    def draw(name: str) -> torch.Tensor:  # one thread each (torch lets go of the GIL): 8B in seconds, not a minute
+        gen = torch.Generator().manual_seed(seed + order[name])
+        return torch.empty(shapes[name], dtype=dtype).uniform_(-0.03, 0.03, generator=gen)
+
+    weight_map = {}
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        for k, file_names in enumerate(files, start=1):
+            file = f"model-{k:05d}-of-{len(files):05d}.safetensors"
+            save_file(dict(zip(file_names, pool.map(draw, file_names))), os.path.join(path, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(file_names, file))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return path
 
 
 BUILDERS = {
