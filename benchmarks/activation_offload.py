@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="model dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS,
+                   help="the fixed methods (none: only the --budget rows)")
     p.add_argument("--budget", nargs="*", default=[], metavar="SIZE",
                    help="add a row per activation_memory_budget (such as 6GiB), without checkpointing")
     p.add_argument("--ac", nargs="+", default=["no", "yes"], choices=["no", "yes"])

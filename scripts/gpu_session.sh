@@ -15,6 +15,7 @@
 #                 bash scripts/gpu_session.sh reserved    # reserved vs allocated, capped at the peak + 10%
 #                 bash scripts/gpu_session.sh scale3b     # a Llama-3.2-3B shape at long sequences, every peer
 #                 bash scripts/gpu_session.sh auto        # activation_memory_budget: auto on the 3B shape
+#                 bash scripts/gpu_session.sh capped      # FSDP2's none capped at its peak + 10%; budgets planned to a cap
 #                 bash scripts/gpu_session.sh load8b      # an 8B checkpoint loaded by 8 CPU ranks (the host), every method
 #                 bash scripts/gpu_session.sh load8b4     # the same checkpoint on 4 ranks: sharded against broadcast
 #
@@ -181,6 +182,20 @@ auto() {
   done
 }
 
+# The two capped rows the H100 run of 2026-11-27 left open. FSDP2's own `none` row under a cap of its
+# peak + 10%: were the offload row's 8 retries under such a cap FSDP2's own? Then budgets planned to
+# a cap (`auto` under --device-memory: the cap less the non-activation bytes measured at the first
+# forward), run under that cap: target 0 retries, the plan's peak within the cap.
+capped() {
+  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4 --ac no) cap size
+  "${row[@]}" --methods none --fsdp2 2>&1 | tee "$OUT/capped.md"
+  cap=$(_capped_at_peak "$OUT/capped.md" none)
+  [ -n "$cap" ] && "${row[@]}" --methods none --fsdp2 --device-memory "$cap" 2>&1 | tee -a "$OUT/capped.md"
+  for size in ${CAPPED_SIZES:-10GiB 12GiB}; do
+    "${row[@]}" --methods --budget auto --device-memory "$size" 2>&1 | tee -a "$OUT/capped.md"
+  done
+}
+
 # Loading at the size users load: the GPU machine's host (16 cores, 128 GB) runs 8 gloo CPU ranks (the GPU
 # hidden) that load a Llama-3-8B-shaped bf16 checkpoint (16 GB in 4 files; written here first, about a
 # minute, and kept in /tmp/bench_models for a later part on the same warm machine). Ours first, stock
@@ -220,15 +235,15 @@ estimate() {
   python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/estimate.md"
 }
 
-[ $# -gt 0 ] || { sed -n '2,19p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|load8b|load8b4) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, load8b, load8b4)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
