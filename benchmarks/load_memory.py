@@ -37,7 +37,9 @@ two of its parts: `from_pretrained`, and moving the weight bytes (broadcast: ran
 sharded: each rank's own reads, plus any scatter), the only part the strategy changes. Beside
 it, for a rank that read from the files, the storage/copy bound of the same bytes, measured on
 that rank after its load (`raw_read_seconds`: `pread` into a fresh buffer, then into the same
-touched buffer). "worst anon vs ..." is the largest rank's anonymous peak over what a rank must
+touched buffer). "estimate" is `fsdp-offload-cfg estimate`'s host peak for the method's strategy
+(rank 0, other ranks), computed offline from the checkpoint, over the measured peak RSS.
+"worst anon vs ..." is the largest rank's anonymous peak over what a rank must
 hold at least, its share of the model plus one 32 MiB bucket (target at scale: 1.00x). `loss` (one
 forward on fixed tokens, models up to 2 GiB) and `weight sum` (every parameter element once,
 summed over the ranks) show that the methods load the same model. Model bytes = parameters +
@@ -412,6 +414,7 @@ class Summary:
     phases: dict[str, float] | None = None  # the same run's rank 0 `LoadReport.seconds` (loader methods)
     loss: float | None = None  # a forward on fixed tokens (models up to LOSS_UP_TO_BYTES)
     weight_sum: float = 0.0  # every parameter element summed once over the ranks (`weight_sum`)
+    estimate: tuple[int, int] | None = None  # `estimated_peaks` (rank 0, others), set by the driver
     model_bytes: int = 0
     raw_fresh_seconds: float | None = None  # the same run's raw read of the same bytes (slowest rank)
     raw_touched_seconds: float | None = None
@@ -442,6 +445,24 @@ def summarize(runs: list[list[dict]]) -> Summary:
     )
 
 
+def estimated_peaks(model_dir: Path, method: str, ranks: int, dtype: str) -> tuple[int, int] | None:
+    """`fsdp-offload-cfg estimate`'s host peaks (rank 0, each other rank) for `method`'s strategy,
+    computed offline from the checkpoint's config and headers: the estimate checked against the
+    real peaks in the same table, at the size the run loads. None for a method it has no model of."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import estimate_memory
+
+    strategy = {"plain": "plain", "broadcast": "broadcast", "sharded": "sharded", "auto": "auto"}.get(method)
+    if strategy is None:
+        return None
+    config = load_config({"distributed_type": "FSDP", "mixed_precision": "no",
+                          "fsdp_config": {"version": 2, "cpu_ram_efficient_loading": True}})  # fmt: skip
+    report = estimate_memory(config, str(model_dir), seq_len=16, batch_size=1, num_processes=ranks, device="cpu",
+                             dtype=dtype)  # fmt: skip
+    peaks = report["loading"]["by_strategy"][strategy]
+    return peaks["rank0_host_peak_bytes"], peaks["other_host_peak_bytes"]
+
+
 def progress(method: str, ranks: int, repeat: int, results: list[dict]) -> str:
     """One line per launch as it ends (a large model's table comes only after all its launches)."""
     crashes = [r["crash"] for r in results if "crash" in r]
@@ -463,10 +484,17 @@ def worst_rank_vs_bound(s: Summary, ranks: int, model_bytes: int) -> str:
     return f"{max(s.rank0_anon, s.others_anon) / bound:.2f}x"
 
 
+def estimate_vs_measured(s: Summary) -> str:
+    """The estimate's peaks over the measured peak RSS, rank 0 and the largest other rank."""
+    if s.estimate is None:
+        return ""
+    return " / ".join(f"{e / GIB:.2f} ({e / max(m, 1):.2f}x)" for e, m in zip(s.estimate, (s.rank0_rss, s.others_rss)))
+
+
 def row(checkpoint: str, method: str, ranks: int, s: Summary, baseline: Summary | None, model_bytes: int) -> str:
     if s.crash is not None:
         label = "does not fit" if s.crash.startswith("does not fit") else "crash"
-        return f"| {checkpoint} | {method} | {ranks} | {label} |" + " |" * 13 + f" {s.crash} |"
+        return f"| {checkpoint} | {method} | {ranks} | {label} |" + " |" * 14 + f" {s.crash} |"
     ratio = f"{s.seconds / baseline.seconds:.2f}x" if baseline is not None and baseline.crash is None else ""
     move = "" if s.move_seconds is None else f"{s.move_seconds:.2f}"
     raw = "" if s.raw_fresh_seconds is None else (
@@ -474,7 +502,7 @@ def row(checkpoint: str, method: str, ranks: int, s: Summary, baseline: Summary 
     return (
         f"| {checkpoint} | {method} | {ranks} | {_gib(s.rank0_rss, model_bytes)} | {_gib(s.rank0_anon, model_bytes)} "
         f"| {_gib(s.others_rss, model_bytes)} | {_gib(s.others_anon, model_bytes)} "
-        f"| {worst_rank_vs_bound(s, ranks, model_bytes)} | {s.seconds:.2f} "
+        f"| {worst_rank_vs_bound(s, ranks, model_bytes)} | {estimate_vs_measured(s)} | {s.seconds:.2f} "
         f"| {s.seconds + s.first_read_seconds:.2f} | {s.seconds + s.first_read_seconds + s.first_write_seconds:.2f} "
         f"| {s.build_seconds:.2f} | {move} | {raw} | {ratio} | {'' if s.loss is None else f'{s.loss:.6f}'} "
         f"| {s.weight_sum:.6e} | |"
@@ -500,12 +528,13 @@ HEADER = [
     (
         "| checkpoint | method | ranks | rank 0 peak RSS GiB (x model) | rank 0 peak anon | "
         "other ranks: max peak RSS | other ranks: max peak anon | worst anon vs model / ranks + one bucket "
+        "| estimate GiB: rank 0 / other ranks (x measured RSS) "
         "| time s (median) | load + first read s "
         "| + first write s | of which from_pretrained s "
         "| of which moving bytes s | raw read of those bytes s: fresh / touched memory (moving vs fresh) "
         "| time vs broadcast | loss | weight sum | note |"
     ),
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -555,6 +584,8 @@ def main() -> None:
                                                    min_available))  # fmt: skip
                         print(progress(method, ranks, repeat, runs[method][-1]), flush=True)
                 summaries = {m: summarize(r) for m, r in runs.items()}
+                for method, summary in summaries.items():
+                    summary.estimate = estimated_peaks(model_dir, method, ranks, load_dtype(checkpoint))
                 model_bytes = model_bytes or next((s.model_bytes for s in summaries.values() if s.model_bytes), None)
                 for method in args.methods:
                     lines.append(
