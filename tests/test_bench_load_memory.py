@@ -56,9 +56,11 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_launch_that_runs_the_host_low_on_memory_is_stopped_whole_and_says_so(tmp_path: Path):
-    """The launcher and the process it started (a rank) both stopped; the reason names it."""
+    """The launcher and the process it started (a rank, in a session of its own as torchrun
+    starts ranks) both stopped; the reason names it and what the ranks held."""
     started = tmp_path / "child.pid"
-    script = f"import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); open({str(started)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    script = ("import subprocess, time; p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
+              f"open({str(started)!r}, 'w').write(str(p.pid)); time.sleep(60)")  # fmt: skip
     low_once_started = lambda: 0 if started.exists() and started.read_text() else meminfo_bytes("MemAvailable")  # noqa: E731
     begun = time.monotonic()
     why = run_guarded([sys.executable, "-c", script], dict(os.environ), tmp_path / "log", timeout=50,

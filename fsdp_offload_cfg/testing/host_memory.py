@@ -21,39 +21,72 @@ def meminfo_bytes(field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE).group(1)) * 1024
 
 
-def session_anon_bytes(session: int) -> list[int]:
-    """RssAnon of each live process of `session` (a launch: torchrun and its ranks)."""
-    sizes = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def _stat_fields(pid_dir: Path) -> list[str]:
+    """/proc/PID/stat after the command name (which may hold spaces): state, ppid, pgrp, ..."""
+    return (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root`, by parent links. Not by session or process group:
+    torchrun starts each rank in a session of its own (`start_new_session=True`), so a kill of
+    the launcher's group would leave the ranks running, holding their memory."""
+    children: dict[int, list[int]] = {}
+    for pid_dir in Path("/proc").glob("[0-9]*"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == session:
-                status = (stat.parent / "status").read_text()
-                sizes.append(int(re.search(r"^RssAnon:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024)
-        except (OSError, AttributeError, IndexError, ValueError):  # gone meanwhile, or a kernel thread
+            children.setdefault(int(_stat_fields(pid_dir)[1]), []).append(int(pid_dir.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def anon_bytes(pids: list[int]) -> list[int]:
+    """RssAnon of each of `pids` still alive."""
+    sizes = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            sizes.append(int(re.search(r"^RssAnon:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024)
+        except (OSError, AttributeError):  # gone meanwhile, or a kernel thread
             continue
     return sizes
 
 
+def kill_tree(root: int) -> None:
+    """SIGKILL `root` and everything below it: the tree is listed first (a rank whose launcher
+    is gone is reparented and can no longer be found from it), the launcher killed next (it can
+    start nothing more), then the rest."""
+    below = descendants(root)
+    for pid in [root, *below]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_guarded(cmd: list[str], env: dict[str, str], log: Path, timeout: float, min_available: int,
                 available: Callable[[], int] = lambda: meminfo_bytes("MemAvailable")) -> str | None:  # fmt: skip
-    """Run `cmd` (output to `log`) in a session of its own and wait for it; stop the whole session
-    (every process of it: a launcher's ranks too) when `available()` bytes fall under
-    `min_available`, or after `timeout` seconds. Returns why it was stopped; None when it ended
-    by itself."""
+    """Run `cmd` (output to `log`) and wait for it; stop it and every process it started (a
+    launcher's ranks) when `available()` bytes fall under `min_available`, or after `timeout`
+    seconds. Returns why it was stopped; None when it ended by itself."""
     with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
     start, why = time.monotonic(), None
     while proc.poll() is None:
         free, elapsed = available(), time.monotonic() - start
         if free < min_available:
-            held = session_anon_bytes(proc.pid)
+            held = anon_bytes(descendants(proc.pid))
             why = (f"does not fit: stopped after {elapsed:.0f} s, the host's available memory down to "
                    f"{free / GIB:.1f} GiB of {meminfo_bytes('MemTotal') / GIB:.0f}; the ranks held "
                    f"{sum(held) / GIB:.1f} GiB (largest {max(held, default=0) / GIB:.1f} GiB)")  # fmt: skip
         elif elapsed > timeout:
             why = f"stopped after {timeout:.0f} s (hung?)"
         if why:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             return why
         time.sleep(0.1)

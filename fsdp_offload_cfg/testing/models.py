@@ -235,8 +235,8 @@ def write_llama_checkpoint(path: str, shape: str, dtype: torch.dtype = torch.bfl
     Why not `save_pretrained`: an 8B model would be built whole in host memory first (16 GB in
     bf16, 32 GB to initialise in float32); here only one file's tensors (at most
     `max_file_bytes`) exist at a time, so the checkpoint can be written on the machine that then
-    measures loading it, beside nothing else of its size. `min_files` splits a checkpoint smaller
-    than `max_file_bytes` into that many files or more, as a large checkpoint is split."""
+    measures loading it, beside nothing else of its size. `min_files` splits a checkpoint too small
+    to fill that many files of `max_file_bytes` into that many or more, as a large one is split."""
     from safetensors.torch import save_file
 
     config = LlamaConfig(**LLAMA_SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
@@ -245,7 +245,8 @@ def write_llama_checkpoint(path: str, shape: str, dtype: torch.dtype = torch.bfl
         shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
     order = {name: i for i, name in enumerate(shapes)}
     total = sum(s.numel() * dtype.itemsize for s in shapes.values())
-    max_file_bytes = min(max_file_bytes, -(-total // min_files))
+    if -(-total // max_file_bytes) < min_files:  # too small to make `min_files` files of the size limit
+        max_file_bytes = -(-total // min_files)
     files: list[list[str]] = [[]]  # names per file, in the model's order, as `save_pretrained` groups them
     size = 0
     for name, tensor_shape in shapes.items():
