@@ -63,6 +63,7 @@ the median time of `broadcast` of the same configuration in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -264,6 +265,9 @@ def weight_sum(model) -> float:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    def float64_sum(tensor) -> torch.Tensor:  # in blocks: a float64 copy of an 8B model's embedding is 2 GB
+        return sum((block.double().sum() for block in tensor.reshape(-1).split(2**22)), torch.zeros((), dtype=torch.float64))
+
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for param in model.parameters():
@@ -271,9 +275,9 @@ def weight_sum(model) -> float:
                 copies = 1
                 for dim, placement in enumerate(param.placements):
                     copies *= param.device_mesh.size(dim) if placement.is_replicate() else 1
-                total += param.to_local().double().sum() / copies
+                total += float64_sum(param.to_local()) / copies
             else:  # a plain tensor: the whole parameter on every rank
-                total += param.double().sum() / dist.get_world_size()
+                total += float64_sum(param) / dist.get_world_size()
     dist.all_reduce(total)
     return total.item()
 
@@ -317,6 +321,8 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
             with torch.no_grad():
                 ids = torch.arange(16).reshape(1, 16)
                 result["loss"] = model(ids, labels=ids).loss.item()
+        del model  # the raw read below fills as much fresh memory as the shards took: not beside them
+        gc.collect()
         dist.barrier()  # every rank reads its raw bytes at once, as they read their shards at once
         if result["read_bytes"]:
             result["raw_fresh_seconds"], result["raw_touched_seconds"] = raw_read_seconds(
