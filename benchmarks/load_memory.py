@@ -66,7 +66,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -75,7 +74,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_offload_cfg.testing.host_memory import meminfo_bytes, run_guarded
+from fsdp_offload_cfg.testing.host_memory import meminfo_bytes, run_guarded, status_bytes
 
 METHODS = ("plain", "stock", "broadcast", "sharded", "auto", "native")
 LOADER_METHODS = ("broadcast", "sharded", "auto")
@@ -83,10 +82,6 @@ GIB = 2**30
 
 
 # ------------------------------------------------------------------------------ memory probes
-
-
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE).group(1))
 
 
 class PeakMemory:
@@ -113,16 +108,16 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self._anon = max(self._anon, _status_kib("RssAnon") * 1024)
-            self._rss = max(self._rss, _status_kib("VmRSS") * 1024)
+            self._anon = max(self._anon, status_bytes("RssAnon"))
+            self._rss = max(self._rss, status_bytes("VmRSS"))
             time.sleep(0.01)
 
     def stop(self) -> tuple[int, int]:
         """(peak RSS, peak anonymous RSS)."""
         self._stop.set()
         self._thread.join()
-        rss = _status_kib("VmHWM") * 1024 if self._hwm_reset else self._rss
-        return rss, max(self._anon, _status_kib("RssAnon") * 1024)
+        rss = status_bytes("VmHWM") if self._hwm_reset else self._rss
+        return rss, max(self._anon, status_bytes("RssAnon"))
 
 
 # ------------------------------------------------------------------------------ one rank
@@ -302,7 +297,7 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
     try:
         accelerator = _setup(method)
         dist.barrier()
-        baseline_rss, baseline_anon = _status_kib("VmRSS") * 1024, _status_kib("RssAnon") * 1024
+        baseline_rss, baseline_anon = status_bytes("VmRSS"), status_bytes("RssAnon")
         peak = PeakMemory()
         peak.start()
         start = time.perf_counter()
@@ -341,7 +336,6 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
 
 CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8", "bf16-files")
 MODELS = ("300m", "100m", "8b")  # `fsdp_offload_cfg.testing.models.LLAMA_SHAPES`
-BUCKET_BYTES = 32 * 2**20  # the loader's default bucket (`loading.prepare.DEFAULT_BUCKET_BYTES`)
 
 
 def load_dtype(checkpoint: str) -> str:
@@ -458,14 +452,13 @@ def estimated_peaks(model_dir: Path, method: str, ranks: int, dtype: str) -> tup
     from fsdp_offload_cfg import load_config
     from fsdp_offload_cfg.estimate import estimate_memory
 
-    strategy = {"plain": "plain", "broadcast": "broadcast", "sharded": "sharded", "auto": "auto"}.get(method)
-    if strategy is None:
+    if method not in ("plain", *LOADER_METHODS):
         return None
     config = load_config({"distributed_type": "FSDP", "mixed_precision": "no",
                           "fsdp_config": {"version": 2, "cpu_ram_efficient_loading": True}})  # fmt: skip
     report = estimate_memory(config, str(model_dir), seq_len=16, batch_size=1, num_processes=ranks, device="cpu",
                              dtype=dtype)  # fmt: skip
-    peaks = report["loading"]["by_strategy"][strategy]
+    peaks = report["loading"]["by_strategy"][method]
     return peaks["rank0_host_peak_bytes"], peaks["other_host_peak_bytes"]
 
 
@@ -486,7 +479,9 @@ def _gib(nbytes: int, model_bytes: int) -> str:
 def worst_rank_vs_bound(s: Summary, ranks: int, model_bytes: int) -> str:
     """The largest rank's anonymous peak against what a rank must hold at least: its share of the
     model plus one bucket in flight (the target of loading at scale)."""
-    bound = model_bytes / ranks + BUCKET_BYTES
+    from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
+
+    bound = model_bytes / ranks + DEFAULT_BUCKET_BYTES
     return f"{max(s.rank0_anon, s.others_anon) / bound:.2f}x"
 
 

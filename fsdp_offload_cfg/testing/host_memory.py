@@ -16,9 +16,19 @@ from pathlib import Path
 GIB = 2**30
 
 
+def _kib_field_bytes(path: str, field: str) -> int:
+    """A "Field:  N kB" line of a /proc file, in bytes."""
+    return int(re.search(rf"^{field}:\s+(\d+) kB", Path(path).read_text(), re.MULTILINE).group(1)) * 1024
+
+
 def meminfo_bytes(field: str) -> int:
     """One field of /proc/meminfo (`MemAvailable`, `MemTotal`), in bytes."""
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE).group(1)) * 1024
+    return _kib_field_bytes("/proc/meminfo", field)
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """One field of a process's /proc status (`RssAnon`, `VmRSS`, `VmHWM`), in bytes."""
+    return _kib_field_bytes(f"/proc/{pid}/status", field)
 
 
 def _stat_fields(pid_dir: Path) -> list[str]:
@@ -49,8 +59,7 @@ def anon_bytes(pids: list[int]) -> list[int]:
     sizes = []
     for pid in pids:
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            sizes.append(int(re.search(r"^RssAnon:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024)
+            sizes.append(status_bytes("RssAnon", pid))
         except (OSError, AttributeError):  # gone meanwhile, or a kernel thread
             continue
     return sizes
