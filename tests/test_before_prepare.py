@@ -101,6 +101,27 @@ def _modules_to_save(path: str) -> nn.Module:
     return get_peft_model(_causal(path), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
 
 
+def _deep_copy(path: str) -> nn.Module:
+    """A copy of the loaded model is what gets prepared (TRL's `create_reference_model`, a script's
+    `ref = copy.deepcopy(model)`): under the loader it is a loaded model of its own."""
+    import copy
+
+    return copy.deepcopy(_causal(path))
+
+
+def _upcast_trainable(path: str) -> nn.Module:
+    """LlamaFactory's upcast of each trainable parameter goes through `.data`:
+    `param.data = param.data.to(torch.float32)`. Here float32 to float64, a cast that rounds
+    nothing: the loader applies the last dtype to the checkpoint's values, so a narrowing cast
+    before a widening one (bf16 then float32, from a float32 checkpoint) is not reproduced (noted
+    in docs/loading.md)."""
+    model = _causal(path)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.to(torch.float64)
+    return model
+
+
 CASES: dict[str, Callable[[str], nn.Module]] = {
     "classifier_head": _classifier,
     "to_bf16": _bf16,
@@ -111,6 +132,8 @@ CASES: dict[str, Callable[[str], nn.Module]] = {
     "checkpoint_wrapped": _checkpoint_wrapped,
     "two_adapters": _two_adapters,
     "modules_to_save": _modules_to_save,
+    "deep_copy": _deep_copy,
+    "upcast_trainable": _upcast_trainable,
 }
 
 
@@ -126,6 +149,8 @@ def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
         torch.manual_seed(5)  # one seed on every rank, as a training script sets it
         model = build(path)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        named = list(model.named_parameters())  # what the op and the optimizer left unread
+        meta = (sum(p.is_meta for _, p in named), sum("lora_" not in n and "score" not in n for n, _ in named))
         try:
             model, optimizer = accelerator.prepare(model, optimizer)
         except RuntimeError as exc:
@@ -136,7 +161,7 @@ def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
         model.train()
         labels = (lambda ids: ids[:, 0] % 3) if case == "classifier_head" else None
         losses = train_steps(accelerator, model, optimizer, rank, labels=labels)
-        out[case] = {"state": state, "rng": rng, "losses": losses}
+        out[case] = {"state": state, "rng": rng, "losses": losses, "meta_before_prepare": meta}
     return out
 
 
@@ -160,3 +185,15 @@ def test_the_op_gives_what_the_run_without_the_loader_gives(runs: dict[str, Any]
         plain, ours = runs["loader_off"][rank][case], runs[mode][rank][case]
         assert ours["rng"] == plain["rng"], f"rank {rank}: the RNG stream differs"
         assert ours["losses"] == plain["losses"], (rank, ours["losses"], plain["losses"])
+
+
+@pytest.mark.parametrize(("case", "mode"), EQUAL)
+def test_the_op_reads_no_weight_before_prepare(runs: dict[str, Any], case: str, mode: str):
+    """Under the loader every checkpoint tensor stays on meta until prepare on every rank (rank 0
+    included: the checkpoint is safetensors), whatever the op did: a cast, `.data`, a copy, PEFT
+    wrapping, an optimizer built on it. A tensor that read itself because its values were used
+    (`loading/pending.py`) would be a full copy on every rank, the peak the loader exists to avoid.
+    `modules_to_save` is the documented exception: rank 0 reads the base whole to copy the module."""
+    for rank in (0, 1) if case != "modules_to_save" else (1,):  # rank 0 reads the base whole for the copy
+        meta, checkpoint_backed = runs[mode][rank][case]["meta_before_prepare"]
+        assert meta >= checkpoint_backed > 0, (rank, meta, checkpoint_backed)  # more: a head rank 0 sends

@@ -101,6 +101,76 @@ def test_a_load_on_the_main_process_only_is_a_plain_load(llama: str) -> None:
         assert r["all_rank_load_meta"] == r["all_rank_load_tensors"] > 0
 
 
+def _values_read_worker(rank: int, world_size: int, path: str, strategy: str | None) -> dict[str, Any]:
+    """Rank 0 alone loads, then reaches the weights every way a script does before any forward
+    or `state_dict()`; each value is compared with a plain load's."""
+    import copy
+    import io
+
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(_config(strategy))
+    out: dict[str, Any] = {}
+    if rank == 0:
+        with fsdp_offload_cfg.local_loading():
+            plain = AutoModelForCausalLM.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        head = model.lm_head.weight
+        checks = {
+            "sum": lambda: torch.equal(head.sum(), plain.lm_head.weight.sum()),
+            "data": lambda: torch.equal(model.model.norm.weight.data * 1, plain.model.norm.weight),
+            "detach": lambda: torch.equal(model.model.embed_tokens.weight.detach().clone(), plain.model.embed_tokens.weight),
+            "repr": lambda: repr(model.model.layers[0].mlp.up_proj.weight) == repr(plain.model.layers[0].mlp.up_proj.weight),
+            "saved": lambda: torch.equal(_saved_and_loaded(model.model.layers[0].mlp.down_proj.weight, io),
+                                         plain.model.layers[0].mlp.down_proj.weight),
+            "indexed": lambda: torch.equal(model.model.layers[1].self_attn.q_proj.weight[0],
+                                           plain.model.layers[1].self_attn.q_proj.weight[0]),
+        }
+        for name, check in checks.items():
+            out[name] = check()
+        out["same_object"] = model.lm_head.weight is head  # read in place: every holder sees the values
+        out["params"] = len(list(model.parameters()))
+        out["still_meta"] = _meta_params(model)
+        model.to(torch.bfloat16)  # a cast reads nothing
+        out["meta_after_cast"] = _meta_params(model)
+        twin = copy.deepcopy(model)  # a copy reads nothing either, and reads its own values later
+        out["twin_meta"] = _meta_params(twin)
+        out["twin_value"] = torch.equal(twin.model.layers[1].self_attn.k_proj.weight,
+                                        plain.model.layers[1].self_attn.k_proj.weight.to(torch.bfloat16))
+        reference = plain.to(torch.bfloat16)
+        with torch.no_grad():
+            out["forward"] = torch.equal(model(IDS).logits, reference(IDS).logits)
+            out["twin_forward"] = torch.equal(twin(IDS).logits, reference(IDS).logits)
+        out["meta_left"] = _meta_params(model) + _meta_params(twin)
+        out["classes"] = sorted({type(t).__name__ for m in (model, twin) for t in [*m.parameters(), *m.buffers()]})
+    dist.barrier()
+    return out
+
+
+def _saved_and_loaded(t: torch.Tensor, io: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+@pytest.mark.parametrize("strategy", [None, "sharded"], ids=["auto", "sharded"])
+def test_a_main_process_only_load_gives_real_values_wherever_they_are_read(llama: str, strategy: str | None) -> None:
+    """Issue 45 item 8: under auto and sharded rank 0's solo load is built on meta like one that
+    `prepare` fills. `model.lm_head.weight.sum()`, `.data`, `.detach()`, printing, `torch.save`,
+    indexing and `copy.deepcopy` each gave meta tensors without a word; now each tensor reads
+    itself from the files where its values are used, in place, and a cast or a copy reads nothing."""
+    rank0, _ = run_workers(_values_read_worker, 2, llama, strategy, timeout=120)
+    for check in ("sum", "data", "detach", "repr", "saved", "indexed", "same_object", "twin_value", "forward",
+                  "twin_forward"):
+        assert rank0[check] is True, (check, rank0)
+    assert rank0["still_meta"] == rank0["params"] - 6, rank0  # exactly the six tensors used were read
+    assert rank0["meta_after_cast"] == rank0["still_meta"] and rank0["twin_meta"] == rank0["still_meta"], rank0
+    assert rank0["meta_left"] == 0 and rank0["classes"] == ["Parameter", "Tensor"], rank0
+
+
 def _other_rank_only_worker(rank: int, world_size: int, path: str, strategy: str | None) -> str:
     from transformers import AutoModelForCausalLM
 

@@ -16,6 +16,7 @@ plain load, and a `CheckpointRecord` in its `model_state` that `load_into_sharde
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,16 @@ class CheckpointRecord:
 
     files: tuple[str, ...]
     _by_id: dict[int, tuple[torch.Tensor, FileTensor]] = field(default_factory=dict)
+    read_early: int = 0  # bytes read before prepare, tensor by tensor, where values were used (`pending.py`)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointRecord:
+        """The record of a copy of the model (`copy.deepcopy(model)`): the same files behind the
+        copy's tensors. Keyed by identity, so the default copy would keep the original's ids."""
+        new = CheckpointRecord(self.files, read_early=self.read_early)
+        memo[id(self)] = new  # first: copying a pending tensor below reaches this record again
+        for t, where in list(self._by_id.values()):
+            new.add(copy.deepcopy(t, memo), where)
+        return new
 
     def add(self, tensor: torch.Tensor, where: FileTensor) -> None:
         self._by_id.setdefault(id(tensor), (tensor, where))
@@ -97,29 +108,19 @@ def _record(model: nn.Module, capture: Capture) -> CheckpointRecord:
 
 def materialize_from_files(model: nn.Module) -> int:
     """Read every meta tensor of `model` that its record backs, whole, on this rank (the copy a
-    plain load holds); returns the bytes read. For a loader-built model used before `prepare`
-    (rank 0 alone exporting or evaluating it): each tensor becomes a real one on every module
-    that holds it (ties kept) and leaves the record, so that a later `prepare` sends it."""
-    from safetensors import safe_open
+    plain load holds); returns the bytes read. Each tensor is filled in place (every module that
+    holds it, ties included, sees the values) and leaves the record, so that a later `prepare`
+    sends it from where it is real."""
+    from fsdp_offload_cfg.loading import pending
 
     record = record_of(model)
     if record is None:
         return 0
-    pending = [(t, w) for _, t in _named_tensors(model) if t.is_meta and (w := record.lookup(t)) is not None]
-    done: dict[int, torch.Tensor] = {}
     read = 0
-    for t, where in pending:
-        if id(t) in done:
-            continue
-        with safe_open(where.path, framework="pt") as f:
-            value = f.get_tensor(where.key).to(t.dtype)
-        read += value.numel() * value.element_size()
-        done[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
-        record.forget(t)
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, held in table.items():
-                if held is not None and id(held) in done and held.is_meta:
-                    table[name] = done[id(held)]
+    for _, t in _named_tensors(model):
+        if pending.is_pending(t):
+            read += pending.materialize(t, warn=False)
+        elif t.is_meta and (where := record.lookup(t)) is not None:
+            read += pending.read_in_place(t, where)
+            record.forget(t)
     return read
-

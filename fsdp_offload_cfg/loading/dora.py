@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_offload_cfg import model_state
+from fsdp_offload_cfg.loading.pending import plain_meta
 from fsdp_offload_cfg.loading.spec import unwrapped
 
 
@@ -73,8 +74,9 @@ def defer_norms() -> Iterator[None]:
                 "magnitude from the whole base weight, which is on meta under the loader's meta loading: target only "
                 "Linear layers with DoRA, or set fsdp_cpu_ram_efficient_loading: false for this run.")
         pending = PendingNorm(weight.dtype, lora_A.detach(), scaling)
-        original(self, base_layer=base_layer, lora_A=torch.empty_like(lora_A, device="meta"),
-                 lora_B=torch.empty_like(lora_B, device="meta"), scaling=scaling)
+        with plain_meta():  # PEFT's arithmetic on the meta base weight: shapes only, nothing read
+            original(self, base_layer=base_layer, lora_A=torch.empty_like(lora_A, device="meta"),
+                     lora_B=torch.empty_like(lora_B, device="meta"), scaling=scaling)
         model_state.put(self, "dora_pending", pending)
         self._register_load_state_dict_pre_hook(_take_loaded_magnitude, with_module=True)
 

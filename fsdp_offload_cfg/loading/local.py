@@ -24,6 +24,12 @@ _gate_depth = 0  # open blocks of either kind: the variable reads "false" for tr
 _saved_env: str | None = None  # the variable's value before the first open block: the user's switch
 _GATE = "FSDP_CPU_RAM_EFFICIENT_LOADING"  # accelerate's switch, which transformers' gate reads
 _TRUE = ("y", "yes", "t", "true", "on", "1")  # accelerate's `str_to_bool`
+# Said wherever a load only some ranks make meets the loader (a guard, a wait, a read before prepare).
+LOCAL_LOADING_HINT = (
+    "If only some ranks load this model (an eval copy, a teacher or reference model that is never passed "
+    "to prepare), load it inside `with fsdp_offload_cfg.local_loading():` for a full copy on the ranks "
+    "that call it."
+)
 
 
 def rank0_loading_wanted() -> bool:

@@ -58,8 +58,8 @@ from fsdp_offload_cfg.loading.checkpoint import (
     meta_from_pretrained,
     record_of,
 )
-from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT, guard_until_prepared
-from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
+from fsdp_offload_cfg.loading.guard import guard_until_prepared
+from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT, transformers_fsdp_gate_off
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.pairing import LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta

@@ -32,7 +32,7 @@ from torch import nn
 
 from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg.loading.checkpoint import FileTensor, record_of
-from fsdp_offload_cfg.loading.guard import LOCAL_LOADING_HINT
+from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.meta import is_rank0_source
 from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
