@@ -6,6 +6,7 @@ Kept free of transformers so that both the loader and the per-version intercepti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -32,13 +33,34 @@ class NotSliceable(Exception):
 
 @dataclass(frozen=True)
 class FileTensor:
-    """Where one tensor's bytes are: `offset` is absolute in the file, row-major, `dtype` as stored."""
+    """Where one tensor's bytes are: `offset` is absolute in the file, row-major, `dtype` as stored.
+
+    `via`: the other float dtypes the model's tensor held, in order, between the file and the
+    shard (the dtype transformers loaded it in, then each cast before prepare). A plain load
+    rounds at each of them: a float32 checkpoint loaded in bfloat16 and upcast to float32 master
+    weights holds bfloat16 values, so a read casts through them too (`converted`)."""
 
     path: str
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int
+    via: tuple[torch.dtype, ...] = ()
+
+    def held_as(self, dtype: torch.dtype) -> FileTensor:
+        """This tensor, after the model's tensor was cast to `dtype` (float to float only)."""
+        last = self.via[-1] if self.via else self.dtype
+        if dtype == last or not (dtype.is_floating_point and last.is_floating_point):
+            return self
+        return dataclasses.replace(self, via=(*self.via, dtype))
+
+
+def converted(values: torch.Tensor, where: FileTensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values` (in the file's dtype) cast as a plain load casts them: through each dtype of
+    `where.via`, then to `dtype`."""
+    for step in where.via:
+        values = values.to(step)
+    return values.to(dtype)
 
 
 def read_header(path: str) -> dict[str, FileTensor]:

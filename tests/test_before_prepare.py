@@ -110,15 +110,13 @@ def _deep_copy(path: str) -> nn.Module:
 
 
 def _upcast_trainable(path: str) -> nn.Module:
-    """LlamaFactory's upcast of each trainable parameter goes through `.data`:
-    `param.data = param.data.to(torch.float32)`. Here float32 to float64, a cast that rounds
-    nothing: the loader applies the last dtype to the checkpoint's values, so a narrowing cast
-    before a widening one (bf16 then float32, from a float32 checkpoint) is not reproduced (noted
-    in docs/loading.md)."""
-    model = _causal(path)
+    """LlamaFactory's full fine-tune of a bf16 model upcasts each trainable parameter through
+    `.data`: `param.data = param.data.to(torch.float32)` (from a float32 checkpoint: the values
+    keep their bf16 rounding)."""
+    model = _bf16(path)
     for param in model.parameters():
         if param.requires_grad:
-            param.data = param.data.to(torch.float64)
+            param.data = param.data.to(torch.float32)
     return model
 
 
@@ -197,3 +195,51 @@ def test_the_op_reads_no_weight_before_prepare(runs: dict[str, Any], case: str, 
     for rank in (0, 1) if case != "modules_to_save" else (1,):  # rank 0 reads the base whole for the copy
         meta, checkpoint_backed = runs[mode][rank][case]["meta_before_prepare"]
         assert meta >= checkpoint_backed > 0, (rank, meta, checkpoint_backed)  # more: a head rank 0 sends
+
+
+# --------------------------------------------------------------------------------------------
+# a float32 checkpoint loaded in bfloat16, trained with mixed precision
+# --------------------------------------------------------------------------------------------
+
+
+def _mixed_precision_worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
+    """The Trainer's `bf16=True` recipe: `from_pretrained(dtype=torch.bfloat16)`, then accelerate
+    upcasts the trainable parameters to float32 master weights; and a model loaded in float32 and
+    cast with `model.to(torch.bfloat16)` before prepare."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(_config(mode))
+    out: dict[str, Any] = {}
+    builds = {"loaded_bf16": lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16),
+              "cast_bf16": lambda: _causal(path).to(torch.bfloat16)}
+    for case, build in builds.items():
+        accelerator = Accelerator(mixed_precision="bf16")
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        out[case] = {k: (str(v.dtype), _digest(v)) for k, v in accelerator.get_state_dict(model).items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed_precision_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path_factory.mktemp("mixed_precision") / "llama"))  # float32 on disk
+    return {mode: run_workers(_mixed_precision_worker, 2, mode, path, timeout=300)[0]
+            for mode in ("loader_off", "broadcast", "sharded", "auto")}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["loaded_bf16", "cast_bf16"])
+@pytest.mark.parametrize("mode", ["broadcast", "sharded", "auto"])
+def test_master_weights_hold_the_values_the_loaded_dtype_rounded_to(mixed_precision_runs: dict[str, Any],
+                                                                    mode: str, case: str) -> None:
+    """A plain load rounds the float32 checkpoint to bfloat16, and the float32 master weights
+    hold those rounded values. The loader read the file straight into float32 (the rounding
+    lost: 16 of 21 tensors differed); it now reads through every dtype the tensor held."""
+    plain, ours = mixed_precision_runs["loader_off"][case], mixed_precision_runs[mode][case]
+    assert {v[0] for v in plain.values()} == {"torch.float32"}  # the upcast happened
+    assert ours == plain, sorted(k for k in plain if plain[k] != ours.get(k))

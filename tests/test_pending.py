@@ -89,3 +89,38 @@ def test_plain_meta_and_release_and_a_forgotten_tensor_compute_on_meta(layer: nn
     pending.release(layer)
     assert type(layer.weight) is nn.Parameter and (layer.weight * 2).is_meta
     assert record.read_early == 0
+
+
+def test_a_value_is_rounded_through_every_dtype_it_held(tmp_path) -> None:
+    """A float32 checkpoint loaded in bfloat16 and upcast to float32 master weights holds
+    bfloat16 values in a plain load; so does a read of the pending tensor."""
+    path = str(tmp_path / "model.safetensors")
+    save_file({"weight": WEIGHT, "bias": BIAS}, path)
+    header = read_header(path)
+    module = nn.Linear(4, 3, device="meta", dtype=torch.bfloat16)  # `from_pretrained(dtype=torch.bfloat16)`
+    record = CheckpointRecord((path,))
+    record.add(module.weight, header["weight"].held_as(torch.bfloat16))
+    record.add(module.bias, header["bias"])
+    pending.mark(module, record, "load test")
+    module.to(torch.float32)  # accelerate's upcast before sharding, LlamaFactory's before prepare
+    assert record.lookup(module.weight).via == (torch.bfloat16, torch.float32)
+    assert torch.equal(module.weight + 0, WEIGHT.to(torch.bfloat16).float())
+    assert not torch.equal(WEIGHT.to(torch.bfloat16).float(), WEIGHT)  # the rounding is there to see
+    assert torch.equal(module.bias + 0, BIAS)
+
+
+def test_a_buffer_the_cast_replaced_stays_backed_for_prepare(tmp_path) -> None:
+    """`Module.to(dtype)` replaces each float buffer by its cast: at prepare the replacement is
+    read from the checkpoint, through the dtype it was cast to."""
+    path = str(tmp_path / "model.safetensors")
+    save_file({"scale": WEIGHT}, path)
+    module = nn.Module()
+    module.register_buffer("scale", torch.empty(3, 4, device="meta"))
+    record = CheckpointRecord((path,))
+    record.add(module.scale, read_header(path)["scale"])
+    pending.mark(module, record, "load test")
+    module.to(torch.float16)
+    replaced = module.scale
+    pending.release(module)
+    assert type(replaced) is torch.Tensor and replaced.dtype == torch.float16
+    assert record.lookup(replaced).via == (torch.float16,)

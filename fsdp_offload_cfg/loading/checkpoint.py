@@ -57,6 +57,12 @@ class CheckpointRecord:
         entry = self._by_id.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else None
 
+    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        """`tensor` (on meta, before prepare) now holds `dtype`: its values are read through it."""
+        entry = self._by_id.get(id(tensor))
+        if entry is not None and entry[0] is tensor:
+            self._by_id[id(tensor)] = (tensor, entry[1].held_as(dtype))
+
     def forget(self, tensor: torch.Tensor) -> None:
         """`tensor` no longer matches its checkpoint tensor (it was resized): rank 0 sends it."""
         if self.lookup(tensor) is not None:
@@ -101,8 +107,8 @@ def _record(model: nn.Module, capture: Capture) -> CheckpointRecord:
     tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
     record = CheckpointRecord(tuple(capture.files or ()))
     for name, tensor in sorted(_named_tensors(model), key=lambda item: item[0] in tied_targets):
-        if name in capture.keymap:
-            record.add(tensor, capture.keymap[name])
+        if name in capture.keymap:  # the dtype transformers loaded it in is the first it held
+            record.add(tensor, capture.keymap[name].held_as(tensor.dtype))
     return record
 
 

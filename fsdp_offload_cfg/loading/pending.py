@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
+from fsdp_offload_cfg.safetensors_index import converted
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -88,6 +89,7 @@ class _Pending:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        _note_cast(func, args)
         if getattr(_plain, "depth", 0) or _reads_nothing(func, args, kwargs):
             with DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
@@ -139,10 +141,27 @@ def mark(model: nn.Module, record: Any, what: str) -> None:
 
 
 def release(model: nn.Module) -> None:
-    """Every pending tensor of `model` becomes a plain meta tensor again (`prepare` fills it)."""
+    """Every pending tensor of `model` becomes a plain meta tensor again (`prepare` fills it). A
+    derived one the model holds (`model.to(dtype)` replaces each buffer by its cast) enters its
+    source's record, read through the dtypes on the way."""
     for t in [*model.parameters(), *model.buffers()]:
         if is_pending(t):
+            _adopt(t)
             _unmark(t)
+
+
+def _adopt(t: torch.Tensor) -> None:
+    chain = [t]
+    while isinstance(info := chain[-1].__dict__.get(KEY), _Derived) and is_pending(info.source):
+        chain.append(info.source)
+    root = chain[-1].__dict__.get(KEY)
+    where = root.record.lookup(chain[-1]) if isinstance(root, _Backing) and len(chain) > 1 else None
+    if where is None:
+        return
+    with DisableTorchFunctionSubclass():
+        for step in reversed(chain[:-1]):
+            where = where.held_as(step.dtype)
+    root.record.add(t, where)
 
 
 @contextmanager
@@ -191,7 +210,7 @@ def read_in_place(t: torch.Tensor, where: Any) -> int:
     from safetensors import safe_open
 
     with safe_open(where.path, framework="pt") as f:
-        value = f.get_tensor(where.key).to(t.dtype)
+        value = converted(f.get_tensor(where.key), where, t.dtype)
     real = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
     torch.utils.swap_tensors(t, real)
     return value.numel() * value.element_size()
@@ -200,6 +219,18 @@ def read_in_place(t: torch.Tensor, where: Any) -> int:
 def _unmark(t: torch.Tensor) -> None:
     t.__dict__.pop(KEY, None)
     t.__class__ = nn.Parameter if isinstance(t, nn.Parameter) else torch.Tensor
+
+
+def _note_cast(func: Any, args: tuple) -> None:
+    """`tensor.data = value` of another dtype (`model.to(dtype)`, LlamaFactory's upcast): the
+    record reads the tensor through that dtype, as a plain load's values went through it."""
+    descriptor = getattr(func, "__self__", None)
+    if getattr(func, "__name__", "") != "__set__" or getattr(descriptor, "__name__", "") != "data" or len(args) < 2:
+        return
+    target, value = args[0], args[1]
+    info = target.__dict__.get(KEY) if is_pending(target) else None
+    if isinstance(info, _Backing) and isinstance(value, torch.Tensor):
+        info.record.cast(target, value.dtype)
 
 
 def _reads_nothing(func: Any, args: tuple, kwargs: dict) -> bool:

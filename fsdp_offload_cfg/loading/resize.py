@@ -36,6 +36,7 @@ from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.meta import is_rank0_source
 from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
+from fsdp_offload_cfg.safetensors_index import converted
 
 
 def build_resize_token_embeddings(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
@@ -111,7 +112,7 @@ def _read_from_checkpoint(model: nn.Module, in_files: list[tuple[torch.Tensor, F
         if not (t.is_meta and isinstance(t, nn.Parameter)):
             continue
         with safe_open(where.path, framework="pt") as f:
-            real = nn.Parameter(f.get_tensor(where.key).to(t.dtype), requires_grad=t.requires_grad)
+            real = nn.Parameter(converted(f.get_tensor(where.key), where, t.dtype), requires_grad=t.requires_grad)
         for module in model.modules():
             for name, held in list(module._parameters.items()):
                 if held is t:

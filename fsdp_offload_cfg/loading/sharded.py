@@ -47,7 +47,7 @@ from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, owner, tensor_at
 from fsdp_offload_cfg.ranks import attempt, node_name, raise_if_any_failed
-from fsdp_offload_cfg.safetensors_index import FileTensor
+from fsdp_offload_cfg.safetensors_index import FileTensor, converted
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -232,7 +232,7 @@ class FileSlice:
             dest.copy_(piece.contiguous().reshape(-1).view(torch.uint8))
             return piece.numel() * where.dtype.itemsize
         shape = tuple(s.stop - s.start for s in region)
-        direct = where.dtype == self.dtype and dest.device.type == "cpu" and dest.is_contiguous()
+        direct = where.dtype == self.dtype and not where.via and dest.device.type == "cpu" and dest.is_contiguous()
         raw = dest if direct else self.staging.get(byte_range[1])
         fd = os.open(where.path, os.O_RDONLY)
         try:
@@ -240,7 +240,7 @@ class FileSlice:
         finally:
             os.close(fd)
         if not direct:
-            dest.view(self.dtype).view(shape).copy_(raw.view(where.dtype).view(shape))
+            copy_converted(dest.view(self.dtype).view(shape), raw.view(where.dtype).view(shape), where)
         return byte_range[1]
 
     def __getitem__(self, region: Region) -> torch.Tensor:
@@ -251,14 +251,14 @@ class FileSlice:
             from safetensors import safe_open
 
             with safe_open(where.path, framework="pt") as f:
-                return f.get_slice(where.key)[region].to(self.dtype)
+                return converted(f.get_slice(where.key)[region], where, self.dtype)
         raw = torch.empty(byte_range[1], dtype=torch.uint8)
         fd = os.open(where.path, os.O_RDONLY)
         try:
             _pread(fd, _as_bytes(raw), where.offset + byte_range[0], where.path)
         finally:
             os.close(fd)
-        return raw.view(where.dtype).view(shape).to(self.dtype)
+        return converted(raw.view(where.dtype).view(shape), where, self.dtype)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -312,8 +312,14 @@ def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: i
 
 
 def _direct(dest: torch.Tensor, where: FileTensor) -> bool:
-    """Bytes can go straight into `dest`: same dtype, contiguous host memory."""
-    return dest.dtype == where.dtype and dest.device.type == "cpu" and dest.is_contiguous()
+    """Bytes can go straight into `dest`: same dtype all the way, contiguous host memory."""
+    return dest.dtype == where.dtype and not where.via and dest.device.type == "cpu" and dest.is_contiguous()
+
+
+def copy_converted(dest: torch.Tensor, values: torch.Tensor, where: FileTensor) -> None:
+    """`dest.copy_(values)`, `values` in the file's dtype, rounded through `where.via` first as a
+    plain load rounds them (`copy_` alone converts in place, allocating nothing)."""
+    dest.copy_(converted(values, where, dest.dtype) if where.via else values)
 
 
 def _read_block(
@@ -324,7 +330,7 @@ def _read_block(
 
         with safe_open(where.path, framework="pt") as f:
             piece = f.get_slice(where.key)[block.regions[rank]]
-        block.dest.copy_(piece.view(block.dest.shape))
+        copy_converted(block.dest, piece.view(block.dest.shape), where)
         return piece.numel() * piece.element_size()
     offset, nbytes = byte_range
     if _direct(block.dest, where):
@@ -332,5 +338,5 @@ def _read_block(
     else:
         raw = staging[:nbytes]
         _pread(fd, _as_bytes(raw), where.offset + offset, where.path)
-        block.dest.copy_(raw.view(where.dtype).view(block.dest.shape))
+        copy_converted(block.dest, raw.view(where.dtype).view(block.dest.shape), where)
     return nbytes
