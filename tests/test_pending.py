@@ -124,3 +124,23 @@ def test_a_buffer_the_cast_replaced_stays_backed_for_prepare(tmp_path) -> None:
     pending.release(module)
     assert type(replaced) is torch.Tensor and replaced.dtype == torch.float16
     assert record.lookup(replaced).via == (torch.float16,)
+
+
+def test_a_forward_with_a_tensor_no_file_backs_names_prepare(layer: nn.Linear, tmp_path) -> None:
+    """A tensor taken out of the record on meta (resized on a rank that does not hold the
+    weights) cannot be read: the guarded forward says so instead of computing with it."""
+    import torch.distributed as dist
+
+    from fsdp_offload_cfg import model_state
+    from fsdp_offload_cfg.loading.guard import guard_until_prepared
+
+    record = _record(layer)
+    model_state.put(layer, "checkpoint", record)
+    guard_until_prepared(layer, "load test")
+    record.forget(layer.bias)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"still on the meta device on rank 0 \(1 tensors, e.g. bias\)"):
+            layer(torch.ones(1, 4))
+    finally:
+        dist.destroy_process_group()

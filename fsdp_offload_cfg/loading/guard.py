@@ -105,6 +105,8 @@ def _fill_from_files(module: nn.Module, what: str) -> bool:
         return False
     nbytes = sum(pending.materialize(t, warn=False) for t in tensors if pending.is_pending(t))
     dora.fill_pending(module, computed, rank=0, world_size=1)
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return False  # pending but no longer backed (resized on meta): nothing can fill it here
     release_meta_guards(module, forward_only=True)  # a state_dict hook cannot remove itself while it runs
     if nbytes:
         logger.warning("rank %d uses the model made by `%s` before prepare: it read %s from the files (as a plain "
