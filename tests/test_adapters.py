@@ -30,6 +30,10 @@ ADAPTERS = {
     # run keeps each rank's own rows (rank 0's were sent to every rank before)
     "lora_seed_per_rank": {"r": 4, "target_modules": ["q_proj", "v_proj"]},
     "dora": {"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": True},
+    # a copy of a base module to train: rank 0 reads the base whole, the other ranks compute DoRA on
+    # meta (LlamaFactory's new tokens: `additional_target`); it read the base on rank 1 and failed there
+    "dora_modules_to_save": {"r": 4, "target_modules": ["q_proj", "v_proj"], "use_dora": True,
+                             "modules_to_save": ["lm_head"]},
     "pissa": {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa"},
     "dora_bf16": {},  # the "dora" adapter on a bf16 base
     "dora_saved": {},  # the "dora" adapter, trained a little and saved, loaded with `PeftModel.from_pretrained`
@@ -130,7 +134,7 @@ def test_an_init_computed_from_the_base_is_refused_on_every_rank_naming_it(runs:
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "sharded"])
-@pytest.mark.parametrize("adapter", ["dora", "dora_bf16", "dora_saved"])
+@pytest.mark.parametrize("adapter", ["dora", "dora_bf16", "dora_saved", "dora_modules_to_save"])
 def test_dora_equals_the_run_without_the_loader(runs: dict[str, Any], mode: str, adapter: str):
     """DoRA's magnitude is a norm of the base weights' rows: each rank computes its own rows after
     the load (under "sharded" it used to stop at prepare: no rank held the base weights). A saved

@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading import dora
+from fsdp_offload_cfg.loading.pending import plain_meta
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -68,7 +69,8 @@ def build_inject_adapter(original: Callable[..., Any], cfg: Any) -> Callable[...
         if _needs_base_weights(self, model, config):
             _refuse_init_computed_before_placement(config, adapter_name)
             _read_whole_on_rank0(model, adapter_name)
-            return original(self, model, adapter_name, *args, **kwargs)
+            with plain_meta():  # the ranks still on meta compute shapes only: rank 0's values come at prepare
+                return original(self, model, adapter_name, *args, **kwargs)
         with _KeepOffMeta(), dora.defer_norms():
             return original(self, model, adapter_name, *args, **kwargs)
 
