@@ -144,3 +144,9 @@ def test_a_forward_with_a_tensor_no_file_backs_names_prepare(layer: nn.Linear, t
             layer(torch.ones(1, 4))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_move_off_meta_reads_the_values(layer: nn.Linear) -> None:
+    """`.to("cpu")` / `.cpu()` need the values (a cast that stays on meta does not)."""
+    assert torch.equal(layer.weight.to("cpu"), WEIGHT) and torch.equal(layer.bias.cpu(), BIAS)
+    assert not layer.weight.is_meta and not pending.is_pending(layer.bias)

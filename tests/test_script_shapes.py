@@ -105,7 +105,6 @@ def _values_read_worker(rank: int, world_size: int, path: str, strategy: str | N
     """Rank 0 alone loads, then reaches the weights every way a script does before any forward
     or `state_dict()`; each value is compared with a plain load's."""
     import copy
-    import io
 
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +122,7 @@ def _values_read_worker(rank: int, world_size: int, path: str, strategy: str | N
             "data": lambda: torch.equal(model.model.norm.weight.data * 1, plain.model.norm.weight),
             "detach": lambda: torch.equal(model.model.embed_tokens.weight.detach().clone(), plain.model.embed_tokens.weight),
             "repr": lambda: repr(model.model.layers[0].mlp.up_proj.weight) == repr(plain.model.layers[0].mlp.up_proj.weight),
-            "saved": lambda: torch.equal(_saved_and_loaded(model.model.layers[0].mlp.down_proj.weight, io),
+            "saved": lambda: torch.equal(_saved_and_loaded(model.model.layers[0].mlp.down_proj.weight),
                                          plain.model.layers[0].mlp.down_proj.weight),
             "indexed": lambda: torch.equal(model.model.layers[1].self_attn.q_proj.weight[0],
                                            plain.model.layers[1].self_attn.q_proj.weight[0]),
@@ -149,7 +148,9 @@ def _values_read_worker(rank: int, world_size: int, path: str, strategy: str | N
     return out
 
 
-def _saved_and_loaded(t: torch.Tensor, io: Any) -> torch.Tensor:
+def _saved_and_loaded(t: torch.Tensor) -> torch.Tensor:
+    import io
+
     buffer = io.BytesIO()
     torch.save(t, buffer)
     buffer.seek(0)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fsdp_offload_cfg._logging import get_logger
-from fsdp_offload_cfg.loading import dora
+from fsdp_offload_cfg.loading import dora, pending
 from fsdp_offload_cfg.loading.pending import plain_meta
 
 logger = get_logger("fsdp_offload_cfg.loading")
@@ -140,12 +140,12 @@ def _read_whole_on_rank0(model: nn.Module, adapter_name: str) -> None:
     model then. The other ranks compute it on meta, as PEFT does, and receive it."""
     import torch.distributed as dist
 
-    from fsdp_offload_cfg.loading.checkpoint import materialize_from_files, record_of
+    from fsdp_offload_cfg.loading.checkpoint import record_of
     from fsdp_offload_cfg.ranks import distributed_ready
 
     if not distributed_ready() or dist.get_rank() != 0 or record_of(model) is None:
         return
-    nbytes = materialize_from_files(model)
+    nbytes = pending.materialize_all(model)
     if nbytes:
         logger.info("adapter %r is computed from the base weights (DoRA, its init, or modules_to_save): rank 0 "
                     "read the base model whole from the files (%.2f GiB) and sends it at prepare", adapter_name,

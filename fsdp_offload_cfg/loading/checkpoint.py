@@ -111,22 +111,3 @@ def _record(model: nn.Module, capture: Capture) -> CheckpointRecord:
             record.add(tensor, capture.keymap[name].held_as(tensor.dtype))
     return record
 
-
-def materialize_from_files(model: nn.Module) -> int:
-    """Read every meta tensor of `model` that its record backs, whole, on this rank (the copy a
-    plain load holds); returns the bytes read. Each tensor is filled in place (every module that
-    holds it, ties included, sees the values) and leaves the record, so that a later `prepare`
-    sends it from where it is real."""
-    from fsdp_offload_cfg.loading import pending
-
-    record = record_of(model)
-    if record is None:
-        return 0
-    read = 0
-    for _, t in _named_tensors(model):
-        if pending.is_pending(t):
-            read += pending.materialize(t, warn=False)
-        elif t.is_meta and (where := record.lookup(t)) is not None:
-            read += pending.read_in_place(t, where)
-            record.forget(t)
-    return read

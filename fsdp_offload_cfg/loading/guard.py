@@ -103,7 +103,7 @@ def _fill_from_files(module: nn.Module, what: str) -> bool:
     owed = {id(module.get_parameter(n)) for n in computed}
     if any(t.is_meta and not pending.is_pending(t) and id(t) not in owed for t in tensors):
         return False
-    nbytes = sum(pending.materialize(t, warn=False) for t in tensors if pending.is_pending(t))
+    nbytes = pending.materialize_all(module)
     dora.fill_pending(module, computed, rank=0, world_size=1)
     if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         return False  # pending but no longer backed (resized on meta): nothing can fill it here

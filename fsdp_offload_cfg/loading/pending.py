@@ -26,7 +26,8 @@ How: `mark` gives every meta tensor the record backs the class `PendingParameter
   - `copy.deepcopy` gives a pending tensor of the copy, backed by the copy's record, reading
     nothing (the copy is a loader-built model of its own: TRL's `create_reference_model`).
 `release` turns them back into plain meta tensors when `prepare` starts filling the model;
-inside `plain_meta()` (PEFT's DoRA computing on meta stand-ins) they behave as plain meta tensors.
+inside `plain_meta()` (PEFT computing on a meta base on the ranks that receive rank 0's values,
+DoRA's deferred norm) they behave as plain meta tensors.
 """
 
 from __future__ import annotations
@@ -202,6 +203,12 @@ def materialize(t: torch.Tensor, warn: bool = True) -> int:
     info.record.forget(t)
     info.record.read_early += nbytes
     return nbytes
+
+
+def materialize_all(module: nn.Module) -> int:
+    """Read every pending tensor of `module` (each once, ties included), with no warning of its own
+    (the caller logs why); returns the bytes read."""
+    return sum(materialize(t, warn=False) for t in [*module.parameters(), *module.buffers()] if is_pending(t))
 
 
 def read_in_place(t: torch.Tensor, where: Any) -> int:

@@ -35,8 +35,8 @@ from fsdp_offload_cfg.loading.checkpoint import FileTensor, record_of
 from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.meta import is_rank0_source
+from fsdp_offload_cfg.loading.pending import read_in_place
 from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
-from fsdp_offload_cfg.safetensors_index import converted
 
 
 def build_resize_token_embeddings(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
@@ -55,7 +55,7 @@ def build_resize_token_embeddings(original: Callable[..., Any], cfg: Any) -> Cal
             mailbox.start()
 
             def on_rank0() -> Any:
-                _read_from_checkpoint(self, in_files)
+                _read_from_checkpoint(in_files)
                 return original(self, new_num_tokens, pad_to_multiple_of, mean_resizing)
 
             result, error = attempt(on_rank0)
@@ -102,18 +102,9 @@ def _take_from_record(model: nn.Module, tensors: list[torch.Tensor]) -> list[tup
     return taken
 
 
-def _read_from_checkpoint(model: nn.Module, in_files: list[tuple[torch.Tensor, FileTensor]]) -> None:
-    """Rank 0 under "sharded": the values of the tensors the resize reads, from the files. A meta
-    parameter cannot take host data in place: each becomes a new parameter, set on every module
-    that holds it (a tied head keeps sharing it)."""
-    from safetensors import safe_open
-
+def _read_from_checkpoint(in_files: list[tuple[torch.Tensor, FileTensor]]) -> None:
+    """Rank 0 under "sharded": the values of the tensors the resize reads, from the files, in
+    place (`pending.read_in_place`: a tied head keeps sharing the embedding)."""
     for t, where in in_files:
-        if not (t.is_meta and isinstance(t, nn.Parameter)):
-            continue
-        with safe_open(where.path, framework="pt") as f:
-            real = nn.Parameter(converted(f.get_tensor(where.key), where, t.dtype), requires_grad=t.requires_grad)
-        for module in model.modules():
-            for name, held in list(module._parameters.items()):
-                if held is t:
-                    setattr(module, name, real)
+        if t.is_meta:
+            read_in_place(t, where)
