@@ -12,6 +12,14 @@ time and GiB/s per way:
                    in "madvise" mode); the first repeat is shown apart, it pays for the first
                    huge allocation of the process.
 
+and, for the way transformers' own FSDP2 load keeps its shards (views of a private mapping of the
+file, `UntypedStorage.from_file(shared=False)` as safetensors maps it), two more, each on a new
+mapping: `mapped, first read` (one byte of every page read: the page cache's pages mapped, nothing
+copied) and `mapped, first write` (one byte of every page written: each page copied out of the
+file, copy on write; what the first optimizer step pays there). Below the table: the host's
+transparent-huge-page setting, the huge pages the process got, and whether it runs under a
+hypervisor, which set what a fault costs.
+
     python benchmarks/page_faults.py --file /tmp/bench/llama-300m-fp32/model.safetensors
 """
 
@@ -56,6 +64,38 @@ def _fresh(nbytes: int, advice: int | None, align: int) -> tuple[torch.Tensor, f
     return t, time.perf_counter() - start
 
 
+def _mapped(path: str, nbytes: int, write: bool) -> float:
+    """Map `path` privately, then read (or write) one byte of each page of its first `nbytes`."""
+    start = time.perf_counter()
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
+    pages = torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes][::PAGE]
+    if write:
+        pages.add_(0)
+    else:
+        pages.sum()
+    return time.perf_counter() - start
+
+
+def _anon_huge_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages")), 0)
+
+
+def _machine(huge_kb: int) -> str:
+    def first(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.readline().strip()
+        except OSError:
+            return "unknown"
+
+    with open("/proc/cpuinfo") as f:
+        hypervisor = any(line.startswith("flags") and " hypervisor" in line for line in f)
+    return (f"transparent huge pages: {first('/sys/kernel/mm/transparent_hugepage/enabled')}; "
+            f"huge pages the `huge pages` tensor got: {huge_kb // 1024} MiB; "
+            f"{'under a hypervisor (first touch of a page may fault in the host too)' if hypervisor else 'bare metal'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--file", required=True, help="a file of at least --mib MiB (e.g. a checkpoint)")
@@ -70,6 +110,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {}
     touched = torch.empty(nbytes, dtype=torch.uint8)
+    huge_kb = 0
     _read(fd, touched)
     for _ in range(args.repeat):
         t, setup = _fresh(nbytes, None, PAGE)
@@ -79,7 +120,10 @@ def main() -> None:
         times.setdefault("populate first", []).append(setup + _read(fd, t))
         t, setup = _fresh(nbytes, MADV_HUGEPAGE, HUGE)
         times.setdefault("huge pages", []).append(setup + _read(fd, t))
+        huge_kb = max(huge_kb, _anon_huge_kb())
         del t
+        times.setdefault("mapped, first read", []).append(_mapped(args.file, nbytes, write=False))
+        times.setdefault("mapped, first write", []).append(_mapped(args.file, nbytes, write=True))
     os.close(fd)
     first_huge = times["huge pages"].pop(0)
 
@@ -92,6 +136,7 @@ def main() -> None:
         print(f"| {way} | {median:.3f} | {nbytes / 2**30 / median:.1f} | {median / base:.2f}x |")
     print(f"| huge pages, first allocation of the process | {first_huge:.3f} | {nbytes / 2**30 / first_huge:.1f} "
           f"| {first_huge / base:.2f}x |")  # fmt: skip
+    print(f"\n{_machine(huge_kb)}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #                 bash scripts/gpu_session.sh capped      # FSDP2's none capped at its peak + 10%; budgets planned to a cap
 #                 bash scripts/gpu_session.sh load8b      # an 8B checkpoint loaded by 8 CPU ranks (the host), every method
 #                 bash scripts/gpu_session.sh load8b4     # the same checkpoint on 4 ranks: sharded against broadcast
+#                 bash scripts/gpu_session.sh faults      # what filling fresh host memory costs there (page_faults.py, ~30 s)
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -211,6 +212,16 @@ load8b4() {
     | tee "$OUT/load8b4.md"
 }
 
+# What a page fault costs on the GPU machine's host: the CPU machine (a VM) fills fresh memory at
+# 1.9 GiB/s and copies a mapped file's page on its first write at 0.5-0.7 GiB/s, which decides how
+# the loader compares with transformers' native load there (docs/benchmarks.md). A 1 GiB file of
+# zeros is enough: what is measured is the destination's pages, not the bytes.
+faults() {
+  head -c $((1024 * 2**20)) /dev/zero > /tmp/faults.bin
+  python3 benchmarks/page_faults.py --file /tmp/faults.bin --mib 1000 --repeat 5 2>&1 | tee "$OUT/faults.md"
+  rm -f /tmp/faults.bin
+}
+
 tight() {  # the offload where users need it, on a GPU with little room: the H200 runs left the
   # allocator 20-23 GiB reserved for a 7.3-7.5 GiB allocated peak (freed blocks a copy stream still
   # held), which a smaller GPU cannot give. Capped at 9 GiB, an allocation that finds the device
@@ -242,8 +253,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH 
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4|faults) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4, faults)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
