@@ -26,7 +26,11 @@ friendly), splits large parts into blocks of at most `bucket_bytes`, and reads a
 region (FSDP2's dim-0 shards always are) with `os.preadv` straight into the destination when
 the dtype matches, else into one reused staging buffer that `copy_` converts from. Why not
 mmap (`safe_open`): pages of a mapped file count in the reader's RSS while mapped; `pread`
-goes through the page cache without that, and allocates nothing per tensor. Non-contiguous
+goes through the page cache without that, and allocates nothing per tensor. Why not keep the
+shards as views of a private mapping, as transformers' own FSDP2 load does: the copy then
+happens at the first write, a copy-on-write fault per page, which costs about 3x a `pread` into
+new pages (docs/benchmarks.md), and a page never written (a frozen weight) follows any later
+change to the checkpoint file. Non-contiguous
 regions (not produced by FSDP2's default placements) use `safe_open(...).get_slice(key)[region]`.
 """
 
