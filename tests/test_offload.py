@@ -638,7 +638,10 @@ def test_compiled_llama_grads_are_bit_identical(scope: str, monkeypatch: pytest.
     accelerate's regional compilation does; a hook of ours inside the wrapper split its graph and
     moved the gradients by 7e-8). Whole model, a graph saves everything when it ends (no layer
     boundary to offload at) and hooks would split it: offload steps aside, says so once, changes
-    nothing."""
+    nothing. In every scope, no graph break: our hooks run outside the layers' graphs (a compiled
+    layer's) or trace as nothing (a model compiled whole; `groups.GroupHooks`)."""
+    from torch._dynamo.utils import counters
+
     from fsdp_offload_cfg.offload import api
     from fsdp_offload_cfg.offload.stats import COUNTS
 
@@ -646,6 +649,7 @@ def test_compiled_llama_grads_are_bit_identical(scope: str, monkeypatch: pytest.
 
     def compiled(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         torch._dynamo.reset()
+        counters.clear()
         model = tiny_llama(2)
         if scope == "per_checkpointed_layer":
             for i, layer in enumerate(model.model.layers):
@@ -666,9 +670,49 @@ def test_compiled_llama_grads_are_bit_identical(scope: str, monkeypatch: pytest.
         warnings.simplefilter("always")
         loss, got = compiled(offload=True)
     notices = [w for w in caught if "activation offload is inactive for a model compiled whole" in str(w.message)]
+    assert dict(counters["graph_break"]) == {}
     if scope != "whole_model":
         assert offload_stats()["offloaded_bytes"] > 0 and COUNTS["groups_entered"] > 0 and not notices
     else:
         assert offload_stats()["offloaded_bytes"] == 0 and len(notices) == 1
+    assert torch.equal(loss, loss_ref)
+    assert all(torch.equal(g, r) for g, r in zip(got, grads_ref, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["in_place", "wrapped"])
+def test_layers_compiled_with_fullgraph_offload_exactly(style: str) -> None:
+    """`fullgraph=True` per layer, as torchtitan compiles its blocks and accelerate's regional
+    compilation can (`dynamo_use_fullgraph`). Our group hooks used to be traced as frames of their
+    own beside each compiled layer, where dynamo met autograd's graph task and the saved-tensor
+    hooks stack: under fullgraph, `torch._dynamo.exc.Unsupported` at the first step. They now run
+    eagerly around each compiled forward: activations move, gradients equal those of the same
+    compiled model without offload. "wrapped" (`torch.compile(layer)` in the model's layer list,
+    accelerate's `compile_regions`) needs torch >= 2.13: torch 2.11 inlines a wrapped module's
+    hooks into its graph."""
+    from torch._dynamo.utils import counters
+
+    if style == "wrapped" and torch.__version__ < "2.13":
+        pytest.skip("torch < 2.13 traces a torch.compile-wrapped layer's hooks into its graph")
+
+    def compiled(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_llama(2)
+        if offload:
+            enable_activation_offload(model, ON)
+        for i, layer in enumerate(model.model.layers):
+            if style == "in_place":
+                layer.compile(fullgraph=True)
+            else:
+                model.model.layers[i] = torch.compile(layer, fullgraph=True)
+        loss = llama_step(model, batch())
+        return loss, grads(model)
+
+    loss_ref, grads_ref = compiled(offload=False)
+    reset_offload_stats()
+    loss, got = compiled(offload=True)
+    assert dict(counters["graph_break"]) == {}
+    assert offload_stats()["offloaded_bytes"] > 0
     assert torch.equal(loss, loss_ref)
     assert all(torch.equal(g, r) for g, r in zip(got, grads_ref, strict=True))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_offload_cfg import model_state
-from fsdp_offload_cfg.offload.groups import LayerClasses, find_units, hook_groups, lift_to_boundaries
+from fsdp_offload_cfg.offload.groups import GroupHooks, LayerClasses, find_units, hook_groups, lift_to_boundaries
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.pool import HostPool
@@ -35,6 +35,7 @@ class OffloadHandle:
         self.handler = handler
         self.mode = "off" if handler is None else ("async" if isinstance(handler, AsyncHandler) else "sync")
         self._hooks: list[Any] = []
+        self._group_hooks: GroupHooks | None = None  # the boundaries' hooks, whose form follows compilation
         self._forward: Callable[..., Any] | None = None
         self._previous_forward: Any = None
 
@@ -113,7 +114,8 @@ def enable_activation_offload(
     boundaries = _pick_groups(model, layer_classes, groups)
     handler = _make_handler(model, config, len(boundaries))
     handle = OffloadHandle(model, config, boundaries, handler)
-    handle._hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group)
+    handle._group_hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group)
+    handle._hooks = [handle._group_hooks]
     _wrap_forward(handle, handler)
     model_state.put(model, "offload", handle)
     return handle
@@ -163,6 +165,7 @@ def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
             # to offload. (Constant under tracing: this branch costs no graph break.)
             _whole_model_compile_notice()
             return inner(*args, **kwargs)
+        handle._group_hooks.match_compilation(self)
         with handler.forward_pass():
             return inner(*args, **kwargs)
 

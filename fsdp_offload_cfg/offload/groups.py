@@ -16,6 +16,7 @@ recomputation (which calls the inner module) does not even fire the group hooks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -113,26 +114,90 @@ def lift_to_boundaries(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.
     return sorted((m for m in lifted.values() if not nested(m)), key=lambda m: order.get(id(m), 0))
 
 
+class GroupHooks:
+    """Entry and exit hooks on every boundary, registered after FSDP's own hooks (FSDP2 prepends its
+    pre-forward unshard), so at entry an FSDP2 boundary's unsharded parameters exist. Parameters
+    unsharded after the entry (FSDP1 inside its forward, an FSDP2 layer inside a wrapper) need no
+    hook of their own: they are saved as parameters or views of them, which the filter keeps by
+    type (`filter._is_param_like`; tests/test_offload_dist.py covers FSDP1's flat and original
+    parameters). A hook on the module inside a checkpoint wrapper would run inside the
+    checkpointed region, where dynamo cannot trace it and splits a compiled layer's graph:
+    gradients then differ in the last bits.
+
+    Each boundary's hooks take one of two forms, for `torch.compile`:
+      - traced (the default): a model compiled whole inlines every layer's call, hooks included,
+        into one graph; there our forward steps aside (`api._wrap_forward`), the hooks find no
+        pass and return, and dynamo traces that as nothing at all;
+      - opaque (`torch.compiler.disable`d), for a boundary compiled on its own (`layer.compile()`,
+        or `torch.compile(layer)` in the model): dynamo compiles such a layer's forward and runs
+        its hooks as frames of their own, where a traced hook would meet what dynamo cannot trace
+        (autograd's graph task, the saved-tensor hooks stack) and graph-break, or, under
+        `fullgraph=True`, stop the run. An opaque hook runs eagerly, before and after the
+        compiled forward, as the offload needs.
+    An opaque hook inlined into a larger graph would break it, so the form follows how each
+    boundary is compiled, checked at each eager forward (`match_compilation`).
+    """
+
+    def __init__(self, boundaries: Sequence[nn.Module], enter: Callable[[int, nn.Module], None],
+                 exit_: Callable[[int], None]) -> None:
+        self._boundaries = list(boundaries)
+        self._enter, self._exit = enter, exit_
+        self._opaque = [False] * len(self._boundaries)  # the form each boundary's hooks have now
+        self._handles = [self._register(i, False) for i in range(len(self._boundaries))]
+
+    def _register(self, index: int, opaque: bool) -> tuple[RemovableHandle, RemovableHandle]:
+        enter, exit_ = self._enter, self._exit
+
+        def pre(module: nn.Module, _args: Any) -> None:
+            enter(index, module)
+
+        def post(_module: nn.Module, _args: Any, _out: Any) -> None:
+            exit_(index)
+
+        if opaque:
+            import torch._dynamo  # here: `import fsdp_offload_cfg` stays light
+
+            pre, post = torch._dynamo.disable(pre, recursive=True), torch._dynamo.disable(post, recursive=True)
+        boundary = self._boundaries[index]
+        return boundary.register_forward_pre_hook(pre), boundary.register_forward_hook(post)
+
+    def match_compilation(self, root: nn.Module) -> None:
+        """Give each boundary the hook form its compilation needs (see the class docstring)."""
+        compiled = _compiled_on_their_own(root)
+        for index, boundary in enumerate(self._boundaries):
+            opaque = id(boundary) in compiled
+            if opaque != self._opaque[index]:
+                for handle in self._handles[index]:
+                    handle.remove()
+                self._handles[index] = self._register(index, opaque)
+                self._opaque[index] = opaque
+
+    def remove(self) -> None:
+        for pair in self._handles:
+            for handle in pair:
+                handle.remove()
+        self._handles = []
+
+
+def _compiled_on_their_own(root: nn.Module) -> set[int]:
+    """Modules under `root` that run as a compiled region of their own: compiled in place
+    (`module.compile()`), or wrapped by `torch.compile(module)` (accelerate's regional compilation)."""
+    found = set()
+    for module in root.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            found.add(id(module))
+        if type(module).__name__ == "OptimizedModule" and isinstance(module._modules.get("_orig_mod"), nn.Module):
+            found.add(id(module._modules["_orig_mod"]))
+    return found
+
+
 def hook_groups(
     boundaries: Sequence[nn.Module],
     enter: Callable[[int, nn.Module], None],
     exit_: Callable[[int], None],
-) -> list[RemovableHandle]:
-    """Register group entry/exit on each boundary, and nothing on the modules inside it.
-
-    Registered after FSDP's own hooks (FSDP2 prepends its pre-forward unshard), so at entry an
-    FSDP2 boundary's unsharded parameters exist. Parameters unsharded after the entry (FSDP1
-    inside its forward, an FSDP2 layer inside a wrapper) need no hook of their own: they are
-    saved as parameters or views of them, which the filter keeps by type (`filter._is_param_like`;
-    tests/test_offload_dist.py covers FSDP1's flat and original parameters). A hook on the module
-    inside a checkpoint wrapper would run inside the checkpointed region, where dynamo cannot trace
-    it and splits a compiled layer's graph: gradients then differ in the last bits.
-    """
-    handles = []
-    for index, boundary in enumerate(boundaries):
-        handles.append(boundary.register_forward_pre_hook(lambda m, _a, i=index: enter(i, m)))
-        handles.append(boundary.register_forward_hook(lambda _m, _a, _o, i=index: exit_(i)))
-    return handles
+) -> GroupHooks:
+    """Register group entry/exit on each boundary, and nothing on the modules inside it."""
+    return GroupHooks(boundaries, enter, exit_)
 
 
-__all__ = ["find_units", "hook_groups", "lift_to_boundaries", "unwrap"]
+__all__ = ["GroupHooks", "find_units", "hook_groups", "lift_to_boundaries", "unwrap"]
