@@ -705,14 +705,17 @@ def test_layers_compiled_with_fullgraph_offload_exactly(style: str) -> None:
         torch._dynamo.reset()
         counters.clear()
         model = tiny_llama(2)
-        if offload:
-            enable_activation_offload(model, ON)
-        for i, layer in enumerate(model.model.layers):
+        layers = list(model.model.layers)
+        handle = enable_activation_offload(model, ON) if offload else None
+        for i, layer in enumerate(layers):
             if style == "in_place":
                 layer.compile(fullgraph=True)
             else:
                 model.model.layers[i] = torch.compile(layer, fullgraph=True)
         loss = llama_step(model, batch())
+        if handle is not None:  # the hooks re-registered for the compiled layers go with the handle
+            handle.remove()
+            assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
         return loss, grads(model)
 
     loss_ref, grads_ref = compiled(offload=False)

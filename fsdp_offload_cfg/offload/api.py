@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_offload_cfg import model_state
-from fsdp_offload_cfg.offload.groups import GroupHooks, LayerClasses, find_units, hook_groups, lift_to_boundaries
+from fsdp_offload_cfg.offload.groups import GroupHooks, LayerClasses, find_units, lift_to_boundaries
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.pool import HostPool
@@ -34,7 +34,6 @@ class OffloadHandle:
         self.groups = groups
         self.handler = handler
         self.mode = "off" if handler is None else ("async" if isinstance(handler, AsyncHandler) else "sync")
-        self._hooks: list[Any] = []
         self._group_hooks: GroupHooks | None = None  # the boundaries' hooks, whose form follows compilation
         self._forward: Callable[..., Any] | None = None
         self._previous_forward: Any = None
@@ -45,9 +44,9 @@ class OffloadHandle:
 
     def remove(self) -> None:
         """Unhook the groups, restore the root's forward, free the idle pool (idempotent)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        if self._group_hooks is not None:
+            self._group_hooks.remove()
+            self._group_hooks = None
         if self._forward is not None:
             _release_compile_notice()
             if self.model.__dict__.get("forward") is self._forward:
@@ -114,8 +113,7 @@ def enable_activation_offload(
     boundaries = _pick_groups(model, layer_classes, groups)
     handler = _make_handler(model, config, len(boundaries))
     handle = OffloadHandle(model, config, boundaries, handler)
-    handle._group_hooks = hook_groups(boundaries, handler.enter_group, handler.exit_group)
-    handle._hooks = [handle._group_hooks]
+    handle._group_hooks = GroupHooks(boundaries, handler.enter_group, handler.exit_group)
     _wrap_forward(handle, handler)
     model_state.put(model, "offload", handle)
     return handle

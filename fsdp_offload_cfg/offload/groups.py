@@ -115,7 +115,7 @@ def lift_to_boundaries(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.
 
 
 class GroupHooks:
-    """Entry and exit hooks on every boundary, registered after FSDP's own hooks (FSDP2 prepends its
+    """Entry and exit hooks on every boundary, and nothing on the modules inside it; registered after FSDP's own hooks (FSDP2 prepends its
     pre-forward unshard), so at entry an FSDP2 boundary's unsharded parameters exist. Parameters
     unsharded after the entry (FSDP1 inside its forward, an FSDP2 layer inside a wrapper) need no
     hook of their own: they are saved as parameters or views of them, which the filter keeps by
@@ -191,13 +191,4 @@ def _compiled_on_their_own(root: nn.Module) -> set[int]:
     return found
 
 
-def hook_groups(
-    boundaries: Sequence[nn.Module],
-    enter: Callable[[int, nn.Module], None],
-    exit_: Callable[[int], None],
-) -> GroupHooks:
-    """Register group entry/exit on each boundary, and nothing on the modules inside it."""
-    return GroupHooks(boundaries, enter, exit_)
-
-
-__all__ = ["GroupHooks", "find_units", "hook_groups", "lift_to_boundaries", "unwrap"]
+__all__ = ["GroupHooks", "find_units", "lift_to_boundaries", "unwrap"]
