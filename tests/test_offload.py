@@ -22,7 +22,16 @@ from fsdp_offload_cfg.offload import enable_activation_offload, get_offload_hand
 from fsdp_offload_cfg.offload.filter import keep_reason
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
-from fsdp_offload_cfg.testing.offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
+from fsdp_offload_cfg.testing.offload_models import (
+    Block,
+    Net,
+    Probe,
+    batch,
+    grads,
+    llama_step,
+    settle_offload_stats,
+    tiny_llama,
+)
 
 ON = ActivationOffloadConfig(enabled=True)
 
@@ -30,7 +39,7 @@ ON = ActivationOffloadConfig(enabled=True)
 @pytest.fixture(autouse=True)
 def _fresh() -> None:
     Probe.sink.clear()
-    reset_offload_stats()
+    settle_offload_stats()
 
 
 def _run_net(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:

@@ -12,9 +12,18 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
+from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
-from fsdp_offload_cfg.testing.offload_models import Block, Net, Probe, batch, grads, llama_step, tiny_llama
+from fsdp_offload_cfg.testing.offload_models import (
+    Block,
+    Net,
+    Probe,
+    batch,
+    grads,
+    llama_step,
+    settle_offload_stats,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -25,7 +34,7 @@ STALL = 1 << 27  # GPU cycles: tens of milliseconds, far longer than any copy he
 @pytest.fixture(autouse=True)
 def _fresh() -> None:
     Probe.sink.clear()
-    reset_offload_stats()
+    settle_offload_stats()
 
 
 def _cuda_batch(seed: int = 1, seq: int = 64) -> torch.Tensor:

@@ -5,11 +5,32 @@ Importable by name, so that the gloo ranks `testing.dist` starts can use them to
 
 from __future__ import annotations
 
+import gc
+import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+
+def settle_offload_stats() -> None:
+    """Restart the offload counters from a settled process, for tests that assert absolute figures.
+
+    A test that fails mid-step leaves its exception with pytest: in `sys.last_value` (for a
+    post-mortem, until the next test's call phase, after its fixtures ran), and in a reference cycle
+    (traceback, frames, their locals). The activations its forward saved stay alive, and counted
+    resident, until both let go. Unsettled, one failure made every later test that asserts
+    `resident_bytes == 0` fail too (seen: a failed compile test took three memory tests with it).
+    The offload itself leaves no cycle: a failed step's activations go when its exception does.
+    A collection costs ~0.2 s, so it runs only when something is resident."""
+    from fsdp_offload_cfg.offload.stats import offload_stats, reset_offload_stats
+
+    if offload_stats()["resident_bytes"]:
+        for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+            sys.__dict__.pop(name, None)  # what pytest would drop at the next call phase
+        gc.collect()
+    reset_offload_stats()
 
 
 def tiny_llama(layers: int = 4, hidden: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:

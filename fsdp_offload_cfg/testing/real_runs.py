@@ -22,7 +22,8 @@ from fsdp_offload_cfg.estimate.model import example_batch, model_class, read_mod
 from fsdp_offload_cfg.estimate.probe import offload_groups
 from fsdp_offload_cfg.offload import enable_activation_offload
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
-from fsdp_offload_cfg.offload.stats import SavedBytesMeter, offload_stats, reset_offload_stats
+from fsdp_offload_cfg.offload.stats import SavedBytesMeter, offload_stats
+from fsdp_offload_cfg.testing.offload_models import settle_offload_stats
 
 
 def real_model(path: str, dtype: torch.dtype, batch_size: int, seq_len: int) -> tuple[nn.Module, dict[str, Any]]:
@@ -161,11 +162,12 @@ def checkpoint_every_group(model: nn.Module, layers: list[str]) -> None:
 def offload_counters(model: nn.Module, batch: dict[str, Any], layers: list[str]) -> dict[str, Any]:
     """`offload_stats()` after one forward and backward with the async handler (CPU proxy); the
     pinned pool's bytes are this run's own (the gauge counts every live pool in the process, and an
-    earlier test may leave one alive: the figure then depended on which tests ran before)."""
+    earlier test may leave one alive: the figure then depended on which tests ran before); the
+    resident peak starts from a settled process (`settle_offload_stats`)."""
     before = offload_stats()["pinned_pool_bytes"]
     handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"), layer_classes=layers)
     try:
-        reset_offload_stats()
+        settle_offload_stats()
         model(**batch).loss.backward()
         stats = offload_stats()
         return {**stats, "pinned_pool_bytes": stats["pinned_pool_bytes"] - before}
