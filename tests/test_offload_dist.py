@@ -3,7 +3,8 @@
 One launch runs the whole matrix (each spawn costs seconds on 2 shared cores): FSDP2 with
 `reshard_after_forward` true and false, with and without activation checkpointing (the
 checkpointed cases use accelerate's own `fsdp2_apply_ac` + `fsdp2_prepare_model`, i.e. exactly the
-module layout `enable_activation_offload` will meet after `accelerator.prepare`), and FSDP1.
+module layout `enable_activation_offload` will meet after `accelerator.prepare`), FSDP2 with each layer compiled
+in place after `fully_shard` (torchtitan's way of compiling blocks), and FSDP1.
 Each case: 3 AdamW steps of 2 accumulated micro-batches; loss, gradient norm and the final
 parameter shard must match to the bit, and no parameter storage may ever be copied out.
 """
@@ -26,6 +27,10 @@ CASES = [
     {"name": "fsdp2_noreshard_noac_async", "fsdp": 2, "reshard": False, "ac": False, "mode": "async"},
     {"name": "fsdp2_reshard_ac_accelerate", "fsdp": 2, "reshard": True, "ac": True, "mode": "auto"},
     {"name": "fsdp2_noreshard_ac_accelerate", "fsdp": 2, "reshard": False, "ac": True, "mode": "async"},
+    # our hooks run eagerly around each compiled layer, after FSDP2's unshard (aot_eager: dynamo
+    # and AOT autograd as inductor gets them, without its seconds of code generation per rank)
+    {"name": "fsdp2_reshard_compiled_layers", "fsdp": 2, "reshard": True, "ac": False, "mode": "async",
+     "compile": "aot_eager"},
     {"name": "fsdp1_noac", "fsdp": 1, "reshard": True, "ac": False, "mode": "auto"},
     # flat parameters: the layers hold plain views of them, not parameters
     {"name": "fsdp1_flat_noac", "fsdp": 1, "reshard": True, "ac": False, "mode": "sync", "orig": False},
@@ -72,6 +77,8 @@ def _wrap(case: dict[str, Any]) -> torch.nn.Module:
 
     for layer in model.model.layers:
         fully_shard(layer, reshard_after_forward=case["reshard"])
+        if case.get("compile"):
+            layer.compile(backend=case["compile"])
     return fully_shard(model, reshard_after_forward=case["reshard"])
 
 
@@ -121,6 +128,10 @@ def _train(case: dict[str, Any], offload: bool) -> dict[str, Any]:
     from fsdp_offload_cfg.config import ActivationOffloadConfig
     from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # graphs and graph breaks of this run alone
+    torch._dynamo.reset()  # compiled afresh: with the offload on, not a graph cached without it
     model = _wrap(case)
     violations: list[str] = []
     if offload:
@@ -155,7 +166,8 @@ def _train(case: dict[str, Any], offload: bool) -> dict[str, Any]:
     s = offload_stats()
     return {"losses": losses, "norms": norms, "params": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             "offloaded": s["offloaded_bytes"], "reloaded": s["reloaded_bytes"], "resident": s["resident_bytes"],
-            "kept_params": s["kept_tensors"].get("parameter", 0), "violations": violations}
+            "kept_params": s["kept_tensors"].get("parameter", 0), "violations": violations,
+            "graphs": counters["stats"]["unique_graphs"], "graph_breaks": dict(counters["graph_break"])}
 
 
 def _matrix(rank: int, world_size: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -176,4 +188,6 @@ def test_fsdp_training_is_bit_identical_with_offload() -> None:
             assert on["violations"] == [], where
             if not name.endswith("ac_accelerate"):  # under checkpointing only layer inputs are saved
                 assert on["kept_params"] > 0, where
+            if name.endswith("compiled_layers"):  # compiled, with no graph break of ours
+                assert on["graphs"] > 0 and on["graph_breaks"] == off["graph_breaks"] == {}, (where, on["graph_breaks"])
     assert results[0]["fsdp2_reshard_noac_sync"][1]["losses"] != results[1]["fsdp2_reshard_noac_sync"][1]["losses"]
