@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -734,3 +735,67 @@ def test_layers_compiled_with_fullgraph_offload_exactly(style: str) -> None:
     assert offload_stats()["offloaded_bytes"] > 0
     assert torch.equal(loss, loss_ref)
     assert all(torch.equal(g, r) for g, r in zip(got, grads_ref, strict=True))
+
+
+class CallBlock(Block):
+    """A layer class with a `__call__` of its own, as transformers' `GradientCheckpointingLayer`
+    up to 5.16: a `torch.compile` wrapper around it traces its hooks into its graph."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
+
+
+def _call_block_net(style: str, offload: bool) -> Net:
+    torch._dynamo.reset()
+    net = Net(n=3)
+    net.blocks = nn.ModuleList(CallBlock() for _ in range(3))
+    if offload:
+        enable_activation_offload(net, ON, layer_classes=[CallBlock])
+    for i, block in enumerate(list(net.blocks)):
+        if style == "in_place":
+            block.compile(fullgraph=True, backend="aot_eager")
+        else:
+            net.blocks[i] = torch.compile(block, fullgraph=True, backend="aot_eager")
+    return net
+
+
+def test_hooks_traced_into_a_wrapped_layer_say_how_to_compile_instead() -> None:
+    """`torch.compile(layer, fullgraph=True)` around a layer whose hooks dynamo inlines (its class
+    has its own `__call__`, or torch < 2.13) cannot run the offload's hooks. dynamo's own error
+    names our hook and hints to remove its `torch.compiler.disable`, which the user cannot act on:
+    ours names the layer and the three ways out, and the way it recommends trains exactly."""
+    from torch._dynamo.exc import Unsupported
+
+    from fsdp_offload_cfg.offload.groups import OffloadCompileError
+
+    x = torch.randn(16, 32)
+    _call_block_net("wrapped", offload=False)(x).backward()  # the same compile without offload runs
+    net = _call_block_net("wrapped", offload=True)
+    with pytest.raises(OffloadCompileError, match=r"compiled graph of blocks\.0 \(and 2 more\)") as caught:
+        net(x)
+    message = str(caught.value)
+    assert "layer.compile(fullgraph=True)" in message and "dynamo_use_fullgraph: false" in message
+    assert "torch to 2.13" in message
+    assert isinstance(caught.value.__cause__, Unsupported)  # dynamo's own error stays in the chain
+    assert get_offload_handle(net).handler._pass is None
+
+    def run(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        net = _call_block_net("in_place", offload)
+        loss = net(x)
+        loss.backward()
+        return loss, [p.grad for p in net.parameters()]
+
+    loss_ref, grads_ref = run(offload=False)
+    reset_offload_stats()
+    loss, got = run(offload=True)
+    assert offload_stats()["offloaded_bytes"] > 0
+    assert torch.equal(loss, loss_ref) and all(torch.equal(g, r) for g, r in zip(got, grads_ref, strict=True))
+
+
+def test_other_errors_in_a_compiled_layer_pass_through_unchanged() -> None:
+    """Only dynamo's refusal of our hooks is explained; any other error reaches the user as raised."""
+    net = _call_block_net("in_place", offload=True)
+    net.blocks[1].fail = True
+    with pytest.raises(RuntimeError, match="boom mid-forward") as caught:
+        net(torch.randn(16, 32))
+    assert type(caught.value).__name__ != "OffloadCompileError"

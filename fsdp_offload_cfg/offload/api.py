@@ -163,9 +163,16 @@ def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
             # to offload. (Constant under tracing: this branch costs no graph break.)
             _whole_model_compile_notice()
             return inner(*args, **kwargs)
-        handle._group_hooks.match_compilation(self)
+        hooks = handle._group_hooks
+        hooks.match_compilation(self)
         with handler.forward_pass():
-            return inner(*args, **kwargs)
+            try:
+                return inner(*args, **kwargs)
+            except Exception as error:
+                explained = hooks.explain_compile_error(error, self)
+                if explained is None:
+                    raise
+                raise explained from error
 
     bound = types.MethodType(forward, model)
     model.forward = bound

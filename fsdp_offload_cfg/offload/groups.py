@@ -22,6 +22,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 _WRAPPED_ATTRS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+# the names the group hooks carry: dynamo names a function it refused in its error, and these tell
+# an error at our hooks from any other (`explain_compile_error`)
+_HOOK_NAMES = ("fsdp_offload_cfg_enter_group", "fsdp_offload_cfg_exit_group")
 
 LayerClasses = Iterable[type[nn.Module] | str]
 
@@ -154,6 +157,8 @@ class GroupHooks:
         def post(_module: nn.Module, _args: Any, _out: Any) -> None:
             exit_(index)
 
+        pre.__name__ = pre.__qualname__ = _HOOK_NAMES[0]
+        post.__name__ = post.__qualname__ = _HOOK_NAMES[1]
         if opaque:
             import torch._dynamo  # here: `import fsdp_offload_cfg` stays light
 
@@ -172,11 +177,40 @@ class GroupHooks:
                 self._handles[index] = self._register(index, opaque)
                 self._opaque[index] = opaque
 
+    def explain_compile_error(self, error: Exception, root: nn.Module) -> OffloadCompileError | None:
+        """dynamo's refusal of our hooks inside a compiled graph, said in the user's terms; None for
+        any other error.
+
+        A layer wrapped by `torch.compile(layer, fullgraph=True)` (accelerate's regional
+        compilation with `dynamo_use_fullgraph`) has its hooks inlined into its graph by torch
+        below 2.13, and by any torch when its class has a `__call__` of its own (transformers'
+        `GradientCheckpointingLayer` up to 5.16 at least). No offload hook can run there: dynamo
+        says "Skip calling `torch.compiler.disable()`d function" and hints to remove the call, in
+        our code, which the user cannot act on."""
+        if type(error).__name__ != "Unsupported" or not any(name in str(error) for name in _HOOK_NAMES):
+            return None
+        boundaries = {id(b) for b in self._boundaries}
+        wrapped = [name for name, m in root.named_modules()
+                   if type(m).__name__ == "OptimizedModule" and id(m._modules.get("_orig_mod")) in boundaries]
+        where = f"{wrapped[0]} (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else (wrapped or ["a layer"])[0]
+        return OffloadCompileError(
+            f"activation offload: torch.compile traced the offload's layer hooks into the compiled graph of {where}, "
+            "where they cannot run under fullgraph=True. dynamo inlines the hooks of a layer wrapped by "
+            "torch.compile(layer) when torch is older than 2.13 or the layer class has a __call__ of its own "
+            "(transformers' GradientCheckpointingLayer up to 5.16 at least). Compile each layer in place instead "
+            "(layer.compile(fullgraph=True)), or without fullgraph (accelerate: dynamo_use_fullgraph: false; the layer "
+            "then graph-breaks at the offload's hooks only, and trains exactly), or upgrade torch to 2.13 or newer and "
+            "transformers to 5.24 or newer.")
+
     def remove(self) -> None:
         for pair in self._handles:
             for handle in pair:
                 handle.remove()
         self._handles = []
+
+
+class OffloadCompileError(RuntimeError):
+    """torch.compile put the offload's hooks inside a compiled graph, where they cannot run."""
 
 
 def _compiled_on_their_own(root: nn.Module) -> set[int]:
@@ -191,4 +225,4 @@ def _compiled_on_their_own(root: nn.Module) -> set[int]:
     return found
 
 
-__all__ = ["GroupHooks", "find_units", "lift_to_boundaries", "unwrap"]
+__all__ = ["GroupHooks", "OffloadCompileError", "find_units", "lift_to_boundaries", "unwrap"]
