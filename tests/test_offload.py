@@ -799,3 +799,19 @@ def test_other_errors_in_a_compiled_layer_pass_through_unchanged() -> None:
     with pytest.raises(RuntimeError, match="boom mid-forward") as caught:
         net(torch.randn(16, 32))
     assert type(caught.value).__name__ != "OffloadCompileError"
+
+
+def test_compiling_a_layer_keeps_its_hooks_in_their_order() -> None:
+    """A layer compiled after the offload was enabled gets hooks of the other form (see GroupHooks)
+    in place: a hook registered on the layer after ours still runs after ours, so it sees the
+    group entered. Re-registered, ours moved behind it."""
+    net = Net(n=3)
+    enable_activation_offload(net, ON, layer_classes=[Block])
+    seen: list[int] = []
+    for block in net.blocks:
+        block.register_forward_pre_hook(lambda _m, _a: seen.append(offload_stats()["groups_entered"]))
+        block.compile(backend="aot_eager")
+    reset_offload_stats()
+    net(torch.randn(16, 32)).backward()
+    assert offload_stats()["offloaded_bytes"] > 0
+    assert seen == [1, 2, 3]  # ours entered the group before each user hook ran

@@ -146,9 +146,9 @@ class GroupHooks:
         self._boundaries = list(boundaries)
         self._enter, self._exit = enter, exit_
         self._opaque = [False] * len(self._boundaries)  # the form each boundary's hooks have now
-        self._handles = [self._register(i, False) for i in range(len(self._boundaries))]
+        self._handles = [self._register(i) for i in range(len(self._boundaries))]
 
-    def _register(self, index: int, opaque: bool) -> tuple[RemovableHandle, RemovableHandle]:
+    def _hook_pair(self, index: int, opaque: bool) -> tuple[Callable[..., None], Callable[..., None]]:
         enter, exit_ = self._enter, self._exit
 
         def pre(module: nn.Module, _args: Any) -> None:
@@ -163,18 +163,27 @@ class GroupHooks:
             import torch._dynamo  # here: `import fsdp_offload_cfg` stays light
 
             pre, post = torch._dynamo.disable(pre, recursive=True), torch._dynamo.disable(post, recursive=True)
+        return pre, post
+
+    def _register(self, index: int) -> tuple[RemovableHandle, RemovableHandle]:
+        pre, post = self._hook_pair(index, opaque=False)
         boundary = self._boundaries[index]
         return boundary.register_forward_pre_hook(pre), boundary.register_forward_hook(post)
 
     def match_compilation(self, root: nn.Module) -> None:
-        """Give each boundary the hook form its compilation needs (see the class docstring)."""
+        """Give each boundary the hook form its compilation needs (see the class docstring).
+
+        Swapped in place, under the same handles: the hooks keep their place among the boundary's
+        others (FSDP2's unshard before them, any hook registered since after them), as they were
+        when the offload was enabled."""
         compiled = _compiled_on_their_own(root)
         for index, boundary in enumerate(self._boundaries):
             opaque = id(boundary) in compiled
             if opaque != self._opaque[index]:
-                for handle in self._handles[index]:
-                    handle.remove()
-                self._handles[index] = self._register(index, opaque)
+                pre, post = self._hook_pair(index, opaque)
+                pre_handle, post_handle = self._handles[index]
+                boundary._forward_pre_hooks[pre_handle.id] = pre
+                boundary._forward_hooks[post_handle.id] = post
                 self._opaque[index] = opaque
 
     def explain_compile_error(self, error: Exception, root: nn.Module) -> OffloadCompileError | None:
