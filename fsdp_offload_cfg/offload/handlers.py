@@ -178,6 +178,16 @@ class OffloadHandler:
         # training forwards this handler hooked: a budget whose plan offloads checks it moves (a
         # model compiled whole bypasses the hooks, see api._wrap_forward); only ever grows
         self.passes = 0
+        # the saved-tensor hooks as autograd gets them, kept from dynamo. Autograd calls them from
+        # C++, and under a torch.nn module compiled in place (accelerate's regional compilation
+        # compiles embed_tokens and lm_head so) dynamo skips the module's own frames, as torch's,
+        # and compiled `pack` instead, the first Python frame it met: untraceable (a graph break
+        # per call; under fullgraph=True, `Unsupported` at the first step). Disabled, they run as
+        # they are, wherever autograd calls them.
+        import torch._dynamo  # here: `import fsdp_offload_cfg` stays light
+
+        self._hooks = (torch._dynamo.disable(self.pack, recursive=True),
+                       torch._dynamo.disable(self.unpack, recursive=True))
 
     # ---- forward life cycle, driven by the hooks in groups.py ----
     @contextmanager
@@ -191,7 +201,7 @@ class OffloadHandler:
         self._settle_copies()
         self._pass = _Pass(ParamStorages(self.root))
         try:
-            with saved_tensors_hooks(self.pack, self.unpack):
+            with saved_tensors_hooks(*self._hooks):
                 yield
         finally:
             self._pass = None
