@@ -14,7 +14,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig, as_config_file, load_config, normalized_dict
+from fsdp_offload_cfg.config import (
+    ConfigError,
+    FSDPOffloadConfig,
+    as_config_file,
+    load_config,
+    normalized_dict,
+    read_config_file,
+    with_the_files_other_keys,
+)
 from fsdp_offload_cfg.config.schema import schema_text
 
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
@@ -224,7 +232,8 @@ def _explain(args: argparse.Namespace) -> int:
     processes = args.num_processes or config.num_processes or 1
     data: dict[str, Any] = {
         "source": config.source,
-        "config": as_config_file(config),  # a file `validate` accepts and that loads back to this config
+        # a file `validate` accepts, that loads back to this config, and that launches as the user's did
+        "config": with_the_files_other_keys(as_config_file(config), read_config_file(args.file)),
         "defaults": _defaults_taken(config),
         "processes": processes,
         "patches": _describe_patches(config, processes),

@@ -269,3 +269,26 @@ def test_a_process_count_below_one_is_a_usage_error_naming_the_option(argv: list
     err = capsys.readouterr().err
     option = next(a for a, v in itertools.pairwise(argv) if a.startswith("--") and v.lstrip("-").isdigit() and int(v) < 1)
     assert f"argument {option}: must be 1 or more" in err, err
+
+
+def test_explains_config_keeps_the_files_other_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """explain's config is a file to launch: it dropped every key of the user's accelerate file
+    that this plugin's config does not hold, so launching it ran without compilation
+    (`dynamo_config`) and on one machine (`num_machines`, `machine_rank`, `main_process_ip`). They
+    come back as the file has them, in its order; keys the config holds take its values (a
+    `--set` wins)."""
+    source = yaml.safe_load(Path(EXAMPLES[2]).read_text())
+    source.update(num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", main_process_port=29500,
+                  dynamo_config={"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True})
+    path = tmp_path / "multi_node.yaml"
+    path.write_text(yaml.safe_dump(source, sort_keys=False))
+    assert cli.main(["explain", "--format", "json", str(path), "--set", "num_processes=4"]) == 0
+    written = json.loads(capsys.readouterr().out)["config"]
+    assert list(written) == list(source)
+    for key in ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "dynamo_config",
+                "compute_environment", "rdzv_backend", "main_training_function"):
+        assert written[key] == source[key], key
+    assert written["num_processes"] == 4 and written["fsdp_config"]["activation_cpu_offload"]["enabled"] is True
+    fed_back = tmp_path / "effective.yaml"
+    fed_back.write_text(yaml.safe_dump(written, sort_keys=False))
+    assert cli.main(["validate", str(fed_back)]) == 0

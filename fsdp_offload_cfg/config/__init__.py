@@ -29,6 +29,7 @@ from fsdp_offload_cfg.config.sources import (
     config_from_env,
     env_values,
     load_config,
+    with_the_files_other_keys,
 )
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
@@ -51,4 +52,5 @@ __all__ = [
     "load_config",
     "normalized_dict",
     "read_config_file",
+    "with_the_files_other_keys",
 ]
