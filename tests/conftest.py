@@ -7,5 +7,5 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-# `pytester`: runs a small test session in-process, for tests of the suite's own isolation
+# `pytester`: runs a small test session of its own, for tests of the suite's own isolation
 pytest_plugins = ["pytester"]

@@ -125,10 +125,10 @@ def _audit_parameter_keeps(model: torch.nn.Module) -> list[tuple[int, ...]]:
 
 
 def _train(case: dict[str, Any], offload: bool) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
     from fsdp_offload_cfg.config import ActivationOffloadConfig
     from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats, reset_offload_stats
-
-    from torch._dynamo.utils import counters
 
     counters.clear()  # graphs and graph breaks of this run alone
     torch._dynamo.reset()  # compiled afresh: with the offload on, not a graph cached without it

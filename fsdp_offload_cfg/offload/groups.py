@@ -199,8 +199,7 @@ class GroupHooks:
         if type(error).__name__ != "Unsupported" or not any(name in str(error) for name in _HOOK_NAMES):
             return None
         boundaries = {id(b) for b in self._boundaries}
-        wrapped = [name for name, m in root.named_modules()
-                   if type(m).__name__ == "OptimizedModule" and id(m._modules.get("_orig_mod")) in boundaries]
+        wrapped = [name for name, m in root.named_modules() if id(_compile_wrapped(m)) in boundaries]
         where = f"{wrapped[0]} (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else (wrapped or ["a layer"])[0]
         return OffloadCompileError(
             f"activation offload: torch.compile traced the offload's layer hooks into the compiled graph of {where}, "
@@ -222,6 +221,12 @@ class OffloadCompileError(RuntimeError):
     """torch.compile put the offload's hooks inside a compiled graph, where they cannot run."""
 
 
+def _compile_wrapped(module: nn.Module) -> nn.Module | None:
+    """The module inside a `torch.compile(module)` wrapper (an `OptimizedModule`), or None."""
+    inner = module._modules.get("_orig_mod") if type(module).__name__ == "OptimizedModule" else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def _compiled_on_their_own(root: nn.Module) -> set[int]:
     """Modules under `root` that run as a compiled region of their own: compiled in place
     (`module.compile()`), or wrapped by `torch.compile(module)` (accelerate's regional compilation)."""
@@ -229,8 +234,8 @@ def _compiled_on_their_own(root: nn.Module) -> set[int]:
     for module in root.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             found.add(id(module))
-        if type(module).__name__ == "OptimizedModule" and isinstance(module._modules.get("_orig_mod"), nn.Module):
-            found.add(id(module._modules["_orig_mod"]))
+        if (inner := _compile_wrapped(module)) is not None:
+            found.add(id(inner))
     return found
 
 
