@@ -27,7 +27,9 @@ bf16 checkpoint loaded with dtype=float32, as for fp32 master weights: every rea
 materialise converted copies), and `fp32x8` (the fp32 model in 8 safetensors files, as large
 checkpoints ship: each rank's slices span several files); `bf16-files` (any `--model`: bf16,
 loaded as saved, in `save_pretrained`'s layout of files of at most 5 GB and at least 4 of them,
-written tensor by tensor so that the 8B one never exists whole in memory).
+written tensor by tensor so that the 8B one never exists whole in memory); `moe-experts` (not a
+Llama: a ~290M Qwen3-MoE, 32 experts per layer, fp32, saved one tensor per expert as the hub
+stores MoE checkpoints, which transformers 5 stacks into one tensor per layer on load).
 
 Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken after imports,
 process-group init and Accelerator creation; see `PeakMemory`; the peak runs to the end of the
@@ -123,7 +125,15 @@ class PeakMemory:
 # ------------------------------------------------------------------------------ one rank
 
 
-def _accelerator(cpu_ram_efficient_loading: bool):
+def model_class(model_dir: str) -> type:
+    """The checkpoint's model class, from its `config.json` (a Llama, or the MoE checkpoint's)."""
+    import transformers
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return getattr(transformers, json.load(f)["architectures"][0])
+
+
+def _accelerator(cpu_ram_efficient_loading: bool, model_dir: str):
     """A real Accelerator (MULTI_CPU on a CPU machine) with the FSDP2 plugin put on its state by
     hand, which is what `patch()` does on the CPU; on a GPU machine accelerate does it itself."""
     from accelerate import Accelerator
@@ -133,16 +143,16 @@ def _accelerator(cpu_ram_efficient_loading: bool):
         fsdp_version=2,
         cpu_ram_efficient_loading=cpu_ram_efficient_loading,
         auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        transformer_cls_names_to_wrap=list(model_class(model_dir)._no_split_modules),  # the decoder layer
     )
     accelerator = Accelerator(cpu=True)
     accelerator.state.fsdp_plugin = plugin
     return accelerator
 
 
-def _setup(method: str):
+def _setup(method: str, model_dir: str):
     """Everything that is not loading (runs before the baseline is taken)."""
-    accelerator = _accelerator(cpu_ram_efficient_loading=method == "stock")
+    accelerator = _accelerator(method == "stock", model_dir)
     if method == "stock":
         # transformers' own gate for "local rank 0 reads, the others do not" (read at load time;
         # set after the Accelerator, which refuses ACCELERATE_USE_FSDP without an accelerator)
@@ -223,20 +233,21 @@ def _move_seconds(report) -> float | None:
 
 
 def _from_pretrained(method: str, model_dir: str, dtype):
-    from transformers import LlamaForCausalLM, PreTrainedModel
+    from transformers import PreTrainedModel
 
     from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
 
+    cls = model_class(model_dir)
     if method in ("plain", "stock"):
-        return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return cls.from_pretrained(model_dir, dtype=dtype)
     if method == "native":
         import torch.distributed as dist
         from transformers.distributed import DistributedConfig  # transformers >= 5.15
 
         config = DistributedConfig(fsdp_size=dist.get_world_size())
-        return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=config)
+        return cls.from_pretrained(model_dir, dtype=dtype, distributed_config=config)
     load = {"broadcast": rank0_from_pretrained, "sharded": sharded_from_pretrained}.get(method, auto_from_pretrained)
-    return load(PreTrainedModel.from_pretrained, LlamaForCausalLM, model_dir, dtype=dtype)
+    return load(PreTrainedModel.from_pretrained, cls, model_dir, dtype=dtype)
 
 
 def _prepare(method: str, model, accelerator):
@@ -289,13 +300,13 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
     # imports are part of the baseline (transformers imports a model's module lazily, on first
     # access of its class: ~45 MiB for Llama, which is not loading)
     import accelerate.utils.fsdp_utils  # noqa: F401
-    from transformers import LlamaForCausalLM  # noqa: F401
 
     import fsdp_offload_cfg.loading  # noqa: F401
 
+    model_class(model_dir)
     result: dict = {"rank": rank, "method": method}
     try:
-        accelerator = _setup(method)
+        accelerator = _setup(method, model_dir)
         dist.barrier()
         baseline_rss, baseline_anon = status_bytes("VmRSS"), status_bytes("RssAnon")
         peak = PeakMemory()
@@ -334,7 +345,7 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
 # ------------------------------------------------------------------------------ driver
 
 
-CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8", "bf16-files")
+CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8", "bf16-files", "moe-experts")
 MODELS = ("300m", "100m", "8b")  # `fsdp_offload_cfg.testing.models.LLAMA_SHAPES`
 
 
@@ -350,13 +361,16 @@ def build_model(model_dir: Path, checkpoint: str, model: str = "300m") -> None:
     layout: files of at most 5 GB, and at least 4 of them (Llama-3-8B ships as 4)."""
     import torch
 
-    from fsdp_offload_cfg.testing.models import save_llama_300m, write_llama_checkpoint
+    from fsdp_offload_cfg.testing.models import save_llama_300m, save_qwen3_moe_300m, write_llama_checkpoint
 
     if checkpoint == "bf16-files":
         write_llama_checkpoint(str(model_dir), model, torch.bfloat16, min_files=4)
         return
     if model != "300m":
         raise SystemExit(f"--checkpoints {checkpoint} is built for --model 300m only; use bf16-files for {model}")
+    if checkpoint == "moe-experts":
+        save_qwen3_moe_300m(str(model_dir))
+        return
     save_llama_300m(str(model_dir), torch.bfloat16 if checkpoint == "bf16->fp32" else torch.float32)
     if checkpoint == "fp32x8":
         from transformers import LlamaForCausalLM
@@ -567,7 +581,8 @@ def main() -> None:
         root = Path(args.model_dir) if args.model_dir else work
         lines, phase_lines = list(HEADER), list(PHASE_HEADER)
         for checkpoint in checkpoints:
-            model_dir = root / f"llama-{args.model}-{checkpoint.replace('->', '-to-')}"
+            family = "qwen3-moe" if checkpoint == "moe-experts" else "llama"
+            model_dir = root / f"{family}-{args.model}-{checkpoint.replace('->', '-to-')}"
             if not model_dir.exists():  # built beside it, then renamed: an interrupted build is never reused
                 print(f"writing the {args.model} {checkpoint} checkpoint to {model_dir}", flush=True)
                 partial = model_dir.with_name(model_dir.name + ".partial")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ class FileTensor:
     shape: tuple[int, ...]
     offset: int
     via: tuple[torch.dtype, ...] = ()
+    # a model tensor transformers builds from several checkpoint tensors whose bytes, one after
+    # the other, are its own row-major bytes (`composed`): MoE experts stacked, gate and up
+    # concatenated per expert. `path` and `offset` are then the first part's (the read order).
+    parts: tuple[FileTensor, ...] = ()
 
     def held_as(self, dtype: torch.dtype) -> FileTensor:
         """This tensor, after the model's tensor was cast to `dtype` (float to float only)."""
@@ -53,6 +58,34 @@ class FileTensor:
         if dtype == last or not (dtype.is_floating_point and last.is_floating_point):
             return self
         return dataclasses.replace(self, via=(*self.via, dtype))
+
+
+def composed(key: str, shape: tuple[int, ...], parts: list[FileTensor]) -> FileTensor:
+    """One tensor of `shape` whose row-major bytes are the whole `parts` in order; raises
+    `NotSliceable` unless they share a dtype and their elements add up to `shape`."""
+    dtypes = {p.dtype for p in parts}
+    numel = sum(math.prod(p.shape) for p in parts)
+    if len(dtypes) != 1 or numel != math.prod(shape):
+        raise NotSliceable(f"{key}: the checkpoint tensors it is built from ({len(parts)}, dtypes "
+                           f"{sorted(map(str, dtypes))}) do not make up its shape {list(shape)}")
+    first = parts[0]
+    return FileTensor(first.path, key, first.dtype, tuple(shape), first.offset, parts=tuple(parts))
+
+
+def byte_pieces(where: FileTensor, start: int, nbytes: int) -> list[tuple[str, int, int]]:
+    """(path, absolute file offset, bytes) of bytes `start` to `start + nbytes` of the tensor
+    `where`, in order: one piece for a tensor stored whole, one per part touched for a composed
+    one (parts may lie in different files)."""
+    if not where.parts:
+        return [(where.path, where.offset + start, nbytes)]
+    pieces, begin = [], 0
+    for part in where.parts:
+        size = math.prod(part.shape) * part.dtype.itemsize
+        lo, hi = max(start, begin), min(start + nbytes, begin + size)
+        if lo < hi:
+            pieces.append((part.path, part.offset + lo - begin, hi - lo))
+        begin += size
+    return pieces
 
 
 def converted(values: torch.Tensor, where: FileTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -22,16 +22,15 @@ from torch import nn
 
 from fsdp_offload_cfg.testing.compare import digest as _digest
 from fsdp_offload_cfg.testing.dist import run_workers
-from fsdp_offload_cfg.testing.models import EXPERTS_FUSED_ON_LOAD
 
 pytestmark = pytest.mark.distributed
 
 BUCKET = 4096  # tiny buckets: every model spans many buckets, some tensors exceed one
 STRATEGIES = ["broadcast", "sharded"]
-# under "sharded" these checkpoints cannot be read slice by slice: fused experts, a .bin file
-# transformers 5 fuses per-expert checkpoint keys into one tensor on load (a WeightConverter: the
-# slice reader falls back); 4.x keeps a module per expert, read slice by slice like any other.
-FALLBACK = {"llama_bin": "not safetensors"} | ({"deepseek_v3": "converted on load"} if EXPERTS_FUSED_ON_LOAD else {})
+# under "sharded" this checkpoint cannot be read slice by slice: a .bin file. deepseek_v3's
+# per-expert keys are read per rank too: transformers 5 stacks them into one tensor on load (a
+# WeightConverter), which the reader reads expert by expert; 4.x keeps a module per expert.
+FALLBACK = {"llama_bin": "not safetensors"}
 STEP_INPUT = [[3, 14, 15, 92, 65, 35, 89, 79], [32, 38, 46, 26, 43, 38, 32, 79]]
 
 

@@ -11,8 +11,9 @@ from torch import nn
 from fsdp_offload_cfg.loading import is_rank0_source, load_into_sharded, rank0_from_pretrained, sharded_from_pretrained
 from fsdp_offload_cfg.loading.broadcast import buckets
 from fsdp_offload_cfg.loading.checkpoint import read_header
+from fsdp_offload_cfg.loading.file_reads import contiguous_range, read_region, read_whole
 from fsdp_offload_cfg.loading.layout import Target
-from fsdp_offload_cfg.loading.sharded import _contiguous_range, read_own_shards
+from fsdp_offload_cfg.loading.sharded import read_own_shards
 from fsdp_offload_cfg.loading.spec import TensorSpec, describe, meta_tensor_names, mismatch, rebuild_on_meta
 
 
@@ -122,11 +123,11 @@ def test_blocks_cut_every_ranks_region_alike() -> None:
 def test_contiguous_range_of_regions() -> None:
     shape = (5, 3, 4)
     rows = (slice(2, 4), slice(0, 3), slice(0, 4))  # FSDP2 Shard(0): one byte range
-    assert _contiguous_range(rows, shape, 2) == (2 * 12 * 2, 2 * 12 * 2)
+    assert contiguous_range(rows, shape, 2) == (2 * 12 * 2, 2 * 12 * 2)
     inner = (slice(1, 2), slice(1, 3), slice(0, 4))  # one row, then a range of the next dim
-    assert _contiguous_range(inner, shape, 4) == ((12 + 4) * 4, 8 * 4)
-    assert _contiguous_range((slice(0, 5), slice(0, 3), slice(1, 3)), shape, 4) is None
-    assert _contiguous_range((), (), 8) == (0, 8)
+    assert contiguous_range(inner, shape, 4) == ((12 + 4) * 4, 8 * 4)
+    assert contiguous_range((slice(0, 5), slice(0, 3), slice(1, 3)), shape, 4) is None
+    assert contiguous_range((), (), 8) == (0, 8)
 
 
 def test_reader_reads_own_slices_casts_and_bounds_reads(tmp_path) -> None:
@@ -183,3 +184,72 @@ def test_rank0_loading_follows_accelerates_switch_not_the_loaders_own_gate(monke
             assert rank0_loading_wanted() is False
         assert rank0_loading_wanted() is wanted
     assert os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING") == switch
+
+
+# ---- MoE experts stacked on load (transformers 5's `MergeModulelist`, `Concatenate`) --------------
+
+
+def _experts_in_two_files(root: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """3 experts' gate and up weights, expert 0's up in the first file and the rest of up in a
+    second: a stacked tensor whose parts cross files and interleave between them."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    gate = {f"experts.{e}.gate.weight": torch.randn(2, 3, generator=gen) for e in range(3)}
+    up = {f"experts.{e}.up.weight": torch.randn(2, 3, generator=gen) for e in range(3)}
+    files = [os.path.join(root, "a.safetensors"), os.path.join(root, "b.safetensors")]
+    save_file({**gate, "experts.0.up.weight": up["experts.0.up.weight"]}, files[0])
+    save_file({k: v for k, v in up.items() if k != "experts.0.up.weight"}, files[1])
+    return gate, up, files
+
+
+class _Experts(nn.Module):
+    def __init__(self, shape: tuple[int, ...] = (3, 4, 3)) -> None:
+        super().__init__()
+        self.experts = nn.Module()
+        self.experts.gate_up = nn.Parameter(torch.empty(shape))
+
+
+def _gate_up(*extra_ops: object) -> object:
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    return WeightConverter(source_patterns=["experts.*.gate.weight", "experts.*.up.weight"],
+                           target_patterns="experts.gate_up",
+                           operations=[MergeModulelist(dim=0), Concatenate(dim=1), *extra_ops])
+
+
+def test_experts_stacked_on_load_read_as_their_parts_across_files(tmp_path) -> None:
+    """What transformers 5 builds, `cat([stack(gates), stack(ups)], dim=1)`, read from the files
+    part by part: whole, and one expert's rows (a rank's dim-0 shard), with the bytes it needs."""
+    pytest.importorskip("transformers.core_model_loading")
+    from fsdp_offload_cfg.compat.checkpoint_reading import map_keys_5x
+    from fsdp_offload_cfg.safetensors_index import byte_pieces
+
+    gate, up, files = _experts_in_two_files(str(tmp_path))
+    where = map_keys_5x(_Experts(), {**gate, **up}, [_gate_up()], files)["experts.gate_up"]
+    built = torch.cat([torch.stack(list(gate.values())), torch.stack(list(up.values()))], dim=1)
+    assert torch.equal(read_whole(where), built)
+    assert torch.equal(read_region(where, (slice(1, 2), slice(0, 4), slice(0, 3))), built[1:2])
+    expert_1 = byte_pieces(where, 4 * 3 * 4, 4 * 3 * 4)  # expert 1: its gate (file a), then its up (file b)
+    assert [(os.path.basename(path), n) for path, _, n in expert_1] == [("a.safetensors", 24), ("b.safetensors", 24)]
+    straddling = byte_pieces(where, 20, 8)  # the last 4 bytes of a part and the first 4 of the next
+    assert [n for _, _, n in straddling] == [4, 4]
+
+
+def test_conversions_other_than_stacking_are_not_read_slice_by_slice(tmp_path) -> None:
+    """A transpose (or a count of experts or a shape that does not stack to the model's tensor)
+    still falls back to rank 0, with the conversion named."""
+    pytest.importorskip("transformers.core_model_loading")
+    from transformers.core_model_loading import Transpose
+
+    from fsdp_offload_cfg.compat.checkpoint_reading import map_keys_5x
+    from fsdp_offload_cfg.safetensors_index import NotSliceable
+
+    gate, up, files = _experts_in_two_files(str(tmp_path))
+    with pytest.raises(NotSliceable, match=r"experts.0.gate.weight.*MergeModulelist\(dim=0\), Concatenate\(dim=1\), "
+                                           r"Transpose -> 'experts.gate_up'"):
+        map_keys_5x(_Experts(), {**gate, **up}, [_gate_up(Transpose(1, 2))], files)
+    with pytest.raises(NotSliceable, match=r"do not stack to 'experts.gate_up'.s shape \[3, 4, 3\]"):
+        map_keys_5x(_Experts(), {**gate, **{k: v for k, v in up.items() if ".2." not in k}}, [_gate_up()], files)
+    with pytest.raises(NotSliceable, match=r"do not stack to 'experts.gate_up'.s shape \[3, 3, 4\]"):
+        map_keys_5x(_Experts((3, 3, 4)), {**gate, **up}, [_gate_up()], files)

@@ -7,8 +7,9 @@ empty meta tensor where the data would go and record which file tensor fills whi
 (`Capture.keymap`). Where those functions are depends on the transformers generation:
 
 - 5.x (`core_model_loading`): `_get_resolved_checkpoint_files`, `convert_and_load_state_dict_in_model`
-  (keys mapped with transformers' own `rename_source_key`; a `WeightConverter` means the data is
-  transformed whole: `NotSliceable`), `spawn_materialize` (an empty meta tensor of the cast dtype);
+  (keys mapped with transformers' own `rename_source_key`; a `WeightConverter` that only stacks
+  whole tensors, as MoE experts are, gives one composed record; any other conversion transforms
+  the data whole: `NotSliceable`), `spawn_materialize` (an empty meta tensor of the cast dtype);
 - 4.x: `_get_resolved_checkpoint_files` and `load_shard_file` (keys already renamed by
   `_get_key_renaming_mapping`; dtype from `_infer_parameter_dtype`, as its own loader casts).
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_offload_cfg.safetensors_index import DTYPES, FileTensor, NotSliceable, read_headers
+from fsdp_offload_cfg.safetensors_index import DTYPES, FileTensor, NotSliceable, composed, read_headers
 
 
 @dataclass
@@ -139,19 +140,72 @@ def map_keys_5x(
     mapping = copy.deepcopy(weight_mapping)  # transforms keep state (e.g. "was used"): leave theirs alone
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    converter_of = {p: c for c in converters for p in c.source_patterns}  # as transformers picks it
     prefix = getattr(model, "base_model_prefix", None)
     expected = model.state_dict()
     keymap: dict[str, FileTensor] = {}
+    # converted tensors: model name -> (its converter, its checkpoint keys per source pattern in
+    # the order transformers collects them, which is this loop's: `dot_natural_key`, expert 0 first)
+    gathered: dict[str, tuple[Any, dict[str, list[str]]]] = {}
     for key in sorted(state_dict, key=dot_natural_key):
         name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
         if name not in expected and key in expected:
             name, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=expected)
         if name not in expected:
             continue  # unexpected: transformers reports and ignores it
-        if pattern is not None:
-            raise NotSliceable(f"checkpoint key {key!r} is converted on load (pattern {pattern!r} -> {name!r})")
-        _add(keymap, name, key, where, tuple(expected[name].shape))
+        if pattern is None:
+            _add(keymap, name, key, where, tuple(expected[name].shape))
+            continue
+        converter, keys = gathered.setdefault(name, (converter_of[pattern], {}))
+        keys.setdefault(pattern, []).append(key)
+    for name, (converter, keys) in gathered.items():
+        if name in keymap:
+            raise NotSliceable(f"checkpoint key {keymap[name].key!r} and a converted key both map to {name!r}")
+        keymap[name] = _composed_from(name, converter, keys, where, tuple(expected[name].shape))
     return keymap
+
+
+def _composed_from(name: str, converter: Any, keys: dict[str, list[str]], where: dict[str, FileTensor],
+                   shape: tuple[int, ...]) -> FileTensor:
+    """The model tensor `name` that `converter` builds from the checkpoint tensors `keys`, as one
+    `FileTensor` of parts, where the conversion only lays whole tensors one after another:
+    - `MergeModulelist(dim=0)`: the experts stacked, `[E, *expert]`;
+    - `MergeModulelist(dim=0), Concatenate(dim=1)`: each source stacked, then concatenated per
+      expert (`gate_up_proj`: expert e's gate rows, then its up rows);
+    - `Concatenate(dim=0)`: the sources one after another (a fused qkv).
+    Anything else (a transpose, a chunk, an interleave, a dequantization) is `NotSliceable`."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    lists = [keys.get(p, []) for p in converter.source_patterns]
+    first = next(k for keyed in lists for k in keyed)
+    stack, stack_and_join, join = ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)],
+                                   [(Concatenate, 0)])
+    if (ops not in (stack, stack_and_join, join) or len(converter.target_patterns) != 1
+            or any(not keyed for keyed in lists) or (ops == stack and len(lists) != 1)):
+        names = ", ".join(t.__name__ + ("" if d is None else f"(dim={d})") for t, d in ops)
+        raise NotSliceable(f"checkpoint key {first!r} is converted on load ({names} -> {name!r}), "
+                           "which is not a plain stacking of whole tensors")
+    missing = [k for keyed in lists for k in keyed if k not in where]
+    if missing:
+        raise NotSliceable(f"checkpoint key {missing[0]!r} is not in the safetensors headers")
+    tensors = [[where[k] for k in keyed] for keyed in lists]
+    if ops == join:  # the sources one after another
+        parts = [t for keyed in tensors for t in keyed]
+        fits = len({t.shape[1:] for t in parts}) == 1
+        wanted = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
+    else:  # expert by expert: expert e's tensor of each source, in the sources' order
+        experts = len(tensors[0])
+        parts = [keyed[e] for e in range(experts) for keyed in tensors if e < len(keyed)]
+        fits = all(len(keyed) == experts and len({t.shape for t in keyed}) == 1 for keyed in tensors) and (
+            len({keyed[0].shape[1:] for keyed in tensors}) == 1)
+        wanted = (experts, sum(keyed[0].shape[0] for keyed in tensors), *tensors[0][0].shape[1:])
+        if ops == stack:
+            wanted = (experts, *tensors[0][0].shape)
+    if not fits or wanted != shape:
+        raise NotSliceable(f"{first!r} and the {len(parts) - 1} checkpoint tensors converted with it do not "
+                           f"stack to {name!r}'s shape {list(shape)}")
+    return composed(f"{first} and {len(parts) - 1} more, stacked", shape, parts)
 
 
 def _add(keymap: dict[str, FileTensor], name: str, key: str, where: dict[str, FileTensor], shape: tuple) -> None:

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
+from fsdp_offload_cfg.loading.file_reads import read_whole
 from fsdp_offload_cfg.safetensors_index import converted
 
 logger = get_logger("fsdp_offload_cfg.loading")
@@ -214,10 +215,7 @@ def materialize_all(module: nn.Module) -> int:
 def read_in_place(t: torch.Tensor, where: Any) -> int:
     """Replace the contents of meta tensor `t` with its checkpoint tensor (cast to `t.dtype`), in
     place: the same Python object, wherever it is held. Returns the bytes read."""
-    from safetensors import safe_open
-
-    with safe_open(where.path, framework="pt") as f:
-        value = converted(f.get_tensor(where.key), where, t.dtype)
+    value = converted(read_whole(where), where, t.dtype)
     real = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
     torch.utils.swap_tensors(t, real)
     return value.numel() * value.element_size()

@@ -30,14 +30,15 @@ goes through the page cache without that, and allocates nothing per tensor. Why 
 shards as views of a private mapping, as transformers' own FSDP2 load does: the copy then
 happens at the first write, a copy-on-write fault per page, which costs about 3x a `pread` into
 new pages (docs/benchmarks.md), and a page never written (a frozen weight) follows any later
-change to the checkpoint file. Non-contiguous
-regions (not produced by FSDP2's default placements) use `safe_open(...).get_slice(key)[region]`.
+change to the checkpoint file. Non-contiguous regions (not produced by FSDP2's default
+placements) use `safe_open(...).get_slice(key)[region]`. A model tensor that transformers builds
+from several checkpoint tensors (MoE experts stacked on load) is read from each of them in turn,
+by the same reads (`file_reads.py`): a rank reads only its own experts.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ from torch import nn
 
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading.checkpoint import record_of
+from fsdp_offload_cfg.loading.file_reads import OpenFiles, as_bytes, contiguous_range, read_range, read_region
 from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, owner, tensor_at
@@ -186,22 +188,6 @@ def fill_own(targets: list[Target], sources: Sources, rank: int, bucket_bytes: i
     return read_own_shards(from_files, sources.files, rank, bucket_bytes) if from_files else None
 
 
-def _contiguous_range(region: Region, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
-    """(byte offset, bytes) of `region` in a row-major tensor of `shape`, if it is one range."""
-    lengths = [s.stop - s.start for s in region]
-    first_long = next((i for i, n in enumerate(lengths) if n != 1), len(shape))
-    if any(region[i].start != 0 or region[i].stop != shape[i] for i in range(first_long + 1, len(shape))):
-        return None
-    stride, start = 1, 0
-    for s, n in zip(reversed(region), reversed(shape)):
-        start += s.start * stride
-        stride *= n
-    numel = 1
-    for n in lengths:
-        numel *= n
-    return start * itemsize, numel * itemsize
-
-
 class ReadStaging:
     """One host byte buffer, grown to the largest read and reused by every read after."""
 
@@ -230,7 +216,7 @@ class FileSlice:
         staging buffer and converted by one `copy_` into `dest` (no per-read tensors). Returns
         the checkpoint bytes read."""
         where = self.where
-        byte_range = _contiguous_range(region, where.shape, where.dtype.itemsize)
+        byte_range = contiguous_range(region, where.shape, where.dtype.itemsize)
         if byte_range is None:
             piece = self[region]
             dest.copy_(piece.contiguous().reshape(-1).view(torch.uint8))
@@ -238,44 +224,14 @@ class FileSlice:
         shape = tuple(s.stop - s.start for s in region)
         direct = where.dtype == self.dtype and not where.via and dest.device.type == "cpu" and dest.is_contiguous()
         raw = dest if direct else self.staging.get(byte_range[1])
-        fd = os.open(where.path, os.O_RDONLY)
-        try:
-            _pread(fd, _as_bytes(raw), where.offset + byte_range[0], where.path)
-        finally:
-            os.close(fd)
+        with OpenFiles() as files:
+            read_range(files, where, as_bytes(raw), byte_range[0])
         if not direct:
             copy_converted(dest.view(self.dtype).view(shape), raw.view(where.dtype).view(shape), where)
         return byte_range[1]
 
     def __getitem__(self, region: Region) -> torch.Tensor:
-        where = self.where
-        shape = tuple(s.stop - s.start for s in region)
-        byte_range = _contiguous_range(region, where.shape, where.dtype.itemsize)
-        if byte_range is None:
-            from safetensors import safe_open
-
-            with safe_open(where.path, framework="pt") as f:
-                return converted(f.get_slice(where.key)[region], where, self.dtype)
-        raw = torch.empty(byte_range[1], dtype=torch.uint8)
-        fd = os.open(where.path, os.O_RDONLY)
-        try:
-            _pread(fd, _as_bytes(raw), where.offset + byte_range[0], where.path)
-        finally:
-            os.close(fd)
-        return converted(raw.view(where.dtype).view(shape), where, self.dtype)
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-
-
-def _pread(fd: int, into: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:]], offset + done)
-        if n <= 0:
-            raise OSError(f"{path}: unexpected end of file at byte {offset + done} (truncated?)")
-        done += n
+        return converted(read_region(self.where, region), self.where, self.dtype)
 
 
 @torch.no_grad()
@@ -289,27 +245,20 @@ def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: i
         where = files[t.spec.name]
         limit = max(1, bucket_bytes * t.spec.dtype.itemsize // where.dtype.itemsize)  # bucket_bytes as read
         blocks += [(b, where) for b in t.split(limit, rank) if b.dest.numel() > 0]
-    ranges = [_contiguous_range(b.regions[rank], w.shape, w.dtype.itemsize) for b, w in blocks]
+    ranges = [contiguous_range(b.regions[rank], w.shape, w.dtype.itemsize) for b, w in blocks]
     order = sorted(range(len(blocks)), key=lambda i: (blocks[i][1].path, blocks[i][1].offset + (ranges[i] or (0,))[0]))
     staging_bytes = max((r[1] for r, (b, w) in zip(ranges, blocks) if r and not _direct(b.dest, w)), default=0)
     staging = torch.empty(staging_bytes, dtype=torch.uint8)
-    fds: dict[str, int] = {}
     total = sum(b.dest.numel() * w.dtype.itemsize for b, w in blocks)
-    try:
-        with Progress(total, f"rank {rank} reading its shards") as progress:
-            for i in order:
-                block, where = blocks[i]
-                if where.path not in fds:
-                    fds[where.path] = os.open(where.path, os.O_RDONLY)
-                    stats.files.append(where.path)
-                nbytes = _read_block(block, where, ranges[i], fds[where.path], staging, rank)
-                stats.reads += 1
-                stats.bytes_read += nbytes
-                stats.largest_read = max(stats.largest_read, nbytes)
-                progress.update(nbytes, int(block.last))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    with OpenFiles() as open_files, Progress(total, f"rank {rank} reading its shards") as progress:
+        for i in order:
+            block, where = blocks[i]
+            nbytes = _read_block(block, where, ranges[i], open_files, staging, rank)
+            stats.reads += 1
+            stats.bytes_read += nbytes
+            stats.largest_read = max(stats.largest_read, nbytes)
+            progress.update(nbytes, int(block.last))
+        stats.files = open_files.paths
     stats.tensors = len(targets)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -327,20 +276,18 @@ def copy_converted(dest: torch.Tensor, values: torch.Tensor, where: FileTensor) 
 
 
 def _read_block(
-    block: Target, where: FileTensor, byte_range: tuple[int, int] | None, fd: int, staging: torch.Tensor, rank: int
+    block: Target, where: FileTensor, byte_range: tuple[int, int] | None, files: OpenFiles, staging: torch.Tensor,
+    rank: int,
 ) -> int:
     if byte_range is None:
-        from safetensors import safe_open
-
-        with safe_open(where.path, framework="pt") as f:
-            piece = f.get_slice(where.key)[block.regions[rank]]
+        piece = read_region(where, block.regions[rank])
         copy_converted(block.dest, piece.view(block.dest.shape), where)
         return piece.numel() * piece.element_size()
     offset, nbytes = byte_range
     if _direct(block.dest, where):
-        _pread(fd, _as_bytes(block.dest), where.offset + offset, where.path)
+        read_range(files, where, as_bytes(block.dest), offset)
     else:
         raw = staging[:nbytes]
-        _pread(fd, _as_bytes(raw), where.offset + offset, where.path)
+        read_range(files, where, as_bytes(raw), offset)
         copy_converted(block.dest, raw.view(where.dtype).view(block.dest.shape), where)
     return nbytes

@@ -7,7 +7,6 @@ import this file; keep the builders deterministic (fixed seeds) and side-effect 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +29,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-
-# transformers 5 stores MoE experts fused (`gate_up_proj`) and converts per-expert checkpoint keys on load.
-EXPERTS_FUSED_ON_LOAD = importlib.util.find_spec("transformers.core_model_loading") is not None
 
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
 
@@ -221,6 +217,24 @@ def save_llama_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
             p.normal_(0.0, 0.02, generator=gen)
         model.model.rotary_emb.__init__(config)  # recompute inv_freq after to_empty
     return _save(model, path, dtype)
+
+
+# a Qwen3-MoE of about 290M parameters, 85% of them in 32 experts per layer (Qwen3-30B-A3B's
+# proportions at a size the loading benchmark runs on 2 cores)
+QWEN3_MOE_300M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                      num_attention_heads=12, num_key_value_heads=4, head_dim=64, num_experts=32,
+                      num_experts_per_tok=8, moe_intermediate_size=384, decoder_sparse_step=1)  # fmt: skip
+
+
+def save_qwen3_moe_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
+    """The Qwen3-MoE of `QWEN3_MOE_300M` (1.1 GiB in fp32), saved as transformers saves it: one
+    tensor per expert (`mlp.experts.7.gate_proj.weight`), the hub's layout, which transformers 5
+    stacks into one tensor per layer on load."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**QWEN3_MOE_300M, max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    return _save(Qwen3MoeForCausalLM(config), path, dtype)
 
 
 HF_MAX_FILE_BYTES = 5 * 10**9  # `save_pretrained`'s default `max_shard_size` ("5GB")
