@@ -84,6 +84,24 @@ def test_activations_match_what_the_real_forward_saves(models: dict[str, str], n
     assert close(report["per_rank"]["activations_bytes"], measured), (report["per_rank"], measured)
 
 
+@ONLY_5X
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_moe_outside_bfloat16_is_estimated_like_its_real_forward(tmp_path: Path, dtype: torch.dtype):
+    """transformers 5's experts call `torch._grouped_mm`, whose meta kernel takes bfloat16 only:
+    the estimate of a float32 (or float16) MoE stopped with "one forward on the meta device
+    failed", though the model trains on the CPU and on CUDA."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "qwen3_moe")
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=16)).to(dtype).save_pretrained(path)
+    report = estimate_memory(config(mixed_precision="no"), path, seq_len=SEQ, batch_size=BATCH, device="cpu")
+    measured = saved_bytes(*real_model(path, dtype, BATCH, SEQ))
+    assert close(report["per_rank"]["activations_bytes"], measured), (report["per_rank"], measured)
+
+
 def _without_cache(model_dir: str, path: Path) -> str:
     """A copy of the model whose config says `use_cache: false`."""
     import shutil

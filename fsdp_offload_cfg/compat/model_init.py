@@ -137,19 +137,47 @@ def meta_forward() -> Iterator[None]:
       for packed sequences in the position ids (`masking_utils.find_packed_sequence_indices`),
       a data-dependent `.all()` that cannot run on meta. The estimate's batch holds one sequence
       per row: the check gets the answer it gives for such ids, without reading them.
-    Both are put back when the block ends, whatever it raises (not thread-safe: process-wide)."""
+    - transformers 5's MoE experts (`integrations.moe`) call `torch._grouped_mm` wherever it
+      exists, on meta too, and torch's meta kernel of it takes bfloat16 only (a Hopper limit of
+      old), so a float32 or float16 MoE failed on meta though it runs on the CPU and on CUDA.
+      On meta, outside bfloat16, the experts take transformers' own fallback op instead, which
+      has a meta kernel and saves the same tensors for backward (input, weight, offsets).
+    All are put back when the block ends, whatever it raises (not thread-safe: process-wide)."""
     original = torch.autocast
     torch.autocast = _AutocastAcceptingMeta  # type: ignore[misc]
     masking = _masking_utils()
     packed = getattr(masking, "find_packed_sequence_indices", None)
     if packed is not None:
         masking.find_packed_sequence_indices = _one_sequence_per_row(packed)
+    moe = _moe_integration()
+    grouped = getattr(moe, "_can_use_grouped_mm", None)
+    if grouped is not None:
+        moe._can_use_grouped_mm = _grouped_mm_in_bfloat16_only_on_meta(grouped)
     try:
         yield
     finally:
         torch.autocast = original  # type: ignore[misc]
         if packed is not None:
             masking.find_packed_sequence_indices = packed
+        if grouped is not None:
+            moe._can_use_grouped_mm = grouped
+
+
+def _moe_integration() -> Any:
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # transformers 4.x: a module per expert, no grouped matmul
+        return None
+    return moe
+
+
+def _grouped_mm_in_bfloat16_only_on_meta(can_use: Callable[..., bool]) -> Callable[..., bool]:
+    def can_use_grouped_mm(input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        if weight.device.type == "meta" and weight.dtype != torch.bfloat16:
+            return False
+        return can_use(input, weight, *args, **kwargs)
+
+    return can_use_grouped_mm
 
 
 def _masking_utils() -> Any:
