@@ -38,12 +38,11 @@ class Residency:
     forward_end_device_bytes: int  # on the device when forward ends (all kept saves still alive)
     device_peak_bytes: int  # on the device, at the worst moment of forward end or backward
     host_bytes: int  # offloaded to the host pool (pool bytes, rounded as the pool rounds)
-    # groups whose backward had finished at that moment (0: the head's backward), whose gradients
-    # exist by then: the device peak adds those (`report.device_at_peak`)
-    peak_groups_done: int = 0
-    # the worst moment is the head's backward: every save kept so far, plus the head's gradients
-    # (the logits'), which `report.device_at_peak` shows apart as `logits_grad`
-    peak_at_head: bool = False
+    # every moment of backward, (activation bytes on the device, groups finished by then, whose
+    # gradients exist), the head's backward first (every save kept so far, plus the logits'
+    # gradients): the step's worst moment adds the finished groups' gradients to each, so it can
+    # be a later moment than the activations' own peak (`report.device_at_peak`)
+    moments: tuple[tuple[int, int], ...] = ()
 
 
 def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[int] | None = None) -> list[SavedStorage]:
@@ -89,13 +88,12 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
     recompute = recompute or [0] * n_groups
     extra = backward_extra or [0] * n_groups
     # the head's backward first: everything kept is still there, beside the logits' gradients
-    peak, done, at_head = sum(kept) + head_extra, 0, head_extra > 0
+    moments = [(sum(kept) + head_extra, 0)]
     for i in range(n_groups - 1, -1, -1):  # backward at group i: later groups' saves are freed
         reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
-        now = sum(kept[: i + 1]) + reloaded + recompute[i] + extra[i]
-        if now > peak:
-            peak, done, at_head = now, n_groups - 1 - i, False
-    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, done, at_head)
+        moments.append((sum(kept[: i + 1]) + reloaded + recompute[i] + extra[i], n_groups - 1 - i))
+    peak = max(now for now, _ in moments)
+    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, tuple(moments))
 
 
 def replay(profile: ActivationProfile, storages: list[SavedStorage], offload: ActivationOffloadConfig | None,

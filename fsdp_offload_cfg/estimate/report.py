@@ -196,25 +196,33 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     docs/estimate.md: counting every gradient at the activations' peak overshot by 8-13%):
 
     - backward's: the resident states, the gathered units (current + prefetched, and one unit's
-      gradients), the activations at their own peak or at the head's backward, which allocates the
-      logits' gradient while everything saved is still there (`logits_grad`: what the head's
-      backward holds beyond the saves, `ActivationProfile.head_backward_bytes`), and the gradients
-      of only the groups backward has finished by then: between steps they are None
-      (`zero_grad`'s default), and they appear group by group as backward walks back (all of
-      them when `accumulating`: micro-batches before this one left theirs);
+      gradients), the activations at one moment of backward, the head's (which allocates the
+      logits' gradient while everything saved is still there: `logits_grad`, what the head's
+      backward holds beyond the saves, `ActivationProfile.head_backward_bytes`) or a group's, and
+      the gradients of only the groups backward has finished by then: between steps they are
+      None (`zero_grad`'s default), and they appear group by group as backward walks back (all
+      of them when `accumulating`: micro-batches before this one left theirs). The moment is the
+      worst of activations and gradients together: where the activations are small beside the
+      gradients (short sequences, a MoE's experts), a late moment outweighs the activations' own
+      peak;
     - the optimizer step's: every gradient, no activation, and the step's own transient.
     """
     resident = not config.offload_params
-    at_head = residency.peak_at_head
-    done = 0 if at_head else residency.peak_groups_done
     groups = max(len(profile.groups), 1)
+
+    def grads(done: int) -> int:
+        return (states.grads if accumulating else states.grads * done // groups) if resident else 0
+
+    worst = max(range(len(residency.moments)), key=lambda i: residency.moments[i][0] + grads(residency.moments[i][1]))
+    activations, done = residency.moments[worst]
+    at_head = worst == 0 and activations > residency.forward_end_device_bytes  # the head's backward, logits' grads
     backward = {
         "params": states.params if resident else 0,
-        "grads": (states.grads if accumulating else states.grads * done // groups) if resident else 0,
+        "grads": grads(done),
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + states.always_gathered + 3 * states.unit_max,
-        "activations": residency.forward_end_device_bytes if at_head else residency.device_peak_bytes,
-        "logits_grad": residency.device_peak_bytes - residency.forward_end_device_bytes if at_head else 0,
+        "activations": residency.forward_end_device_bytes if at_head else activations,
+        "logits_grad": activations - residency.forward_end_device_bytes if at_head else 0,
         "optimizer_step": 0,
     }
     step = {**dict.fromkeys(backward, 0), "params": backward["params"], "grads": states.grads if resident else 0,
