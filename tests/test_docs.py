@@ -33,3 +33,26 @@ def test_the_benchmarks_open_with_todays_result_per_feature():
     assert len(rows) >= 8, rows
     for row in rows:  # every row dated and its commit named
         assert re.search(r"\| 20\d\d-\d\d-\d\d, `[0-9a-f]{7}` \|$", row), row
+
+
+def test_the_readmes_estimate_output_is_what_the_cli_prints(capsys, monkeypatch):
+    """The README's "Will it fit?" shows the estimate's output for its command. Its activation
+    rows (saved, on the device, host) are the same on every leg and must match the CLI's, line
+    for line (they had drifted: sizes print as `0 B`, not `0.0 MiB`); the states and peaks depend
+    on the installed accelerate's master weights, so the README shows the newest leg's."""
+    import shlex
+
+    from fsdp_offload_cfg import cli
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = next(line for line in readme.splitlines() if line.startswith("fsdp-offload-cfg estimate examples/"))
+    output = readme[readme.index(command):].split("\n```\n\n```\n", 1)[1]  # the command's block, then its output's
+    monkeypatch.chdir(ROOT)
+    assert cli.main(shlex.split(command)[1:]) == 0
+    printed = capsys.readouterr().out
+
+    def activation_rows(text: str) -> list[str]:
+        table = text[text.index("| activations | saved |"):].split("\n\n", 1)[0]
+        return ["|".join(line.split("|")[:5]) for line in table.splitlines()]  # setting, saved, device, host
+
+    assert activation_rows(output[:output.index("\n```")]) == activation_rows(printed)
