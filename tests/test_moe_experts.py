@@ -28,7 +28,7 @@ import torch
 from fsdp_offload_cfg.testing.compare import digest
 from fsdp_offload_cfg.testing.dist import run_workers
 from fsdp_offload_cfg.testing.models import shard_by_layer
-from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, needed_and_row, rchar
+from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, checkpoint_tensor_bytes, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
 
@@ -89,14 +89,6 @@ def _worker(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, Any]
     return out
 
 
-def _tensor_bytes(path: str) -> int:
-    """The checkpoint's tensor bytes (its files less their headers), as safetensors loads them."""
-    from safetensors.torch import load_file
-
-    return sum(t.numel() * t.element_size() for name in os.listdir(path) if name.endswith(".safetensors")
-               for t in load_file(os.path.join(path, name)).values())
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import transformers
@@ -151,7 +143,7 @@ def test_every_tensor_equals_a_plain_load(loads: list[dict[str, Any]], checkpoin
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_rank_reads_its_own_experts_once(loads: list[dict[str, Any]], checkpoints: dict[str, Any], family: str,
                                               strategy: str):
-    total = _tensor_bytes(checkpoints["paths"][family])
+    total = checkpoint_tensor_bytes(checkpoints["paths"][family])
     ranks = [r[family, strategy] for r in loads]
     for rank, r in enumerate(ranks):
         assert r["needed"] <= r["read"] <= r["needed"] + r["row"], (rank, r)
@@ -165,7 +157,7 @@ def test_broadcast_rank0_reads_the_checkpoint_once_to_stream_it(loads: list[dict
                                                                 checkpoints: dict[str, Any], family: str):
     """Under broadcast rank 0 reads its own experts and, while it sends them, the other rank's:
     the checkpoint once, never whole in memory."""
-    total = _tensor_bytes(checkpoints["paths"][family])
+    total = checkpoint_tensor_bytes(checkpoints["paths"][family])
     rank0, rank1 = (r[family, "broadcast"] for r in loads)
     assert rank1["read"] == 0 and rank1["streamed"] == 0
     assert total * 0.95 <= rank0["read"] + rank0["streamed"] <= 1.05 * total, (rank0, total)

@@ -18,7 +18,7 @@ import pytest
 
 from fsdp_offload_cfg.testing.dist import run_workers
 from fsdp_offload_cfg.testing.models import shard_by_layer
-from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, needed_and_row, rchar
+from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, checkpoint_tensor_bytes, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
 
@@ -48,19 +48,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"one_file": save_llama(str(root / "one_file")), "many_files": save_llama_multi_file(str(root / "many"))}
 
 
-def _tensor_bytes(path: str) -> int:
-    """The checkpoint's tensor bytes (its files less their headers)."""
-    from safetensors.torch import load_file
-
-    return sum(t.numel() * t.element_size() for name in os.listdir(path) if name.endswith(".safetensors")
-               for t in load_file(os.path.join(path, name)).values())
-
-
 @pytest.mark.parametrize("strategy", ["sharded", "auto"])
 @pytest.mark.parametrize("name", ["one_file", "many_files"])
 def test_each_checkpoint_byte_is_read_once_across_the_ranks(checkpoints: dict[str, str], strategy: str, name: str):
     ranks = run_workers(_worker, 2, strategy, checkpoints[name], timeout=180)
-    total = _tensor_bytes(checkpoints[name])
+    total = checkpoint_tensor_bytes(checkpoints[name])
     assert len([f for f in os.listdir(checkpoints[name]) if f.endswith(".safetensors")]) > (name == "many_files")
     for rank, r in enumerate(ranks):
         assert r["sent"] == 0, f"rank {rank}: rank 0 scattered {r['sent']} tensors that every rank can read"

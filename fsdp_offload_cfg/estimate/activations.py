@@ -42,7 +42,7 @@ class Residency:
     # gradients exist), the head's backward first (every save kept so far, plus the logits'
     # gradients): the step's worst moment adds the finished groups' gradients to each, so it can
     # be a later moment than the activations' own peak (`report.device_at_peak`)
-    moments: tuple[tuple[int, int], ...] = ()
+    moments: tuple[tuple[int, int], ...]
 
 
 def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[int] | None = None) -> list[SavedStorage]:

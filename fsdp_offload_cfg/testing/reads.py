@@ -3,6 +3,8 @@ process's `read`/`pread` calls returned, and the bytes a rank must read to fill 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 KERNEL_SLACK = 4096  # bytes the kernel may count besides the checkpoint reads (store traffic)
@@ -28,3 +30,12 @@ def needed_and_row(model: torch.nn.Module) -> tuple[int, int]:
         if tensor.dim() > 0:
             row = max(row, tensor.numel() // tensor.shape[0] * tensor.element_size())
     return needed, row
+
+
+def checkpoint_tensor_bytes(path: str) -> int:
+    """The tensor bytes of the checkpoint directory `path` (its safetensors files less their
+    headers), as safetensors itself loads them: the size a read-once check compares against."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for name in os.listdir(path) if name.endswith(".safetensors")
+               for t in load_file(os.path.join(path, name)).values())
