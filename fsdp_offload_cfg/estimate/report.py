@@ -38,6 +38,7 @@ from fsdp_offload_cfg.estimate.plan import (
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
 from fsdp_offload_cfg.estimate.room import Room, offline_room
 from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
+from fsdp_offload_cfg.layer_classes import declared_layer_classes, repeated_block_classes
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 
@@ -48,8 +49,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
-    layers = layer_class_names(model, config.transformer_layer_cls_to_wrap)
     _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()))
+    layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute)
     profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained)
@@ -141,7 +142,7 @@ def _check_layer_classes(model: torch.nn.Module, layers: list[str]) -> None:
     present = {type(m).__name__ for m in model.modules()}
     missing = [name for name in layers if name not in present]
     if missing:
-        known = sorted(getattr(model, "_no_split_modules", None) or [])
+        known = declared_layer_classes(model)[0] or repeated_block_classes(model)
         raise EstimateError(f"transformer_layer_cls_to_wrap: {', '.join(missing)} is not a module class of "
                             f"{type(model).__name__}; its layer classes are {', '.join(known) or 'unknown'} "
                             "(fix the key, or drop it to use those)")

@@ -27,7 +27,7 @@ from fsdp_offload_cfg.registry import LaunchContext
 _ORDER = [
     "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "loader-from-pretrained", "rank0-from-config",
     "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
-    "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
+    "default-layer-classes", "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
     "fsdp1-activation-offload",
     "trainer-fsdp-config",
 ]  # fmt: skip

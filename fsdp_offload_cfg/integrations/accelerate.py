@@ -25,6 +25,7 @@ from fsdp_offload_cfg.integrations.common import (
     load_through_loader,
     logger,
 )
+from fsdp_offload_cfg.layer_classes import present_classes_only
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 from fsdp_offload_cfg.shard_groups import fsdp2_groups
 
@@ -202,6 +203,24 @@ def _ours_outermost(cfg: FSDPOffloadConfig) -> Iterator[None]:
         module.fsdp2_prepare_model = theirs
 
 
+def build_set_auto_wrap_policy(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """`FullyShardedDataParallelPlugin.set_auto_wrap_policy` reads only the default layer classes
+    the model has (`layer_classes`). It is the first reader on every path: FSDP1's prepare, FSDP2's
+    `_prepare_fsdp2` before activation checkpointing, `fsdp2_prepare_model`, TRL's `prepare_fsdp`;
+    it keeps the list on the plugin, where `fsdp2_prepare_auto_wrap_policy` reads it after."""
+
+    @functools.wraps(original)
+    def set_auto_wrap_policy(self: Any, model: torch.nn.Module) -> Any:
+        with present_classes_only(self, model, cfg.source):
+            return original(self, model)
+
+    return set_auto_wrap_policy
+
+
+def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return fsdp_requested(cfg)
+
+
 def _offload_fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg) and cfg.activation_cpu_offload.enabled and cfg.version == 1
 
@@ -228,6 +247,9 @@ PATCHES = [
     Patch("fsdp2-prepare-model-utils-export", "accelerate.utils", "fsdp2_prepare_model",
           build_fsdp2_prepare_model, fsdp2_prepare_needed, _REQUIRES, "the same, for `accelerate.utils.` calls",
           swaps=fully_shard_swap),
+    Patch("default-layer-classes", "accelerate.utils.dataclasses", "FullyShardedDataParallelPlugin.set_auto_wrap_policy",
+          build_set_auto_wrap_policy, _fsdp, _REQUIRES, "TRANSFORMER_BASED_WRAP without layer classes wraps the "
+          "_no_split_modules classes the model has (transformers 5 also lists sub-model classes it does not build)"),
     Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
           build_prepare_model, _offload_fsdp1, _REQUIRES, "enable activation offload on FSDP1 models"),
 ]

@@ -1,0 +1,112 @@
+"""The layer classes FSDP wraps by default: the model's `_no_split_modules`, less the names the
+model does not have.
+
+accelerate's TRANSFORMER_BASED_WRAP with no `fsdp_transformer_layer_cls_to_wrap` wraps every class
+that `model._no_split_modules` names, and raises "Could not find the transformer layer class ...
+in the model" if one of them is not in the model. transformers 5 builds that list in `post_init`
+as the union of every sub-model's own list, and a sub-model class often names modules that only
+its siblings build: Llava's CLIP vision tower brings `CLIPTextEmbeddings`, Gemma 3's and
+PaliGemma's SigLIP bring `SiglipTextEmbeddings`. So stock accelerate refuses Llava, Gemma 3,
+PaliGemma, Mllama and others out of the box: 38 of the 327 classes of transformers 5.24's
+causal-LM, image-text and masked-LM auto classes, 19 of 220 on 4.57 (RoBERTa's MLM names
+`RobertaSelfAttention`, which it no longer has).
+
+What a user would write by hand is the list less those names, and that is what this module
+gives accelerate, for the call only: rank 0 says which names were left out, and a model left with
+no class at all is refused with the key to set and the classes it repeats (verl took the same way
+out, verl #6289). A list the user wrote is theirs: a class it names that is not in the model
+still fails, as in accelerate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from fsdp_offload_cfg._logging import get_logger, is_rank0
+
+logger = get_logger(__name__)
+
+_said: set[tuple[str, ...]] = set()  # (model class, dropped names) rank 0 has logged: once per process
+
+
+def declared_layer_classes(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(present, absent): the names in the model's `_no_split_modules` that are, and are not, the
+    class of one of its modules. Sorted: transformers 5 keeps a set, whose order varies by process."""
+    declared = sorted(getattr(model, "_no_split_modules", None) or [])
+    built = {type(m).__name__ for m in model.modules()}
+    return [n for n in declared if n in built], [n for n in declared if n not in built]
+
+
+def repeated_block_classes(model: nn.Module) -> list[str]:
+    """Classes of the blocks a model stacks in an `nn.ModuleList` (its layers, as a user would
+    list them for `fsdp_transformer_layer_cls_to_wrap`), in the order they first appear."""
+    found: dict[str, None] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            found.update(dict.fromkeys(type(block).__name__ for block in module))
+    return list(found)
+
+
+def none_declared_present(model: nn.Module, absent: list[str], source: str) -> str:
+    """The refusal for a model whose `_no_split_modules` names only classes it does not have."""
+    blocks = repeated_block_classes(model)
+    hint = f" (it repeats {', '.join(blocks)})" if blocks else ""
+    return (f"{type(model).__name__}: TRANSFORMER_BASED_WRAP has no layer class to wrap: the model's "
+            f"_no_split_modules names {', '.join(absent)}, which it does not have. Set "
+            f"fsdp_transformer_layer_cls_to_wrap in {source} to its layer classes{hint}.")
+
+
+def transformer_based(policy: Any) -> bool:
+    """The plugin's `auto_wrap_policy` is TRANSFORMER_BASED_WRAP (the function, or accelerate's
+    partial of it once set)."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    return getattr(policy, "func", policy) is transformer_auto_wrap_policy
+
+
+@contextmanager
+def present_classes_only(plugin: Any, model: nn.Module, source: str) -> Iterator[None]:
+    """While accelerate reads the default layer classes, `model._no_split_modules` holds only the
+    classes the model has. Nothing changes where the user named the classes, where the policy is
+    not transformer-based, or where every declared class is present."""
+    if not transformer_based(plugin.auto_wrap_policy) or plugin.transformer_cls_names_to_wrap is not None:
+        yield
+        return
+    present, absent = declared_layer_classes(model)
+    if not absent:
+        yield
+        return
+    if not present:
+        raise ValueError(none_declared_present(model, absent, source))
+    _say_dropped(model, present, absent)
+    with _instance_attribute(model, "_no_split_modules", present):
+        yield
+
+
+def _say_dropped(model: nn.Module, present: list[str], absent: list[str]) -> None:
+    key = (type(model).__name__, *absent)
+    if is_rank0() and key not in _said:
+        _said.add(key)
+        logger.info("%s: wrapping %s; its _no_split_modules also names %s, which it does not have "
+                    "(transformers lists every sub-model's classes); set fsdp_transformer_layer_cls_to_wrap "
+                    "to choose", type(model).__name__, ", ".join(present), ", ".join(absent))
+
+
+@contextmanager
+def _instance_attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """`obj.name = value` for the block; then as before: the old instance value, or none (the
+    class attribute shows again, as transformers 4.x keeps `_no_split_modules`)."""
+    had, old = name in vars(obj), vars(obj).get(name)
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            object.__setattr__(obj, name, old)
+        else:
+            object.__delattr__(obj, name)
+

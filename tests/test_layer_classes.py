@@ -1,0 +1,212 @@
+"""TRANSFORMER_BASED_WRAP with no `fsdp_transformer_layer_cls_to_wrap` (`fsdp_offload_cfg.layer_classes`).
+
+accelerate wraps the classes `model._no_split_modules` names and raises if one is not in the
+model. transformers 5 lists every sub-model class's names there, so Llava (`CLIPTextEmbeddings`),
+Gemma 3 and PaliGemma (`SiglipTextEmbeddings`) failed in `accelerator.prepare` with "Could not
+find the transformer layer class ... in the model"; on 4.57 Gemma3ForCausalLM does (its SigLIP
+names). Now the run wraps the classes the model has, exactly as the same run with those classes
+listed by hand, bit for bit; a model left with none is refused on every rank with the key to set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_offload_cfg.testing.configs import loader_config
+from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.training import train_steps
+
+FAMILIES = ["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"]
+VOCAB = 90  # below every family's image token id: text-only batches
+
+
+def _tiny(family: str) -> nn.Module:
+    import transformers
+
+    from fsdp_offload_cfg.testing.models import llama_config
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, vocab_size=128, max_position_embeddings=64)
+    siglip = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    if family == "LlavaForConditionalGeneration":
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, image_size=16, patch_size=8)
+        config = transformers.LlavaConfig(vision_config=vision, text_config=llama_config(), image_token_index=96)
+    elif family == "Gemma3ForConditionalGeneration":
+        config = transformers.Gemma3Config(text_config=text, vision_config=siglip, mm_tokens_per_image=4,
+                                           image_token_index=120, boi_token_index=121, eoi_token_index=122)
+    else:
+        config = transformers.Gemma3TextConfig(**text)
+    return getattr(transformers, family)(config)
+
+
+def _present(model: nn.Module) -> list[str]:
+    """The test's own reading of what a user would list: the declared names the model builds."""
+    built = {type(m).__name__ for m in model.modules()}
+    return sorted(n for n in (model._no_split_modules or []) if n in built)
+
+
+def _run_worker(rank: int, world_size: int, mode: str, ac: bool, paths: dict[str, str]) -> dict[str, Any]:
+    import transformers
+    from accelerate import Accelerator
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(loader_config(mode, fsdp_activation_checkpointing=ac))
+    results: dict[str, Any] = {}
+    for family, path in paths.items():
+        for listed in (False, True):
+            accelerator = Accelerator()
+            plugin = accelerator.state.fsdp_plugin  # the singleton keeps what the last prepare set
+            plugin.auto_wrap_policy = transformer_auto_wrap_policy
+            model = getattr(transformers, family).from_pretrained(path)
+            declared = sorted(model._no_split_modules or [])
+            plugin.transformer_cls_names_to_wrap = _present(model) if listed else None
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            try:
+                model, optimizer = accelerator.prepare(model, optimizer)
+            except Exception as exc:  # noqa: BLE001 - what this rank saw is the result
+                results[family, listed] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            units = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule))
+            losses = train_steps(accelerator, model, optimizer, rank, vocab=VOCAB, use_cache=False)
+            results[family, listed] = {"error": None, "units": units, "losses": losses, "declared": declared,
+                                       "after": sorted(accelerator.unwrap_model(model)._no_split_modules or [])}
+    # a model whose list names only classes it does not build (a remote-code model's stale names)
+    plugin.transformer_cls_names_to_wrap, plugin.auto_wrap_policy = None, transformer_auto_wrap_policy
+    model = transformers.Gemma3ForCausalLM.from_pretrained(paths["Gemma3ForCausalLM"])
+    model._no_split_modules = ["GPT2Block"]
+    try:
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+        results["none_left"] = "prepared"
+    except ValueError as exc:
+        results["none_left"] = str(exc)
+    return results
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("layer_classes")
+    paths = {}
+    for family in FAMILIES:
+        paths[family] = str(root / family)
+        _tiny(family).save_pretrained(paths[family])
+    return paths
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("mode", "ac"), [("loader_off", False), ("sharded", True)])
+def test_default_wrap_takes_the_declared_classes_the_model_has(checkpoints: dict[str, str], mode: str,
+                                                                ac: bool) -> None:
+    """Each family prepares and trains with no layer classes set, and its FSDP units and losses
+    are those of the same run with the classes listed by hand; with activation checkpointing and
+    the loader too."""
+    results = run_workers(_run_worker, 2, mode, ac, checkpoints)
+    absent_somewhere = False
+    for family in FAMILIES:
+        by_default, by_hand = results[0][family, False], results[0][family, True]
+        assert by_default["error"] is None, (family, by_default["error"])
+        assert by_hand["error"] is None, (family, by_hand["error"])
+        model = _tiny(family)
+        present = _present(model)
+        absent_somewhere |= len(present) < len(model._no_split_modules or [])
+        assert by_default["units"] == by_hand["units"], family
+        assert {f"FSDP{name}" for name in present} <= set(by_default["units"]), family
+        for rank in (0, 1):  # bit for bit, on every rank
+            assert results[rank][family, False]["losses"] == results[rank][family, True]["losses"], family
+        assert by_default["after"] == by_default["declared"], "the model's own list is given back"
+    assert absent_somewhere, "no family names a class it lacks on this transformers: the test would pass vacuously"
+    for rank in (0, 1):
+        message = results[rank]["none_left"]
+        assert "Gemma3ForCausalLM" in message and "GPT2Block" in message, message
+        assert "fsdp_transformer_layer_cls_to_wrap" in message and "<dict>" in message, message
+        assert "Gemma3DecoderLayer" in message, message  # the class it repeats, to list
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
+class Net(nn.Module):
+    _no_split_modules = ["Block", "TextEmbeddings"]  # as a class attribute, as transformers 4.x keeps it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+
+def _plugin(**kwargs: Any) -> Any:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(**{"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap", **kwargs})
+
+
+def test_only_the_default_list_changes_and_only_for_the_call(capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_offload_cfg.layer_classes import declared_layer_classes, present_classes_only
+
+    net = Net()
+    assert declared_layer_classes(net) == (["Block"], ["TextEmbeddings"])
+    with present_classes_only(_plugin(), net, "a.yaml"):
+        assert net._no_split_modules == ["Block"]
+    assert "_no_split_modules" not in vars(net) and net._no_split_modules == Net._no_split_modules
+    assert "Net: wrapping Block; its _no_split_modules also names TextEmbeddings" in capsys.readouterr().err
+
+    net.__dict__["_no_split_modules"] = {"Block", "TextEmbeddings"}  # transformers 5: an instance set
+    with present_classes_only(_plugin(), net, "a.yaml"):
+        assert net._no_split_modules == ["Block"]
+    assert net._no_split_modules == {"Block", "TextEmbeddings"}
+
+    listed = _plugin(transformer_cls_names_to_wrap=["TextEmbeddings"])  # the user's own list stays theirs
+    with present_classes_only(listed, net, "a.yaml"):
+        assert net._no_split_modules == {"Block", "TextEmbeddings"}
+    with present_classes_only(_plugin(auto_wrap_policy="size_based_wrap"), net, "a.yaml"):
+        assert net._no_split_modules == {"Block", "TextEmbeddings"}
+
+
+def test_a_model_with_no_declared_class_left_is_refused_with_the_key_and_its_blocks() -> None:
+    from fsdp_offload_cfg.layer_classes import present_classes_only
+
+    net = Net()
+    net._no_split_modules = ["TextEmbeddings"]
+    with pytest.raises(ValueError) as caught, present_classes_only(_plugin(), net, "fsdp2.yaml"):
+        pass
+    assert str(caught.value) == ("Net: TRANSFORMER_BASED_WRAP has no layer class to wrap: the model's "
+                                 "_no_split_modules names TextEmbeddings, which it does not have. Set "
+                                 "fsdp_transformer_layer_cls_to_wrap in fsdp2.yaml to its layer classes "
+                                 "(it repeats Block).")
+    assert net._no_split_modules == ["TextEmbeddings"]
+
+
+def test_the_estimate_models_the_classes_the_run_wraps(tmp_path: Any) -> None:
+    """`estimate` counts the FSDP units the run makes: the declared classes the model has; a model
+    with none is refused as the run refuses it; a listed class it lacks names those it has."""
+    from fsdp_offload_cfg.config import load_config
+    from fsdp_offload_cfg.estimate.inputs import EstimateError
+    from fsdp_offload_cfg.estimate.model import layer_class_names
+    from fsdp_offload_cfg.estimate.report import build_report
+
+    net = Net()
+    assert layer_class_names(net, None) == ["Block"]
+    assert layer_class_names(net, ("TextEmbeddings",)) == ["TextEmbeddings"]
+    net._no_split_modules = ["TextEmbeddings"]
+    with pytest.raises(EstimateError, match="fsdp_transformer_layer_cls_to_wrap in cfg.yaml .*it repeats Block"):
+        layer_class_names(net, None, "cfg.yaml")
+
+    path = str(tmp_path / "llava")
+    _tiny("LlavaForConditionalGeneration").save_pretrained(path)
+    config = load_config(loader_config("loader_off", fsdp_transformer_layer_cls_to_wrap="CLIPTextEmbeddings"))
+    with pytest.raises(EstimateError) as caught:
+        build_report(config, path, ranks=2, seq_len=16, batch_size=1, optimizer="adamw", device="cpu", dtype=None)
+    assert "CLIPTextEmbeddings is not a module class of LlavaForConditionalGeneration" in str(caught.value)
+    listed = str(caught.value).split("its layer classes are ")[1]  # the declared ones it has (4.57 declares none:
+    assert "LlamaDecoderLayer" in listed and "CLIPTextEmbeddings" not in listed, listed  # then the blocks it repeats)
