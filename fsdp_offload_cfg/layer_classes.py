@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -30,15 +31,35 @@ from fsdp_offload_cfg._logging import get_logger, is_rank0
 
 logger = get_logger(__name__)
 
-_said: set[tuple[str, ...]] = set()  # (model class, dropped names) rank 0 has logged: once per process
+_said: set[tuple[str, ...]] = set()  # what rank 0 has logged, per model class: once per process
 
 
-def declared_layer_classes(model: nn.Module) -> tuple[list[str], list[str]]:
-    """(present, absent): the names in the model's `_no_split_modules` that are, and are not, the
-    class of one of its modules. Sorted: transformers 5 keeps a set, whose order varies by process."""
-    declared = sorted(getattr(model, "_no_split_modules", None) or [])
+@dataclass(frozen=True)
+class DefaultLayers:
+    """What TRANSFORMER_BASED_WRAP wraps when no class is listed. Names sorted: transformers 5
+    keeps a set, whose order varies by process."""
+
+    present: list[str]  # declared and built: wrapped
+    absent: list[str]  # declared, not built: left out
+    # The model declares none of its own, so these are its sub-models' (a transformers 4.x
+    # composite such as Llava, Mistral3, InternVL: accelerate would wrap nothing but the root).
+    # transformers 5 lists them on the model itself, so both wrap the same.
+    inherited: bool
+
+
+def default_layer_classes(model: nn.Module) -> DefaultLayers:
+    own = set(getattr(model, "_no_split_modules", None) or [])
+    declared = sorted(own or _sub_model_classes(model))
     built = {type(m).__name__ for m in model.modules()}
-    return [n for n in declared if n in built], [n for n in declared if n not in built]
+    return DefaultLayers([n for n in declared if n in built], [n for n in declared if n not in built], not own)
+
+
+def _sub_model_classes(model: nn.Module) -> set[str]:
+    found: set[str] = set()
+    for module in model.modules():
+        if module is not model:
+            found.update(getattr(module, "_no_split_modules", None) or [])
+    return found
 
 
 def repeated_block_classes(model: nn.Module) -> list[str]:
@@ -51,13 +72,16 @@ def repeated_block_classes(model: nn.Module) -> list[str]:
     return list(found)
 
 
+def _blocks_hint(model: nn.Module) -> str:
+    blocks = repeated_block_classes(model)
+    return f" (it repeats {', '.join(blocks)})" if blocks else ""
+
+
 def none_declared_present(model: nn.Module, absent: list[str], source: str) -> str:
     """The refusal for a model whose `_no_split_modules` names only classes it does not have."""
-    blocks = repeated_block_classes(model)
-    hint = f" (it repeats {', '.join(blocks)})" if blocks else ""
     return (f"{type(model).__name__}: TRANSFORMER_BASED_WRAP has no layer class to wrap: the model's "
             f"_no_split_modules names {', '.join(absent)}, which it does not have. Set "
-            f"fsdp_transformer_layer_cls_to_wrap in {source} to its layer classes{hint}.")
+            f"fsdp_transformer_layer_cls_to_wrap in {source} to its layer classes{_blocks_hint(model)}.")
 
 
 def transformer_based(policy: Any) -> bool:
@@ -70,30 +94,42 @@ def transformer_based(policy: Any) -> bool:
 
 @contextmanager
 def present_classes_only(plugin: Any, model: nn.Module, source: str) -> Iterator[None]:
-    """While accelerate reads the default layer classes, `model._no_split_modules` holds only the
-    classes the model has. Nothing changes where the user named the classes, where the policy is
-    not transformer-based, or where every declared class is present."""
+    """While accelerate reads the default layer classes, `model._no_split_modules` holds the
+    classes `default_layer_classes` gives. Nothing changes where the user named the classes, where
+    the policy is not transformer-based, or where the model's own list is all built."""
     if not transformer_based(plugin.auto_wrap_policy) or plugin.transformer_cls_names_to_wrap is not None:
         yield
         return
-    present, absent = declared_layer_classes(model)
-    if not absent:
+    layers = default_layer_classes(model)
+    if not layers.present:
+        if layers.absent and not layers.inherited:
+            raise ValueError(none_declared_present(model, layers.absent, source))
+        _say_once(model, (), logger.warning, "%s: TRANSFORMER_BASED_WRAP finds no layer class to wrap (the model "
+                  "declares none): the whole model is one FSDP unit, gathered whole for every forward; set "
+                  "fsdp_transformer_layer_cls_to_wrap in %s%s", type(model).__name__, source, _blocks_hint(model))
         yield
         return
-    if not present:
-        raise ValueError(none_declared_present(model, absent, source))
-    _say_dropped(model, present, absent)
-    with _instance_attribute(model, "_no_split_modules", present):
+    if not layers.absent and not layers.inherited:
+        yield
+        return
+    if layers.inherited:
+        _say_once(model, layers.present, logger.info, "%s declares no layer classes: wrapping its sub-models' %s, "
+                  "as transformers 5 does; set fsdp_transformer_layer_cls_to_wrap to choose",
+                  type(model).__name__, ", ".join(layers.present))
+    else:
+        _say_once(model, layers.absent, logger.info, "%s: wrapping %s; its _no_split_modules also names %s, "
+                  "which it does not have (transformers lists every sub-model's classes); set "
+                  "fsdp_transformer_layer_cls_to_wrap to choose", type(model).__name__, ", ".join(layers.present),
+                  ", ".join(layers.absent))
+    with _instance_attribute(model, "_no_split_modules", layers.present):
         yield
 
 
-def _say_dropped(model: nn.Module, present: list[str], absent: list[str]) -> None:
-    key = (type(model).__name__, *absent)
+def _say_once(model: nn.Module, names: Any, log: Any, message: str, *args: Any) -> None:
+    key = (type(model).__name__, *names)
     if is_rank0() and key not in _said:
         _said.add(key)
-        logger.info("%s: wrapping %s; its _no_split_modules also names %s, which it does not have "
-                    "(transformers lists every sub-model's classes); set fsdp_transformer_layer_cls_to_wrap "
-                    "to choose", type(model).__name__, ", ".join(present), ", ".join(absent))
+        log(message, *args)
 
 
 @contextmanager

@@ -4,8 +4,10 @@ accelerate wraps the classes `model._no_split_modules` names and raises if one i
 model. transformers 5 lists every sub-model class's names there, so Llava (`CLIPTextEmbeddings`),
 Gemma 3 and PaliGemma (`SiglipTextEmbeddings`) failed in `accelerator.prepare` with "Could not
 find the transformer layer class ... in the model"; on 4.57 Gemma3ForCausalLM does (its SigLIP
-names). Now the run wraps the classes the model has, exactly as the same run with those classes
-listed by hand, bit for bit; a model left with none is refused on every rank with the key to set.
+names), and Llava, which declares no class of its own, was one FSDP unit, gathered whole for every
+forward. Now the run wraps the classes the model (or, where it declares none, its sub-models)
+declares and has, exactly as the same run with those classes listed by hand, bit for bit; a model
+whose list names only classes it lacks is refused on every rank with the key to set.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ def _tiny(family: str) -> nn.Module:
 
 
 def _present(model: nn.Module) -> list[str]:
-    """The test's own reading of what a user would list: the declared names the model builds."""
+    """The test's own reading of what a user would list: the classes the model or any of its
+    sub-models declares, that the model builds."""
     built = {type(m).__name__ for m in model.modules()}
-    return sorted(n for n in (model._no_split_modules or []) if n in built)
+    declared = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    return sorted(declared & built)
 
 
 def _run_worker(rank: int, world_size: int, mode: str, ac: bool, paths: dict[str, str]) -> dict[str, Any]:
@@ -110,20 +114,20 @@ def test_default_wrap_takes_the_declared_classes_the_model_has(checkpoints: dict
     are those of the same run with the classes listed by hand; with activation checkpointing and
     the loader too."""
     results = run_workers(_run_worker, 2, mode, ac, checkpoints)
-    absent_somewhere = False
+    changed_somewhere = False
     for family in FAMILIES:
         by_default, by_hand = results[0][family, False], results[0][family, True]
         assert by_default["error"] is None, (family, by_default["error"])
         assert by_hand["error"] is None, (family, by_hand["error"])
         model = _tiny(family)
         present = _present(model)
-        absent_somewhere |= len(present) < len(model._no_split_modules or [])
+        changed_somewhere |= present != sorted(model._no_split_modules or [])  # names left out, or taken from sub-models
         assert by_default["units"] == by_hand["units"], family
         assert {f"FSDP{name}" for name in present} <= set(by_default["units"]), family
         for rank in (0, 1):  # bit for bit, on every rank
             assert results[rank][family, False]["losses"] == results[rank][family, True]["losses"], family
         assert by_default["after"] == by_default["declared"], "the model's own list is given back"
-    assert absent_somewhere, "no family names a class it lacks on this transformers: the test would pass vacuously"
+    assert changed_somewhere, "every family's own list is right on this transformers: the test would pass vacuously"
     for rank in (0, 1):
         message = results[rank]["none_left"]
         assert "Gemma3ForCausalLM" in message and "GPT2Block" in message, message
@@ -152,10 +156,10 @@ def _plugin(**kwargs: Any) -> Any:
 
 
 def test_only_the_default_list_changes_and_only_for_the_call(capsys: pytest.CaptureFixture[str]) -> None:
-    from fsdp_offload_cfg.layer_classes import declared_layer_classes, present_classes_only
+    from fsdp_offload_cfg.layer_classes import DefaultLayers, default_layer_classes, present_classes_only
 
     net = Net()
-    assert declared_layer_classes(net) == (["Block"], ["TextEmbeddings"])
+    assert default_layer_classes(net) == DefaultLayers(["Block"], ["TextEmbeddings"], inherited=False)
     with present_classes_only(_plugin(), net, "a.yaml"):
         assert net._no_split_modules == ["Block"]
     assert "_no_split_modules" not in vars(net) and net._no_split_modules == Net._no_split_modules
@@ -210,3 +214,43 @@ def test_the_estimate_models_the_classes_the_run_wraps(tmp_path: Any) -> None:
     assert "CLIPTextEmbeddings is not a module class of LlavaForConditionalGeneration" in str(caught.value)
     listed = str(caught.value).split("its layer classes are ")[1]  # the declared ones it has (4.57 declares none:
     assert "LlamaDecoderLayer" in listed and "CLIPTextEmbeddings" not in listed, listed  # then the blocks it repeats)
+
+
+class SubModel(nn.Module):
+    _no_split_modules = ["Block", "VisionLayer"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+
+class Composite(nn.Module):
+    _no_split_modules: list[str] = []  # transformers 4.x: Llava, Mistral3, InternVL declare none of their own
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.language_model = SubModel()
+
+
+def test_a_model_declaring_none_takes_its_sub_models_classes(capsys: pytest.CaptureFixture[str]) -> None:
+    """As transformers 5 does in `post_init`: else accelerate wraps nothing but the root."""
+    from fsdp_offload_cfg.layer_classes import DefaultLayers, default_layer_classes, present_classes_only
+
+    model = Composite()
+    assert default_layer_classes(model) == DefaultLayers(["Block"], ["VisionLayer"], inherited=True)
+    with present_classes_only(_plugin(), model, "a.yaml"):
+        assert model._no_split_modules == ["Block"]
+    assert model._no_split_modules == []
+    assert "Composite declares no layer classes: wrapping its sub-models' Block" in capsys.readouterr().err
+
+
+def test_a_model_with_nothing_declared_is_one_unit_and_rank_0_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_offload_cfg.layer_classes import present_classes_only
+
+    model = Composite()
+    model.language_model._no_split_modules = []  # a BERT-style model on transformers 4.x declares nothing
+    with present_classes_only(_plugin(), model, "fsdp2.yaml"):
+        assert model._no_split_modules == []
+    assert ("Composite: TRANSFORMER_BASED_WRAP finds no layer class to wrap (the model declares none): the whole "
+            "model is one FSDP unit, gathered whole for every forward; set fsdp_transformer_layer_cls_to_wrap in "
+            "fsdp2.yaml (it repeats Block)") in capsys.readouterr().err

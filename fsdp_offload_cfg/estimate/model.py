@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_offload_cfg.compat.model_init import after_init, kept_in_float32, meta_init
 from fsdp_offload_cfg.estimate.inputs import EstimateError
-from fsdp_offload_cfg.layer_classes import declared_layer_classes, none_declared_present
+from fsdp_offload_cfg.layer_classes import default_layer_classes, none_declared_present
 
 
 class ModelSourceError(ValueError):
@@ -95,15 +95,15 @@ def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dty
 
 
 def layer_class_names(model: nn.Module, configured: tuple[str, ...] | None, source: str = "your config") -> list[str]:
-    """The FSDP unit classes a run wraps: `transformer_layer_cls_to_wrap`, else the classes of
-    the model's `_no_split_modules` it has (`layer_classes`: what the run's prepare wraps); a model
-    with none of them is refused as the run refuses it."""
+    """The FSDP unit classes a run wraps: `transformer_layer_cls_to_wrap`, else the declared
+    classes the model has (`layer_classes.default_layer_classes`: what the run's prepare
+    wraps); a model whose list names only classes it lacks is refused as the run refuses it."""
     if configured:
         return list(configured)
-    present, absent = declared_layer_classes(model)
-    if absent and not present:
-        raise EstimateError(none_declared_present(model, absent, source))
-    return present
+    layers = default_layer_classes(model)
+    if layers.absent and not layers.present and not layers.inherited:
+        raise EstimateError(none_declared_present(model, layers.absent, source))
+    return layers.present
 
 
 def image_tokens_per_image(config: Any) -> int | None:

@@ -38,7 +38,7 @@ from fsdp_offload_cfg.estimate.plan import (
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
 from fsdp_offload_cfg.estimate.room import Room, offline_room
 from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
-from fsdp_offload_cfg.layer_classes import declared_layer_classes, repeated_block_classes
+from fsdp_offload_cfg.layer_classes import default_layer_classes, repeated_block_classes
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 
@@ -142,7 +142,7 @@ def _check_layer_classes(model: torch.nn.Module, layers: list[str]) -> None:
     present = {type(m).__name__ for m in model.modules()}
     missing = [name for name in layers if name not in present]
     if missing:
-        known = declared_layer_classes(model)[0] or repeated_block_classes(model)
+        known = default_layer_classes(model).present or repeated_block_classes(model)
         raise EstimateError(f"transformer_layer_cls_to_wrap: {', '.join(missing)} is not a module class of "
                             f"{type(model).__name__}; its layer classes are {', '.join(known) or 'unknown'} "
                             "(fix the key, or drop it to use those)")
