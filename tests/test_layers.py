@@ -2,7 +2,7 @@
 
 Floors, lowest first (a module may import its own floor and those below): the ground helpers;
 the config and the agreement rule every rank follows (`ranks.py`, which raises the config's
-error); the per-version compat code; the offload; loading; the estimate; what acts on a model
+error); the per-version compat code (and `layer_classes`, which reads both transformers' layer lists one way); the offload; loading; the estimate; what acts on a model
 at prepare and in training (ties, dtypes, the budget); the integrations with accelerate,
 transformers, TRL and PEFT; then the entry points (patching, the CLI, the plugins frameworks
 load by name, the autopatch hook) with the package's lazy facade. Imports inside functions count
@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_offload_cfg"
 FLOORS: list[tuple[str, ...]] = [
     ("_sizes", "_logging", "_lazy", "safetensors_index", "model_state"),
     ("config", "ranks", "offload.options"),  # the offload's options are a leaf the config reads
-    ("compat",),
+    ("compat", "layer_classes"),  # layer_classes: what transformers 4 and 5 declare as layers, read one way
     ("offload",),
     ("loading",),
     ("estimate",),
