@@ -56,15 +56,28 @@ def _present(model: nn.Module) -> list[str]:
     return sorted(declared & built)
 
 
+FSDP1 = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
+    "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_sync_module_states": False,
+    "fsdp_use_orig_params": True}}
+
+
+def _units(model: nn.Module) -> list[str]:
+    """The classes of the modules FSDP made units of: FSDP2's `FSDP<class>`, FSDP1's wrapped module."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1Unit
+
+    return sorted([type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
+                  + [f"FSDP{type(m.module).__name__}" for m in model.modules() if isinstance(m, FSDP1Unit)])
+
+
 def _run_worker(rank: int, world_size: int, mode: str, ac: bool, paths: dict[str, str]) -> dict[str, Any]:
     import transformers
     from accelerate import Accelerator
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     import fsdp_offload_cfg
 
-    fsdp_offload_cfg.patch(loader_config(mode, fsdp_activation_checkpointing=ac))
+    fsdp_offload_cfg.patch(FSDP1 if mode == "fsdp1" else loader_config(mode, fsdp_activation_checkpointing=ac))
     results: dict[str, Any] = {}
     for family, path in paths.items():
         for listed in (False, True):
@@ -80,7 +93,7 @@ def _run_worker(rank: int, world_size: int, mode: str, ac: bool, paths: dict[str
             except Exception as exc:  # noqa: BLE001 - what this rank saw is the result
                 results[family, listed] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
-            units = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule))
+            units = _units(model)
             losses = train_steps(accelerator, model, optimizer, rank, vocab=VOCAB, use_cache=False)
             results[family, listed] = {"error": None, "units": units, "losses": losses, "declared": declared,
                                        "after": sorted(accelerator.unwrap_model(model)._no_split_modules or [])}
@@ -107,12 +120,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("mode", "ac"), [("loader_off", False), ("sharded", True)])
+@pytest.mark.parametrize(("mode", "ac"), [("loader_off", False), ("sharded", True), ("fsdp1", False)])
 def test_default_wrap_takes_the_declared_classes_the_model_has(checkpoints: dict[str, str], mode: str,
                                                                 ac: bool) -> None:
     """Each family prepares and trains with no layer classes set, and its FSDP units and losses
     are those of the same run with the classes listed by hand; with activation checkpointing and
-    the loader too."""
+    the loader too, and under FSDP1 (accelerate reads the classes in the same place)."""
     results = run_workers(_run_worker, 2, mode, ac, checkpoints)
     changed_somewhere = False
     for family in FAMILIES:
