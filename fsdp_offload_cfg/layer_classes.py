@@ -1,5 +1,5 @@
-"""The layer classes FSDP wraps by default: the model's `_no_split_modules`, less the names the
-model does not have.
+"""The layer classes FSDP wraps by default: the classes the model declares in `_no_split_modules`
+(or, where it declares none, its sub-models declare) that it has.
 
 accelerate's TRANSFORMER_BASED_WRAP with no `fsdp_transformer_layer_cls_to_wrap` wraps every class
 that `model._no_split_modules` names, and raises "Could not find the transformer layer class ...
@@ -9,12 +9,16 @@ its siblings build: Llava's CLIP vision tower brings `CLIPTextEmbeddings`, Gemma
 PaliGemma's SigLIP bring `SiglipTextEmbeddings`. So stock accelerate refuses Llava, Gemma 3,
 PaliGemma, Mllama and others out of the box: 38 of the 327 classes of transformers 5.24's
 causal-LM, image-text and masked-LM auto classes, 19 of 220 on 4.57 (RoBERTa's MLM names
-`RobertaSelfAttention`, which it no longer has).
+`RobertaSelfAttention`, which it no longer has). transformers 4.x has the opposite fault: a
+composite (Llava, Mistral3, InternVL) declares nothing of its own, and accelerate wraps nothing
+but the root, so the whole model is one FSDP unit, all-gathered whole for every forward.
 
-What a user would write by hand is the list less those names, and that is what this module
-gives accelerate, for the call only: rank 0 says which names were left out, and a model left with
-no class at all is refused with the key to set and the classes it repeats (verl took the same way
-out, verl #6289). A list the user wrote is theirs: a class it names that is not in the model
+What a user would write by hand is the declared classes the model builds, taken from its
+sub-models where it declares none (transformers 5's rule, so both versions wrap the same), and
+that is what this module gives accelerate, for the call only: rank 0 says what it chose. A model
+whose own list names only classes it lacks is refused with the key to set and the classes it
+repeats (verl took the same way out, verl #6289); one that declares nothing anywhere stays one
+unit, with a warning. A list the user wrote is theirs: a class it names that is not in the model
 still fails, as in accelerate.
 """
 
