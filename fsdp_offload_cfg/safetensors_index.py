@@ -51,6 +51,21 @@ class FileTensor:
     # the other, are its own row-major bytes (`composed`): MoE experts stacked, gate and up
     # concatenated per expert. `path` and `offset` are then the first part's (the read order).
     parts: tuple[FileTensor, ...] = ()
+    # two dims (neither 0) of `shape` that the file stores swapped: transformers transposes them
+    # on load (Qwen3-VL-MoE's experts, stored `[E, hidden, 2 * intermediate]`). Dim-0 rows keep
+    # their bytes in one range, so a rank still reads only its own experts, and turns each row
+    # after the read (`rows_view`).
+    transposed: tuple[int, int] | None = None
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape in the file (`shape`, the model's, with `transposed` swapped back)."""
+        if self.transposed is None:
+            return self.shape
+        a, b = self.transposed
+        stored = list(self.shape)
+        stored[a], stored[b] = stored[b], stored[a]
+        return tuple(stored)
 
     def held_as(self, dtype: torch.dtype) -> FileTensor:
         """This tensor, after the model's tensor was cast to `dtype` (float to float only)."""
@@ -86,6 +101,19 @@ def byte_pieces(where: FileTensor, start: int, nbytes: int) -> list[tuple[str, i
             pieces.append((part.path, part.offset + lo - begin, hi - lo))
         begin += size
     return pieces
+
+
+def rows_view(raw: torch.Tensor, where: FileTensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Whole dim-0 rows of `where` as read from the file (bytes, or values in the file's dtype),
+    viewed in the model's layout as `shape` (`shape[0]` rows): a view, transposed where the file
+    stores two dims swapped (`FileTensor.transposed`)."""
+    values = raw.view(where.dtype)
+    if where.transposed is None:
+        return values.view(shape)
+    a, b = where.transposed
+    stored = list(shape)
+    stored[a], stored[b] = stored[b], stored[a]
+    return values.view(stored).transpose(a, b)
 
 
 def converted(values: torch.Tensor, where: FileTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -237,8 +237,8 @@ def test_experts_stacked_on_load_read_as_their_parts_across_files(tmp_path) -> N
 
 
 def test_conversions_other_than_stacking_are_not_read_slice_by_slice(tmp_path) -> None:
-    """A transpose (or a count of experts or a shape that does not stack to the model's tensor)
-    still falls back to rank 0, with the conversion named."""
+    """A transpose after stacking (or a count of experts or a shape that does not stack to the
+    model's tensor) still falls back to rank 0, with the conversion named."""
     pytest.importorskip("transformers.core_model_loading")
     from transformers.core_model_loading import Transpose
 
@@ -247,9 +247,71 @@ def test_conversions_other_than_stacking_are_not_read_slice_by_slice(tmp_path) -
 
     gate, up, files = _experts_in_two_files(str(tmp_path))
     with pytest.raises(NotSliceable, match=r"experts.0.gate.weight.*MergeModulelist\(dim=0\), Concatenate\(dim=1\), "
-                                           r"Transpose -> 'experts.gate_up'"):
+                                           r"Transpose\(1, 2\) -> 'experts.gate_up'"):
         map_keys_5x(_Experts(), {**gate, **up}, [_gate_up(Transpose(1, 2))], files)
     with pytest.raises(NotSliceable, match=r"do not stack to 'experts.gate_up'.s shape \[3, 4, 3\]"):
         map_keys_5x(_Experts(), {**gate, **{k: v for k, v in up.items() if ".2." not in k}}, [_gate_up()], files)
     with pytest.raises(NotSliceable, match=r"do not stack to 'experts.gate_up'.s shape \[3, 3, 4\]"):
         map_keys_5x(_Experts((3, 3, 4)), {**gate, **up}, [_gate_up()], files)
+
+
+# ---- experts stored transposed (transformers 5's `Transpose(1, 2)`: Qwen3-VL-MoE) ---------------
+
+
+def _stored_transposed(root: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list[str]]:
+    """5 experts stored `[E, hidden=3, 2 * intermediate=4]`, as Qwen3-VL-MoE's hub files are."""
+    from safetensors.torch import save_file
+
+    stored = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1)).to(dtype)
+    files = [os.path.join(root, "m.safetensors")]
+    save_file({"pad": torch.zeros(7), "experts.gate_up": stored}, files[0])
+    return stored, files
+
+
+def _transpose(dim0: int, dim1: int, check_dims: bool = True) -> object:
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    return WeightConverter(source_patterns="experts.gate_up", target_patterns="experts.gate_up",
+                           operations=[Transpose(dim0, dim1, check_dims=check_dims)])
+
+
+def test_experts_stored_transposed_are_read_by_rows_and_turned(tmp_path) -> None:
+    """A rank reads its own experts' bytes (one range: rows keep their bytes together) and turns
+    each: whole, by rows, a region that is not whole rows, in blocks of a row with a cast on the
+    way, and as rank 0 streams it (`FileSlice`), each equal to what transformers builds."""
+    pytest.importorskip("transformers.core_model_loading")
+    from fsdp_offload_cfg.compat.checkpoint_reading import map_keys_5x
+    from fsdp_offload_cfg.loading.sharded import FileSlice
+
+    stored, files = _stored_transposed(str(tmp_path), torch.bfloat16)
+    where = map_keys_5x(_Experts((5, 4, 3)), {"experts.gate_up": None}, [_transpose(1, 2)], files)["experts.gate_up"]
+    built = stored.transpose(1, 2).contiguous()  # transformers' Transpose(1, 2)
+    assert where.transposed == (1, 2) and where.shape == (5, 4, 3) and where.stored_shape == (5, 3, 4)
+    assert torch.equal(read_whole(where), built) and read_whole(where).is_contiguous()  # as a tensor used early
+    assert torch.equal(read_region(where, (slice(1, 3), slice(0, 4), slice(0, 3))), built[1:3])
+    assert torch.equal(read_region(where, (slice(1, 3), slice(1, 3), slice(0, 2))), built[1:3, 1:3, :2])
+    regions = ((slice(0, 3), slice(0, 4), slice(0, 3)), (slice(3, 5), slice(0, 4), slice(0, 3)))
+    for dtype in (torch.bfloat16, torch.float32):  # straight into the shard were it not transposed; cast
+        dest = torch.empty(2, 4, 3, dtype=dtype)
+        target = Target(TensorSpec(("experts.gate_up",), dtype, (5, 4, 3), True), dest, regions)
+        stats = read_own_shards([target], {"experts.gate_up": where}, rank=1, bucket_bytes=24)  # a row a block
+        assert torch.equal(dest, built[3:].to(dtype)) and stats.reads == 2 and stats.bytes_read == 2 * 12 * 2
+    sent = torch.empty(2 * 12 * 4, dtype=torch.uint8)
+    assert FileSlice(where, torch.float32).read_into(regions[1], sent) == 2 * 12 * 2
+    assert torch.equal(sent.view(torch.float32).view(2, 4, 3), built[3:].float())
+
+
+def test_a_transpose_already_applied_or_of_dim_0_is_told_apart(tmp_path) -> None:
+    """A file already in the model's layout (saved by transformers 5, which `check_dims` leaves
+    alone) is read as it is; a transpose that moves dim 0 still falls back, named."""
+    pytest.importorskip("transformers.core_model_loading")
+    from fsdp_offload_cfg.compat.checkpoint_reading import map_keys_5x
+    from fsdp_offload_cfg.safetensors_index import NotSliceable
+
+    stored, files = _stored_transposed(str(tmp_path))
+    as_is = map_keys_5x(_Experts((5, 3, 4)), {"experts.gate_up": None}, [_transpose(1, 2)], files)["experts.gate_up"]
+    assert as_is.transposed is None and torch.equal(read_whole(as_is), stored)
+    with pytest.raises(NotSliceable, match=r"Transpose\(0, 1\) -> 'experts.gate_up'.*moves dim 0"):
+        map_keys_5x(_Experts((3, 5, 4)), {"experts.gate_up": None}, [_transpose(0, 1, False)], files)
+    with pytest.raises(NotSliceable, match=r"transposed \(1, 2\) it is not 'experts.gate_up'.s shape \[5, 4, 4\]"):
+        map_keys_5x(_Experts((5, 4, 4)), {"experts.gate_up": None}, [_transpose(1, 2)], files)

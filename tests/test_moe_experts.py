@@ -6,6 +6,10 @@ for every such MoE (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5, ...). Now a stacke
 as its experts' tensors one after another (`safetensors_index.composed`), so each rank reads only
 its own experts.
 
+Qwen3-VL-MoE stores its experts stacked but with two dims swapped, which transformers 5 transposes
+on load (`Transpose(1, 2)`): the same fallback. Its rows still keep their bytes together, so a rank
+reads its own experts and turns them (`FileTensor.transposed`).
+
 On 2 real gloo ranks, for Qwen3-MoE (gate and up concatenated per expert) and Mixtral (also
 renamed: `block_sparse_moe.experts.*.w1` -> `mlp.experts.gate_up_proj`), each saved in several
 files with a layer's experts split across them, under `broadcast`, `sharded` and `auto`: no weight
@@ -32,7 +36,10 @@ from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, checkpoint_tensor_bytes
 
 pytestmark = pytest.mark.distributed
 
-FAMILIES = ["Qwen3MoeForCausalLM", "MixtralForCausalLM"]
+PER_EXPERT = ["Qwen3MoeForCausalLM", "MixtralForCausalLM"]
+# experts stored stacked, `[E, hidden, 2 * intermediate]`, which transformers 5 transposes on load
+TRANSPOSED = ["Qwen3VLMoeForConditionalGeneration"]
+FAMILIES = PER_EXPERT + TRANSPOSED
 EXPERTS_STACKED_ON_LOAD = importlib.util.find_spec("transformers.core_model_loading") is not None
 STRATEGIES = ["broadcast", "sharded", "auto"]
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -45,7 +52,29 @@ def _config(family: str) -> Any:
     if family == "Qwen3MoeForCausalLM":
         return transformers.Qwen3MoeConfig(**SMALL, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=16, decoder_sparse_step=1)
-    return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    if family == "MixtralForCausalLM":
+        return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    text = dict(SMALL, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                decoder_sparse_step=1, rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+    return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+
+
+def _in_hub_layout(path: str, config: Any) -> None:
+    """Rewrite the experts as Qwen3-VL-MoE's hub files hold them, `gate_up_proj` `[E, hidden,
+    2 * intermediate]` and `down_proj` `[E, intermediate, hidden]`, where this transformers saved
+    them in its own layout (5.x: the other two dims swapped)."""
+    from safetensors.torch import load_file, save_file
+
+    hidden = config.text_config.hidden_size
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(path, name))
+            turned = {k: (v.transpose(1, 2).contiguous() if ".mlp.experts." in k and v.shape[1] != hidden
+                          and k.endswith("gate_up_proj") or ".mlp.experts." in k and k.endswith("down_proj")
+                          and v.shape[2] != hidden else v) for k, v in tensors.items()}
+            save_file(turned, os.path.join(path, name), metadata={"format": "pt"})
 
 
 def _state(model: torch.nn.Module) -> dict[str, str]:
@@ -54,6 +83,17 @@ def _state(model: torch.nn.Module) -> dict[str, str]:
 
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return {n: digest((t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1)) for n, t in named.items()}
+
+
+def _shard_by_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """`shard_by_layer`; a vision-language model's decoder layers are its language model's."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not hasattr(model.model, "language_model"):
+        return shard_by_layer(model)
+    for layer in model.model.language_model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
 
 
 def _worker(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, Any]:
@@ -71,7 +111,7 @@ def _worker(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, Any]
             weights = [p for p in model.parameters()]
             on_meta = sum(p.numel() for p in weights if p.is_meta) / sum(p.numel() for p in weights)
             before = rchar()
-            report = load_into_sharded(model, shard_by_layer, strategy=strategy)
+            report = load_into_sharded(model, _shard_by_layer, strategy=strategy)
             kernel = rchar() - before
             needed, row = needed_and_row(report.model)
             sent = report.sent
@@ -99,6 +139,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         torch.manual_seed(0)
         paths[family] = str(root / family)
         getattr(transformers, family)(_config(family)).save_pretrained(paths[family], max_shard_size=20_000)
+        if family in TRANSPOSED:
+            _in_hub_layout(paths[family], _config(family))
         reference = getattr(transformers, family).from_pretrained(paths[family])
         plain[family] = _state(reference)
     return {"paths": paths, "plain": plain}
@@ -109,7 +151,7 @@ def loads(checkpoints: dict[str, Any]) -> list[dict[str, Any]]:
     return run_workers(_worker, 2, checkpoints["paths"], timeout=300)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PER_EXPERT)
 def test_the_checkpoint_is_per_expert_and_split_across_files(checkpoints: dict[str, Any], family: str):
     """What the other tests load: the hub's layout, one tensor per expert, a layer's experts in
     more than one file."""
@@ -121,10 +163,23 @@ def test_the_checkpoint_is_per_expert_and_split_across_files(checkpoints: dict[s
     assert len(experts) >= 4 and len(set(experts.values())) > 1, experts
 
 
+def test_the_transposed_checkpoint_is_in_the_hubs_layout(checkpoints: dict[str, Any]):
+    from safetensors import safe_open
+
+    path = checkpoints["paths"][TRANSPOSED[0]]
+    shapes = {}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                shapes.update({k: f.get_slice(k).get_shape() for k in f.keys() if "layers.0.mlp.experts" in k})
+    assert sorted(shapes.values()) == [[4, 24, 32], [4, 32, 48]], shapes
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_no_rank_reads_a_weight_in_from_pretrained(loads: list[dict[str, Any]], family: str, strategy: str):
-    """Rank 0 included: it used to load the whole model ("converted on load")."""
+    """Rank 0 included: it used to load the whole model ("converted on load"; Qwen3-VL-MoE's
+    transpose until `_transposed`)."""
     assert [r[family, strategy]["on_meta"] for r in loads] == [1.0, 1.0]
 
 

@@ -23,7 +23,7 @@ import importlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -173,17 +173,20 @@ def _composed_from(name: str, converter: Any, keys: dict[str, list[str]], where:
     - `MergeModulelist(dim=0), Concatenate(dim=1)`: each source stacked, then concatenated per
       expert (`gate_up_proj`: expert e's gate rows, then its up rows);
     - `Concatenate(dim=0)`: the sources one after another (a fused qkv).
-    Anything else (a transpose, a chunk, an interleave, a dequantization) is `NotSliceable`."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist
+    - `Transpose` of two dims other than 0, on one tensor (`_transposed`).
+    Anything else (a chunk, an interleave, a transpose of dim 0, a dequantization) is `NotSliceable`."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
 
     ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
     lists = [keys.get(p, []) for p in converter.source_patterns]
     first = next(k for keyed in lists for k in keyed)
+    if ops == [(Transpose, None)] and len(lists) == 1 and len(lists[0]) == 1 and first in where:
+        return _transposed(name, converter.operations[0], where[first], shape)
     stack, stack_and_join, join = ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)],
                                    [(Concatenate, 0)])
     if (ops not in (stack, stack_and_join, join) or len(converter.target_patterns) != 1
             or any(not keyed for keyed in lists) or (ops == stack and len(lists) != 1)):
-        names = ", ".join(t.__name__ + ("" if d is None else f"(dim={d})") for t, d in ops)
+        names = ", ".join(_op_name(op) for op in converter.operations)
         raise NotSliceable(f"checkpoint key {first!r} is converted on load ({names} -> {name!r}), "
                            "which is not a plain stacking of whole tensors")
     missing = [k for keyed in lists for k in keyed if k not in where]
@@ -206,6 +209,31 @@ def _composed_from(name: str, converter: Any, keys: dict[str, list[str]], where:
         raise NotSliceable(f"{first!r} and the {len(parts) - 1} checkpoint tensors converted with it do not "
                            f"stack to {name!r}'s shape {list(shape)}")
     return composed(f"{first} and {len(parts) - 1} more, stacked", shape, parts)
+
+
+def _transposed(name: str, op: Any, stored: FileTensor, shape: tuple[int, ...]) -> FileTensor:
+    """The model tensor `name` that transformers' `Transpose(dim0, dim1)` makes of `stored`: the
+    file's tensor itself where the shapes already agree (what `check_dims` leaves alone: a
+    checkpoint saved by transformers 5), else the file's tensor read with those dims swapped,
+    where neither is dim 0 (whose rows then keep their bytes together)."""
+    if stored.shape == shape and getattr(op, "check_dims", False):
+        return stored
+    a, b = sorted(d % len(stored.shape) for d in (op.dim0, op.dim1))
+    if a == 0 or a == b:
+        raise NotSliceable(f"checkpoint key {stored.key!r} is converted on load ({_op_name(op)} -> {name!r}), "
+                           "which moves dim 0: its rows are not one range in the file")
+    turned = replace(stored, shape=shape, transposed=(a, b))
+    if turned.stored_shape != stored.shape:
+        raise NotSliceable(f"{stored.key!r} has shape {list(stored.shape)}; transposed ({a}, {b}) it is not "
+                           f"{name!r}'s shape {list(shape)}")
+    return turned
+
+
+def _op_name(op: Any) -> str:
+    if hasattr(op, "dim0"):
+        return f"{type(op).__name__}({op.dim0}, {op.dim1})"
+    dim = getattr(op, "dim", None)
+    return type(op).__name__ + ("" if dim is None else f"(dim={dim})")
 
 
 def _add(keymap: dict[str, FileTensor], name: str, key: str, where: dict[str, FileTensor], shape: tuple) -> None:

@@ -15,7 +15,7 @@ from types import TracebackType
 import torch
 
 from fsdp_offload_cfg.loading.layout import Region
-from fsdp_offload_cfg.safetensors_index import FileTensor, byte_pieces
+from fsdp_offload_cfg.safetensors_index import FileTensor, byte_pieces, rows_view
 
 
 class OpenFiles:
@@ -55,30 +55,39 @@ def read_range(files: OpenFiles, where: FileTensor, into: memoryview, start: int
 
 
 def read_whole(where: FileTensor) -> torch.Tensor:
-    """The whole tensor, in the file's dtype."""
+    """The whole tensor, in the file's dtype, in the model's layout, contiguous as a plain load
+    holds it (transformers' `Transpose` copies too)."""
     raw = torch.empty(math.prod(where.shape) * where.dtype.itemsize, dtype=torch.uint8)
     with OpenFiles() as files:
         read_range(files, where, as_bytes(raw), 0)
-    return raw.view(where.dtype).view(where.shape)
+    return rows_view(raw, where, where.shape).contiguous()
 
 
 def read_region(where: FileTensor, region: Region) -> torch.Tensor:
     """`where[region]`, in the file's dtype: one range where the region is contiguous (FSDP2's
-    dim-0 shards always are), else safetensors' slicing (a composed tensor: read whole, then
-    indexed, as no placement FSDP2 makes by default asks for it)."""
-    byte_range = contiguous_range(region, where.shape, where.dtype.itemsize)
+    dim-0 shards always are), else safetensors' slicing (a composed or transposed tensor: read
+    whole, then indexed, as no placement FSDP2 makes by default asks for it)."""
+    byte_range = file_range(region, where)
     shape = tuple(s.stop - s.start for s in region)
     if byte_range is not None:
         raw = torch.empty(byte_range[1], dtype=torch.uint8)
         with OpenFiles() as files:
             read_range(files, where, as_bytes(raw), byte_range[0])
-        return raw.view(where.dtype).view(shape)
-    if where.parts:
+        return rows_view(raw, where, shape)
+    if where.parts or where.transposed:
         return read_whole(where)[region]
     from safetensors import safe_open
 
     with safe_open(where.path, framework="pt") as f:
         return f.get_slice(where.key)[region]
+
+
+def file_range(region: Region, where: FileTensor) -> tuple[int, int] | None:
+    """(byte offset, bytes) of `where[region]` in the file, if it is one range there. For a
+    transposed tensor only whole dim-0 rows are (their bytes are the same in both layouts)."""
+    if where.transposed is not None and any(s.start != 0 or s.stop != n for s, n in zip(region[1:], where.shape[1:])):
+        return None
+    return contiguous_range(region, where.shape, where.dtype.itemsize)
 
 
 def contiguous_range(region: Region, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:

@@ -48,12 +48,12 @@ from torch import nn
 
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.loading.checkpoint import record_of
-from fsdp_offload_cfg.loading.file_reads import OpenFiles, as_bytes, contiguous_range, read_range, read_region
+from fsdp_offload_cfg.loading.file_reads import OpenFiles, as_bytes, file_range, read_range, read_region
 from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, owner, tensor_at
 from fsdp_offload_cfg.ranks import attempt, node_name, raise_if_any_failed
-from fsdp_offload_cfg.safetensors_index import FileTensor, converted
+from fsdp_offload_cfg.safetensors_index import FileTensor, converted, rows_view
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -216,18 +216,19 @@ class FileSlice:
         staging buffer and converted by one `copy_` into `dest` (no per-read tensors). Returns
         the checkpoint bytes read."""
         where = self.where
-        byte_range = contiguous_range(region, where.shape, where.dtype.itemsize)
+        byte_range = file_range(region, where)
         if byte_range is None:
             piece = self[region]
             dest.copy_(piece.contiguous().reshape(-1).view(torch.uint8))
             return piece.numel() * where.dtype.itemsize
         shape = tuple(s.stop - s.start for s in region)
-        direct = where.dtype == self.dtype and not where.via and dest.device.type == "cpu" and dest.is_contiguous()
+        direct = (where.dtype == self.dtype and not where.via and where.transposed is None
+                  and dest.device.type == "cpu" and dest.is_contiguous())
         raw = dest if direct else self.staging.get(byte_range[1])
         with OpenFiles() as files:
             read_range(files, where, as_bytes(raw), byte_range[0])
         if not direct:
-            copy_converted(dest.view(self.dtype).view(shape), raw.view(where.dtype).view(shape), where)
+            copy_converted(dest.view(self.dtype).view(shape), rows_view(raw, where, shape), where)
         return byte_range[1]
 
     def __getitem__(self, region: Region) -> torch.Tensor:
@@ -245,7 +246,7 @@ def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: i
         where = files[t.spec.name]
         limit = max(1, bucket_bytes * t.spec.dtype.itemsize // where.dtype.itemsize)  # bucket_bytes as read
         blocks += [(b, where) for b in t.split(limit, rank) if b.dest.numel() > 0]
-    ranges = [contiguous_range(b.regions[rank], w.shape, w.dtype.itemsize) for b, w in blocks]
+    ranges = [file_range(b.regions[rank], w) for b, w in blocks]
     order = sorted(range(len(blocks)), key=lambda i: (blocks[i][1].path, blocks[i][1].offset + (ranges[i] or (0,))[0]))
     staging_bytes = max((r[1] for r, (b, w) in zip(ranges, blocks) if r and not _direct(b.dest, w)), default=0)
     staging = torch.empty(staging_bytes, dtype=torch.uint8)
@@ -265,8 +266,10 @@ def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: i
 
 
 def _direct(dest: torch.Tensor, where: FileTensor) -> bool:
-    """Bytes can go straight into `dest`: same dtype all the way, contiguous host memory."""
-    return dest.dtype == where.dtype and not where.via and dest.device.type == "cpu" and dest.is_contiguous()
+    """Bytes can go straight into `dest`: same dtype all the way and the same layout, contiguous
+    host memory."""
+    return (dest.dtype == where.dtype and not where.via and where.transposed is None and dest.device.type == "cpu"
+            and dest.is_contiguous())
 
 
 def copy_converted(dest: torch.Tensor, values: torch.Tensor, where: FileTensor) -> None:
@@ -289,5 +292,5 @@ def _read_block(
     else:
         raw = staging[:nbytes]
         read_range(files, where, as_bytes(raw), offset)
-        copy_converted(block.dest, raw.view(where.dtype).view(block.dest.shape), where)
+        copy_converted(block.dest, rows_view(raw, where, tuple(block.dest.shape)), where)
     return nbytes
