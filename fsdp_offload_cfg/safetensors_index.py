@@ -60,12 +60,7 @@ class FileTensor:
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """The shape in the file (`shape`, the model's, with `transposed` swapped back)."""
-        if self.transposed is None:
-            return self.shape
-        a, b = self.transposed
-        stored = list(self.shape)
-        stored[a], stored[b] = stored[b], stored[a]
-        return tuple(stored)
+        return _swapped(self.shape, self.transposed)
 
     def held_as(self, dtype: torch.dtype) -> FileTensor:
         """This tensor, after the model's tensor was cast to `dtype` (float to float only)."""
@@ -110,10 +105,15 @@ def rows_view(raw: torch.Tensor, where: FileTensor, shape: tuple[int, ...]) -> t
     values = raw.view(where.dtype)
     if where.transposed is None:
         return values.view(shape)
-    a, b = where.transposed
-    stored = list(shape)
-    stored[a], stored[b] = stored[b], stored[a]
-    return values.view(stored).transpose(a, b)
+    return values.view(_swapped(shape, where.transposed)).transpose(*where.transposed)
+
+
+def _swapped(shape: tuple[int, ...], dims: tuple[int, int] | None) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(shape)
+    out = list(shape)
+    out[dims[0]], out[dims[1]] = out[dims[1]], out[dims[0]]
+    return tuple(out)
 
 
 def converted(values: torch.Tensor, where: FileTensor, dtype: torch.dtype) -> torch.Tensor:
