@@ -29,7 +29,10 @@ checkpoints ship: each rank's slices span several files); `bf16-files` (any `--m
 loaded as saved, in `save_pretrained`'s layout of files of at most 5 GB and at least 4 of them,
 written tensor by tensor so that the 8B one never exists whole in memory); `moe-experts` (not a
 Llama: a ~290M Qwen3-MoE, 32 experts per layer, fp32, saved one tensor per expert as the hub
-stores MoE checkpoints, which transformers 5 stacks into one tensor per layer on load).
+stores MoE checkpoints, which transformers 5 stacks into one tensor per layer on load);
+`vl-moe-transposed` (a Qwen3-VL-MoE with that MoE as its language model, fp32, its experts
+stacked as the hub stores them, `[E, hidden, 2 x intermediate]`, which transformers 5 transposes
+on load).
 
 Per rank: peak RSS and peak anonymous RSS above the rank's own baseline (taken after imports,
 process-group init and Accelerator creation; see `PeakMemory`; the peak runs to the end of the
@@ -345,7 +348,7 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
 # ------------------------------------------------------------------------------ driver
 
 
-CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8", "bf16-files", "moe-experts")
+CHECKPOINTS = ("fp32", "bf16->fp32", "fp32x8", "bf16-files", "moe-experts", "vl-moe-transposed")
 MODELS = ("300m", "100m", "8b")  # `fsdp_offload_cfg.testing.models.LLAMA_SHAPES`
 
 
@@ -361,7 +364,8 @@ def build_model(model_dir: Path, checkpoint: str, model: str = "300m") -> None:
     layout: files of at most 5 GB, and at least 4 of them (Llama-3-8B ships as 4)."""
     import torch
 
-    from fsdp_offload_cfg.testing.models import save_llama_300m, save_qwen3_moe_300m, write_llama_checkpoint
+    from fsdp_offload_cfg.testing.models import (save_llama_300m, save_qwen3_moe_300m, save_qwen3_vl_moe_300m,
+                                                 write_llama_checkpoint)
 
     if checkpoint == "bf16-files":
         write_llama_checkpoint(str(model_dir), model, torch.bfloat16, min_files=4)
@@ -370,6 +374,9 @@ def build_model(model_dir: Path, checkpoint: str, model: str = "300m") -> None:
         raise SystemExit(f"--checkpoints {checkpoint} is built for --model 300m only; use bf16-files for {model}")
     if checkpoint == "moe-experts":
         save_qwen3_moe_300m(str(model_dir))
+        return
+    if checkpoint == "vl-moe-transposed":
+        save_qwen3_vl_moe_300m(str(model_dir))
         return
     save_llama_300m(str(model_dir), torch.bfloat16 if checkpoint == "bf16->fp32" else torch.float32)
     if checkpoint == "fp32x8":
@@ -581,7 +588,7 @@ def main() -> None:
         root = Path(args.model_dir) if args.model_dir else work
         lines, phase_lines = list(HEADER), list(PHASE_HEADER)
         for checkpoint in checkpoints:
-            family = "qwen3-moe" if checkpoint == "moe-experts" else "llama"
+            family = {"moe-experts": "qwen3-moe", "vl-moe-transposed": "qwen3-vl-moe"}.get(checkpoint, "llama")
             model_dir = root / f"{family}-{args.model}-{checkpoint.replace('->', '-to-')}"
             if not model_dir.exists():  # built beside it, then renamed: an interrupted build is never reused
                 print(f"writing the {args.model} {checkpoint} checkpoint to {model_dir}", flush=True)

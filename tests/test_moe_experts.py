@@ -31,7 +31,7 @@ import torch
 
 from fsdp_offload_cfg.testing.compare import digest
 from fsdp_offload_cfg.testing.dist import run_workers
-from fsdp_offload_cfg.testing.models import shard_by_layer
+from fsdp_offload_cfg.testing.models import in_qwen3_vl_moe_hub_layout, shard_by_layer
 from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, checkpoint_tensor_bytes, needed_and_row, rchar
 
 pytestmark = pytest.mark.distributed
@@ -59,22 +59,6 @@ def _config(family: str) -> Any:
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
     return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
-
-
-def _in_hub_layout(path: str, config: Any) -> None:
-    """Rewrite the experts as Qwen3-VL-MoE's hub files hold them, `gate_up_proj` `[E, hidden,
-    2 * intermediate]` and `down_proj` `[E, intermediate, hidden]`, where this transformers saved
-    them in its own layout (5.x: the other two dims swapped)."""
-    from safetensors.torch import load_file, save_file
-
-    hidden = config.text_config.hidden_size
-    for name in os.listdir(path):
-        if name.endswith(".safetensors"):
-            tensors = load_file(os.path.join(path, name))
-            turned = {k: (v.transpose(1, 2).contiguous() if ".mlp.experts." in k and v.shape[1] != hidden
-                          and k.endswith("gate_up_proj") or ".mlp.experts." in k and k.endswith("down_proj")
-                          and v.shape[2] != hidden else v) for k, v in tensors.items()}
-            save_file(turned, os.path.join(path, name), metadata={"format": "pt"})
 
 
 def _state(model: torch.nn.Module) -> dict[str, str]:
@@ -140,7 +124,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         paths[family] = str(root / family)
         getattr(transformers, family)(_config(family)).save_pretrained(paths[family], max_shard_size=20_000)
         if family in TRANSPOSED:
-            _in_hub_layout(paths[family], _config(family))
+            in_qwen3_vl_moe_hub_layout(paths[family], SMALL["hidden_size"])
         reference = getattr(transformers, family).from_pretrained(paths[family])
         plain[family] = _state(reference)
     return {"paths": paths, "plain": plain}

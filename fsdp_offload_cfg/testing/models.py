@@ -237,6 +237,40 @@ def save_qwen3_moe_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
     return _save(Qwen3MoeForCausalLM(config), path, dtype)
 
 
+def in_qwen3_vl_moe_hub_layout(path: str, hidden_size: int) -> str:
+    """Rewrite a saved Qwen3-VL-MoE's experts as the hub's files hold them, `gate_up_proj` `[E,
+    hidden, 2 * intermediate]` and `down_proj` `[E, intermediate, hidden]`, where this transformers
+    saved them in its own layout (5.x: dims 1 and 2 swapped, which it swaps back on load)."""
+    from safetensors.torch import load_file, save_file
+
+    def hub(key: str, t: torch.Tensor) -> torch.Tensor:
+        turned = (key.endswith("mlp.experts.gate_up_proj") and t.shape[1] != hidden_size
+                  or key.endswith("mlp.experts.down_proj") and t.shape[2] != hidden_size)
+        return t.transpose(1, 2).contiguous() if turned else t
+
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            file = os.path.join(path, name)
+            save_file({k: hub(k, t) for k, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    return path
+
+
+def save_qwen3_vl_moe_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
+    """A Qwen3-VL-MoE whose language model is `QWEN3_MOE_300M`'s (plus a small vision tower), with
+    its experts in the hub's layout (`in_qwen3_vl_moe_hub_layout`)."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(QWEN3_MOE_300M, max_position_embeddings=2048,
+                rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12]})
+    vision = dict(depth=2, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=768, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[1])
+    torch.manual_seed(5)
+    model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision,
+                                                                tie_word_embeddings=False))
+    _save(model, path, dtype)
+    return in_qwen3_vl_moe_hub_layout(path, QWEN3_MOE_300M["hidden_size"])
+
+
 HF_MAX_FILE_BYTES = 5 * 10**9  # `save_pretrained`'s default `max_shard_size` ("5GB")
 
 
