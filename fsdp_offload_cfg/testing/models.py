@@ -256,11 +256,13 @@ def in_qwen3_vl_moe_hub_layout(path: str, hidden_size: int) -> str:
 
 
 def save_qwen3_vl_moe_300m(path: str, dtype: torch.dtype = torch.float32) -> str:
-    """A Qwen3-VL-MoE whose language model is `QWEN3_MOE_300M`'s (plus a small vision tower), with
-    its experts in the hub's layout (`in_qwen3_vl_moe_hub_layout`)."""
+    """A Qwen3-VL-MoE whose language model is `QWEN3_MOE_300M`'s with narrower experts (plus a small
+    vision tower), with its experts in the hub's layout (`in_qwen3_vl_moe_hub_layout`)."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    text = dict(QWEN3_MOE_300M, max_position_embeddings=2048,
+    # 2 x 320 against 768 hidden: gate_up_proj not square, so its transpose shows in the shapes
+    # (on a square one transformers' `check_dims` cannot tell the layouts apart, and reads as stored)
+    text = dict(QWEN3_MOE_300M, moe_intermediate_size=320, max_position_embeddings=2048,
                 rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12]})
     vision = dict(depth=2, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=768, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[1])
