@@ -19,7 +19,7 @@ that is what this module gives accelerate, for the call only: rank 0 says what i
 whose own list names only classes it lacks is refused with the key to set and the classes it
 repeats (verl took the same way out, verl #6289); one that declares nothing anywhere stays one
 unit, with a warning. A list the user wrote is theirs: a class it names that is not in the model
-still fails, as in accelerate.
+still fails, as in accelerate, but with the key, where it was set, and the classes the model has.
 """
 
 from __future__ import annotations
@@ -97,11 +97,18 @@ def transformer_based(policy: Any) -> bool:
 
 
 @contextmanager
-def present_classes_only(plugin: Any, model: nn.Module, source: str) -> Iterator[None]:
+def present_classes_only(plugin: Any, model: nn.Module, source: str,
+                         configured: tuple[str, ...] | None = None) -> Iterator[None]:
     """While accelerate reads the default layer classes, `model._no_split_modules` holds the
-    classes `default_layer_classes` gives. Nothing changes where the user named the classes, where
-    the policy is not transformer-based, or where the model's own list is all built."""
-    if not transformer_based(plugin.auto_wrap_policy) or plugin.transformer_cls_names_to_wrap is not None:
+    classes `default_layer_classes` gives. Classes the user named are checked (`check_listed`)
+    and otherwise left as they are; nothing changes where the policy is not transformer-based or
+    where the model's own list is all built. `configured`: the config file's
+    `fsdp_transformer_layer_cls_to_wrap`, to tell its names from the plugin's own."""
+    if not transformer_based(plugin.auto_wrap_policy):
+        yield
+        return
+    if plugin.transformer_cls_names_to_wrap is not None:
+        check_listed(plugin, model, source, configured)
         yield
         return
     layers = default_layer_classes(model)
@@ -127,6 +134,23 @@ def present_classes_only(plugin: Any, model: nn.Module, source: str) -> Iterator
                   ", ".join(layers.absent))
     with _instance_attribute(model, "_no_split_modules", layers.present):
         yield
+
+
+def check_listed(plugin: Any, model: nn.Module, source: str, configured: tuple[str, ...] | None) -> None:
+    """A class the user listed that the model lacks is refused naming the key, where it was set,
+    and the classes the model has, where accelerate says only "Could not find the transformer
+    layer class X in the model". (A config file's list is checked for form when it is read.)"""
+    names = list(plugin.transformer_cls_names_to_wrap)
+    built = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in names if n not in built]
+    if missing:
+        where = (f"{source}: fsdp_transformer_layer_cls_to_wrap" if configured is not None and list(configured) == names
+                 else "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code, or kept from a "
+                 "model prepared before)")
+        known = default_layer_classes(model).present or repeated_block_classes(model)
+        raise ValueError(f"{where} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not a "
+                         f"module class of {type(model).__name__}; its layer classes are "
+                         f"{', '.join(known) or 'unknown'} (fix the list, or remove it to wrap those)")
 
 
 def _say_once(model: nn.Module, names: Any, log: Any, message: str, *args: Any) -> None:

@@ -183,9 +183,10 @@ def test_only_the_default_list_changes_and_only_for_the_call(capsys: pytest.Capt
         assert net._no_split_modules == ["Block"]
     assert net._no_split_modules == {"Block", "TextEmbeddings"}
 
-    listed = _plugin(transformer_cls_names_to_wrap=["TextEmbeddings"])  # the user's own list stays theirs
+    listed = _plugin(transformer_cls_names_to_wrap=["Block"])  # the user's own list stays theirs
     with present_classes_only(listed, net, "a.yaml"):
         assert net._no_split_modules == {"Block", "TextEmbeddings"}
+    assert listed.transformer_cls_names_to_wrap == ["Block"]
     with present_classes_only(_plugin(auto_wrap_policy="size_based_wrap"), net, "a.yaml"):
         assert net._no_split_modules == {"Block", "TextEmbeddings"}
 
@@ -267,3 +268,19 @@ def test_a_model_with_nothing_declared_is_one_unit_and_rank_0_warns(capsys: pyte
     assert ("Composite: TRANSFORMER_BASED_WRAP finds no layer class to wrap (the model declares none): the whole "
             "model is one FSDP unit, gathered whole for every forward; set fsdp_transformer_layer_cls_to_wrap in "
             "fsdp2.yaml (it repeats Block)") in capsys.readouterr().err
+
+
+def test_a_listed_class_the_model_lacks_is_refused_naming_the_key_and_where_it_was_set() -> None:
+    """accelerate says only "Could not find the transformer layer class X in the model"."""
+    from fsdp_offload_cfg.layer_classes import present_classes_only
+
+    net = Net()
+    with pytest.raises(ValueError) as caught, present_classes_only(
+            _plugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"]), net, "fsdp2.yaml", ("LlamaDecoderLayer",)):
+        pass
+    assert str(caught.value) == ("fsdp2.yaml: fsdp_transformer_layer_cls_to_wrap names LlamaDecoderLayer, which is not "
+                                 "a module class of Net; its layer classes are Block (fix the list, or remove it to "
+                                 "wrap those)")
+    with pytest.raises(ValueError, match=r"^transformer_cls_names_to_wrap on accelerate's FSDP plugin \(set in code"):
+        with present_classes_only(_plugin(transformer_cls_names_to_wrap=["Gone"]), net, "fsdp2.yaml", None):
+            pass

@@ -211,7 +211,7 @@ def build_set_auto_wrap_policy(original: Callable[..., Any], cfg: FSDPOffloadCon
 
     @functools.wraps(original)
     def set_auto_wrap_policy(self: Any, model: torch.nn.Module) -> Any:
-        with present_classes_only(self, model, cfg.source):
+        with present_classes_only(self, model, cfg.source, cfg.transformer_layer_cls_to_wrap):
             return original(self, model)
 
     return set_auto_wrap_policy
