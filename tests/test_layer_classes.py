@@ -106,6 +106,13 @@ def _run_worker(rank: int, world_size: int, mode: str, ac: bool, paths: dict[str
         results["none_left"] = "prepared"
     except ValueError as exc:
         results["none_left"] = str(exc)
+    plugin.transformer_cls_names_to_wrap = ["GemmaDecoderLayer"]  # listed by the user's code, misspelt
+    model = transformers.Gemma3ForCausalLM.from_pretrained(paths["Gemma3ForCausalLM"])
+    try:
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+        results["misspelt"] = "prepared"
+    except ValueError as exc:
+        results["misspelt"] = str(exc)
     return results
 
 
@@ -146,6 +153,10 @@ def test_default_wrap_takes_the_declared_classes_the_model_has(checkpoints: dict
         assert "Gemma3ForCausalLM" in message and "GPT2Block" in message, message
         assert "fsdp_transformer_layer_cls_to_wrap" in message and "<dict>" in message, message
         assert "Gemma3DecoderLayer" in message, message  # the class it repeats, to list
+        assert results[rank]["misspelt"] == (
+            "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code, or kept from a model prepared "
+            "before) names GemmaDecoderLayer, which is not a module class of Gemma3ForCausalLM; its layer classes are "
+            "Gemma3DecoderLayer (fix the list, or remove it to wrap those)"), results[rank]["misspelt"]
 
 
 class Block(nn.Module):
