@@ -54,8 +54,36 @@ class DefaultLayers:
 def default_layer_classes(model: nn.Module) -> DefaultLayers:
     own = set(getattr(model, "_no_split_modules", None) or [])
     declared = sorted(own or _sub_model_classes(model))
-    built = {type(m).__name__ for m in model.modules()}
+    built = _built(model)
     return DefaultLayers([n for n in declared if n in built], [n for n in declared if n not in built], not own)
+
+
+def wrapped_by_default(model: nn.Module, source: str) -> DefaultLayers:
+    """`default_layer_classes`, refused (`ValueError`, naming the key and `source`) where the
+    model's own list names only classes it does not have: the run and the estimate alike."""
+    layers = default_layer_classes(model)
+    if layers.absent and not layers.present and not layers.inherited:
+        raise ValueError(f"{type(model).__name__}: TRANSFORMER_BASED_WRAP has no layer class to wrap: the model's "
+                         f"_no_split_modules names {', '.join(layers.absent)}, which it does not have. Set "
+                         f"fsdp_transformer_layer_cls_to_wrap in {source} to its layer classes{_blocks_hint(model)}.")
+    return layers
+
+
+def listed_but_absent(model: nn.Module, names: list[str], where: str) -> str | None:
+    """The refusal for a listed class the model lacks (None when it has them all): the run's and
+    the estimate's. accelerate says only "Could not find the transformer layer class X in the
+    model"; this names the key (`where`) and the classes the model has."""
+    missing = [n for n in names if n not in _built(model)]
+    if not missing:
+        return None
+    known = default_layer_classes(model).present or repeated_block_classes(model)
+    return (f"{where} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not a module class "
+            f"of {type(model).__name__}; its layer classes are {', '.join(known) or 'unknown'} (fix the list, or "
+            "remove it to wrap those)")
+
+
+def _built(model: nn.Module) -> set[str]:
+    return {type(m).__name__ for m in model.modules()}
 
 
 def _sub_model_classes(model: nn.Module) -> set[str]:
@@ -81,13 +109,6 @@ def _blocks_hint(model: nn.Module) -> str:
     return f" (it repeats {', '.join(blocks)})" if blocks else ""
 
 
-def none_declared_present(model: nn.Module, absent: list[str], source: str) -> str:
-    """The refusal for a model whose `_no_split_modules` names only classes it does not have."""
-    return (f"{type(model).__name__}: TRANSFORMER_BASED_WRAP has no layer class to wrap: the model's "
-            f"_no_split_modules names {', '.join(absent)}, which it does not have. Set "
-            f"fsdp_transformer_layer_cls_to_wrap in {source} to its layer classes{_blocks_hint(model)}.")
-
-
 def transformer_based(policy: Any) -> bool:
     """The plugin's `auto_wrap_policy` is TRANSFORMER_BASED_WRAP (the function, or accelerate's
     partial of it once set)."""
@@ -111,10 +132,8 @@ def present_classes_only(plugin: Any, model: nn.Module, source: str,
         check_listed(plugin, model, source, configured)
         yield
         return
-    layers = default_layer_classes(model)
+    layers = wrapped_by_default(model, source)
     if not layers.present:
-        if layers.absent and not layers.inherited:
-            raise ValueError(none_declared_present(model, layers.absent, source))
         _say_once(model, (), logger.warning, "%s: TRANSFORMER_BASED_WRAP finds no layer class to wrap (the model "
                   "declares none): the whole model is one FSDP unit, gathered whole for every forward; set "
                   "fsdp_transformer_layer_cls_to_wrap in %s%s", type(model).__name__, source, _blocks_hint(model))
@@ -137,20 +156,15 @@ def present_classes_only(plugin: Any, model: nn.Module, source: str,
 
 
 def check_listed(plugin: Any, model: nn.Module, source: str, configured: tuple[str, ...] | None) -> None:
-    """A class the user listed that the model lacks is refused naming the key, where it was set,
-    and the classes the model has, where accelerate says only "Could not find the transformer
-    layer class X in the model". (A config file's list is checked for form when it is read.)"""
+    """Refuses a class the user listed that the model lacks (`listed_but_absent`), saying where the
+    list was set. (A config file's list is checked for form when it is read.)"""
     names = list(plugin.transformer_cls_names_to_wrap)
-    built = {type(m).__name__ for m in model.modules()}
-    missing = [n for n in names if n not in built]
-    if missing:
-        where = (f"{source}: fsdp_transformer_layer_cls_to_wrap" if configured is not None and list(configured) == names
-                 else "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code, or kept from a "
-                 "model prepared before)")
-        known = default_layer_classes(model).present or repeated_block_classes(model)
-        raise ValueError(f"{where} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not a "
-                         f"module class of {type(model).__name__}; its layer classes are "
-                         f"{', '.join(known) or 'unknown'} (fix the list, or remove it to wrap those)")
+    where = (f"{source}: fsdp_transformer_layer_cls_to_wrap" if configured is not None and list(configured) == names
+             else "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code, or kept from a model "
+             "prepared before)")
+    refusal = listed_but_absent(model, names, where)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def _say_once(model: nn.Module, names: Any, log: Any, message: str, *args: Any) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from fsdp_offload_cfg.testing.configs import loader_config
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.models import save_each
 from fsdp_offload_cfg.testing.training import train_steps
 
 FAMILIES = ["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"]
@@ -118,12 +119,7 @@ def _run_worker(rank: int, world_size: int, mode: str, ac: bool, paths: dict[str
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("layer_classes")
-    paths = {}
-    for family in FAMILIES:
-        paths[family] = str(root / family)
-        _tiny(family).save_pretrained(paths[family])
-    return paths
+    return save_each(tmp_path_factory.mktemp("layer_classes"), FAMILIES, _tiny)
 
 
 @pytest.mark.distributed
@@ -236,7 +232,8 @@ def test_the_estimate_models_the_classes_the_run_wraps(tmp_path: Any) -> None:
     config = load_config(loader_config("loader_off", fsdp_transformer_layer_cls_to_wrap="CLIPTextEmbeddings"))
     with pytest.raises(EstimateError) as caught:
         build_report(config, path, ranks=2, seq_len=16, batch_size=1, optimizer="adamw", device="cpu", dtype=None)
-    assert "CLIPTextEmbeddings is not a module class of LlavaForConditionalGeneration" in str(caught.value)
+    assert ("<dict>: fsdp_transformer_layer_cls_to_wrap names CLIPTextEmbeddings, which is not a module class of "
+            "LlavaForConditionalGeneration") in str(caught.value)
     listed = str(caught.value).split("its layer classes are ")[1]  # the declared ones it has (4.57 declares none:
     assert "LlamaDecoderLayer" in listed and "CLIPTextEmbeddings" not in listed, listed  # then the blocks it repeats)
 

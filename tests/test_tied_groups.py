@@ -23,6 +23,7 @@ from torch import nn
 from fsdp_offload_cfg.testing.compare import digest as _digest
 from fsdp_offload_cfg.testing.configs import loader_config
 from fsdp_offload_cfg.testing.dist import run_workers
+from fsdp_offload_cfg.testing.models import save_each
 from fsdp_offload_cfg.testing.training import train_steps
 
 pytestmark = pytest.mark.distributed
@@ -132,12 +133,7 @@ def _trl_reference(family: str, path: str, accelerator: Any, ties: list[tuple[st
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tied")
-    paths = {}
-    for family in FAMILIES:
-        paths[family] = str(root / family)
-        _tiny(family).save_pretrained(paths[family])
-    return paths
+    return save_each(tmp_path_factory.mktemp("tied"), FAMILIES, _tiny)
 
 
 @pytest.fixture(scope="module")

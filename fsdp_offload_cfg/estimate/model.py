@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_offload_cfg.compat.model_init import after_init, kept_in_float32, meta_init
 from fsdp_offload_cfg.estimate.inputs import EstimateError
-from fsdp_offload_cfg.layer_classes import default_layer_classes, none_declared_present
+from fsdp_offload_cfg.layer_classes import wrapped_by_default
 
 
 class ModelSourceError(ValueError):
@@ -100,10 +100,10 @@ def layer_class_names(model: nn.Module, configured: tuple[str, ...] | None, sour
     wraps); a model whose list names only classes it lacks is refused as the run refuses it."""
     if configured:
         return list(configured)
-    layers = default_layer_classes(model)
-    if layers.absent and not layers.present and not layers.inherited:
-        raise EstimateError(none_declared_present(model, layers.absent, source))
-    return layers.present
+    try:
+        return wrapped_by_default(model, source).present
+    except ValueError as error:
+        raise EstimateError(str(error)) from None
 
 
 def image_tokens_per_image(config: Any) -> int | None:

@@ -38,7 +38,7 @@ from fsdp_offload_cfg.estimate.plan import (
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
 from fsdp_offload_cfg.estimate.room import Room, offline_room
 from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
-from fsdp_offload_cfg.layer_classes import default_layer_classes, repeated_block_classes
+from fsdp_offload_cfg.layer_classes import listed_but_absent
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 
@@ -49,7 +49,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
-    _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()))
+    _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()), config.source)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute)
     profile = _measure(model, batch, layers, device)
@@ -137,15 +137,11 @@ def _with_peak(parts: dict[str, int]) -> dict[str, int]:
     return {f"{k}_bytes": v for k, v in parts.items()} | {"peak_device_bytes": sum(parts.values())}
 
 
-def _check_layer_classes(model: torch.nn.Module, layers: list[str]) -> None:
-    """accelerate refuses a `transformer_layer_cls_to_wrap` the model does not have; so do we."""
-    present = {type(m).__name__ for m in model.modules()}
-    missing = [name for name in layers if name not in present]
-    if missing:
-        known = default_layer_classes(model).present or repeated_block_classes(model)
-        raise EstimateError(f"transformer_layer_cls_to_wrap: {', '.join(missing)} is not a module class of "
-                            f"{type(model).__name__}; its layer classes are {', '.join(known) or 'unknown'} "
-                            "(fix the key, or drop it to use those)")
+def _check_layer_classes(model: torch.nn.Module, layers: list[str], source: str) -> None:
+    """accelerate refuses a `transformer_layer_cls_to_wrap` the model does not have; so do we, as the run does."""
+    refusal = listed_but_absent(model, layers, f"{source}: fsdp_transformer_layer_cls_to_wrap")
+    if refusal:
+        raise EstimateError(refusal)
 
 
 def _measure(model: torch.nn.Module, batch: dict[str, torch.Tensor], layers: list[str],

@@ -222,8 +222,7 @@ class FileSlice:
             dest.copy_(piece.contiguous().reshape(-1).view(torch.uint8))
             return piece.numel() * where.dtype.itemsize
         shape = tuple(s.stop - s.start for s in region)
-        direct = (where.dtype == self.dtype and not where.via and where.transposed is None
-                  and dest.device.type == "cpu" and dest.is_contiguous())
+        direct = _direct(dest, where, self.dtype)
         raw = dest if direct else self.staging.get(byte_range[1])
         with OpenFiles() as files:
             read_range(files, where, as_bytes(raw), byte_range[0])
@@ -265,11 +264,11 @@ def read_own_shards(targets: list[Target], files: dict[str, FileTensor], rank: i
     return stats
 
 
-def _direct(dest: torch.Tensor, where: FileTensor) -> bool:
-    """Bytes can go straight into `dest`: same dtype all the way and the same layout, contiguous
-    host memory."""
-    return (dest.dtype == where.dtype and not where.via and where.transposed is None and dest.device.type == "cpu"
-            and dest.is_contiguous())
+def _direct(dest: torch.Tensor, where: FileTensor, dtype: torch.dtype | None = None) -> bool:
+    """Bytes can go straight into `dest` (holding `dtype`, its own by default; a byte buffer
+    names it): same dtype all the way and the same layout, contiguous host memory."""
+    return ((dtype or dest.dtype) == where.dtype and not where.via and where.transposed is None
+            and dest.device.type == "cpu" and dest.is_contiguous())
 
 
 def copy_converted(dest: torch.Tensor, values: torch.Tensor, where: FileTensor) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -39,6 +40,15 @@ def _save(model: PreTrainedModel, path: str, dtype: torch.dtype | None = None) -
         model.config.dtype = dtype
     model.save_pretrained(path)
     return path
+
+
+def save_each(root: Any, names: list[str], build: Callable[[str], PreTrainedModel]) -> dict[str, str]:
+    """`build(name).save_pretrained(root / name)` for each name; name -> its directory."""
+    paths = {}
+    for name in names:
+        paths[name] = os.path.join(str(root), name)
+        build(name).save_pretrained(paths[name])
+    return paths
 
 
 def llama_config(**overrides) -> LlamaConfig:
