@@ -155,13 +155,37 @@ def present_classes_only(plugin: Any, model: nn.Module, source: str,
         yield
 
 
+# On the plugin, the list accelerate set from a model's defaults (`set_auto_wrap_policy` writes
+# them where the user's list goes): the same object still there means no one has listed classes
+# since, so the next model gets its own defaults. An attribute, as the plugin (a dataclass with
+# `eq`) is not hashable; it lives as long as the plugin, which is as long as the list.
+_DEFAULTED = "_fsdp_offload_cfg_defaulted_layer_classes"
+
+
+@contextmanager
+def defaults_per_model(plugin: Any) -> Iterator[None]:
+    """Each model gets its own default classes. accelerate writes the first model's defaults onto
+    the plugin, so a second model of another class prepared by the same Accelerator (a teacher or
+    reference model of another architecture) was refused under FSDP2 ("Could not find the
+    transformer layer class ...") and under FSDP1 kept the first model's policy, which matches
+    none of its layers: one unit. A list accelerate defaulted is cleared before the call (and
+    FSDP1's policy unbound from its classes); a list the user set is left as it is."""
+    if transformer_based(plugin.auto_wrap_policy) and plugin.transformer_cls_names_to_wrap is not None \
+            and plugin.transformer_cls_names_to_wrap is getattr(plugin, _DEFAULTED, None):
+        plugin.transformer_cls_names_to_wrap = None
+        plugin.auto_wrap_policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    defaulting = plugin.transformer_cls_names_to_wrap is None
+    yield
+    if defaulting and plugin.transformer_cls_names_to_wrap is not None:
+        object.__setattr__(plugin, _DEFAULTED, plugin.transformer_cls_names_to_wrap)
+
+
 def check_listed(plugin: Any, model: nn.Module, source: str, configured: tuple[str, ...] | None) -> None:
     """Refuses a class the user listed that the model lacks (`listed_but_absent`), saying where the
     list was set. (A config file's list is checked for form when it is read.)"""
     names = list(plugin.transformer_cls_names_to_wrap)
     where = (f"{source}: fsdp_transformer_layer_cls_to_wrap" if configured is not None and list(configured) == names
-             else "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code, or kept from a model "
-             "prepared before)")
+             else "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code)")
     refusal = listed_but_absent(model, names, where)
     if refusal:
         raise ValueError(refusal)

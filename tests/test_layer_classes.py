@@ -150,9 +150,85 @@ def test_default_wrap_takes_the_declared_classes_the_model_has(checkpoints: dict
         assert "fsdp_transformer_layer_cls_to_wrap" in message and "<dict>" in message, message
         assert "Gemma3DecoderLayer" in message, message  # the class it repeats, to list
         assert results[rank]["misspelt"] == (
-            "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code, or kept from a model prepared "
-            "before) names GemmaDecoderLayer, which is not a module class of Gemma3ForCausalLM; its layer classes are "
+            "transformer_cls_names_to_wrap on accelerate's FSDP plugin (set in code) names GemmaDecoderLayer, which is not a module class of Gemma3ForCausalLM; its layer classes are "
             "Gemma3DecoderLayer (fix the list, or remove it to wrap those)"), results[rank]["misspelt"]
+
+
+STUDENT_AND_TEACHER = ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+
+
+def _student_or_teacher(name: str) -> nn.Module:
+    import transformers
+
+    from fsdp_offload_cfg.testing.models import llama_config
+
+    torch.manual_seed(1)
+    if name == "LlamaForCausalLM":
+        return transformers.LlamaForCausalLM(llama_config())
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+        num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False))
+
+
+def _teacher_ids() -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+def _student_and_teacher_worker(rank: int, world_size: int, mode: str, paths: dict[str, str]) -> dict[str, Any]:
+    """Distillation into a model of another architecture, with no layer class listed: the student
+    through `prepare`, then the teacher sharded by the same Accelerator, the way frameworks shard
+    their second model (FSDP2: `fsdp2_prepare_model`, as LlamaFactory and TRL-style trainers do;
+    FSDP1: `prepare_model`)."""
+    import transformers
+    from accelerate import Accelerator
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(FSDP1 if mode == "fsdp1" else loader_config(mode))
+    from accelerate.utils import fsdp2_prepare_model  # after patch(), as a script that imports it binds ours
+    accelerator = Accelerator()
+    student = transformers.LlamaForCausalLM.from_pretrained(paths["LlamaForCausalLM"])
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    student, optimizer = accelerator.prepare(student, optimizer)
+    teacher = transformers.Qwen2ForCausalLM.from_pretrained(paths["Qwen2ForCausalLM"])
+    try:
+        teacher = accelerator.prepare_model(teacher) if mode == "fsdp1" else fsdp2_prepare_model(accelerator, teacher)
+    except Exception as exc:  # noqa: BLE001 - what this rank saw is the result
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    with torch.no_grad():
+        logits = teacher(input_ids=_teacher_ids(), use_cache=False).logits
+    return {"error": None, "units": {"student": _units(student), "teacher": _units(teacher)},
+            "logits": logits.tolist(), "losses": train_steps(accelerator, student, optimizer, rank, use_cache=False)}
+
+
+@pytest.fixture(scope="module")
+def student_and_teacher(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return save_each(tmp_path_factory.mktemp("student_and_teacher"), STUDENT_AND_TEACHER, _student_or_teacher)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["sharded", "fsdp1"])
+def test_a_second_model_of_another_class_wraps_its_own_layers(student_and_teacher: dict[str, str],
+                                                              mode: str) -> None:
+    """accelerate keeps the first model's default classes on the plugin: a teacher of another
+    architecture was refused under FSDP2 ("Could not find the transformer layer class
+    LlamaDecoderLayer in the model"), and under FSDP1 became one unit (the first model's policy
+    matches none of its modules). Each model now wraps its own classes, and the teacher's logits
+    are those of the same model unsharded."""
+    import transformers
+
+    results = run_workers(_student_and_teacher_worker, 2, mode, student_and_teacher)
+    teacher = transformers.Qwen2ForCausalLM.from_pretrained(student_and_teacher["Qwen2ForCausalLM"])
+    with torch.no_grad():
+        expected = teacher(input_ids=_teacher_ids(), use_cache=False).logits.tolist()
+    for rank in (0, 1):
+        assert results[rank]["error"] is None, results[rank]["error"]
+        units = results[rank]["units"]
+        assert units["student"].count("FSDPLlamaDecoderLayer") == 2, units
+        assert units["teacher"].count("FSDPQwen2DecoderLayer") == 2, units
+        assert "FSDPLlamaDecoderLayer" not in units["teacher"], units
+        assert results[rank]["logits"] == expected
+        assert len(results[rank]["losses"]) == 2
 
 
 class Block(nn.Module):
@@ -292,3 +368,40 @@ def test_a_listed_class_the_model_lacks_is_refused_naming_the_key_and_where_it_w
     with pytest.raises(ValueError, match=r"^transformer_cls_names_to_wrap on accelerate's FSDP plugin \(set in code"):
         with present_classes_only(_plugin(transformer_cls_names_to_wrap=["Gone"]), net, "fsdp2.yaml", None):
             pass
+
+
+class OtherBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
+class OtherNet(nn.Module):
+    _no_split_modules = ["OtherBlock"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([OtherBlock(), OtherBlock()])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_each_model_gets_its_own_defaults_until_the_user_lists_classes(version: int) -> None:
+    """What accelerate defaulted for one model is not the next model's list; a list set since,
+    even one equal to it, is the user's and is checked as theirs."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from fsdp_offload_cfg.layer_classes import defaults_per_model, present_classes_only
+
+    plugin = _plugin(fsdp_version=version)
+
+    def set_policy(model: nn.Module) -> None:
+        with defaults_per_model(plugin), present_classes_only(plugin, model, "a.yaml"):
+            FullyShardedDataParallelPlugin.set_auto_wrap_policy(plugin, model)
+
+    for model, expected in [(Net(), Block), (OtherNet(), OtherBlock), (Net(), Block)]:
+        set_policy(model)
+        assert plugin.transformer_cls_names_to_wrap == [expected.__name__]
+        assert plugin.auto_wrap_policy.keywords["transformer_layer_cls"] == {expected}  # FSDP1 wraps with it
+    plugin.transformer_cls_names_to_wrap = ["Block"]  # set in code: equal to the default, but theirs
+    with pytest.raises(ValueError, match=r"\(set in code\) names Block, which is not a module class of OtherNet"):
+        set_policy(OtherNet())

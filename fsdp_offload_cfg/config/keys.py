@@ -67,7 +67,8 @@ KEYS: tuple[Key, ...] = (
                 "How modules are wrapped into FSDP units. accelerate defaults to NO_WRAP, the Trainer to "
                 "TRANSFORMER_BASED_WRAP."),
     Key("transformer_layer_cls_to_wrap", "class_names",
-        "Layer classes wrapped by TRANSFORMER_BASED_WRAP (default: the model's _no_split_modules).",
+        "Layer classes wrapped by TRANSFORMER_BASED_WRAP (default, per model: the classes its "
+        "_no_split_modules names that it has, or its sub-models' where it names none).",
         annotation="tuple[str, ...] | None", env="FSDP_TRANSFORMER_CLS_TO_WRAP"),
     _accelerate("min_num_params", "nonneg_int", "int | None", None, "Minimum parameters per unit for SIZE_BASED_WRAP."),
     _accelerate("backward_prefetch", "backward_prefetch", "str | None", None,

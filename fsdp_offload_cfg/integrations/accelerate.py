@@ -25,7 +25,7 @@ from fsdp_offload_cfg.integrations.common import (
     load_through_loader,
     logger,
 )
-from fsdp_offload_cfg.layer_classes import present_classes_only
+from fsdp_offload_cfg.layer_classes import defaults_per_model, present_classes_only
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 from fsdp_offload_cfg.shard_groups import fsdp2_groups
 
@@ -207,11 +207,12 @@ def build_set_auto_wrap_policy(original: Callable[..., Any], cfg: FSDPOffloadCon
     """`FullyShardedDataParallelPlugin.set_auto_wrap_policy` reads only the default layer classes
     the model has (`layer_classes`). It is the first reader on every path: FSDP1's prepare, FSDP2's
     `_prepare_fsdp2` before activation checkpointing, `fsdp2_prepare_model`, TRL's `prepare_fsdp`;
-    it keeps the list on the plugin, where `fsdp2_prepare_auto_wrap_policy` reads it after."""
+    it keeps the list on the plugin, where `fsdp2_prepare_auto_wrap_policy` reads it after, and
+    where the next model's call would read it as the user's (`defaults_per_model`)."""
 
     @functools.wraps(original)
     def set_auto_wrap_policy(self: Any, model: torch.nn.Module) -> Any:
-        with present_classes_only(self, model, cfg.source, cfg.transformer_layer_cls_to_wrap):
+        with defaults_per_model(self), present_classes_only(self, model, cfg.source, cfg.transformer_layer_cls_to_wrap):
             return original(self, model)
 
     return set_auto_wrap_policy
