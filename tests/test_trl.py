@@ -86,3 +86,53 @@ def test_trl_trainer_same_losses_with_loader_and_offload(llama: str, tmp_path, t
         assert len(plugin[rank]["losses"]) == 3, plugin[rank]
         assert plugin[rank]["losses"] == stock[rank]["losses"], (rank, plugin[rank], stock[rank])
         assert plugin[rank]["offloaded"] > 0 and stock[rank]["offloaded"] == 0
+
+
+def _grpo_worker(rank: int, world_size: int, path: str, reward: str, out: str, keys: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    from datasets import Dataset
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.testing.models import words
+
+    fsdp_offload_cfg.patch(_config(keys))
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    rng = np.random.default_rng(0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    data = Dataset.from_dict({"prompt": [words(rng, 6) for _ in range(16)]})
+    args = GRPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=6, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+                      seed=0, bf16=False, use_cpu=True)
+    run = GRPOTrainer(model=path, reward_funcs=[reward], args=args, train_dataset=data, processing_class=tokenizer,
+                      reward_processing_classes=[tokenizer])
+    run.train()
+    return {"losses": [entry["loss"] for entry in run.state.log_history if "loss" in entry],
+            "rewards": [entry["reward"] for entry in run.state.log_history if "reward" in entry]}
+
+
+def test_grpo_with_a_reward_model_under_broadcast_loading(llama: str, tmp_path) -> None:
+    """GRPO loads its reward model by path and prepares it with `evaluation_mode=True` (whole on
+    every rank). Under `load_strategy: broadcast` rank 1 failed there: "Cannot copy out of meta
+    tensor". The rewards are the stock run's up to the last bit or two: the scores are the same
+    model's (`test_eval_copies.py` checks every tensor bit for bit), but a CPU GEMM rounds by
+    where its operands lie, and a plain load leaves each weight at its offset in the file."""
+    import torch
+    import transformers
+
+    from fsdp_offload_cfg.testing.models import save_word_tokenizer
+
+    torch.manual_seed(3)
+    reward = str(tmp_path / "reward")
+    transformers.Qwen2ForSequenceClassification(transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+        num_hidden_layers=2, num_labels=1, pad_token_id=0)).save_pretrained(reward)
+    save_word_tokenizer(reward)
+    plugin = run_workers(_grpo_worker, 2, llama, reward, str(tmp_path / "plugin"),
+                         {**STOCK, "fsdp_cpu_ram_efficient_loading": True, "load_strategy": "broadcast"}, timeout=300)
+    stock = run_workers(_grpo_worker, 2, llama, reward, str(tmp_path / "stock"), STOCK, timeout=300)
+    for rank in range(2):
+        assert len(plugin[rank]["losses"]) == 2, plugin[rank]
+        assert plugin[rank]["losses"] == stock[rank]["losses"], (rank, plugin[rank], stock[rank])
+        assert plugin[rank]["rewards"] == pytest.approx(stock[rank]["rewards"], rel=1e-6, abs=0), (rank, plugin, stock)

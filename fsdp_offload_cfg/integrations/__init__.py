@@ -28,7 +28,7 @@ _ORDER = [
     "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "loader-from-pretrained", "rank0-from-config",
     "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
     "default-layer-classes", "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
-    "fsdp1-activation-offload",
+    "prepare-model-eval-copy", "fsdp1-activation-offload",
     "trainer-fsdp-config",
 ]  # fmt: skip
 _BY_NAME = {p.name: p for module in (accelerate, transformers, trl, peft) for p in module.PATCHES}

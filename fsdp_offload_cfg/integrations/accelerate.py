@@ -16,13 +16,16 @@ from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.integrations.common import (
+    built_by_loader,
     cpu_fsdp_needed,
     enable_offload,
     fill_through_loader,
+    fill_whole,
     fsdp2_prepare_needed,
     fsdp_requested,
     fully_shard_swap,
     load_through_loader,
+    loader_enabled,
     logger,
 )
 from fsdp_offload_cfg.layer_classes import defaults_per_model, present_classes_only
@@ -139,6 +142,24 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
     return model
 
 
+def build_prepare_model_eval_copy(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """`Accelerator.prepare_model(model, evaluation_mode=True)` shards nothing under FSDP: every
+    rank keeps a whole copy (TRL's GRPO and RLOO reward models, GKD's teacher). A model the
+    loader built is on meta there, and the `model.to(device)` inside read it tensor by tensor,
+    warning on every rank, or, under "broadcast", failed on every rank but 0 ("Cannot copy out of
+    meta tensor") while rank 0 went on into the next collective. Here it is filled whole first,
+    on every rank, as a plain load gives it: each rank reads what it can, rank 0 sends the rest."""
+
+    @functools.wraps(original)
+    def prepare_model(self: Any, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        if evaluation_mode and built_by_loader(model):
+            model = fill_whole(model, cfg)
+        return original(self, model, device_placement, evaluation_mode)
+
+    return prepare_model
+
+
 def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """FSDP1: accelerate wraps the model inside `prepare_model`; hook the offload after it."""
 
@@ -251,6 +272,9 @@ PATCHES = [
     Patch("default-layer-classes", "accelerate.utils.dataclasses", "FullyShardedDataParallelPlugin.set_auto_wrap_policy",
           build_set_auto_wrap_policy, _fsdp, _REQUIRES, "TRANSFORMER_BASED_WRAP without layer classes wraps the "
           "_no_split_modules classes the model has (transformers 5 also lists sub-model classes it does not build)"),
+    Patch("prepare-model-eval-copy", "accelerate.accelerator", "Accelerator.prepare_model",
+          build_prepare_model_eval_copy, loader_enabled, _REQUIRES, "a loader-built model that prepare_model keeps "
+          "whole on every rank (evaluation_mode=True: TRL's reward models, GKD's teacher) is filled whole there"),
     Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
           build_prepare_model, _offload_fsdp1, _REQUIRES, "enable activation offload on FSDP1 models"),
 ]

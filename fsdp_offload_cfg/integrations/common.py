@@ -160,6 +160,27 @@ def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCon
     return any_rank(wanted) if distributed_ready() else wanted
 
 
+def built_by_loader(model: torch.nn.Module) -> bool:
+    """`model` (or what it wraps) came out of the loader, on any rank: one answer on every rank."""
+    from fsdp_offload_cfg.loading import is_rank0_source
+    from fsdp_offload_cfg.ranks import any_rank, distributed_ready
+
+    built = any(is_rank0_source(m) for m in model.modules())
+    return any_rank(built) if distributed_ready() else built
+
+
+def fill_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> torch.nn.Module:
+    """Fill a loader-built model that stays whole on every rank (nothing shards it), as a plain
+    load gives it: `load_into_sharded` with no sharding, so each rank reads what its record
+    backs and rank 0 sends the rest, as it does for shards."""
+    from fsdp_offload_cfg.loading import load_into_sharded
+
+    if is_rank0():
+        logger.info("%s is kept whole on every rank (accelerate's prepare_model with evaluation_mode=True shards "
+                    "nothing): filling it whole on each", type(model).__name__)
+    return load_into_sharded(model, lambda m: m, strategy=cfg.load_strategy).model
+
+
 def load_through_loader(
     model: torch.nn.Module, shard: Callable[[torch.nn.Module], Any], plugin: Any, cfg: FSDPOffloadConfig
 ) -> Any:
