@@ -33,6 +33,9 @@ class ModuleState:
     dora_pending: Any = None
     # on the model the offload hooks, until its handle is removed (`offload/api.py`):
     offload: Any = None
+    # on a model accelerate checkpoints, from its prepare until `unpatch()`: the forward pre-hook
+    # that turns the KV cache off in training forwards (`training_cache.py`):
+    cache_off: Any = None
     # on the model a budget plans, from the first plan until the planner is removed (`budget.py`):
     planner: Any = None
     # on each layer's checkpoint wrapper a budget installs, for as long as the wrapper exists:

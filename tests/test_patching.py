@@ -171,7 +171,7 @@ def test_patch_with_another_config_reapplies_cleanly():
     before = _snapshot()
     fsdp_offload_cfg.patch(EVERYTHING_ON)
     session = fsdp_offload_cfg.patch(FSDP1_OFFLOAD)
-    assert "fsdp1-activation-offload" in session.patch_names
+    assert "fsdp1-prepare-model" in session.patch_names
     assert "loader-from-pretrained" not in session.patch_names
     from transformers.modeling_utils import PreTrainedModel
 

@@ -26,9 +26,9 @@ from fsdp_offload_cfg.registry import LaunchContext
 
 _ORDER = [
     "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "loader-from-pretrained", "rank0-from-config",
-    "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
+    "prepare-model-alone", "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
     "default-layer-classes", "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
-    "prepare-model-eval-copy", "fsdp1-activation-offload",
+    "prepare-model-eval-copy", "fsdp1-prepare-model",
     "trainer-fsdp-config",
 ]  # fmt: skip
 _BY_NAME = {p.name: p for module in (accelerate, transformers, trl, peft) for p in module.PATCHES}

@@ -3,6 +3,7 @@ fill, activation offload), the optimizer remapping of meta parameters, FSDP1's o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fsdp_offload_cfg import registry
+from fsdp_offload_cfg import registry, training_cache
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
@@ -142,6 +143,52 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
     return model
 
 
+def build_prepare(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """`Accelerator.prepare` under FSDP2 takes a model without an optimizer, to evaluate it.
+
+    accelerate refuses one ("When using FSDP2, a model and optimizer must be passed together"),
+    and transformers' Trainer passes one: `trainer.evaluate()` or `predict()` before `train()`
+    stops there (transformers #39961 and #48841, open on 5.24). The model is prepared as for
+    training (checkpointing, sharding, the loader, the offload), with no optimizer to remap;
+    when it comes back with its optimizer (the Trainer's `train()`, the optimizer built on the
+    sharded parameters), only the optimizer is new: checkpointing is not applied a second time."""
+
+    @functools.wraps(original)
+    def prepare(self: Any, *args: Any, device_placement: Any = None) -> Any:
+        if not self.is_fsdp2:
+            return original(self, *args, device_placement=device_placement)
+        again = any(_prepared_before(obj) for obj in args)
+        with _checkpointing_done(self.state.fsdp_plugin) if again else contextlib.nullcontext():
+            if len(args) == 1 and isinstance(args[0], torch.nn.Module):
+                (model,) = self._prepare_fsdp2(args[0])  # what prepare does, less the optimizer check
+                model._is_accelerate_prepared = True
+                return model
+            return original(self, *args, device_placement=device_placement)
+
+    return prepare
+
+
+def _prepared_before(obj: Any) -> bool:
+    """`obj` is a model accelerate prepared (sharded) already. (Marked on the model: the Trainer
+    empties the Accelerator's list of models at the start of `train()`.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(obj, torch.nn.Module) and getattr(obj, "_is_accelerate_prepared", False) \
+        and isinstance(getattr(obj, "_orig_mod", obj), FSDPModule)
+
+
+@contextmanager
+def _checkpointing_done(plugin: Any) -> Iterator[None]:
+    """accelerate applies activation checkpointing in every `_prepare_fsdp2`; on a model prepared
+    before, it would wrap each checkpointed layer in a second checkpoint (two recomputes)."""
+    before = plugin.activation_checkpointing
+    plugin.activation_checkpointing = False
+    try:
+        yield
+    finally:
+        plugin.activation_checkpointing = before
+
+
 def build_prepare_model_eval_copy(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """`Accelerator.prepare_model(model, evaluation_mode=True)` shards nothing under FSDP: every
     rank keeps a whole copy (TRL's GRPO and RLOO reward models, GKD's teacher). A model the
@@ -161,7 +208,8 @@ def build_prepare_model_eval_copy(original: Callable[..., Any], cfg: FSDPOffload
 
 
 def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
-    """FSDP1: accelerate wraps the model inside `prepare_model`; hook the offload after it."""
+    """FSDP1: accelerate wraps (and checkpoints) the model inside `prepare_model`. After it: the
+    offload, and no KV cache in a forward with gradients of a checkpointed model (`training_cache`)."""
 
     @functools.wraps(original)
     def prepare_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -169,7 +217,10 @@ def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
 
         prepared = original(self, model, *args, **kwargs)
         if self.distributed_type == DistributedType.FSDP and self.state.fsdp_plugin.fsdp_version == 1:
-            enable_offload(prepared, cfg)
+            if cfg.activation_cpu_offload.enabled:
+                enable_offload(prepared, cfg)
+            if self.state.fsdp_plugin.activation_checkpointing:
+                _cache_off_in_training(prepared)
         return prepared
 
     return prepare_model
@@ -184,7 +235,9 @@ def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
       loader nor the offload would run;
     - accelerate maps each old parameter to its sharded replacement by `data_ptr()`; every meta
       tensor reports 0, so all optimizer slots would collapse onto one parameter on ranks != 0.
-      Meta parameters get a distinct negative id for the duration of the call.
+      Meta parameters get a distinct negative id for the duration of the call;
+    - a model accelerate checkpoints builds no KV cache in a forward with gradients
+      (`training_cache`).
     """
 
     @functools.wraps(original)
@@ -194,12 +247,24 @@ def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
             p.data_ptr = functools.partial(int, -id(p))  # type: ignore[method-assign]
         try:
             with _ours_outermost(cfg):
-                return original(self, *args)
+                result = original(self, *args)
         finally:
             for p in tagged:
                 p.__dict__.pop("data_ptr", None)
+        if self.state.fsdp_plugin.activation_checkpointing:
+            for obj in result:
+                if isinstance(obj, torch.nn.Module):
+                    _cache_off_in_training(obj)
+        return result
 
     return _prepare_fsdp2
+
+
+def _cache_off_in_training(model: torch.nn.Module) -> None:
+    """accelerate checkpointed `model`: its training forwards build no KV cache (`training_cache`)."""
+    hooked = training_cache.cache_off_in_training(model)
+    if hooked is not None:
+        registry.on_uninstall(lambda: training_cache.remove(hooked))
 
 
 _said_replaced: set[str] = set()  # whose copy rank 0 has named already: once per process, not per prepare
@@ -233,6 +298,10 @@ def build_set_auto_wrap_policy(original: Callable[..., Any], cfg: FSDPOffloadCon
 
     @functools.wraps(original)
     def set_auto_wrap_policy(self: Any, model: torch.nn.Module) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(getattr(model, "_orig_mod", model), FSDPModule):
+            return None  # sharded already (prepared before): nothing left to wrap, and its classes are FSDP<name>
         with defaults_per_model(self), present_classes_only(self, model, cfg.source, cfg.transformer_layer_cls_to_wrap):
             return original(self, model)
 
@@ -243,8 +312,8 @@ def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg)
 
 
-def _offload_fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
-    return fsdp_requested(cfg) and cfg.activation_cpu_offload.enabled and cfg.version == 1
+def _fsdp1(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return fsdp_requested(cfg) and cfg.version == 1
 
 
 _REQUIRES = ("torch", "accelerate")
@@ -254,9 +323,13 @@ PATCHES = [
     Patch("cpu-fsdp-accelerator-state", "accelerate.state", "AcceleratorState.__init__",
           build_accelerator_state_init, cpu_fsdp_needed, _REQUIRES,
           "promote MULTI_CPU to FSDP so accelerate runs FSDP2 on the CPU"),
+    Patch("prepare-model-alone", "accelerate.accelerator", "Accelerator.prepare", build_prepare, fsdp2_prepare_needed,
+          _REQUIRES, "a model prepared without an optimizer (the Trainer's evaluate() or predict() before train()) "
+          "is sharded as for training, where accelerate refused it"),
     Patch("prepare-fsdp2", "accelerate.accelerator", "Accelerator._prepare_fsdp2", build_prepare_fsdp2,
           fsdp2_prepare_needed, _REQUIRES, "keep optimizer remapping right for meta parameters; run our "
-          "fsdp2_prepare_model around a framework's copy installed after patch() (axolotl's)"),
+          "fsdp2_prepare_model around a framework's copy installed after patch() (axolotl's); no KV cache in "
+          "forwards with gradients of a model accelerate checkpoints"),
     Patch("fsdp2-prepare-model", "accelerate.accelerator", "fsdp2_prepare_model", build_fsdp2_prepare_model,
           fsdp2_prepare_needed, _REQUIRES,
           "one fully_shard group per dtype; with meta loading, shard on meta and fill params + all buffers "
@@ -275,6 +348,7 @@ PATCHES = [
     Patch("prepare-model-eval-copy", "accelerate.accelerator", "Accelerator.prepare_model",
           build_prepare_model_eval_copy, loader_enabled, _REQUIRES, "a loader-built model that prepare_model keeps "
           "whole on every rank (evaluation_mode=True: TRL's reward models, GKD's teacher) is filled whole there"),
-    Patch("fsdp1-activation-offload", "accelerate.accelerator", "Accelerator.prepare_model",
-          build_prepare_model, _offload_fsdp1, _REQUIRES, "enable activation offload on FSDP1 models"),
+    Patch("fsdp1-prepare-model", "accelerate.accelerator", "Accelerator.prepare_model",
+          build_prepare_model, _fsdp1, _REQUIRES, "enable activation offload on FSDP1 models; a model "
+          "accelerate checkpoints builds no KV cache in forwards with gradients"),
 ]
