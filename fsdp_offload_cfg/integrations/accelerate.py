@@ -159,13 +159,22 @@ def build_prepare(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Calla
             return original(self, *args, device_placement=device_placement)
         again = any(_prepared_before(obj) for obj in args)
         with _checkpointing_done(self.state.fsdp_plugin) if again else contextlib.nullcontext():
-            if len(args) == 1 and isinstance(args[0], torch.nn.Module):
+            if _model_alone(self, args):
                 (model,) = self._prepare_fsdp2(args[0])  # what prepare does, less the optimizer check
                 model._is_accelerate_prepared = True
                 return model
             return original(self, *args, device_placement=device_placement)
 
     return prepare
+
+
+def _model_alone(accelerator: Any, args: tuple[Any, ...]) -> bool:
+    """One model and nothing else, on plain FSDP2. (Tensor and context parallelism and FP8 change
+    the model in `prepare` itself, before `_prepare_fsdp2`: left to accelerate, which refuses.)"""
+    parallel = getattr(accelerator, "parallelism_config", None)
+    other = parallel is not None and (parallel.tp_enabled or parallel.cp_enabled)
+    fp8 = getattr(accelerator.fp8_backend, "value", "NO") != "NO"
+    return len(args) == 1 and isinstance(args[0], torch.nn.Module) and not other and not fp8
 
 
 def _prepared_before(obj: Any) -> bool:
