@@ -19,6 +19,7 @@ from fsdp_offload_cfg.integrations.common import (
     accelerator_state_exists,
     enable_offload,
     ensure_process_group,
+    fsdp_requested,
     loader_enabled,
     log_active,
     logger,
@@ -158,6 +159,31 @@ def _always(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return True
 
 
+def build_save_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """`Trainer.save_model` makes the checkpoint's folder on every rank under FSDP.
+
+    With a sharded state dict it writes nothing there: the folder appears when
+    `_save_optimizer_and_scheduler` writes the shards, after `_save_checkpoint` has asked
+    `os.path.exists` of it (behind a barrier) to name the best checkpoint. So each rank's answer
+    depended on whether the other rank had got that far: the first to ask kept the previous best,
+    and with `load_best_model_at_end` the ranks loaded different checkpoints, each its own shard:
+    a model that was none of them, without a word (checkpoint rotation reads the same stale name).
+    With the folder made here, before the barrier, every rank names the same checkpoint."""
+
+    @functools.wraps(original)
+    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
+        result = original(self, output_dir, _internal_call)
+        if output_dir is not None and _internal_call and self.is_fsdp_enabled:
+            os.makedirs(output_dir, exist_ok=True)
+        return result
+
+    return save_model
+
+
+def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return fsdp_requested(cfg)
+
+
 def _sharded_read_swaps(cfg: FSDPOffloadConfig) -> list[tuple[str, str]]:
     """The transformers functions the no-read load (every strategy) swaps while `from_pretrained` runs."""
     from fsdp_offload_cfg.compat.checkpoint_reading import swap_targets
@@ -176,6 +202,9 @@ PATCHES = [
     Patch("resize-token-embeddings", "transformers.modeling_utils", "PreTrainedModel.resize_token_embeddings",
           build_resize_token_embeddings, loader_enabled, _REQUIRES,
           "resizing a loader-built model's embeddings: the shape on every rank, the values from rank 0"),
+    Patch("trainer-checkpoint-folder", "transformers.trainer", "Trainer.save_model", build_save_model, _fsdp,
+          _REQUIRES, "the checkpoint's folder exists on every rank before the Trainer names the best checkpoint "
+          "(sharded state dicts: the ranks named, and loaded, different ones)", lazy=True),
     Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",
           build_training_args_post_init, _always, _REQUIRES,
           "validate the Trainer's fsdp_config and apply its plugin keys", config_free=True),
