@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from fsdp_offload_cfg.testing.compare import digest
 from fsdp_offload_cfg.testing.configs import loader_config
@@ -27,23 +26,12 @@ pytestmark = pytest.mark.distributed
 MODES = ["loader_off", "broadcast", "sharded", "auto"]
 
 
-def _reward() -> nn.Module:
-    """A Qwen2 reward model (one score): another architecture than the policy, as users pair them."""
-    import transformers
-
-    torch.manual_seed(3)
-    return transformers.Qwen2ForSequenceClassification(transformers.Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-        num_hidden_layers=2, num_labels=1, pad_token_id=0, max_position_embeddings=64))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from fsdp_offload_cfg.testing.models import save_llama
+    from fsdp_offload_cfg.testing.models import save_llama, save_qwen2_reward
 
     root = tmp_path_factory.mktemp("eval_copies")
-    _reward().save_pretrained(str(root / "reward"))
-    return {"policy": save_llama(str(root / "policy")), "reward": str(root / "reward")}
+    return {"policy": save_llama(str(root / "policy")), "reward": save_qwen2_reward(str(root / "reward"))}
 
 
 class _Warnings(logging.Handler):

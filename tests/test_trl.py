@@ -118,16 +118,9 @@ def test_grpo_with_a_reward_model_under_broadcast_loading(llama: str, tmp_path) 
     tensor". The rewards are the stock run's up to the last bit or two: the scores are the same
     model's (`test_eval_copies.py` checks every tensor bit for bit), but a CPU GEMM rounds by
     where its operands lie, and a plain load leaves each weight at its offset in the file."""
-    import torch
-    import transformers
+    from fsdp_offload_cfg.testing.models import save_qwen2_reward, save_word_tokenizer
 
-    from fsdp_offload_cfg.testing.models import save_word_tokenizer
-
-    torch.manual_seed(3)
-    reward = str(tmp_path / "reward")
-    transformers.Qwen2ForSequenceClassification(transformers.Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-        num_hidden_layers=2, num_labels=1, pad_token_id=0)).save_pretrained(reward)
+    reward = save_qwen2_reward(str(tmp_path / "reward"))
     save_word_tokenizer(reward)
     plugin = run_workers(_grpo_worker, 2, llama, reward, str(tmp_path / "plugin"),
                          {**STOCK, "fsdp_cpu_ram_efficient_loading": True, "load_strategy": "broadcast"}, timeout=300)

@@ -151,22 +151,25 @@ def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCon
     RAM-efficient loading (it also keeps persistent buffers, which accelerate's path crashes on).
     One decision for all ranks: it is followed by collectives on one path or the other.
     """
-    from fsdp_offload_cfg.loading import is_rank0_source
-    from fsdp_offload_cfg.ranks import any_rank, distributed_ready
-
-    wanted = any(is_rank0_source(m) for m in model.modules()) or bool(
-        plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading
-    )
-    return any_rank(wanted) if distributed_ready() else wanted
+    asked = bool(plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading)
+    return _on_any_rank(_built_here(model) or asked)
 
 
 def built_by_loader(model: torch.nn.Module) -> bool:
     """`model` (or what it wraps) came out of the loader, on any rank: one answer on every rank."""
+    return _on_any_rank(_built_here(model))
+
+
+def _built_here(model: torch.nn.Module) -> bool:
     from fsdp_offload_cfg.loading import is_rank0_source
+
+    return any(is_rank0_source(m) for m in model.modules())
+
+
+def _on_any_rank(flag: bool) -> bool:
     from fsdp_offload_cfg.ranks import any_rank, distributed_ready
 
-    built = any(is_rank0_source(m) for m in model.modules())
-    return any_rank(built) if distributed_ready() else built
+    return any_rank(flag) if distributed_ready() else flag
 
 
 def fill_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> torch.nn.Module:

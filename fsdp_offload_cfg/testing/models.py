@@ -29,6 +29,7 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
 )
 
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
@@ -80,6 +81,14 @@ def save_word_tokenizer(path: str) -> None:
 def words(rng: Any, n: int) -> str:
     """`n` random words of the word tokenizer, drawn by a numpy `Generator`."""
     return " ".join(f"t{int(i)}" for i in rng.integers(3, WORD_VOCAB, n))
+
+
+def save_qwen2_reward(path: str) -> str:
+    """A Qwen2 reward model (one score, pad id 0): another architecture than the Llama policy, as
+    GRPO users pair them."""
+    torch.manual_seed(3)
+    config = Qwen2Config(**_SMALL, num_hidden_layers=2, max_position_embeddings=64, num_labels=1, pad_token_id=0)
+    return _save(Qwen2ForSequenceClassification(config), path)
 
 
 def save_qwen2_tied(path: str) -> str:
