@@ -11,8 +11,10 @@ group of several ranks each helper is the plain local step.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -20,7 +22,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from fsdp_offload_cfg._logging import get_logger
+
 T = TypeVar("T")
+
+logger = get_logger("fsdp_offload_cfg")
+_meetings: dict[str, itertools.count] = {}  # per meeting name: how often this rank has come to it
+MEETING_LOG_EVERY_S = 60.0
 
 
 def distributed_ready() -> bool:
@@ -157,3 +165,39 @@ def _reduced(values: Sequence[Any], dtype: torch.dtype, op: Any, group: Any) -> 
     tensor = torch.tensor(list(values), dtype=dtype)
     dist.all_reduce(tensor, op=op, group=group)
     return tensor.tolist()
+
+
+def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
+    """Whether every rank makes this call, agreed through the store, not a collective.
+
+    Returns (True, []) on every rank when all came: they go on together into the collectives that
+    follow. Otherwise, after the process-group timeout, (False, the ranks that never came) on
+    every rank that came, a late one included: all skip. Why not a barrier: a step that became
+    collective here, where stock code made none (`if trainer.is_world_process_zero():
+    trainer.save_model()`), would leave the calling ranks in it until the watchdog kills the job;
+    here they wait as long and go on. One decision per meeting, taken once (`compare_set`): the
+    last rank to come says "go", a rank whose wait ran out says "stop", whichever is first.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slot = f"fsdp_offload_cfg/meet/{name}/{next(_meetings.setdefault(name, itertools.count()))}"
+    decision = f"{slot}/decision"
+    store.set(f"{slot}/rank{rank}", "1")
+    if store.add(f"{slot}/count", 1) == world:
+        store.compare_set(decision, "", "go")
+    start = time.monotonic()
+    deadline, next_log, pause = start + process_group_timeout(), start + MEETING_LOG_EVERY_S, 0.001
+    while not store.check([decision]):
+        now = time.monotonic()
+        if now >= deadline:
+            store.compare_set(decision, "", "stop")
+        elif now >= next_log:
+            next_log += MEETING_LOG_EVERY_S
+            absent = [r for r in range(world) if not store.check([f"{slot}/rank{r}"])]
+            logger.warning("rank %d has waited %.0fs for ranks %s to %s as well", rank, now - start,
+                              rank_ranges(absent), what)  # fmt: skip
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+    if store.get(decision) == b"go":
+        return True, []
+    return False, [r for r in range(world) if not store.check([f"{slot}/rank{r}"])]

@@ -36,10 +36,10 @@ fsdp_config:
   fsdp_version: 2
   fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
   fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
-  fsdp_state_dict_type: FULL_STATE_DICT
 {plugin}"""
-STOCK = "  fsdp_cpu_ram_efficient_loading: false\n"
-PLUGIN = "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_activation_cpu_offload: true\n"
+FULL = "  fsdp_state_dict_type: FULL_STATE_DICT\n"
+STOCK = FULL + "  fsdp_cpu_ram_efficient_loading: false\n"
+PLUGIN = FULL + "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_activation_cpu_offload: true\n"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _trl_sft(files: Path, name: str, plugin: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+SAVE_AT_3 = ["--save_strategy", "steps", "--save_steps", "3", "--save_only_model"]
+
+
+def _trl_sft(files: Path, name: str, plugin: str,
+             save: list[str] = SAVE_AT_3) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
     """`fsdp-offload-cfg run -- trl sft --accelerate_config F ...`: the file named once (passing it to
     `run --config` as well hid that the workers lost the plugin's keys)."""
     config, out = files / f"{name}.yaml", files / f"out_{name}"
@@ -69,8 +73,7 @@ def _trl_sft(files: Path, name: str, plugin: str) -> tuple[subprocess.CompletedP
                "--accelerate_config", str(config), "--model_name_or_path", str(files / "llama"),
                "--dataset_name", str(files / "data"), "--output_dir", str(out), "--max_steps", "3",
                "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--max_length", "24", "--seed", "0",
-               "--use_cpu", "--report_to", "none", "--logging_steps", "1", "--save_strategy", "steps",
-               "--save_steps", "3", "--save_only_model", "--dataloader_num_workers", "0",
+               "--use_cpu", "--report_to", "none", "--logging_steps", "1", *save, "--dataloader_num_workers", "0",
                "--gradient_checkpointing", "false"]  # TRL checkpoints by default, leaving the offload nothing
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=files), out
 
@@ -105,3 +108,18 @@ def test_a_typo_in_the_file_trl_names_stops_run_before_anything_starts(files: Pa
     proc, out = _trl_sft(files, "typo", PLUGIN + "  fsdp_activaton_cpu_offload: true\n")
     assert proc.returncode == 1 and "fsdp_activaton_cpu_offload: unknown key" in proc.stderr, proc.stderr[-3000:]
     assert str(files / "typo.yaml") in proc.stderr and not out.exists(), proc.stderr[-3000:]
+
+
+def test_trl_sft_with_fsdp2s_default_state_dict_saves_its_final_model(files: Path):
+    """A file that does not name `fsdp_state_dict_type` gets accelerate's FSDP2 default,
+    `SHARDED_STATE_DICT`, under which `trainer.save_model(output_dir)`, the last line of `trl sft`,
+    wrote nothing: with `--save_strategy no` the run kept no model (patch `trainer-final-model`)."""
+    from safetensors.torch import load_file
+
+    plugin = "  fsdp_cpu_ram_efficient_loading: true\n"
+    proc, out = _trl_sft(files, "default_state_dict", plugin, ["--save_strategy", "no"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "model.safetensors").exists(), sorted(os.listdir(out)) if out.exists() else "no output folder"
+    assert "the state dict is sharded (fsdp_state_dict_type SHARDED_STATE_DICT" in proc.stderr, proc.stderr[-3000:]
+    saved, loaded = load_file(out / "model.safetensors"), load_file(files / "llama" / "model.safetensors")
+    assert saved.keys() == loaded.keys() and (out / "config.json").exists()

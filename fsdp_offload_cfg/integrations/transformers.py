@@ -27,6 +27,7 @@ from fsdp_offload_cfg.integrations.common import (
     without_framework_keys,
 )
 from fsdp_offload_cfg.loading.resize import build_resize_token_embeddings
+from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, rank_ranges
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 
 
@@ -180,6 +181,51 @@ def build_save_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Ca
     return save_model
 
 
+def build_save_final_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """`trainer.save_model(dir)` writes the model as `from_pretrained` reads it under a sharded
+    state dict too.
+
+    transformers' `save_model` writes a model under FSDP only for `FULL_STATE_DICT`; under
+    `SHARDED_STATE_DICT`, accelerate's default for FSDP2, it returns having written nothing, not
+    even `config.json`, and says nothing (transformers #30491): `trl sft`, `trl dpo` and
+    LlamaFactory end with `trainer.save_model(output_dir)`, and a run with `save_strategy: "no"`
+    kept no model at all. transformers' FSDP guide has users switch the plugin to
+    `FULL_STATE_DICT` by hand first; this does that save for the call (accelerate's
+    `get_state_dict`: each parameter gathered in turn, the whole model kept on rank 0's host), and
+    leaves the plugin's type, so checkpoints stay sharded. The Trainer's own calls (checkpoints)
+    are left as they are. The gather is a collective where stock made none, so the ranks first
+    agree through the store that all of them are in the call (`ranks.every_rank_comes`): a call
+    made on rank 0 only (`if trainer.is_world_process_zero(): trainer.save_model()`) writes
+    nothing, as before, and warns, instead of waiting in the gather until the watchdog kills it."""
+
+    @functools.wraps(original)
+    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
+        if _internal_call or not self.is_fsdp_enabled or not _state_dict_sharded(self) or not distributed_ready():
+            return original(self, output_dir, _internal_call)
+        target = self.args.output_dir if output_dir is None else output_dir
+        everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
+        if not everyone:
+            logger.warning(
+                "Trainer.save_model(%r) wrote no model: with fsdp_state_dict_type SHARDED_STATE_DICT every rank "
+                "must call it, to gather the model, and %s. Call trainer.save_model() on every rank.", target,
+                f"rank {rank_ranges(absent)} did not within the process-group timeout" if absent
+                else "this rank came after the others had stopped waiting for it")  # fmt: skip
+        else:
+            if is_rank0():
+                logger.info("Trainer.save_model(%r): the state dict is sharded (fsdp_state_dict_type "
+                            "SHARDED_STATE_DICT, accelerate's default under FSDP2), where transformers writes no "
+                            "model; gathering it on rank 0 and writing it as from_pretrained reads it (checkpoints "
+                            "stay sharded)", target)  # fmt: skip
+            self._save(target, state_dict=self.accelerator.get_state_dict(self.model))
+        return original(self, output_dir, _internal_call)  # writes nothing more; pushes to the Hub if asked
+
+    return save_model
+
+
+def _state_dict_sharded(trainer: Any) -> bool:
+    return "SHARDED_STATE_DICT" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+
+
 def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg)
 
@@ -205,6 +251,9 @@ PATCHES = [
     Patch("trainer-checkpoint-folder", "transformers.trainer", "Trainer.save_model", build_save_model, _fsdp,
           _REQUIRES, "the checkpoint's folder exists on every rank before the Trainer names the best checkpoint "
           "(sharded state dicts: the ranks named, and loaded, different ones)", lazy=True),
+    Patch("trainer-final-model", "transformers.trainer", "Trainer.save_model", build_save_final_model, _fsdp,
+          _REQUIRES, "trainer.save_model(dir) under a sharded state dict writes the model from_pretrained reads "
+          "(stock wrote nothing)", lazy=True),
     Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",
           build_training_args_post_init, _always, _REQUIRES,
           "validate the Trainer's fsdp_config and apply its plugin keys", config_free=True),

@@ -1,0 +1,144 @@
+"""`trainer.save_model(dir)` under a sharded state dict (patch `trainer-final-model`).
+
+transformers writes a model from `save_model` under FSDP only with `FULL_STATE_DICT`; under
+`SHARDED_STATE_DICT`, accelerate's default for FSDP2, it wrote nothing at all, silently: `trl sft`
+and the other TRL scripts end with `trainer.save_model(output_dir)`, so a run with FSDP2's
+defaults and `save_strategy: "no"` kept no model. Now it writes what `FULL_STATE_DICT` writes, and
+the checkpoints stay sharded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pytest
+
+from fsdp_offload_cfg.testing.configs import loader_config
+from fsdp_offload_cfg.testing.dist import run_workers
+
+pytestmark = pytest.mark.distributed
+
+
+def _trainer(path: str, out: str, mode: str, state_dict_type: str, lora: bool, **args: Any) -> Any:
+    import numpy as np
+    from datasets import Dataset
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(loader_config(mode, fsdp_state_dict_type=state_dict_type))
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    ids = np.random.default_rng(0).integers(1, 97, (8, 12)).tolist()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, learning_rate=5e-2, report_to=[], seed=0,
+                             use_cpu=True, **args)  # fmt: skip
+    return Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}))
+
+
+def _save_worker(rank: int, world_size: int, path: str, out: str, mode: str, state_dict_type: str,
+                 lora: bool) -> None:  # fmt: skip
+    trainer = _trainer(path, out, mode, state_dict_type, lora, max_steps=2, save_strategy="steps", save_steps=2)
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+
+
+def _files(folder: str) -> dict[str, Any]:
+    """Every file under `folder`: a safetensors file's tensors, any other file's size."""
+    from safetensors.torch import load_file
+
+    found: dict[str, Any] = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            file = os.path.join(root, name)
+            found[os.path.relpath(file, folder)] = load_file(file) if name.endswith(".safetensors") else None
+    return found
+
+
+@pytest.mark.parametrize("mode, lora", [("loader_off", False), ("sharded", False), ("loader_off", True)])
+def test_save_model_under_a_sharded_state_dict_writes_what_full_state_dict_writes(tmp_path: Any, mode: str,
+                                                                                   lora: bool) -> None:  # fmt: skip
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path / "llama"))
+    for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        run_workers(_save_worker, 2, path, str(tmp_path / kind), mode, kind, lora, timeout=240)
+    sharded = _files(str(tmp_path / "SHARDED_STATE_DICT" / "final"))
+    full = _files(str(tmp_path / "FULL_STATE_DICT" / "final"))
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert weights in sharded and sharded.keys() == full.keys(), (sorted(sharded), sorted(full))
+    for name, tensors in full.items():
+        if tensors is not None:
+            assert tensors.keys() == sharded[name].keys()
+            assert all(torch.equal(t, sharded[name][k]) for k, t in tensors.items()), name
+    checkpoint = os.listdir(tmp_path / "SHARDED_STATE_DICT" / "checkpoint-2")
+    assert "pytorch_model_fsdp_0" in checkpoint and "model.safetensors" not in checkpoint, checkpoint  # still sharded
+    if not lora:
+        saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "SHARDED_STATE_DICT" / "final"),
+                                                     output_loading_info=True)[1]  # fmt: skip
+        assert not any(saved.values()), saved
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _rank0_alone_worker(rank: int, world_size: int, path: str, out: str) -> list[str]:
+    import torch.distributed as dist
+
+    trainer = _trainer(path, out, "loader_off", "SHARDED_STATE_DICT", False, max_steps=1, save_strategy="no")
+    trainer.train()
+    records = _Records()
+    logging.getLogger("fsdp_offload_cfg").addHandler(records)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:  # the pattern of scripts written for DDP
+        trainer.save_model(os.path.join(out, "final"))
+        store.set("rank 0 saved", "1")
+    else:
+        store.wait(["rank 0 saved"])
+    return records.messages
+
+
+def test_save_model_on_rank_0_alone_writes_nothing_and_warns_instead_of_waiting_in_a_gather(tmp_path: Any) -> None:
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    out = tmp_path / "out"
+    rank0, rank1 = run_workers(_rank0_alone_worker, 2, save_llama(str(tmp_path / "llama")), str(out), pg_timeout=3,
+                               timeout=180)  # fmt: skip
+    warning = [m for m in rank0 if "wrote no model" in m]
+    assert len(warning) == 1 and "rank 1 did not" in warning[0] and "on every rank" in warning[0], rank0
+    assert not (out / "final").exists() and rank1 == []
+
+
+def _meeting_worker(rank: int, world_size: int) -> list[tuple[bool, list[int]]]:
+    import torch.distributed as dist
+
+    from fsdp_offload_cfg.ranks import every_rank_comes
+
+    store = dist.distributed_c10d._get_default_store()
+    met = [every_rank_comes("test", "meet")]  # all come
+    if rank == 0:
+        met.append(every_rank_comes("test", "meet"))  # alone: gives up after the process-group timeout
+        store.set("rank 0 gave up", "1")
+    else:
+        store.wait(["rank 0 gave up"])
+        met.append(every_rank_comes("test", "meet"))  # too late: skips with rank 0, not into a collective alone
+    return met
+
+
+def test_every_rank_comes_agrees_on_go_and_a_late_rank_skips_with_the_others() -> None:
+    rank0, rank1 = run_workers(_meeting_worker, 2, pg_timeout=2, timeout=120)
+    assert rank0 == [(True, []), (False, [1])] and rank1 == [(True, []), (False, [])], (rank0, rank1)
