@@ -42,8 +42,10 @@ def _trainer(path: str, out: str, mode: str, state_dict_type: str, lora: bool, *
 
 
 def _save_worker(rank: int, world_size: int, path: str, out: str, mode: str, state_dict_type: str,
-                 lora: bool) -> None:  # fmt: skip
+                 lora: bool, final_sharded: bool = False) -> None:  # fmt: skip
     trainer = _trainer(path, out, mode, state_dict_type, lora, max_steps=2, save_strategy="steps", save_steps=2)
+    if final_sharded:  # what axolotl's TrainingArguments carry for its `final_state_dict_type`
+        trainer.args.fsdp_config = {**(trainer.args.fsdp_config or {}), "final_state_dict_type": "SHARDED_STATE_DICT"}
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
 
@@ -85,6 +87,17 @@ def test_save_model_under_a_sharded_state_dict_writes_what_full_state_dict_write
         saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "SHARDED_STATE_DICT" / "final"),
                                                      output_loading_info=True)[1]  # fmt: skip
         assert not any(saved.values()), saved
+
+
+def test_a_final_model_asked_to_stay_sharded_is_left_to_the_framework(tmp_path: Any) -> None:
+    """axolotl's `final_state_dict_type: SHARDED_STATE_DICT` (a model too large to gather on rank 0's
+    host): axolotl merges the last checkpoint itself after `save_model`, so nothing is gathered."""
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path / "llama"))
+    run_workers(_save_worker, 2, path, str(tmp_path / "out"), "loader_off", "SHARDED_STATE_DICT", False, True,
+                timeout=240)  # fmt: skip
+    assert not (tmp_path / "out" / "final").exists()
 
 
 class _Records(logging.Handler):

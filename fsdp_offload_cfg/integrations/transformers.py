@@ -193,14 +193,16 @@ def build_save_final_model(original: Callable[..., Any], cfg: FSDPOffloadConfig)
     `FULL_STATE_DICT` by hand first; this does that save for the call (accelerate's
     `get_state_dict`: each parameter gathered in turn, the whole model kept on rank 0's host), and
     leaves the plugin's type, so checkpoints stay sharded. The Trainer's own calls (checkpoints)
-    are left as they are. The gather is a collective where stock made none, so the ranks first
+    are left as they are, and so is a final model the user asked to keep sharded (axolotl's
+    `final_state_dict_type`). The gather is a collective where stock made none, so the ranks first
     agree through the store that all of them are in the call (`ranks.every_rank_comes`): a call
     made on rank 0 only (`if trainer.is_world_process_zero(): trainer.save_model()`) writes
     nothing, as before, and warns, instead of waiting in the gather until the watchdog kills it."""
 
     @functools.wraps(original)
     def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
-        if _internal_call or not self.is_fsdp_enabled or not _state_dict_sharded(self) or not distributed_ready():
+        if (_internal_call or not self.is_fsdp_enabled or not _state_dict_sharded(self) or not distributed_ready()
+                or _final_model_sharded_by_choice(self)):
             return original(self, output_dir, _internal_call)
         target = self.args.output_dir if output_dir is None else output_dir
         everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
@@ -224,6 +226,14 @@ def build_save_final_model(original: Callable[..., Any], cfg: FSDPOffloadConfig)
 
 def _state_dict_sharded(trainer: Any) -> bool:
     return "SHARDED_STATE_DICT" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+
+
+def _final_model_sharded_by_choice(trainer: Any) -> bool:
+    """axolotl's `final_state_dict_type: SHARDED_STATE_DICT` in the Trainer's `fsdp_config`: the
+    user asked for a sharded final model (a 405B model gathered whole does not fit rank 0's host),
+    and axolotl merges the last checkpoint itself after `save_model`."""
+    keys = {str(k).removeprefix("fsdp_"): v for k, v in (getattr(trainer.args, "fsdp_config", None) or {}).items()}
+    return "SHARDED" in str(keys.get("final_state_dict_type", "")).upper()
 
 
 def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
