@@ -1,10 +1,16 @@
-"""`trainer.save_model(dir)` under a sharded state dict (patch `trainer-final-model`).
+"""Writing the trained model: `trainer.save_model(dir)` under a sharded state dict (patch
+`trainer-final-model`) and `model.save_pretrained(dir)` of a model sharded with FSDP2 (patch
+`save-pretrained-sharded`).
 
 transformers writes a model from `save_model` under FSDP only with `FULL_STATE_DICT`; under
 `SHARDED_STATE_DICT`, accelerate's default for FSDP2, it wrote nothing at all, silently: `trl sft`
 and the other TRL scripts end with `trainer.save_model(output_dir)`, so a run with FSDP2's
 defaults and `save_strategy: "no"` kept no model. Now it writes what `FULL_STATE_DICT` writes, and
 the checkpoints stay sharded.
+
+transformers 5 gathers weights for `save_pretrained` only for a model it sharded itself: a model
+accelerate sharded stopped with "Attempted to access the data pointer on an invalid python
+storage" on every rank. Now it writes what accelerate's recipe (`state_dict=get_state_dict`) writes.
 """
 
 from __future__ import annotations
@@ -155,3 +161,80 @@ def _meeting_worker(rank: int, world_size: int) -> list[tuple[bool, list[int]]]:
 def test_every_rank_comes_agrees_on_go_and_a_late_rank_skips_with_the_others() -> None:
     rank0, rank1 = run_workers(_meeting_worker, 2, pg_timeout=2, timeout=120)
     assert rank0 == [(True, []), (False, [1])] and rank1 == [(True, []), (False, [])], (rank0, rank1)
+
+
+def _accelerate_loop(path: str, mode: str) -> tuple[Any, Any]:
+    """A model prepared by accelerate (FSDP2) and trained one step."""
+    import torch
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(loader_config(mode))
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    accelerator = Accelerator(cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ids = torch.arange(24).reshape(2, 12) % 90 + 3
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    return accelerator, model
+
+
+def _save_pretrained_worker(rank: int, world_size: int, path: str, out: str, mode: str) -> None:
+    accelerator, model = _accelerate_loop(path, mode)
+    model = accelerator.unwrap_model(model)
+    model.save_pretrained(os.path.join(out, "every_rank"))  # the default is_main_process=True, on every rank
+    model.save_pretrained(os.path.join(out, "main"), is_main_process=accelerator.is_main_process)
+    model.save_pretrained(os.path.join(out, "recipe"), is_main_process=accelerator.is_main_process,
+                          state_dict=accelerator.get_state_dict(model))  # accelerate's documented way  # fmt: skip
+
+
+@pytest.mark.parametrize("model, mode", [("llama", "sharded"), ("qwen2_tied", "loader_off")])
+def test_save_pretrained_of_a_sharded_model_writes_what_accelerates_recipe_writes(tmp_path: Any, model: str,
+                                                                                   mode: str) -> None:  # fmt: skip
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_offload_cfg.testing import models
+
+    path = getattr(models, f"save_{model}")(str(tmp_path / model))
+    run_workers(_save_pretrained_worker, 2, path, str(tmp_path / "out"), mode, timeout=180)
+    recipe = _files(str(tmp_path / "out" / "recipe"))
+    assert "model.safetensors" in recipe, sorted(recipe)
+    for way in ("every_rank", "main"):
+        saved = _files(str(tmp_path / "out" / way))
+        assert saved.keys() == recipe.keys(), (way, sorted(saved), sorted(recipe))
+        weights = saved["model.safetensors"]
+        assert weights.keys() == recipe["model.safetensors"].keys()
+        assert all(torch.equal(t, recipe["model.safetensors"][k]) for k, t in weights.items()), way
+    info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "every_rank"), output_loading_info=True)[1]
+    assert not any(info.values()), info
+
+
+def _save_pretrained_alone_worker(rank: int, world_size: int, path: str, out: str) -> str:
+    import torch.distributed as dist
+
+    accelerator, model = _accelerate_loop(path, "loader_off")
+    store = dist.distributed_c10d._get_default_store()
+    message = ""
+    if accelerator.is_main_process:  # the habit of scripts written for DDP
+        try:
+            accelerator.unwrap_model(model).save_pretrained(out)
+        except RuntimeError as exc:
+            message = str(exc)
+        store.set("rank 0 tried", "1")
+    else:
+        store.wait(["rank 0 tried"])
+    return message
+
+
+def test_save_pretrained_on_rank_0_alone_raises_saying_to_call_it_on_every_rank(tmp_path: Any) -> None:
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    message, _ = run_workers(_save_pretrained_alone_worker, 2, save_llama(str(tmp_path / "llama")),
+                             str(tmp_path / "out"), pg_timeout=3, timeout=180)  # fmt: skip
+    assert "save_pretrained" in message and "rank 1 did not" in message, message
+    assert "every rank with is_main_process=accelerator.is_main_process" in message, message

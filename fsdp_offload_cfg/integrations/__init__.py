@@ -29,7 +29,7 @@ _ORDER = [
     "prepare-model-alone", "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
     "default-layer-classes", "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
     "prepare-model-eval-copy", "fsdp1-prepare-model",
-    "trainer-checkpoint-folder", "trainer-final-model", "trainer-fsdp-config",
+    "save-pretrained-sharded", "trainer-checkpoint-folder", "trainer-final-model", "trainer-fsdp-config",
 ]  # fmt: skip
 _BY_NAME = {p.name: p for module in (accelerate, transformers, trl, peft) for p in module.PATCHES}
 PATCHES = [_BY_NAME[name] for name in _ORDER]

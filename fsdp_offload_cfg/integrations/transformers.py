@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import is_rank0
@@ -19,6 +21,7 @@ from fsdp_offload_cfg.integrations.common import (
     accelerator_state_exists,
     enable_offload,
     ensure_process_group,
+    fsdp2_prepare_needed,
     fsdp_requested,
     loader_enabled,
     log_active,
@@ -236,6 +239,53 @@ def _final_model_sharded_by_choice(trainer: Any) -> bool:
     return "SHARDED" in str(keys.get("final_state_dict_type", "")).upper()
 
 
+def build_save_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """`model.save_pretrained(dir)` of a model accelerate sharded with FSDP2 writes the whole model.
+
+    transformers 5 gathers sharded weights for saving only for a model it sharded itself
+    (`distributed_config`); a model `fully_shard` sharded hands `DTensor`s to safetensors, which
+    stops with "Attempted to access the data pointer on an invalid python storage" on every rank
+    (transformers 4.x gathered each one with `full_tensor()`, on every rank). accelerate's own
+    recipe passes `state_dict=accelerator.get_state_dict(model)`: that stays as it is. Without a
+    state dict the ranks gather it here, as accelerate does (whole, on rank 0's host), and only
+    rank 0 writes. The gather is a collective, so the ranks first agree through the store that all
+    of them are in the call: the DDP habit `if accelerator.is_main_process: model.save_pretrained(dir)`
+    raises on that rank, saying what to do, after the process-group timeout (its wait logged each
+    minute), where transformers 4.x left it in the gather until the watchdog."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(self, *args, **kwargs)
+        given = call.arguments
+        if (given.get("state_dict") is not None or given.get("distributed_checkpoint") or not distributed_ready()
+                or getattr(self, "_hf_peft_config_loaded", False) or not _sharded_by_fully_shard(self)):
+            return original(self, *args, **kwargs)
+        target = given["save_directory"]
+        everyone, absent = every_rank_comes("save-pretrained", f"call save_pretrained({target!r})")
+        if not everyone:
+            raise RuntimeError(
+                f"{type(self).__name__}.save_pretrained({target!r}) on rank {dist.get_rank()}: the model is sharded "
+                f"(FSDP2), so every rank must call it to gather its weights, and "
+                + (f"rank {rank_ranges(absent)} did not within the process-group timeout" if absent
+                   else "this rank came after the others had stopped waiting for it")
+                + ". Call it on every rank with is_main_process=accelerator.is_main_process (only rank 0 writes), "
+                "or use accelerator.save_model(model, dir).")  # fmt: skip
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        given["state_dict"] = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        given["is_main_process"] = given.get("is_main_process", True) and dist.get_rank() == 0
+        return original(*call.args, **call.kwargs)
+
+    return save_pretrained
+
+
+def _sharded_by_fully_shard(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return getattr(model.config, "distributed_config", None) is None and isinstance(model, FSDPModule)
+
+
 def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg)
 
@@ -258,6 +308,10 @@ PATCHES = [
     Patch("resize-token-embeddings", "transformers.modeling_utils", "PreTrainedModel.resize_token_embeddings",
           build_resize_token_embeddings, loader_enabled, _REQUIRES,
           "resizing a loader-built model's embeddings: the shape on every rank, the values from rank 0"),
+    Patch("save-pretrained-sharded", "transformers.modeling_utils", "PreTrainedModel.save_pretrained",
+          build_save_pretrained, fsdp2_prepare_needed, _REQUIRES,
+          "save_pretrained of a model accelerate sharded (FSDP2) gathers it and writes it on rank 0 (transformers 5 "
+          "stopped: invalid python storage)"),
     Patch("trainer-checkpoint-folder", "transformers.trainer", "Trainer.save_model", build_save_model, _fsdp,
           _REQUIRES, "the checkpoint's folder exists on every rank before the Trainer names the best checkpoint "
           "(sharded state dicts: the ranks named, and loaded, different ones)", lazy=True),
