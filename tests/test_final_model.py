@@ -163,7 +163,7 @@ def test_every_rank_comes_agrees_on_go_and_a_late_rank_skips_with_the_others() -
     assert rank0 == [(True, []), (False, [1])] and rank1 == [(True, []), (False, [])], (rank0, rank1)
 
 
-def _accelerate_loop(path: str, mode: str) -> tuple[Any, Any]:
+def _accelerate_loop(path: str, mode: str, lora: bool = False) -> tuple[Any, Any]:
     """A model prepared by accelerate (FSDP2) and trained one step."""
     import torch
 
@@ -175,7 +175,11 @@ def _accelerate_loop(path: str, mode: str) -> tuple[Any, Any]:
 
     accelerator = Accelerator(cpu=True)
     model = AutoModelForCausalLM.from_pretrained(path)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     ids = torch.arange(24).reshape(2, 12) % 90 + 3
     accelerator.backward(model(input_ids=ids, labels=ids).loss)
@@ -183,8 +187,8 @@ def _accelerate_loop(path: str, mode: str) -> tuple[Any, Any]:
     return accelerator, model
 
 
-def _save_pretrained_worker(rank: int, world_size: int, path: str, out: str, mode: str) -> None:
-    accelerator, model = _accelerate_loop(path, mode)
+def _save_pretrained_worker(rank: int, world_size: int, path: str, out: str, mode: str, lora: bool) -> None:
+    accelerator, model = _accelerate_loop(path, mode, lora)
     model = accelerator.unwrap_model(model)
     model.save_pretrained(os.path.join(out, "every_rank"))  # the default is_main_process=True, on every rank
     model.save_pretrained(os.path.join(out, "main"), is_main_process=accelerator.is_main_process)
@@ -192,26 +196,29 @@ def _save_pretrained_worker(rank: int, world_size: int, path: str, out: str, mod
                           state_dict=accelerator.get_state_dict(model))  # accelerate's documented way  # fmt: skip
 
 
-@pytest.mark.parametrize("model, mode", [("llama", "sharded"), ("qwen2_tied", "loader_off")])
+@pytest.mark.parametrize("model, mode, lora", [("llama", "sharded", False), ("qwen2_tied", "loader_off", False),
+                                               ("llama", "sharded", True)])  # fmt: skip
 def test_save_pretrained_of_a_sharded_model_writes_what_accelerates_recipe_writes(tmp_path: Any, model: str,
-                                                                                   mode: str) -> None:  # fmt: skip
+                                                                                   mode: str, lora: bool) -> None:  # fmt: skip
+    """transformers' `save_pretrained`, and PEFT's for a LoRA model (which stopped the same way)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fsdp_offload_cfg.testing import models
 
     path = getattr(models, f"save_{model}")(str(tmp_path / model))
-    run_workers(_save_pretrained_worker, 2, path, str(tmp_path / "out"), mode, timeout=180)
+    run_workers(_save_pretrained_worker, 2, path, str(tmp_path / "out"), mode, lora, timeout=180)
     recipe = _files(str(tmp_path / "out" / "recipe"))
-    assert "model.safetensors" in recipe, sorted(recipe)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert name in recipe, sorted(recipe)
     for way in ("every_rank", "main"):
         saved = _files(str(tmp_path / "out" / way))
         assert saved.keys() == recipe.keys(), (way, sorted(saved), sorted(recipe))
-        weights = saved["model.safetensors"]
-        assert weights.keys() == recipe["model.safetensors"].keys()
-        assert all(torch.equal(t, recipe["model.safetensors"][k]) for k, t in weights.items()), way
-    info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "every_rank"), output_loading_info=True)[1]
-    assert not any(info.values()), info
+        assert saved[name].keys() == recipe[name].keys()
+        assert all(torch.equal(t, recipe[name][k]) for k, t in saved[name].items()), way
+    if not lora:
+        info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "every_rank"), output_loading_info=True)[1]
+        assert not any(info.values()), info
 
 
 def _save_pretrained_alone_worker(rank: int, world_size: int, path: str, out: str) -> str:

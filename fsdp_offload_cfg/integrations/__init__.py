@@ -28,6 +28,7 @@ _ORDER = [
     "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "loader-from-pretrained", "rank0-from-config",
     "prepare-model-alone", "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
     "default-layer-classes", "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
+    "peft-save-pretrained-sharded",
     "prepare-model-eval-copy", "fsdp1-prepare-model",
     "save-pretrained-sharded", "trainer-checkpoint-folder", "trainer-final-model", "trainer-fsdp-config",
 ]  # fmt: skip

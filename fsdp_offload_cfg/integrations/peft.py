@@ -1,13 +1,14 @@
-"""PEFT: adapters injected into a loader-built (meta) model keep the values PEFT drew, and a saved
-adapter loads without reading the base model (`loading/adapters.py`). Lazy: `patch()` never
-imports PEFT."""
+"""PEFT: adapters injected into a loader-built (meta) model keep the values PEFT drew, a saved
+adapter loads without reading the base model (`loading/adapters.py`), and `save_pretrained` of a
+model accelerate sharded writes the adapter (`saving.py`). Lazy: `patch()` never imports PEFT."""
 
 from __future__ import annotations
 
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.integrations.common import loader_enabled
+from fsdp_offload_cfg.integrations.common import fsdp2_prepare_needed, loader_enabled
 from fsdp_offload_cfg.loading.adapters import build_inject_adapter, build_load_adapter
 from fsdp_offload_cfg.registry import LaunchContext, Patch
+from fsdp_offload_cfg.saving import build_save_pretrained
 
 
 def _peft_adapters_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
@@ -15,6 +16,12 @@ def _peft_adapters_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     import importlib.util
 
     return loader_enabled(cfg) and importlib.util.find_spec("peft") is not None
+
+
+def _peft_under_fsdp2(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    import importlib.util
+
+    return fsdp2_prepare_needed(cfg, ctx) and importlib.util.find_spec("peft") is not None
 
 
 PATCHES = [
@@ -26,4 +33,8 @@ PATCHES = [
           build_load_adapter, _peft_adapters_needed, ("torch",),
           "loading a saved adapter onto a loader-built model reads no base weight (PEFT reads state_dict() for keys)",
           lazy=True),
+    Patch("peft-save-pretrained-sharded", "peft.peft_model", "PeftModel.save_pretrained",
+          build_save_pretrained, _peft_under_fsdp2, ("torch",),
+          "save_pretrained of a PEFT model accelerate sharded (FSDP2) gathers it and writes the adapter on rank 0 "
+          "(it stopped: invalid python storage)", lazy=True),
 ]

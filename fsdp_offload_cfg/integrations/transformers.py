@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import is_rank0
@@ -30,8 +28,8 @@ from fsdp_offload_cfg.integrations.common import (
     without_framework_keys,
 )
 from fsdp_offload_cfg.loading.resize import build_resize_token_embeddings
-from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, rank_ranges
 from fsdp_offload_cfg.registry import LaunchContext, Patch
+from fsdp_offload_cfg.saving import build_save_final_model, build_save_pretrained
 
 
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -182,108 +180,6 @@ def build_save_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Ca
         return result
 
     return save_model
-
-
-def build_save_final_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
-    """`trainer.save_model(dir)` writes the model as `from_pretrained` reads it under a sharded
-    state dict too.
-
-    transformers' `save_model` writes a model under FSDP only for `FULL_STATE_DICT`; under
-    `SHARDED_STATE_DICT`, accelerate's default for FSDP2, it returns having written nothing, not
-    even `config.json`, and says nothing (transformers #30491): `trl sft`, `trl dpo` and
-    LlamaFactory end with `trainer.save_model(output_dir)`, and a run with `save_strategy: "no"`
-    kept no model at all. transformers' FSDP guide has users switch the plugin to
-    `FULL_STATE_DICT` by hand first; this does that save for the call (accelerate's
-    `get_state_dict`: each parameter gathered in turn, the whole model kept on rank 0's host), and
-    leaves the plugin's type, so checkpoints stay sharded. The Trainer's own calls (checkpoints)
-    are left as they are, and so is a final model the user asked to keep sharded (axolotl's
-    `final_state_dict_type`). The gather is a collective where stock made none, so the ranks first
-    agree through the store that all of them are in the call (`ranks.every_rank_comes`): a call
-    made on rank 0 only (`if trainer.is_world_process_zero(): trainer.save_model()`) writes
-    nothing, as before, and warns, instead of waiting in the gather until the watchdog kills it."""
-
-    @functools.wraps(original)
-    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
-        if (_internal_call or not self.is_fsdp_enabled or not _state_dict_sharded(self) or not distributed_ready()
-                or _final_model_sharded_by_choice(self)):
-            return original(self, output_dir, _internal_call)
-        target = self.args.output_dir if output_dir is None else output_dir
-        everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
-        if not everyone:
-            logger.warning(
-                "Trainer.save_model(%r) wrote no model: with fsdp_state_dict_type SHARDED_STATE_DICT every rank "
-                "must call it, to gather the model, and %s. Call trainer.save_model() on every rank.", target,
-                f"rank {rank_ranges(absent)} did not within the process-group timeout" if absent
-                else "this rank came after the others had stopped waiting for it")  # fmt: skip
-        else:
-            if is_rank0():
-                logger.info("Trainer.save_model(%r): the state dict is sharded (fsdp_state_dict_type "
-                            "SHARDED_STATE_DICT, accelerate's default under FSDP2), where transformers writes no "
-                            "model; gathering it on rank 0 and writing it as from_pretrained reads it (checkpoints "
-                            "stay sharded)", target)  # fmt: skip
-            self._save(target, state_dict=self.accelerator.get_state_dict(self.model))
-        return original(self, output_dir, _internal_call)  # writes nothing more; pushes to the Hub if asked
-
-    return save_model
-
-
-def _state_dict_sharded(trainer: Any) -> bool:
-    return "SHARDED_STATE_DICT" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
-
-
-def _final_model_sharded_by_choice(trainer: Any) -> bool:
-    """axolotl's `final_state_dict_type: SHARDED_STATE_DICT` in the Trainer's `fsdp_config`: the
-    user asked for a sharded final model (a 405B model gathered whole does not fit rank 0's host),
-    and axolotl merges the last checkpoint itself after `save_model`."""
-    keys = {str(k).removeprefix("fsdp_"): v for k, v in (getattr(trainer.args, "fsdp_config", None) or {}).items()}
-    return "SHARDED" in str(keys.get("final_state_dict_type", "")).upper()
-
-
-def build_save_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
-    """`model.save_pretrained(dir)` of a model accelerate sharded with FSDP2 writes the whole model.
-
-    transformers 5 gathers sharded weights for saving only for a model it sharded itself
-    (`distributed_config`); a model `fully_shard` sharded hands `DTensor`s to safetensors, which
-    stops with "Attempted to access the data pointer on an invalid python storage" on every rank
-    (transformers 4.x gathered each one with `full_tensor()`, on every rank). accelerate's own
-    recipe passes `state_dict=accelerator.get_state_dict(model)`: that stays as it is. Without a
-    state dict the ranks gather it here, as accelerate does (whole, on rank 0's host), and only
-    rank 0 writes. The gather is a collective, so the ranks first agree through the store that all
-    of them are in the call: the DDP habit `if accelerator.is_main_process: model.save_pretrained(dir)`
-    raises on that rank, saying what to do, after the process-group timeout (its wait logged each
-    minute), where transformers 4.x left it in the gather until the watchdog."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = signature.bind(self, *args, **kwargs)
-        given = call.arguments
-        if (given.get("state_dict") is not None or given.get("distributed_checkpoint") or not distributed_ready()
-                or getattr(self, "_hf_peft_config_loaded", False) or not _sharded_by_fully_shard(self)):
-            return original(self, *args, **kwargs)
-        target = given["save_directory"]
-        everyone, absent = every_rank_comes("save-pretrained", f"call save_pretrained({target!r})")
-        if not everyone:
-            raise RuntimeError(
-                f"{type(self).__name__}.save_pretrained({target!r}) on rank {dist.get_rank()}: the model is sharded "
-                f"(FSDP2), so every rank must call it to gather its weights, and "
-                + (f"rank {rank_ranges(absent)} did not within the process-group timeout" if absent
-                   else "this rank came after the others had stopped waiting for it")
-                + ". Call it on every rank with is_main_process=accelerator.is_main_process (only rank 0 writes), "
-                "or use accelerator.save_model(model, dir).")  # fmt: skip
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        given["state_dict"] = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        given["is_main_process"] = given.get("is_main_process", True) and dist.get_rank() == 0
-        return original(*call.args, **call.kwargs)
-
-    return save_pretrained
-
-
-def _sharded_by_fully_shard(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return getattr(model.config, "distributed_config", None) is None and isinstance(model, FSDPModule)
 
 
 def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:

@@ -1,0 +1,145 @@
+"""Writing the trained model of a sharded run as `from_pretrained` reads it.
+
+Two stock paths wrote nothing, or stopped, at the end of a run that had trained fine:
+
+- `model.save_pretrained(dir)` (transformers' and PEFT's) of a model accelerate sharded with
+  FSDP2: transformers 5 gathers sharded weights for saving only for a model it sharded itself
+  (`distributed_config`), PEFT never; both handed `DTensor`s to safetensors, which stopped on
+  every rank with "Attempted to access the data pointer on an invalid python storage"
+  (transformers 4.x gathered each weight itself, on every rank).
+- `trainer.save_model(dir)` under `SHARDED_STATE_DICT`, accelerate's default for FSDP2: it wrote
+  nothing at all, silently (transformers #30491).
+
+Both now gather the model as accelerate's recipe does (`accelerator.get_state_dict`: each
+parameter gathered in turn, the whole model kept on rank 0's host) and write it on rank 0. The
+gather is a collective where stock made none, so every such save first agrees through the store
+that all ranks are in the call (`ranks.every_rank_comes`): the DDP habit of saving on rank 0 only
+then says so on that rank instead of leaving it in the gather until the watchdog kills the job.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_offload_cfg._logging import get_logger, is_rank0
+from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, rank_ranges
+
+logger = get_logger("fsdp_offload_cfg.saving")
+
+
+def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
+    """`save_pretrained(dir)` of a model accelerate sharded writes the whole model, on rank 0.
+
+    A call with a `state_dict` (accelerate's recipe, `state_dict=accelerator.get_state_dict(model)`,
+    and the Trainer's own saves) stays as it is. Without one the ranks gather it here and only
+    rank 0 writes, whatever `is_main_process` each passed. A call some ranks never make raises on
+    the ranks that made it, after the process-group timeout (the wait is logged each minute).
+    PEFT's `save_pretrained` takes the state dict through `**kwargs`; transformers' by name."""
+    signature = inspect.signature(original)
+    by_name = "state_dict" in signature.parameters
+
+    @functools.wraps(original)
+    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(self, *args, **kwargs)
+        given, extra = call.arguments, call.arguments.get("kwargs", {})
+        if (given.get("state_dict", extra.get("state_dict")) is not None or given.get("distributed_checkpoint")
+                or getattr(self, "_hf_peft_config_loaded", False) or not _sharded_by_fully_shard(self)
+                or not distributed_ready()):
+            return original(self, *args, **kwargs)
+        _every_rank_or_raise(f"{type(self).__name__}.save_pretrained({given['save_directory']!r})")
+        full = gathered_state_dict(self)
+        if by_name:
+            given["state_dict"] = full
+        else:
+            given["kwargs"] = {**extra, "state_dict": full}
+        given["is_main_process"] = given.get("is_main_process", True) and dist.get_rank() == 0
+        return original(*call.args, **call.kwargs)
+
+    return save_pretrained
+
+
+def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
+    """`trainer.save_model(dir)` under a sharded state dict writes what `FULL_STATE_DICT` writes.
+
+    `trl sft`, `trl dpo` and LlamaFactory end with `trainer.save_model(output_dir)`: with FSDP2's
+    defaults and `save_strategy: "no"` the run kept no model at all. transformers' FSDP guide has
+    users switch the plugin to `FULL_STATE_DICT` by hand first; this makes that save for the call
+    and leaves the plugin's type, so checkpoints stay sharded. The Trainer's own calls
+    (checkpoints) are left as they are, and so is a final model the user asked to keep sharded
+    (axolotl's `final_state_dict_type`). A call made on some ranks only writes nothing, as
+    before, and warns."""
+
+    @functools.wraps(original)
+    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
+        if (_internal_call or not self.is_fsdp_enabled or not _state_dict_sharded(self) or not distributed_ready()
+                or _final_model_sharded_by_choice(self)):
+            return original(self, output_dir, _internal_call)
+        target = self.args.output_dir if output_dir is None else output_dir
+        everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
+        if not everyone:
+            logger.warning("Trainer.save_model(%r) wrote no model: with fsdp_state_dict_type SHARDED_STATE_DICT every "
+                           "rank must call it, to gather the model, and %s. Call trainer.save_model() on every rank.",
+                           target, _who_did_not_come(absent))  # fmt: skip
+        else:
+            if is_rank0():
+                logger.info("Trainer.save_model(%r): the state dict is sharded (fsdp_state_dict_type "
+                            "SHARDED_STATE_DICT, accelerate's default under FSDP2), where transformers writes no "
+                            "model; gathering it on rank 0 and writing it as from_pretrained reads it (checkpoints "
+                            "stay sharded)", target)  # fmt: skip
+            state_dict = self.accelerator.get_state_dict(self.model)  # every rank: a collective
+            if self.args.should_save or getattr(self, "is_distributed_loading_by_transformers", False):
+                self._save(target, state_dict=state_dict)  # as stock's FULL_STATE_DICT branch: the writer only
+        return original(self, output_dir, _internal_call)  # writes nothing more; pushes to the Hub if asked
+
+    return save_model
+
+
+def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict on rank 0's host, empty elsewhere: what `accelerator.get_state_dict`
+    gives under FSDP2 (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _every_rank_or_raise(what: str) -> None:
+    everyone, absent = every_rank_comes("save-pretrained", f"call {what}")
+    if not everyone:
+        raise RuntimeError(
+            f"{what} on rank {dist.get_rank()}: the model is sharded (FSDP2), so every rank must call it to gather "
+            f"its weights, and {_who_did_not_come(absent)}. Call it on every rank with "
+            "is_main_process=accelerator.is_main_process (only rank 0 writes), or use accelerator.save_model(model, dir)."
+        )
+
+
+def _who_did_not_come(absent: list[int]) -> str:
+    if absent:
+        return f"rank {rank_ranges(absent)} did not within the process-group timeout"
+    return "this rank came after the others had stopped waiting for it"
+
+
+def _sharded_by_fully_shard(model: torch.nn.Module) -> bool:
+    """Sharded by `fully_shard` (accelerate's FSDP2), not by transformers' own `distributed_config`,
+    for which transformers gathers itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = getattr(model, "config", None)
+    return isinstance(model, FSDPModule) and getattr(config, "distributed_config", None) is None
+
+
+def _state_dict_sharded(trainer: Any) -> bool:
+    return "SHARDED_STATE_DICT" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+
+
+def _final_model_sharded_by_choice(trainer: Any) -> bool:
+    """axolotl's `final_state_dict_type: SHARDED_STATE_DICT` in the Trainer's `fsdp_config`: the
+    user asked for a sharded final model (a 405B model gathered whole does not fit rank 0's host),
+    and axolotl merges the last checkpoint itself after `save_model`."""
+    keys = {str(k).removeprefix("fsdp_"): v for k, v in (getattr(trainer.args, "fsdp_config", None) or {}).items()}
+    return "SHARDED" in str(keys.get("final_state_dict_type", "")).upper()
