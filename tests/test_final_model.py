@@ -253,3 +253,50 @@ def test_save_pretrained_on_rank_0_alone_raises_saying_to_call_it_on_every_rank(
                              str(tmp_path / "out"), pg_timeout=3, timeout=180)  # fmt: skip
     assert "save_pretrained" in message and "rank 1 did not" in message, message
     assert "every rank with is_main_process=accelerator.is_main_process" in message, message
+
+
+def _fsdp1_worker(rank: int, world_size: int, path: str, out: str, state_dict_type: str) -> dict[str, Any]:
+    """FSDP1 on the CPU, trained 2 steps with a checkpoint at step 2, then `save_model`; returns
+    the trained weights as `summon_full_params` gathers them, without any offload."""
+    import numpy as np
+    from datasets import Dataset
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch({"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
+        "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_use_orig_params": True,
+        "fsdp_sync_module_states": False, "fsdp_state_dict_type": state_dict_type}})  # fmt: skip
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    ids = np.random.default_rng(0).integers(1, 97, (8, 12)).tolist()
+    args = TrainingArguments(output_dir=out, max_steps=2, per_device_train_batch_size=2, learning_rate=5e-2,
+                             report_to=[], seed=0, use_cpu=True, save_strategy="steps", save_steps=2)  # fmt: skip
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(path), args=args,
+                      train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}))  # fmt: skip
+    trainer.train()
+    with FSDP.summon_full_params(trainer.model_wrapped, writeback=False):
+        trained = {name.replace("_fsdp_wrapped_module.", ""): p.detach().clone().numpy()
+                   for name, p in trainer.model_wrapped.named_parameters()}  # fmt: skip (numpy: pickled by value)
+    trainer.save_model(os.path.join(out, "final"))
+    return trained
+
+
+@pytest.mark.parametrize("state_dict_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_fsdp1_on_the_cpu_saves_the_trained_model(tmp_path: Any, state_dict_type: str) -> None:
+    """FSDP1 gathers a full state dict with `offload_to_cpu`; on the CPU torch freed the storage it
+    had just "moved" there and rank 0 died of SIGSEGV at the first full save (patch
+    `cpu-fsdp1-state-dict`), a checkpoint's under `FULL_STATE_DICT`, the final one under both."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    out = tmp_path / "out"
+    trained, _ = run_workers(_fsdp1_worker, 2, save_llama(str(tmp_path / "llama")), str(out), state_dict_type,
+                             timeout=180)  # fmt: skip
+    saved = load_file(out / "final" / "model.safetensors")
+    assert saved.keys() == trained.keys(), (sorted(saved), sorted(trained))
+    assert all(torch.equal(saved[k], torch.from_numpy(trained[k])) for k in saved)
+    checkpoint = os.listdir(out / "checkpoint-2")
+    assert ("model.safetensors" in checkpoint) == (state_dict_type == "FULL_STATE_DICT"), checkpoint

@@ -85,6 +85,28 @@ def _unpin_cpu_offload(plugin: Any) -> None:
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
+def build_flat_param_to_cpu(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """FSDP1's `offload_to_cpu` on parameters already on the CPU: stay where they are.
+
+    A full state dict under FSDP1 (accelerate's `get_state_dict`, the Trainer's
+    `FULL_STATE_DICT` saves, `save_fsdp_model`) asks for `offload_to_cpu=True`, and torch's
+    `FlatParamHandle.to_cpu` moves the gathered flat parameter to the CPU, then frees the
+    gathered copy. On the CPU the move returns the same storage, so the free leaves the flat
+    parameter on freed memory: the state dict read it, and the process died of SIGSEGV (rank 0
+    with `rank0_only`, every rank without). Where the compute device is the CPU there is nothing
+    to move, and the context does nothing."""
+
+    @functools.wraps(original)
+    def to_cpu(self: Any) -> Any:
+        return contextlib.nullcontext() if self.device.type == "cpu" else original(self)
+
+    return to_cpu
+
+
+def _fsdp1_on_the_cpu(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return cpu_fsdp_needed(cfg, ctx) and cfg.version == 1
+
+
 @contextmanager
 def _stock_loading_off(plugin: Any) -> Iterator[None]:
     """accelerate's own meta path crashes on persistent buffers; ours replaces it for the call."""
@@ -332,6 +354,10 @@ PATCHES = [
     Patch("cpu-fsdp-accelerator-state", "accelerate.state", "AcceleratorState.__init__",
           build_accelerator_state_init, cpu_fsdp_needed, _REQUIRES,
           "promote MULTI_CPU to FSDP so accelerate runs FSDP2 on the CPU"),
+    Patch("cpu-fsdp1-state-dict", "torch.distributed.fsdp._flat_param", "FlatParamHandle.to_cpu",
+          build_flat_param_to_cpu, _fsdp1_on_the_cpu, ("torch",),
+          "FSDP1 on the CPU: a full state dict's offload_to_cpu leaves the parameters where they are (torch freed "
+          "the storage it had just moved to: SIGSEGV)"),
     Patch("prepare-model-alone", "accelerate.accelerator", "Accelerator.prepare", build_prepare, fsdp2_prepare_needed,
           _REQUIRES, "a model prepared without an optimizer (the Trainer's evaluate() or predict() before train()) "
           "is sharded as for training, where accelerate refused it"),
