@@ -188,6 +188,25 @@ def test_save_state_and_load_state_resume_bit_for_bit(checkpoints: dict[str, str
     assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # the ranks saw different data
 
 
+FSDP1 = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
+    "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_use_orig_params": True,
+    "fsdp_sync_module_states": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}  # fmt: skip
+
+
+def test_fsdp1_on_the_cpu_resumes_bit_for_bit(checkpoints: dict[str, str], tmp_path) -> None:
+    """FSDP1 on the CPU: a `FULL_STATE_DICT` save killed rank 0 with SIGSEGV (patch
+    `cpu-fsdp1-state-dict`), and with that fixed the optimizer's states were saved as views of a
+    buffer torch reuses, so `exp_avg` held other values and the resumed run diverged at its
+    second step (patch `cpu-fsdp1-optim-state-dict`). A sharded one restores the weights (the
+    first resumed step); its optimizer state accelerate loads into a fresh optimizer through that
+    optimizer's own (empty) state dict, so it restores none, on any device: left to accelerate."""
+    results = run_workers(_resume_worker, 2, checkpoints["qwen2_tied"], str(tmp_path / "fsdp1"), FSDP1, timeout=300)
+    for rank, result in enumerate(results):
+        assert result["FULL_STATE_DICT"] == result["uninterrupted"], (rank, result)
+        resumed = STEPS // 2
+        assert result["SHARDED_STATE_DICT"][:resumed + 1] == result["uninterrupted"][:resumed + 1], (rank, result)
+
+
 # --------------------------------------------------------------------------------------------
 # with an activation memory budget: layers wrapped for the plan save and load under their own names
 # --------------------------------------------------------------------------------------------

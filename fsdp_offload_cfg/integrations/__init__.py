@@ -25,7 +25,8 @@ from fsdp_offload_cfg.integrations.common import (
 from fsdp_offload_cfg.registry import LaunchContext
 
 _ORDER = [
-    "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "cpu-fsdp1-state-dict", "loader-from-pretrained", "rank0-from-config",
+    "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "cpu-fsdp1-state-dict", "cpu-fsdp1-optim-state-dict",
+    "loader-from-pretrained", "rank0-from-config",
     "prepare-model-alone", "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
     "default-layer-classes", "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
     "peft-save-pretrained-sharded",

@@ -4,6 +4,7 @@ fill, activation offload), the optimizer remapping of meta parameters, FSDP1's o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -101,6 +102,33 @@ def build_flat_param_to_cpu(original: Callable[..., Any], cfg: FSDPOffloadConfig
         return contextlib.nullcontext() if self.device.type == "cpu" else original(self)
 
     return to_cpu
+
+
+def build_set_state_dict_type(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """FSDP1 on the CPU: an optimizer state dict's `offload_to_cpu` becomes the copy it means.
+
+    Gathering a full optimizer state dict (`FULL_STATE_DICT`: accelerate's plugin asks for
+    `offload_to_cpu=True`), torch unflattens each gathered state as a view of one buffer and
+    offloads it with `.cpu()`, where it would otherwise clone it; on the CPU `.cpu()` is that
+    view, and the next state gathered into the buffer overwrote it. The saved `exp_avg` held other
+    values, and a run resumed from that checkpoint diverged at its second step. Without
+    `offload_to_cpu` torch clones each state; on the CPU that is the same result, safely."""
+
+    @functools.wraps(original)
+    def set_state_dict_type(module: Any, state_dict_type: Any, state_dict_config: Any = None,
+                            optim_state_dict_config: Any = None) -> Any:  # fmt: skip
+        if getattr(optim_state_dict_config, "offload_to_cpu", False) and _computes_on_the_cpu(module):
+            optim_state_dict_config = dataclasses.replace(optim_state_dict_config, offload_to_cpu=False)
+        return original(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    return set_state_dict_type
+
+
+def _computes_on_the_cpu(module: Any) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    devices = {getattr(m, "compute_device", None) for m in FullyShardedDataParallel.fsdp_modules(module)}
+    return devices == {torch.device("cpu")}
 
 
 def _fsdp1_on_the_cpu(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
@@ -358,6 +386,10 @@ PATCHES = [
           build_flat_param_to_cpu, _fsdp1_on_the_cpu, ("torch",),
           "FSDP1 on the CPU: a full state dict's offload_to_cpu leaves the parameters where they are (torch freed "
           "the storage it had just moved to: SIGSEGV)"),
+    Patch("cpu-fsdp1-optim-state-dict", "torch.distributed.fsdp.fully_sharded_data_parallel",
+          "FullyShardedDataParallel.set_state_dict_type", build_set_state_dict_type, _fsdp1_on_the_cpu, ("torch",),
+          "FSDP1 on the CPU: a full optimizer state dict is cloned, not 'offloaded' as views of a reused buffer "
+          "(saved exp_avg values were overwritten)"),
     Patch("prepare-model-alone", "accelerate.accelerator", "Accelerator.prepare", build_prepare, fsdp2_prepare_needed,
           _REQUIRES, "a model prepared without an optimizer (the Trainer's evaluate() or predict() before train()) "
           "is sharded as for training, where accelerate refused it"),
