@@ -36,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--checkpoint", default=None, help="existing HF checkpoint dir (default: build a tiny one)")
+    parser.add_argument("--output-dir", default=None, help="save the trained model there, as from_pretrained reads it")
     return parser.parse_args()
 
 
@@ -108,6 +109,9 @@ def train(accelerator: Accelerator, path: str, args: argparse.Namespace) -> None
     accelerator.print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f}s")
     if fsdp_offload_cfg.active_config() and fsdp_offload_cfg.active_config().activation_cpu_offload.enabled:
         accelerator.print(f"activation offload stats: {fsdp_offload_cfg.offload_stats()}")
+    if args.output_dir:  # on every rank: the sharded weights are gathered, and rank 0 writes them
+        accelerator.unwrap_model(model).save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+        accelerator.print(f"saved the trained model to {args.output_dir}")
 
 
 if __name__ == "__main__":

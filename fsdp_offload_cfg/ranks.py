@@ -194,8 +194,8 @@ def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
         elif now >= next_log:
             next_log += MEETING_LOG_EVERY_S
             absent = [r for r in range(world) if not store.check([f"{slot}/rank{r}"])]
-            logger.warning("rank %d has waited %.0fs for ranks %s to %s as well", rank, now - start,
-                              rank_ranges(absent), what)  # fmt: skip
+            logger.warning("rank %d has waited %.0fs for rank %s to %s as well", rank, now - start,
+                           rank_ranges(absent), what)  # fmt: skip
         time.sleep(pause)
         pause = min(2 * pause, 0.5)
     if store.get(decision) == b"go":

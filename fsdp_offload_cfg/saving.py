@@ -43,11 +43,12 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
     PEFT's `save_pretrained` takes the state dict through `**kwargs`; transformers' by name."""
     signature = inspect.signature(original)
     by_name = "state_dict" in signature.parameters
+    extras = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), "kwargs")
 
     @functools.wraps(original)
     def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
         call = signature.bind(self, *args, **kwargs)
-        given, extra = call.arguments, call.arguments.get("kwargs", {})
+        given, extra = call.arguments, call.arguments.get(extras, {})
         if (given.get("state_dict", extra.get("state_dict")) is not None or given.get("distributed_checkpoint")
                 or getattr(self, "_hf_peft_config_loaded", False) or not _sharded_by_fully_shard(self)
                 or not distributed_ready()):
@@ -57,7 +58,7 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
         if by_name:
             given["state_dict"] = full
         else:
-            given["kwargs"] = {**extra, "state_dict": full}
+            given[extras] = {**extra, "state_dict": full}
         given["is_main_process"] = given.get("is_main_process", True) and dist.get_rank() == 0
         return original(*call.args, **call.kwargs)
 

@@ -178,12 +178,18 @@ def _demo_folder(launch: Launch) -> Path:
     return Path(found.group(1))
 
 
-def test_the_demo_learns_shows_one_loading_bar_and_cleans_up():
-    """Its losses were flat (new random tokens every step) and every rank drew a loading bar."""
+def test_the_demo_learns_shows_one_loading_bar_saves_and_cleans_up(tmp_path: Path):
+    """Its losses were flat (new random tokens every step) and every rank drew a loading bar. Its
+    `--output-dir` save (`save_pretrained` on every rank) writes a model that loads whole."""
     import re
 
-    launch = _demo("--steps", "5")
+    from transformers import AutoModelForCausalLM
+
+    launch = _demo("--steps", "5", "--output-dir", str(tmp_path / "trained"))
     assert launch.proc.returncode == 0, launch.output[-3000:]
+    assert f"saved the trained model to {tmp_path / 'trained'}" in launch.proc.stdout, launch.output[-3000:]
+    info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), output_loading_info=True)[1]
+    assert not any(info.values()), info
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", launch.proc.stdout, re.MULTILINE)]
     assert len(losses) == 5 and losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.5, losses
     # rank 0's bar only (transformers 4.57 draws none)
