@@ -15,12 +15,16 @@ parameter gathered in turn, the whole model kept on rank 0's host) and write it 
 gather is a collective where stock made none, so every such save first agrees through the store
 that all ranks are in the call (`ranks.every_rank_comes`): the DDP habit of saving on rank 0 only
 then says so on that rank instead of leaving it in the gather until the watchdog kills the job.
+
+The Trainer's own checkpoint saves under a sharded state dict get their folder on every rank
+before the Trainer names the best checkpoint (`build_checkpoint_folder`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +105,27 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
     return save_model
 
 
+def build_checkpoint_folder(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
+    """`Trainer.save_model` makes the checkpoint's folder on every rank under FSDP.
+
+    With a sharded state dict it writes nothing there: the folder appears when
+    `_save_optimizer_and_scheduler` writes the shards, after `_save_checkpoint` has asked
+    `os.path.exists` of it (behind a barrier) to name the best checkpoint. So each rank's answer
+    depended on whether the other rank had got that far: the first to ask kept the previous best,
+    and with `load_best_model_at_end` the ranks loaded different checkpoints, each its own shard:
+    a model that was none of them, without a word (checkpoint rotation reads the same stale name).
+    With the folder made here, before the barrier, every rank names the same checkpoint."""
+
+    @functools.wraps(original)
+    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
+        result = original(self, output_dir, _internal_call)
+        if output_dir is not None and _internal_call and self.is_fsdp_enabled:
+            os.makedirs(output_dir, exist_ok=True)
+        return result
+
+    return save_model
+
+
 def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole state dict on rank 0's host, empty elsewhere: what `accelerator.get_state_dict`
     gives under FSDP2 (a collective: every rank calls it)."""
@@ -115,7 +140,8 @@ def _every_rank_or_raise(what: str) -> None:
         raise RuntimeError(
             f"{what} on rank {dist.get_rank()}: the model is sharded (FSDP2), so every rank must call it to gather "
             f"its weights, and {_who_did_not_come(absent)}. Call it on every rank with "
-            "is_main_process=accelerator.is_main_process (only rank 0 writes), or use accelerator.save_model(model, dir)."
+            "is_main_process=accelerator.is_main_process (only rank 0 writes), "
+            "or use accelerator.save_model(model, dir)."
         )
 
 

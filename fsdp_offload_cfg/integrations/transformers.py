@@ -29,7 +29,7 @@ from fsdp_offload_cfg.integrations.common import (
 )
 from fsdp_offload_cfg.loading.resize import build_resize_token_embeddings
 from fsdp_offload_cfg.registry import LaunchContext, Patch
-from fsdp_offload_cfg.saving import build_save_final_model, build_save_pretrained
+from fsdp_offload_cfg.saving import build_checkpoint_folder, build_save_final_model, build_save_pretrained
 
 
 def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
@@ -161,27 +161,6 @@ def _always(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return True
 
 
-def build_save_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
-    """`Trainer.save_model` makes the checkpoint's folder on every rank under FSDP.
-
-    With a sharded state dict it writes nothing there: the folder appears when
-    `_save_optimizer_and_scheduler` writes the shards, after `_save_checkpoint` has asked
-    `os.path.exists` of it (behind a barrier) to name the best checkpoint. So each rank's answer
-    depended on whether the other rank had got that far: the first to ask kept the previous best,
-    and with `load_best_model_at_end` the ranks loaded different checkpoints, each its own shard:
-    a model that was none of them, without a word (checkpoint rotation reads the same stale name).
-    With the folder made here, before the barrier, every rank names the same checkpoint."""
-
-    @functools.wraps(original)
-    def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
-        result = original(self, output_dir, _internal_call)
-        if output_dir is not None and _internal_call and self.is_fsdp_enabled:
-            os.makedirs(output_dir, exist_ok=True)
-        return result
-
-    return save_model
-
-
 def _fsdp(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return fsdp_requested(cfg)
 
@@ -208,7 +187,7 @@ PATCHES = [
           build_save_pretrained, fsdp2_prepare_needed, _REQUIRES,
           "save_pretrained of a model accelerate sharded (FSDP2) gathers it and writes it on rank 0 (transformers 5 "
           "stopped: invalid python storage)"),
-    Patch("trainer-checkpoint-folder", "transformers.trainer", "Trainer.save_model", build_save_model, _fsdp,
+    Patch("trainer-checkpoint-folder", "transformers.trainer", "Trainer.save_model", build_checkpoint_folder, _fsdp,
           _REQUIRES, "the checkpoint's folder exists on every rank before the Trainer names the best checkpoint "
           "(sharded state dicts: the ranks named, and loaded, different ones)", lazy=True),
     Patch("trainer-final-model", "transformers.trainer", "Trainer.save_model", build_save_final_model, _fsdp,
