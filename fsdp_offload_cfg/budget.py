@@ -370,7 +370,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     if pretrained is None:
         raise ConfigError(f"{cfg.source}: activation_memory_budget plans transformers models; this model has no "
                           "PreTrainedModel inside it")
-    source = ModelSource("", pretrained.config, ())
+    source = ModelSource("", pretrained.config, (), "")
     dtype = _compute_dtype(model, cfg)
     twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)

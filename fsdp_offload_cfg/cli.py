@@ -63,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 
     estimate = verbs.add_parser("estimate", help="per-rank device and host memory of a run of this config")
     estimate.add_argument("file", metavar="CONFIG")
-    estimate.add_argument("--model", required=True, metavar="DIR_OR_CONFIG_JSON",
-                          help="a local model directory, or its config.json (nothing is downloaded)")
+    estimate.add_argument("--model", required=True, metavar="MODEL",
+                          help="a local model directory, its config.json, or a Hub id already in the local "
+                               "Hugging Face cache, as from_pretrained takes it (nothing is downloaded)")
     estimate.add_argument("--seq-len", type=int, required=True, metavar="N")
     estimate.add_argument("--batch-size", type=int, required=True, metavar="B", help="micro-batch per rank")
     estimate.add_argument("--num-processes", type=_count, metavar="P", help="ranks (default: the config's num_processes)")

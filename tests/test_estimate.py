@@ -543,6 +543,44 @@ def test_cli_reads_a_bare_config_json_like_the_directory(models: dict[str, str],
     assert any("no safetensors" in a for a in from_file["assumptions"])
 
 
+def _in_hub_cache(cache: Path, repo_id: str, model_dir: str) -> None:
+    """`model_dir` laid out as huggingface_hub caches a download of `repo_id` (blobs, a `main`
+    ref, a snapshot of links), as `from_pretrained(repo_id)` leaves it."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate(sorted(p.name for p in Path(model_dir).iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        blob.write_bytes((Path(model_dir) / name).read_bytes())
+        (snapshot / name).symlink_to(blob)
+
+
+def test_cli_reads_a_hub_id_from_the_local_cache_like_the_directory(models: dict[str, str], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    """The id the script gives `from_pretrained` works where that model is cached; nothing is
+    downloaded, and an id not in the cache says how to fetch its config."""
+    import huggingface_hub.constants
+
+    _in_hub_cache(tmp_path / "hub", "org/tiny-qwen2", models["qwen2_tied"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["estimate", _yaml(tmp_path, CONFIG_YAML), "--seq-len", "32", "--batch-size", "1", "--format", "json"]
+    assert cli.main([*args, "--model", models["qwen2_tied"]]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    assert cli.main([*args, "--model", "org/tiny-qwen2"]) == 0
+    from_cache = json.loads(capsys.readouterr().out)
+    assert from_cache["per_rank"] == from_dir["per_rank"] and from_cache["loading"] == from_dir["loading"]
+    assert not any("no safetensors" in a for a in from_cache["assumptions"])  # the snapshot's weights were found
+    assert cli.main([*args, "--model", "org/not-cached"]) == 2
+    err = capsys.readouterr().err
+    assert "org/not-cached" in err and "Hugging Face cache" in err and "hf download org/not-cached config.json" in err
+
+
 def test_cli_table_names_every_figure(models: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["qwen2_tied"], "--seq-len", "32",
                      "--batch-size", "1"]) == 0

@@ -4,7 +4,8 @@ Why the real class and not a formula: parameter counts of MoE models (shared and
 dense first layers), tied embeddings, vision towers and projectors come out right only from the
 module tree `from_pretrained` would build. On `meta` that tree costs no memory, so an estimate of
 a 70B model runs on a laptop. Nothing is downloaded: the model is a local directory with a
-`config.json`, or the `config.json` itself.
+`config.json`, the `config.json` itself, or the Hub id the script passes to `from_pretrained`
+when that model is in the local Hugging Face cache (the snapshot `from_pretrained` would read).
 """
 
 from __future__ import annotations
@@ -30,14 +31,42 @@ class ModelSourceError(ValueError):
 class ModelSource:
     """Where the model came from: its config, and the safetensors files next to it (if any)."""
 
-    path: str
+    path: str  # as the user gave it: a directory, a config.json or a Hub id
     config: Any  # transformers PretrainedConfig
     checkpoint_files: tuple[str, ...]
+    folder: str  # the directory that holds the config.json (a Hub id's cached snapshot)
+
+
+def cached_config_file(repo_id: str) -> str | None:
+    """The cached `config.json` of Hub model `repo_id` (its `main` snapshot), or None when the
+    cache has none or `repo_id` is not a Hub id. Only the cache is read: the estimate runs offline."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except (HFValidationError, ValueError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _config_file(path: str) -> str:
+    """`path`'s config.json: in the directory, the file itself, or the cached Hub snapshot."""
+    if os.path.isdir(path):
+        return os.path.join(path, "config.json")
+    if os.path.exists(path) or os.path.isabs(path) or path.startswith("."):
+        return path
+    cached = cached_config_file(path)
+    if cached is None:
+        raise ModelSourceError(f"{path}: no such file or directory, and no model {path!r} in the local Hugging Face "
+                               "cache (nothing is downloaded); pass a model directory with a config.json, or fetch "
+                               f"the config first: hf download {path} config.json")
+    return cached
 
 
 def read_model(path: str) -> ModelSource:
-    """Read `path` (a model directory or a `config.json`) without touching any weight."""
-    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    """Read `path` (a model directory, a `config.json`, or a cached Hub id) without touching any weight."""
+    config_file = _config_file(path)
     try:
         with open(config_file, encoding="utf-8") as f:
             data = json.load(f)
@@ -54,7 +83,7 @@ def read_model(path: str) -> ModelSource:
         raise ModelSourceError(f"{config_file}: transformers cannot build this config ({exc})") from exc
     folder = os.path.dirname(os.path.abspath(config_file))
     files = tuple(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")))
-    return ModelSource(path, config, files)
+    return ModelSource(path, config, files, folder)
 
 
 def model_class(config: Any) -> type[nn.Module]:

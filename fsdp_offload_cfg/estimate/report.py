@@ -271,9 +271,7 @@ def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStat
 def _sliceable(source: ModelSource) -> bool:
     """Safetensors files next to the config, or no weights at all (a config.json alone: the
     checkpoint the user will load is assumed to be safetensors, as hub checkpoints are)."""
-    folder = os.path.dirname(os.path.abspath(source.path if not os.path.isdir(source.path)
-                                             else os.path.join(source.path, "config.json")))
-    legacy = any(n.endswith((".bin", ".pt", ".gguf")) for n in os.listdir(folder))
+    legacy = any(n.endswith((".bin", ".pt", ".gguf")) for n in os.listdir(source.folder))
     return bool(source.checkpoint_files) or not legacy
 
 
