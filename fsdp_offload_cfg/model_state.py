@@ -36,6 +36,9 @@ class ModuleState:
     # on a model accelerate checkpoints, from its prepare until `unpatch()`: the forward pre-hook
     # that turns the KV cache off in training forwards (`training_cache.py`):
     cache_off: Any = None
+    # on a sharded vision-language model, from its prepare until `unpatch()`: the forward pre-hook
+    # (and its state) that runs the vision tower on a rank whose batch has no images (`vision_sync.py`):
+    vision_sync: Any = None
     # on the model a budget plans, from the first plan until the planner is removed (`budget.py`):
     planner: Any = None
     # on each layer's checkpoint wrapper a budget installs, for as long as the wrapper exists:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fsdp_offload_cfg import registry, training_cache
+from fsdp_offload_cfg import registry, training_cache, vision_sync
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.config import FSDPOffloadConfig
@@ -190,6 +190,7 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
         registry.on_uninstall(enable_budget(model, cfg).remove)  # `unpatch()` takes the plan away
     elif cfg.activation_cpu_offload.enabled:
         enable_offload(model, cfg)
+    _vision_on_every_rank(model)
     return model
 
 
@@ -268,7 +269,8 @@ def build_prepare_model_eval_copy(original: Callable[..., Any], cfg: FSDPOffload
 
 def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """FSDP1: accelerate wraps (and checkpoints) the model inside `prepare_model`. After it: the
-    offload, and no KV cache in a forward with gradients of a checkpointed model (`training_cache`)."""
+    offload, no KV cache in a forward with gradients of a checkpointed model (`training_cache`),
+    and the vision tower on every rank (`vision_sync`)."""
 
     @functools.wraps(original)
     def prepare_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -280,6 +282,7 @@ def build_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
                 enable_offload(prepared, cfg)
             if self.state.fsdp_plugin.activation_checkpointing:
                 _cache_off_in_training(prepared)
+            _vision_on_every_rank(prepared)
         return prepared
 
     return prepare_model
@@ -317,6 +320,14 @@ def build_prepare_fsdp2(original: Callable[..., Any], cfg: FSDPOffloadConfig) ->
         return result
 
     return _prepare_fsdp2
+
+
+def _vision_on_every_rank(model: torch.nn.Module) -> None:
+    """A sharded vision-language model runs its vision tower on every rank when any rank's batch
+    has images (`vision_sync`)."""
+    hooked = vision_sync.sync_vision(model)
+    if hooked is not None:
+        registry.on_uninstall(lambda: vision_sync.remove(hooked))
 
 
 def _cache_off_in_training(model: torch.nn.Module) -> None:

@@ -153,6 +153,22 @@ def save_llava(path: str) -> str:
     return _save(LlavaForConditionalGeneration(config), path)
 
 
+def save_qwen2_vl(path: str) -> str:
+    """Tiny Qwen2-VL: patches flattened with an `image_grid_thw` (4x4 patches of 4 pixels, merged
+    2x2: 4 image tokens, id 120), M-RoPE text model."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(5)
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, in_channels=3, mlp_ratio=2)  # fmt: skip
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})  # fmt: skip
+    config = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=120, video_token_id=121,
+                           vision_start_token_id=122, vision_end_token_id=123)  # fmt: skip
+    return _save(Qwen2VLForConditionalGeneration(config), path)
+
+
 class TinyBufferConfig(PretrainedConfig):
     model_type = "tiny_buffer_test"
 
