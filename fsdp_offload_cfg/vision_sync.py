@@ -61,10 +61,12 @@ _cpu_group: Any = None  # one per process, made at the first model's prepare (ev
 
 
 def sync_vision(model: nn.Module) -> nn.Module | None:
-    """Hook (once) the outermost module of `model` whose forward takes both text and pixels
-    (`input_ids` and `pixel_values`: the VLM, or the one inside a PEFT wrapper); returns it, or
-    None for a model without (a text model, a vision-only model whose every batch has pixels)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """Hook (once) the outermost module of a sharded `model` whose forward takes both text and
+    pixels (`input_ids` and `pixel_values`: the VLM, or the one inside a PEFT wrapper); returns it,
+    or None for a model without (a text model, a vision-only model whose every batch has pixels)
+    and for a model FSDP does not shard (an evaluation copy, whole on each rank, which a script
+    may run on one rank alone: a hook would wait for the others there)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not _sharded(model):
         return None
     vlm = next((m for m in model.modules() if {"input_ids", "pixel_values"} <= set(_forward_names(m))), None)
     if vlm is None:
@@ -74,6 +76,12 @@ def sync_vision(model: nn.Module) -> nn.Module | None:
         handle = vlm.register_forward_pre_hook(state.before_forward, with_kwargs=True)
         model_state.put(vlm, "vision_sync", (handle, state))
     return vlm
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 def remove(vlm: nn.Module) -> None:

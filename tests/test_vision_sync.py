@@ -213,6 +213,7 @@ def _refusal_worker(rank: int, world_size: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     text_only = fully_shard(torch.nn.Sequential(torch.nn.Embedding(10, 8)))
+    unsharded = vision_sync.sync_vision(_TinyVLM())  # an evaluation copy, whole on each rank
     model = _TinyVLM()
     fully_shard(model.vision)
     fully_shard(model)
@@ -225,14 +226,14 @@ def _refusal_worker(rank: int, world_size: int) -> dict[str, Any]:
     except RuntimeError as error:
         message = str(error)
     vision_sync.remove(model)
-    return {"text_only": vision_sync.sync_vision(text_only), "hooked": hooked is model, "same": same,
-            "message": message}  # fmt: skip
+    return {"text_only": vision_sync.sync_vision(text_only), "unsharded": unsharded, "hooked": hooked is model,
+            "same": same, "message": message}  # fmt: skip
 
 
 def test_a_model_without_a_feature_method_raises_on_every_rank_at_once() -> None:
     ranks = run_workers(_refusal_worker, 2, timeout=120, pg_timeout=30)
     for result in ranks:
-        assert result["hooked"] and result["text_only"] is None
+        assert result["hooked"] and result["text_only"] is None and result["unsharded"] is None
         assert result["same"] == ranks[0]["same"]
         message = result["message"]
         assert message is not None and "ranks [0] have pixel_values" in message and "ranks [1] do not" in message
