@@ -21,26 +21,30 @@ from fsdp_offload_cfg.testing.dist import run_workers
 
 pytestmark = pytest.mark.distributed
 
-# which ranks have an image, step by step: each rank alone, then neither, then both
-SCHEDULE = [(True, False), (False, True), (False, False), (True, True)]
+# what each rank's batch holds, step by step: an image on each rank alone, then on neither, then on
+# both; for "videos", an image on one rank and a video on the other (each runs the other's tower)
+SCHEDULES = {"images": [("image", "text"), ("text", "image"), ("text", "text"), ("image", "image")],
+             "videos": [("image", "video"), ("video", "text"), ("text", "image"), ("video", "video")]}  # fmt: skip
 LR = 0.5  # plain SGD: a gradient off by a scale or a term shows in the weights (AdamW would normalise it away)
 
 
-def _batch(family: str, forward: Any, image: bool, seed: int) -> dict[str, torch.Tensor]:
+def _batch(family: str, forward: Any, kind: str, seed: int) -> dict[str, torch.Tensor]:
+    """One sequence with an image, a video (Qwen2-VL only) or text alone (`kind`)."""
     g = torch.Generator().manual_seed(seed)
-    if family == "llava":
-        ids = torch.randint(1, 90, (1, 12), generator=g)
-        token, pixels = 96, {"pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
-    else:  # qwen2_vl: 16 patches of 3x2x4x4 values, merged 2x2 into 4 tokens
-        ids = torch.randint(1, 100, (1, 12), generator=g)
-        token = 120
-        pixels = {"pixel_values": torch.randn(16, 96, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]])}
-    batch = {"input_ids": ids}
-    if image:
-        ids[0, 2:6] = token
-        batch.update(pixels)
+    ids = torch.randint(1, 90 if family == "llava" else 100, (1, 16), generator=g)
+    batch: dict[str, torch.Tensor] = {}
+    if kind == "image" and family == "llava":
+        ids[0, 2:6] = 96
+        batch["pixel_values"] = torch.randn(1, 3, 16, 16, generator=g)
+    elif kind == "image":  # 16 patches of 3x2x4x4 values, merged 2x2 into 4 tokens
+        ids[0, 2:6] = 120
+        batch.update(pixel_values=torch.randn(16, 96, generator=g), image_grid_thw=torch.tensor([[1, 4, 4]]))
+    elif kind == "video":  # two frames deep: 32 patches, 8 tokens
+        ids[0, 2:10] = 121
+        batch.update(pixel_values_videos=torch.randn(32, 96, generator=g), video_grid_thw=torch.tensor([[2, 4, 4]]))
+    batch["input_ids"] = ids
     if "mm_token_type_ids" in inspect.signature(forward).parameters:  # transformers >= 5.24's M-RoPE input
-        batch["mm_token_type_ids"] = (ids == token).long()
+        batch["mm_token_type_ids"] = (ids == 120).long() + 2 * (ids == 121).long()
     batch["labels"] = ids.clone()
     return batch
 
@@ -52,7 +56,7 @@ def _model_class(family: str) -> Any:
 
 
 def _train_worker(rank: int, world_size: int, path: str, family: str, mode: str, offload: bool,
-                  version: int, frozen: bool) -> dict[str, Any]:  # fmt: skip
+                  version: int, frozen: bool, schedule: str) -> dict[str, Any]:  # fmt: skip
     import fsdp_offload_cfg
 
     keys: dict[str, Any] = {"fsdp_version": version, **({"activation_cpu_offload": True} if offload else {})}
@@ -67,15 +71,15 @@ def _train_worker(rank: int, world_size: int, path: str, family: str, mode: str,
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     losses = []
-    for step, images in enumerate(SCHEDULE):
-        loss = model(**_batch(family, model.forward, images[rank], 10 * step + rank)).loss
+    for step, kinds in enumerate(SCHEDULES[schedule]):
+        loss = model(**_batch(family, model.forward, kinds[rank], 10 * step + rank)).loss
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     model.eval()
     with torch.no_grad():  # an evaluation forward: the tower's all-gathers alone
-        losses.append(model(**_batch(family, model.forward, rank == 0, 99 + rank)).loss.item())
+        losses.append(model(**_batch(family, model.forward, "image" if rank == 0 else "text", 99 + rank)).loss.item())
     if version == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -96,14 +100,14 @@ def _loaded(path: str, family: str, frozen: bool) -> Any:
     return model
 
 
-def _reference(path: str, family: str, frozen: bool) -> dict[str, Any]:
+def _reference(path: str, family: str, frozen: bool, schedule: str) -> dict[str, Any]:
     """One process, no FSDP: each step on the mean of both ranks' losses (FSDP averages the ranks'
     gradients), a rank's loss on text alone as its forward gives it."""
     model = _loaded(path, family, frozen)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses: list[list[float]] = [[], []]
-    for step, images in enumerate(SCHEDULE):
-        per_rank = [model(**_batch(family, model.forward, images[r], 10 * step + r)).loss for r in (0, 1)]
+    for step, kinds in enumerate(SCHEDULES[schedule]):
+        per_rank = [model(**_batch(family, model.forward, kinds[r], 10 * step + r)).loss for r in (0, 1)]
         ((per_rank[0] + per_rank[1]) / 2).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -112,24 +116,27 @@ def _reference(path: str, family: str, frozen: bool) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         for r in (0, 1):
-            losses[r].append(model(**_batch(family, model.forward, r == 0, 99 + r)).loss.item())
+            losses[r].append(model(**_batch(family, model.forward, "image" if r == 0 else "text", 99 + r)).loss.item())
     return {"losses": losses, "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("family, mode, offload, version, frozen", [
-    ("llava", "loader_off", False, 2, False),
-    ("llava", "sharded", True, 2, False),
-    ("qwen2_vl", "loader_off", False, 2, False),
-    ("llava", "loader_off", False, 2, True),  # the tower and projector frozen: their forward alone
-    ("llava", "loader_off", False, 1, False),
+@pytest.mark.parametrize("family, mode, offload, version, frozen, schedule", [
+    ("llava", "loader_off", False, 2, False, "images"),
+    ("llava", "sharded", True, 2, False, "images"),
+    ("qwen2_vl", "loader_off", False, 2, False, "images"),
+    ("qwen2_vl", "loader_off", False, 2, False, "videos"),
+    ("llava", "loader_off", False, 2, True, "images"),  # the tower and projector frozen: their forward alone
+    ("llava", "loader_off", False, 1, False, "images"),
 ])  # fmt: skip
 def test_a_rank_with_text_alone_trains_beside_ranks_with_images(tmp_path: Any, family: str, mode: str, offload: bool,
-                                                                 version: int, frozen: bool) -> None:  # fmt: skip
+                                                                 version: int, frozen: bool,
+                                                                 schedule: str) -> None:  # fmt: skip
     from fsdp_offload_cfg.testing.models import save_llava, save_qwen2_vl
 
     path = (save_llava if family == "llava" else save_qwen2_vl)(str(tmp_path / family))
-    ranks = run_workers(_train_worker, 2, path, family, mode, offload, version, frozen, timeout=240, pg_timeout=60)
-    reference = _reference(path, family, frozen)
+    ranks = run_workers(_train_worker, 2, path, family, mode, offload, version, frozen, schedule, timeout=240,
+                        pg_timeout=60)  # fmt: skip
+    reference = _reference(path, family, frozen, schedule)
     for rank, result in enumerate(ranks):
         np.testing.assert_allclose(result["losses"], reference["losses"][rank], rtol=1e-5)
         assert result["params"].keys() == reference["params"].keys()
