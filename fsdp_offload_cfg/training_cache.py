@@ -24,13 +24,13 @@ Generation and evaluation run without gradients and keep the model's setting.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_offload_cfg import model_state
+from fsdp_offload_cfg._signatures import parameters
 
 
 def cache_off_in_training(model: nn.Module) -> nn.Module | None:
@@ -38,7 +38,7 @@ def cache_off_in_training(model: nn.Module) -> nn.Module | None:
     the transformers model inside a PEFT wrapper, whose forward passes `**kwargs` on) so that its
     forwards with gradients build no cache; returns it, or None where no forward takes `use_cache`."""
     for module in model.modules():
-        names = list(_parameters(module))
+        names = list(parameters(module.forward))
         if "use_cache" in names:
             break
     else:
@@ -55,11 +55,6 @@ def remove(model: nn.Module) -> None:
         handle.remove()
 
 
-def _parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
-    try:
-        return dict(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):  # a forward inspect cannot read: leave it alone
-        return {}
 
 
 def _no_cache_while_training(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_offload_cfg import model_state
+from fsdp_offload_cfg._signatures import parameters
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,10 @@ class Modality:
 MODALITIES = (Modality("pixel_values", "get_image_features", ("image_grid_thw", "image_sizes")),
               Modality("pixel_values_videos", "get_video_features", ("video_grid_thw",)))  # fmt: skip
 
-_cpu_group: Any = None  # one per process, made at the first model's prepare (every rank is there)
+# the gloo group made beside NCCL, with the world it was made in: one per process group, made at
+# the first VLM's prepare (every rank is there); a world made again (destroyed and initialised
+# anew) gets its own
+_side_group: tuple[Any, Any] = (None, None)
 
 
 def sync_vision(model: nn.Module) -> nn.Module | None:
@@ -94,22 +98,17 @@ def remove(vlm: nn.Module) -> None:
 def _group() -> Any:
     """A process group that takes CPU tensors: the world's where its backend does (gloo), else a
     gloo group beside NCCL, so the flags never wait for the device."""
-    global _cpu_group
-    if _cpu_group is None:
-        backend = str(dist.get_backend())
-        _cpu_group = dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
-    return _cpu_group
+    global _side_group
+    world = dist.group.WORLD
+    if "gloo" in str(dist.get_backend()):
+        return world
+    if _side_group[0] is not world:
+        _side_group = (world, dist.new_group(backend="gloo"))
+    return _side_group[1]
 
 
 def _forward_names(module: nn.Module) -> list[str]:
-    return list(_parameters(module.forward))
-
-
-def _parameters(function: Any) -> dict[str, inspect.Parameter]:
-    try:
-        return dict(inspect.signature(function).parameters)
-    except (TypeError, ValueError):  # a signature inspect cannot read: as if it took nothing by name
-        return {}
+    return list(parameters(module.forward))
 
 
 class _SyncState:
@@ -167,13 +166,11 @@ def _broadcast_inputs(call: dict[str, Any], modality: Modality, source: int, gro
 def _run_towers(vlm: nn.Module, towers: list[tuple[Modality, dict[str, Any]]]) -> torch.Tensor | None:
     """Each tower on the inputs sent for it; `0 * sum(features)`, or None with no gradient to
     carry (no grad mode, or a frozen tower and projector)."""
-    zero = None
-    for modality, inputs in towers:
-        features = _run_tower(vlm, modality, inputs)
-        total = sum(t.float().sum() for t in _tensors(features) if t.is_floating_point() and t.requires_grad)
-        if torch.is_grad_enabled() and isinstance(total, torch.Tensor):
-            zero = total * 0.0 if zero is None else zero + total * 0.0
-    return zero
+    carried = [t.float().sum() for modality, inputs in towers for t in _tensors(_run_tower(vlm, modality, inputs))
+               if t.is_floating_point() and t.requires_grad]  # fmt: skip
+    if not torch.is_grad_enabled() or not carried:
+        return None
+    return sum(carried[1:], carried[0]) * 0.0
 
 
 def _has(value: Any) -> bool:
@@ -213,7 +210,7 @@ def _run_tower(vlm: nn.Module, modality: Modality, inputs: dict[str, Any]) -> An
     method = getattr(vlm, modality.features)
     device = next(vlm.parameters()).device
     moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    accepted = _parameters(method)
+    accepted = parameters(method)
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         moved = {k: v for k, v in moved.items() if k in accepted}
     return method(**moved)

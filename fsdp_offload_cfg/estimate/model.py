@@ -37,7 +37,7 @@ class ModelSource:
     folder: str  # the directory that holds the config.json (a Hub id's cached snapshot)
 
 
-def cached_config_file(repo_id: str) -> str | None:
+def _cached_config_file(repo_id: str) -> str | None:
     """The cached `config.json` of Hub model `repo_id` (its `main` snapshot), or None when the
     cache has none or `repo_id` is not a Hub id. Only the cache is read: the estimate runs offline."""
     from huggingface_hub import try_to_load_from_cache
@@ -56,7 +56,7 @@ def _config_file(path: str) -> str:
         return os.path.join(path, "config.json")
     if os.path.exists(path) or os.path.isabs(path) or path.startswith("."):
         return path
-    cached = cached_config_file(path)
+    cached = _cached_config_file(path)
     if cached is None:
         raise ModelSourceError(f"{path}: no such file or directory, and no model {path!r} in the local Hugging Face "
                                "cache (nothing is downloaded); pass a model directory with a config.json, or fetch "
