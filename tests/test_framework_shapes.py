@@ -1,7 +1,8 @@
 """The call shapes of the frameworks built on accelerate, on real gloo ranks with `patch()` first:
 `fsdp2_prepare_model` called directly (LlamaFactory's DPO reference model), accelerate's
-`disable_/enable_fsdp_ram_efficient_loading()` switch, and transformers' own
-`from_pretrained(distributed_config=...)` path. TRL's trainers are in `test_trl.py`.
+`disable_/enable_fsdp_ram_efficient_loading()` switch, and transformers' own distributed loads,
+`from_pretrained(distributed_config=...)` and `from_pretrained(tp_plan="auto")`. TRL's trainers
+are in `test_trl.py`.
 """
 
 from __future__ import annotations
@@ -196,3 +197,46 @@ def test_distributed_config_shard_on_read_steps_aside_and_keeps_offload(llama: s
         assert r["loss"] == r["plain_loss"] and r["grads_equal"], r
         assert len(r["steps_aside"]) == (1 if rank == 0 else 0), r["steps_aside"]
         assert "activation offload enabled" in (r["steps_aside"] or ["activation offload enabled"])[0]
+
+
+# --------------------------------------------------------------------------------------------
+# transformers' own tensor-parallel load: from_pretrained(tp_plan="auto")
+# --------------------------------------------------------------------------------------------
+
+
+def _tensor_parallel_worker(rank: int, world_size: int, path: str, mode: str) -> dict[str, Any]:
+    """accelerate's ND-parallel recipe loads with `tp_plan="auto"` before prepare: each rank's
+    slices as DTensors on the tensor-parallel mesh (here the 2 ranks are one tensor-parallel group)."""
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.testing.compare import digest
+    from fsdp_offload_cfg.testing.configs import loader_config
+
+    messages = MessageLog()
+    fsdp_offload_cfg.patch(loader_config(mode))
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    local = {n: (t.to_local() if hasattr(t, "to_local") else t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return {
+        "tensors": {n: (type(t).__name__, str(getattr(t, "placements", "")), "meta" if local[n].is_meta else digest(local[n]))
+                    for n, t in [*model.named_parameters(), *model.named_buffers()]},
+        "loss": model(IDS, labels=IDS).loss.item(),
+        "steps_aside": [m for m in messages if "tp_plan" in m],
+    }  # fmt: skip
+
+
+def test_a_tensor_parallel_load_is_transformers_own(tmp_path: Any) -> None:
+    """Under the loader, `tp_plan` gave another model: on transformers 5 rank 0 read its own slices
+    and rank 1 was left on meta; on 4.57 the plan was dropped (whole tensors, no DTensor). Now
+    every rank holds what it holds with the loader off, and rank 0 says the loader stepped aside."""
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path / "llama"), vocab_size=96)  # divisible by the 2 ranks (the head is split)
+    plain = run_workers(_tensor_parallel_worker, 2, path, "loader_off", timeout=120)
+    assert any(kind == "DTensor" for kind, _, _ in plain[0]["tensors"].values()), "transformers split the model"
+    for mode in ("broadcast", "sharded", "auto"):
+        for rank, (got, expected) in enumerate(zip(run_workers(_tensor_parallel_worker, 2, path, mode, timeout=120),
+                                                   plain, strict=True)):
+            assert got["tensors"] == expected["tensors"], (mode, rank)
+            assert got["loss"] == expected["loss"], (mode, rank)
+            assert len(got["steps_aside"]) == (1 if rank == 0 else 0), got["steps_aside"]

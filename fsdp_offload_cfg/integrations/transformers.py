@@ -39,6 +39,8 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
             return _shard_on_read(original, cfg, cls, *args, **kwargs)
         if not rank0_loading_active(cfg):
             return original(cls, *args, **kwargs)
+        if kwargs.get("tp_plan") is not None:
+            return _tensor_parallel_read(original, cls, *args, **kwargs)
         from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
 
         ensure_process_group()
@@ -68,6 +70,25 @@ def _shard_on_read(original: Callable[..., Any], cfg: FSDPOffloadConfig, cls: ty
             "from_pretrained(distributed_config=...): transformers shards %s as it reads it; the rank-0 loader "
             "steps aside%s", cls.__name__, "; activation offload enabled on the sharded model" if offload else "",
         )  # fmt: skip
+    return result
+
+
+def _tensor_parallel_read(original: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
+    """`from_pretrained(tp_plan=...)` (accelerate's tensor + data parallelism, its ND-parallel
+    example): transformers reads each rank's tensor-parallel slices itself, as DTensors on the
+    tensor-parallel mesh. The meta loader would have built a different model: on transformers 5
+    rank 0 read only its own slices and the other ranks were left on meta (then waited in a
+    broadcast that did not match, or sent rank 0's half as the whole); on 4.x the plan was dropped
+    and the model came back whole, not tensor-parallel. The loader steps aside; accelerate's
+    prepare shards it over the data-parallel ranks as usual, activation offload included.
+    transformers' RAM-efficient gate is off for the call, as for every load the loader makes."""
+    from fsdp_offload_cfg.loading.local import transformers_fsdp_gate_off
+
+    with transformers_fsdp_gate_off():
+        result = original(cls, *args, **kwargs)
+    if is_rank0():
+        logger.info("from_pretrained(tp_plan=...): transformers reads each rank's tensor-parallel slices of %s "
+                    "itself; the meta loader steps aside", args[0] if args else cls.__name__)  # fmt: skip
     return result
 
 
