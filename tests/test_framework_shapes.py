@@ -240,3 +240,45 @@ def test_a_tensor_parallel_load_is_transformers_own(tmp_path: Any) -> None:
             assert got["tensors"] == expected["tensors"], (mode, rank)
             assert got["loss"] == expected["loss"], (mode, rank)
             assert len(got["steps_aside"]) == (1 if rank == 0 else 0), got["steps_aside"]
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate's parallelism_config: hybrid sharding (HSDP), 2 replicas x 2 shards
+# --------------------------------------------------------------------------------------------
+
+
+def _hsdp_worker(rank: int, world_size: int, path: str, mode: str) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.testing.compare import digests
+    from fsdp_offload_cfg.testing.configs import loader_config
+    from fsdp_offload_cfg.testing.training import train_steps
+
+    messages = MessageLog()
+    fsdp_offload_cfg.patch(loader_config(mode, activation_cpu_offload=True))
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loaded = digests(_full(model))
+    return {"loaded": loaded, "placements": {str(p.placements) for p in model.parameters()},
+            "losses": train_steps(accelerator, model, optimizer, rank % 2),  # the same batches in each replica group
+            "trained": digests(_full(model)), "offloaded": fsdp_offload_cfg.offload_stats()["offloaded_bytes"],
+            "split": [m for m in messages if "replicas (HSDP)" in m]}
+
+
+def test_hsdp_through_parallelism_config_loads_and_trains_as_without_the_loader(llama: str) -> None:
+    """`parallelism_config` with `dp_replicate_size: 2, dp_shard_size: 2` (4 ranks): FSDP2 on a
+    2-D mesh. Each loader mode gives every tensor, loss and trained weight the run with the loader
+    off gives, the replicas splitting the reading (one rank-0 line says so)."""
+    plain = run_workers(_hsdp_worker, 4, llama, "loader_off", timeout=180)
+    assert plain[0]["placements"] == {"(Replicate(), Shard(dim=0))"} and plain[0]["split"] == []
+    for mode in ("broadcast", "sharded", "auto"):
+        for rank, (got, expected) in enumerate(zip(run_workers(_hsdp_worker, 4, llama, mode, timeout=180), plain,
+                                                   strict=True)):
+            assert got["loaded"] == expected["loaded"] == plain[0]["loaded"], (mode, rank)
+            assert got["losses"] == expected["losses"] and got["trained"] == expected["trained"], (mode, rank)
+            assert got["offloaded"] > 0 and got["placements"] == expected["placements"], (mode, rank)
+            assert len(got["split"]) == (rank == 0 and mode != "broadcast"), (mode, rank, got["split"])

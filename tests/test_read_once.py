@@ -1,6 +1,8 @@
 """Each checkpoint byte read once across the job under `sharded` and `auto`: every rank reads its
 own slices and nothing else, counted by the loader and by the kernel (`/proc/self/io` `rchar`:
-the bytes this process's `read`/`pread` calls returned), on 2 real gloo ranks.
+the bytes this process's `read`/`pread` calls returned), on 2 real gloo ranks; under hybrid
+sharding (2 replicas x 2 shards, 4 ranks) each replica reads part of its slices and the replicas
+share them.
 
 The kernel's count is taken around a second `load_into_sharded` of the same checkpoint, so that
 the first one's lazy imports (Python reading its own `.py` files) are not counted. It is compared
@@ -62,4 +64,63 @@ def test_each_checkpoint_byte_is_read_once_across_the_ranks(checkpoints: dict[st
             assert r["kernel"] <= r["loader"] + KERNEL_SLACK, (rank, r)
         # its own slices and, at most, the rest of one row
         assert r["needed"] <= r["loader"] <= r["needed"] + r["row"], (rank, r)
+    assert sum(r["loader"] for r in ranks) <= 1.05 * total, ([r["loader"] for r in ranks], total)
+
+
+# --------------------------------------------------------------------------------------------
+# hybrid sharding (HSDP): 2 replicas x 2 shards on 4 ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _hsdp(model: Any) -> Any:
+    """FSDP2 on a 2-D mesh, as accelerate shards for `dp_replicate_size=2, dp_shard_size=2`:
+    ranks 0 and 2 hold the same slices (replica group), as do ranks 1 and 3."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _hsdp_worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+    from fsdp_offload_cfg import local_loading
+    from fsdp_offload_cfg.loading import auto_from_pretrained, load_into_sharded, sharded_from_pretrained
+
+    load = sharded_from_pretrained if strategy == "sharded" else auto_from_pretrained
+    for _ in range(2):  # the second load is the measured one
+        model = load(PreTrainedModel.from_pretrained, LlamaForCausalLM, path)
+        before = rchar()
+        report = load_into_sharded(model, _hsdp, strategy=strategy)
+        kernel = rchar() - before
+    with local_loading():
+        plain = LlamaForCausalLM.from_pretrained(path)
+    expected = dict([*plain.named_parameters(), *plain.named_buffers()])
+    got = dict([*report.model.named_parameters(), *report.model.named_buffers()])
+    wrong = [n for n, t in got.items() if not torch.equal(t.full_tensor() if hasattr(t, "full_tensor") else t, expected[n])]
+    needed, row = needed_and_row(report.model)
+    return {"loader": report.read.bytes_read if report.read else 0, "kernel": kernel, "needed": needed, "row": row,
+            "from_replicas": report.ranks[rank].bytes_from_replicas, "wrong": wrong,
+            "placements": {str(p.placements) for p in report.model.parameters()}}
+
+
+@pytest.mark.parametrize(("strategy", "name"), [("sharded", "one_file"), ("auto", "one_file"), ("auto", "many_files")])
+def test_hsdp_replicas_split_the_reading(checkpoints: dict[str, str], strategy: str, name: str) -> None:
+    """Each replica group holds the same slices: before, each of its ranks read them all (the
+    job read the checkpoint once per replica, 2x here); now each reads about half and they
+    broadcast the rest, every tensor still equal to a plain load's."""
+    ranks = run_workers(_hsdp_worker, 4, strategy, checkpoints[name], timeout=180)
+    total = checkpoint_tensor_bytes(checkpoints[name])
+    for rank, r in enumerate(ranks):
+        assert r["wrong"] == [] and r["placements"] == {"(Replicate(), Shard(dim=0))"}, (rank, r)
+        assert r["loader"] <= r["kernel"], (rank, r)
+        if rank > 0:
+            assert r["kernel"] <= r["loader"] + KERNEL_SLACK, (rank, r)
+        # about half its slices read (whole tensors go to one replica or the other), the rest received
+        assert 0.25 * r["needed"] < r["loader"] < 0.75 * r["needed"], (rank, r)
+        assert r["needed"] <= r["loader"] + r["from_replicas"] <= r["needed"] + r["row"], (rank, r)
     assert sum(r["loader"] for r in ranks) <= 1.05 * total, ([r["loader"] for r in ranks], total)

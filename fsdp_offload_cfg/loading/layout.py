@@ -13,12 +13,33 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, named_tensors
 
 Region = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Copies:
+    """The ranks holding the same slice of a tensor as this rank, in replica order."""
+
+    group: dist.ProcessGroup  # the mesh's group along the Replicate dim: these ranks
+    ranks: tuple[int, ...]  # global ranks; index k is replica k
+
+
+def copies_of(t: torch.Tensor) -> Copies | None:
+    """The replica group of `t`'s slice on this rank; None unless `t` is a DTensor replicated
+    along exactly one mesh dim of more than one rank (HSDP)."""
+    if not isinstance(t, DTensor):
+        return None
+    dims = [d for d, p in enumerate(t.placements) if isinstance(p, Replicate)]
+    if len(dims) != 1 or t.device_mesh.size(dims[0]) == 1:
+        return None
+    group = t.device_mesh.get_group(dims[0])
+    return Copies(group, tuple(dist.get_process_group_ranks(group)))
 
 
 def _numel(region: Region) -> int:
@@ -40,6 +61,7 @@ class Target:
     # the ranks that get it from rank 0 (None: every rank): a rank that reads a tensor from the
     # files itself takes no part in its transfer, so rank 0 sends nothing to it
     to: frozenset[int] | None = None
+    copies: Copies | None = None  # the ranks holding the same slice (HSDP replicas): `replicas.py`
 
     @property
     def last(self) -> bool:
@@ -80,7 +102,7 @@ class Target:
             regions.append((slice(first + lo, first + hi), *region[1:]))
             if r == rank:
                 dest = self.dest.narrow(0, lo, hi - lo)
-        return Target(self.spec, dest, tuple(regions), k, blocks, self.to)
+        return Target(self.spec, dest, tuple(regions), k, blocks, self.to, self.copies)
 
 
 def _full(shape: tuple[int, ...]) -> Region:
@@ -140,5 +162,5 @@ def plan(model: nn.Module, spec: ModelSpec, rank: int, world_size: int) -> list[
         own = tuple(r.stop - r.start for r in regions[rank])
         if own != tuple(dest.shape):
             raise RuntimeError(f"{s.name}: local shard has shape {tuple(dest.shape)}, layout says {own}")
-        targets.append(Target(s, dest, regions))
+        targets.append(Target(s, dest, regions, copies=copies_of(tensor)))
     return targets

@@ -17,7 +17,9 @@
 Under "sharded" and "auto" (a model built by `sharded_from_pretrained`), step 4 is hybrid: a
 rank reads the tensors its checkpoint record shares with rank 0's from the files itself
 (`sharded.py`), non-persistent buffers are each rank's own, and rank 0 sends the rest to the ranks
-that need it (a node without the files gets its slices streamed from rank 0's reads).
+that need it (a node without the files gets its slices streamed from rank 0's reads). Under
+hybrid sharding the replicas of a slice split its reading and broadcast what each read
+(`replicas.py`), so each checkpoint byte is read once across the job there too.
 Every step runs on every rank and ends with an all-rank agreement (`ranks.agreed`), so a failure
 on any rank raises on all of them at once, naming the step and the failing ranks; no rank is left
 waiting in a collective. The transfer agrees once before its first bucket and once after its last
@@ -40,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg._sizes import show_size
-from fsdp_offload_cfg.loading import dora, sharded
+from fsdp_offload_cfg.loading import dora, replicas, sharded
 from fsdp_offload_cfg.loading.broadcast import TransferStats, send_from_rank0
 from fsdp_offload_cfg.loading.checkpoint import FileTensor
 from fsdp_offload_cfg.loading.guard import release_meta_guards
@@ -73,6 +75,7 @@ class RankLoad:
     node: str  # `ranks.node_name()`: "node 1" under torchrun, else the host's name
     bytes_read: int  # from the checkpoint files, by this rank (rank 0: what it streams included)
     bytes_received: int  # from rank 0 over the network
+    bytes_from_replicas: int = 0  # under HSDP: the slices the other replicas of its group read
 
 
 @dataclass(frozen=True)
@@ -151,23 +154,30 @@ def load_into_sharded(
     targets, device = agreed("allocating the sharded model",
                              lambda: _allocate(sharded_model, spec, cpu_offload, rank, world))
     clock.lap("allocate")
-    # 5. this rank's own reads, then rank 0 sends the rest (its own agreements, bucket by bucket)
+    # 5. this rank's own reads (under HSDP, its replica's part of them, then the replicas share
+    #    them), then rank 0 sends the rest (its own agreements, bucket by bucket)
+    shares = replicas.assign_readers(targets, sources.readers, world)
+    not_read = frozenset(s.target.spec.name for s in shares if s.reader != rank)
     read_stats = agreed("reading this rank's shards from the checkpoint",
-                        lambda: sharded.fill_own(targets, sources, rank, bucket_bytes))
+                        lambda: sharded.fill_own(targets, sources, rank, bucket_bytes, not_read))
     clock.lap("read own slices")
+    from_replicas = agreed("sharing the slices each replica read with the other replicas",
+                           lambda: replicas.broadcast_shares(shares, rank, device, bucket_bytes))
+    if shares:
+        clock.lap("share between replicas")
     from_rank0 = [dataclasses.replace(t, to=receivers[t.spec.name]) for t in targets if t.spec.name in receivers]
     part = min(bucket_bytes, max(bucket_bytes // world, _MIN_PART_BYTES))
     stats = send_from_rank0(from_rank0, source, device=device, bucket_bytes=part)
     clock.lap("transfer from rank 0")
-    shares = _shares(sources.nodes, stats, read_stats)
-    _log(stats, read_stats, shares)
+    loads = _shares(sources.nodes, stats, read_stats, from_replicas)
+    _log(stats, read_stats, loads)
     if computed:  # the same list on every rank (rank 0's)
         agreed("computing DoRA magnitudes from this rank's rows of the base weights",
                lambda: dora.fill_pending(sharded_model, computed, rank, world))
     # 6. nothing left on meta, every name, dtype and tie as rank 0 described it
     agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
     clock.lap("check")
-    return LoadReport(sharded_model, stats, read_stats, shares, clock.seconds)
+    return LoadReport(sharded_model, stats, read_stats, loads, clock.seconds)
 
 
 def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None, rank: int) -> None:
@@ -234,12 +244,13 @@ def _log_sources(sources: sharded.Sources, receivers: dict[str, frozenset[int]],
         logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
 
 
-def _shares(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStats | None) -> tuple[RankLoad, ...]:
+def _shares(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStats | None,
+            from_replicas: int) -> tuple[RankLoad, ...]:
     """Every rank's bytes read and received, on every rank (one small all_gather)."""
-    mine = ((read.bytes_read if read is not None else 0) + stats.bytes_read, stats.bytes_received)
+    mine = ((read.bytes_read if read is not None else 0) + stats.bytes_read, stats.bytes_received, from_replicas)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    return tuple(RankLoad(node, r, s) for node, (r, s) in zip(nodes, gathered))
+    return tuple(RankLoad(node, *load) for node, load in zip(nodes, gathered))
 
 
 def _log(stats: TransferStats, read: sharded.ReadStats | None, shares: tuple[RankLoad, ...]) -> None:
@@ -256,6 +267,10 @@ def _log(stats: TransferStats, read: sharded.ReadStats | None, shares: tuple[Ran
             stats.tensors, show_size(stats.bytes_sent), rank_ranges(sorted(stats.bytes_to)), stats.buckets,
             stats.seconds,
         )  # fmt: skip
+    if any(s.bytes_from_replicas for s in shares):
+        logger.info("loading: the replicas (HSDP) split the reading: %s read from the files in all, %s passed "
+                    "between replicas", show_size(sum(s.bytes_read for s in shares)),
+                    show_size(sum(s.bytes_from_replicas for s in shares)))  # fmt: skip
     if len({s.node for s in shares}) > 1:
         logger.info("loading by node: %s", "; ".join(_node_line(node, shares) for node in dict.fromkeys(s.node for s in shares)))
 

@@ -175,16 +175,17 @@ def agree_sources(model: nn.Module, spec: ModelSpec) -> Sources:
 
 
 @torch.no_grad()
-def fill_own(targets: list[Target], sources: Sources, rank: int, bucket_bytes: int) -> ReadStats | None:
+def fill_own(targets: list[Target], sources: Sources, rank: int, bucket_bytes: int,
+             not_read: frozenset[str] = frozenset()) -> ReadStats | None:
     """Fill every target this rank sources itself: local buffers copied, its own real tensors'
-    regions copied, file tensors read. Returns the reader's stats (None when no tensor comes from
-    the files)."""
+    regions copied, file tensors read, but those in `not_read` (another replica reads them:
+    `replicas.py`). Returns the reader's stats (None when no tensor comes from the files)."""
     for t in targets:
         if t.spec.name in sources.local:
             t.dest.copy_(sources.local[t.spec.name])
         elif t.spec.name in sources.own:
             t.dest.copy_(sources.own[t.spec.name][t.regions[rank]])
-    from_files = [t for t in targets if t.spec.name in sources.files]
+    from_files = [t for t in targets if t.spec.name in sources.files and t.spec.name not in not_read]
     return read_own_shards(from_files, sources.files, rank, bucket_bytes) if from_files else None
 
 

@@ -1,0 +1,103 @@
+"""Under hybrid sharding (HSDP: FSDP2 on a 2-D mesh, placements `(Replicate(), Shard(0))`, as
+accelerate builds it for `parallelism_config` `dp_replicate_size` > 1) read each checkpoint byte
+once across the job, not once per replica.
+
+Every rank of a replica group holds the same slice of each tensor. Reading it on each of them
+multiplies the bytes read by the number of replicas: the replicas are usually nodes, so every
+node reads the whole checkpoint from shared storage, the load users report as many times slower
+than their filesystem allows (transformers #48239). Here the copies of a slice split the reading:
+the tensors are cut into as many consecutive runs of about equal bytes as there are replicas,
+the replica of index k reads run k, and each run is broadcast within the replica group, bucket
+by bucket. Storage sees each byte once; the network carries what the replicas share (over the
+data-parallel interconnect, built for that, rather than the storage's).
+
+Taken only where it holds for every copy: a tensor every rank of the job reads itself (under
+`auto`, a node without the files gets its slices from rank 0 instead, as before), placed on one
+`Replicate` mesh dim. Every rank computes the same assignment from the layouts and the agreed
+sources alone (no communication), and every rank of a replica group makes the same broadcasts in
+the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from fsdp_offload_cfg.loading.layout import Copies, Target
+
+
+@dataclass(frozen=True)
+class Share:
+    """One tensor's slice: read by `reader`, broadcast to the other ranks of `copies`."""
+
+    target: Target
+    copies: Copies
+    reader: int  # global rank
+
+
+def assign_readers(targets: list[Target], readers: dict[str, frozenset[int]], world: int) -> list[Share]:
+    """Which replica reads which tensor: the tensors every rank reads and that have copies, in
+    spec order, cut into one run of about equal bytes per replica. The same on every rank of a
+    replica group (its ranks hold slices of the same sizes)."""
+    everyone = frozenset(range(world))
+    shared = [t for t in targets if t.copies is not None and readers.get(t.spec.name) == everyone]
+    total = sum(t.dest.numel() * t.dest.element_size() for t in shared)
+    shares, before = [], 0
+    for t in shared:
+        replicas = len(t.copies.ranks)
+        index = min(replicas - 1, before * replicas // total) if total else 0
+        shares.append(Share(t, t.copies, t.copies.ranks[index]))
+        before += t.dest.numel() * t.dest.element_size()
+    return shares
+
+
+@torch.no_grad()
+def broadcast_shares(shares: list[Share], rank: int, device: torch.device, bucket_bytes: int) -> int:
+    """Each reader's slices to the rest of its replica group, in buckets of at most about
+    `bucket_bytes` (consecutive slices with the same reader, packed as bytes on `device`, the
+    communication device; a slice alone that already lives there contiguously is sent as is).
+    Returns the bytes this rank received."""
+    received = 0
+    for reader, group, dests in _buckets(shares, rank, bucket_bytes):
+        if len(dests) == 1 and dests[0].device == device and dests[0].is_contiguous():
+            dist.broadcast(_bytes(dests[0]), src=reader, group=group)
+        else:
+            buffer = torch.empty(sum(d.numel() * d.element_size() for d in dests), dtype=torch.uint8, device=device)
+            if rank == reader:
+                torch.cat([_bytes(d.contiguous()).to(device) for d in dests], out=buffer)
+            dist.broadcast(buffer, src=reader, group=group)
+            if rank != reader:
+                offset = 0
+                for d in dests:
+                    n = d.numel() * d.element_size()
+                    d.copy_(buffer[offset:offset + n].view(d.dtype).view(d.shape))
+                    offset += n
+        if rank != reader:
+            received += sum(d.numel() * d.element_size() for d in dests)
+    return received
+
+
+def _buckets(shares: list[Share], rank: int,
+             bucket_bytes: int) -> list[tuple[int, dist.ProcessGroup, list[torch.Tensor]]]:
+    """(reader, group, destinations) per broadcast: consecutive slices with the same reader,
+    large ones cut into row blocks, up to about `bucket_bytes` each."""
+    out: list[tuple[int, dist.ProcessGroup, list[torch.Tensor]]] = []
+    size = 0
+    for share in shares:
+        limit = max(1, bucket_bytes)
+        for block in share.target.split(limit, rank):
+            dest = block.dest
+            nbytes = dest.numel() * dest.element_size()
+            if nbytes == 0:
+                continue
+            if not out or out[-1][:2] != (share.reader, share.copies.group) or size + nbytes > bucket_bytes:
+                out.append((share.reader, share.copies.group, []))
+                size = 0
+            out[-1][2].append(dest)
+            size += nbytes
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
