@@ -270,14 +270,15 @@ def _hsdp_worker(rank: int, world_size: int, path: str, mode: str) -> dict[str, 
 
 
 def test_hsdp_through_parallelism_config_loads_and_trains_as_without_the_loader(llama: str) -> None:
-    """`parallelism_config` with `dp_replicate_size: 2, dp_shard_size: 2` (4 ranks): FSDP2 on a
-    2-D mesh. Each loader mode gives every tensor, loss and trained weight the run with the loader
-    off gives, the replicas splitting the reading (one rank-0 line says so)."""
-    plain = run_workers(_hsdp_worker, 4, llama, "loader_off", timeout=180)
+    """`parallelism_config` with `dp_replicate_size: 2, dp_shard_size: 2` (4 ranks as 2 nodes x 2,
+    a replica per node): FSDP2 on a 2-D mesh. Each loader mode gives every tensor, loss and
+    trained weight the run with the loader off gives, the replicas splitting the reading (one
+    rank-0 line says so)."""
+    plain = run_workers(_hsdp_worker, 4, llama, "loader_off", timeout=180, local_world_size=2)
     assert plain[0]["placements"] == {"(Replicate(), Shard(dim=0))"} and plain[0]["split"] == []
     for mode in ("broadcast", "sharded", "auto"):
-        for rank, (got, expected) in enumerate(zip(run_workers(_hsdp_worker, 4, llama, mode, timeout=180), plain,
-                                                   strict=True)):
+        runs = run_workers(_hsdp_worker, 4, llama, mode, timeout=180, local_world_size=2)
+        for rank, (got, expected) in enumerate(zip(runs, plain, strict=True)):
             assert got["loaded"] == expected["loaded"] == plain[0]["loaded"], (mode, rank)
             assert got["losses"] == expected["losses"] and got["trained"] == expected["trained"], (mode, rank)
             assert got["offloaded"] > 0 and got["placements"] == expected["placements"], (mode, rank)

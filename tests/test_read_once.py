@@ -1,8 +1,8 @@
 """Each checkpoint byte read once across the job under `sharded` and `auto`: every rank reads its
 own slices and nothing else, counted by the loader and by the kernel (`/proc/self/io` `rchar`:
 the bytes this process's `read`/`pread` calls returned), on 2 real gloo ranks; under hybrid
-sharding (2 replicas x 2 shards, 4 ranks) each replica reads part of its slices and the replicas
-share them.
+sharding (2 replicas x 2 shards, 4 ranks) with the replicas on 2 nodes, each replica reads part of
+its slices and the replicas share them.
 
 The kernel's count is taken around a second `load_into_sharded` of the same checkpoint, so that
 the first one's lazy imports (Python reading its own `.py` files) are not counted. It is compared
@@ -109,11 +109,12 @@ def _hsdp_worker(rank: int, world_size: int, strategy: str, path: str) -> dict[s
 
 
 @pytest.mark.parametrize(("strategy", "name"), [("sharded", "one_file"), ("auto", "one_file"), ("auto", "many_files")])
-def test_hsdp_replicas_split_the_reading(checkpoints: dict[str, str], strategy: str, name: str) -> None:
-    """Each replica group holds the same slices: before, each of its ranks read them all (the
-    job read the checkpoint once per replica, 2x here); now each reads about half and they
-    broadcast the rest, every tensor still equal to a plain load's."""
-    ranks = run_workers(_hsdp_worker, 4, strategy, checkpoints[name], timeout=180)
+def test_hsdp_replicas_on_two_nodes_split_the_reading(checkpoints: dict[str, str], strategy: str, name: str) -> None:
+    """Replicas on 2 nodes (ranks 0-1 and 2-3, as torchrun numbers them): each replica group
+    holds the same slices on both nodes. Before, each of its ranks read them all (the job read
+    the checkpoint once per replica, 2x here); now each reads about half and they broadcast the
+    rest, every tensor still equal to a plain load's."""
+    ranks = run_workers(_hsdp_worker, 4, strategy, checkpoints[name], timeout=180, local_world_size=2)
     total = checkpoint_tensor_bytes(checkpoints[name])
     for rank, r in enumerate(ranks):
         assert r["wrong"] == [] and r["placements"] == {"(Replicate(), Shard(dim=0))"}, (rank, r)
@@ -124,3 +125,11 @@ def test_hsdp_replicas_split_the_reading(checkpoints: dict[str, str], strategy: 
         assert 0.25 * r["needed"] < r["loader"] < 0.75 * r["needed"], (rank, r)
         assert r["needed"] <= r["loader"] + r["from_replicas"] <= r["needed"] + r["row"], (rank, r)
     assert sum(r["loader"] for r in ranks) <= 1.05 * total, ([r["loader"] for r in ranks], total)
+
+
+def test_hsdp_replicas_on_one_node_read_their_own_slices(checkpoints: dict[str, str]) -> None:
+    """Copies on one node share its page cache: each rank reads its own slices (the storage
+    serves each byte once all the same), and nothing passes between the replicas."""
+    for rank, r in enumerate(run_workers(_hsdp_worker, 4, "auto", checkpoints["one_file"], timeout=180)):
+        assert r["wrong"] == [] and r["from_replicas"] == 0, (rank, r)
+        assert r["needed"] <= r["loader"] <= r["needed"] + r["row"], (rank, r)

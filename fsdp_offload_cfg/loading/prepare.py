@@ -156,7 +156,7 @@ def load_into_sharded(
     clock.lap("allocate")
     # 5. this rank's own reads (under HSDP, its replica's part of them, then the replicas share
     #    them), then rank 0 sends the rest (its own agreements, bucket by bucket)
-    shares = replicas.assign_readers(targets, sources.readers, world)
+    shares = replicas.assign_readers(targets, sources.readers, sources.nodes)
     not_read = frozenset(s.target.spec.name for s in shares if s.reader != rank)
     read_stats = agreed("reading this rank's shards from the checkpoint",
                         lambda: sharded.fill_own(targets, sources, rank, bucket_bytes, not_read))

@@ -5,11 +5,12 @@ once across the job, not once per replica.
 Every rank of a replica group holds the same slice of each tensor. Reading it on each of them
 multiplies the bytes read by the number of replicas: the replicas are usually nodes, so every
 node reads the whole checkpoint from shared storage, the load users report as many times slower
-than their filesystem allows (transformers #48239). Here the copies of a slice split the reading:
-the tensors are cut into as many consecutive runs of about equal bytes as there are replicas,
-the replica of index k reads run k, and each run is broadcast within the replica group, bucket
-by bucket. Storage sees each byte once; the network carries what the replicas share (over the
-data-parallel interconnect, built for that, rather than the storage's).
+than their filesystem allows (transformers #48239). Here the copies of a slice split the reading
+between the nodes they span: the tensors are cut into as many consecutive runs of about equal
+bytes as there are such nodes, one rank of the group on node k reads run k, and each run is
+broadcast within the replica group, bucket by bucket. Storage sees each byte once; the network
+carries what the replicas share (over the data-parallel interconnect, built for that, rather
+than the storage's). Copies on one node read their slices each, from the page cache they share.
 
 Taken only where it holds for every copy: a tensor every rank of the job reads itself (under
 `auto`, a node without the files gets its slices from rank 0 instead, as before), placed on one
@@ -36,20 +37,32 @@ class Share:
     reader: int  # global rank
 
 
-def assign_readers(targets: list[Target], readers: dict[str, frozenset[int]], world: int) -> list[Share]:
-    """Which replica reads which tensor: the tensors every rank reads and that have copies, in
-    spec order, cut into one run of about equal bytes per replica. The same on every rank of a
-    replica group (its ranks hold slices of the same sizes)."""
-    everyone = frozenset(range(world))
-    shared = [t for t in targets if t.copies is not None and readers.get(t.spec.name) == everyone]
-    total = sum(t.dest.numel() * t.dest.element_size() for t in shared)
+def assign_readers(targets: list[Target], readers: dict[str, frozenset[int]], nodes: tuple[str, ...]) -> list[Share]:
+    """Which replica reads which tensor: the tensors every rank reads and whose copies span nodes,
+    in spec order, cut into one run of about equal bytes per node, read by the first rank of its
+    replica group on that node. The same on every rank of a replica group (its ranks hold slices
+    of the same sizes). Copies on one node are not split: their ranks share the node's page
+    cache, so the storage serves the bytes once anyway, and a read from it is faster than any
+    broadcast (docs/benchmarks.md)."""
+    everyone = frozenset(range(len(nodes)))
+    spread = [(t, _node_readers(t.copies, nodes)) for t in targets
+              if t.copies is not None and readers.get(t.spec.name) == everyone]
+    spread = [(t, node_readers) for t, node_readers in spread if len(node_readers) > 1]
+    total = sum(t.dest.numel() * t.dest.element_size() for t, _ in spread)
     shares, before = [], 0
-    for t in shared:
-        replicas = len(t.copies.ranks)
-        index = min(replicas - 1, before * replicas // total) if total else 0
-        shares.append(Share(t, t.copies, t.copies.ranks[index]))
+    for t, node_readers in spread:
+        index = min(len(node_readers) - 1, before * len(node_readers) // total) if total else 0
+        shares.append(Share(t, t.copies, node_readers[index]))
         before += t.dest.numel() * t.dest.element_size()
     return shares
+
+
+def _node_readers(copies: Copies, nodes: tuple[str, ...]) -> tuple[int, ...]:
+    """The first rank of `copies` on each node they span, in replica order."""
+    first: dict[str, int] = {}
+    for r in copies.ranks:
+        first.setdefault(nodes[r], r)
+    return tuple(first.values())
 
 
 @torch.no_grad()
