@@ -373,6 +373,59 @@ def test_accelerate_top_level_keys_allowed_but_typos_are_not(tmp_path: Path):
     assert problem.message == "unknown top-level key (accelerate refuses it); did you mean 'fsdp_config'?"
 
 
+@pytest.mark.parametrize(("section", "path", "message"), [
+    ("  dp_replicate_size: 2\n", "parallelism_config.dp_replicate_size",
+     "accelerate reads only the prefixed name; did you mean 'parallelism_config_dp_replicate_size'?"),
+    ("  parallelism_config_dp_shard_sise: 2\n", "parallelism_config.parallelism_config_dp_shard_sise",
+     "unknown key (accelerate ignores it); did you mean 'parallelism_config_dp_shard_size'?"),
+    ("  parallelism_config_dp_shard_size: two\n", "parallelism_config.parallelism_config_dp_shard_size",
+     'expected an integer >= 1; got "two"'),
+    ("  parallelism_config_dp_replicate_size: 0\n", "parallelism_config.parallelism_config_dp_replicate_size",
+     "expected an integer >= 1; got 0"),
+])
+def test_parallelism_config_keys_accelerate_would_drop_are_named(tmp_path: Path, section: str, path: str,
+                                                                 message: str) -> None:
+    """`accelerate launch` copies each key of `parallelism_config` onto its arguments and reads only
+    its own `parallelism_config_*` names: an unprefixed or misspelt key ran the job without that
+    parallelism (HSDP replicas, tensor parallelism), silently."""
+    text = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n") + "parallelism_config:\n" + section
+    problem = only_problem(write(tmp_path, "p.yaml", text))
+    assert (problem.path, problem.message) == (path, message)
+
+
+def test_a_parallelism_config_key_of_a_later_accelerate_names_the_version(tmp_path: Path, monkeypatch) -> None:
+    """accelerate 1.10 reads the dp, tp and cp sizes; the sp_* keys came later. A key the installed
+    version does not read says so (here accelerate 1.10's names stand in for the installed ones)."""
+    from fsdp_offload_cfg.config import sources
+
+    installed = frozenset(f"parallelism_config_{k}" for k in ("dp_replicate_size", "dp_shard_size", "tp_size",
+                                                               "cp_size", "cp_comm_strategy"))
+    monkeypatch.setattr(sources, "parallelism_config_keys", lambda: installed)
+    text = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n") + "parallelism_config:\n  parallelism_config_sp_size: 2\n"
+    problem = only_problem(write(tmp_path, "p.yaml", text))
+    assert problem.message.startswith("the installed accelerate ") and "does not read it (accelerate 1.15 does)" \
+        in problem.message
+
+
+def test_parallelism_config_keys_are_the_installed_accelerates() -> None:
+    """Read from the installed accelerate's launch parser: its HSDP sizes on every supported version."""
+    from fsdp_offload_cfg.config.keys import PARALLELISM_CONFIG_KEYS_1_15, parallelism_config_keys
+
+    from importlib.metadata import version
+
+    keys = parallelism_config_keys()
+    assert {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size"} <= keys
+    assert all(k.startswith("parallelism_config_") for k in keys), keys
+    if version("accelerate").startswith("1.15."):  # the fallback names are accelerate 1.15's
+        assert keys == PARALLELISM_CONFIG_KEYS_1_15
+
+
+def test_a_valid_parallelism_config_section_passes(tmp_path: Path) -> None:
+    text = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n") + (
+        "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 4\n")
+    assert load_config(write(tmp_path, "p.yaml", text)).version == 2
+
+
 def test_trainer_only_key_in_accelerate_file_points_to_accelerate_spelling(tmp_path: Path):
     path = write(tmp_path, "t.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n  fsdp_cpu_offload: true\n"))
     problem = only_problem(path)

@@ -13,6 +13,8 @@ key: top-level keys of an accelerate file, per-consumer defaults, the Trainer's 
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -267,6 +269,29 @@ ACCELERATE_TOP_KEYS = frozenset({
     "same_network", "tpu_env", "tpu_name", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone",
     "transformers_version", "use_cpu",
 })
+# The names accelerate 1.15's `accelerate launch` reads from a file's `parallelism_config` section
+# (its `--parallelism_config_*` arguments); `parallelism_config_keys()` reads the installed version's.
+PARALLELISM_CONFIG_KEYS_1_15 = frozenset(f"parallelism_config_{name}" for name in (
+    "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "cp_comm_strategy", "sp_size",
+    "sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"))
+
+
+@functools.cache
+def parallelism_config_keys() -> frozenset[str]:
+    """The `parallelism_config` keys the installed accelerate reads. `accelerate launch` copies each
+    key of the section onto its arguments by name and reads only its own `parallelism_config_*`
+    ones, so any other key is dropped without a word; which ones it has depends on its version
+    (1.10: dp_replicate, dp_shard, tp, cp sizes and cp_comm_strategy; 1.15 adds cp_backend and
+    the sp_* keys). Read from its launch parser; accelerate 1.15's names where that cannot be read."""
+    try:
+        from accelerate.commands.launch import launch_command_parser
+
+        names = frozenset(a.dest for a in launch_command_parser()._actions if a.dest.startswith("parallelism_config_"))
+    except Exception:  # noqa: BLE001 - accelerate missing or its parser changed: the names we know
+        return PARALLELISM_CONFIG_KEYS_1_15
+    return names or PARALLELISM_CONFIG_KEYS_1_15
+
+
 # What each consumer does when fsdp_config has no version.
 VERSION_DEFAULT: dict[Layout, int] = {"accelerate": 1, "env": 1, "trainer": 2, "mapping": 2}
 # transformers' Trainer fills these in; accelerate leaves them to the plugin.

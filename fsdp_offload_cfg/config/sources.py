@@ -34,11 +34,13 @@ from fsdp_offload_cfg.config.keys import (
     LAUNCH_KEYS,
     NULL_MEANS_UNSET,
     NUMBERED_ENUMS,
+    PARALLELISM_CONFIG_KEYS_1_15,
     TRAINER_DEFAULTS,
     TRAINER_FSDP_OPTIONS,
     TRAINER_ONLY_KEYS,
     VERSION_DEFAULT,
     Layout,
+    parallelism_config_keys,
 )
 from fsdp_offload_cfg.config.model import ConfigError, FSDPOffloadConfig, Problem
 from fsdp_offload_cfg.config.reading import check_shape, parse_yaml, plain, read_config_file
@@ -384,11 +386,50 @@ def _build_from_top(top: dict[Any, Any], layout: Layout, file: str, rebuilt: boo
             if key not in ACCELERATE_TOP_KEYS:
                 problems.append(Problem(file, _schema.key_text(key), _schema.unknown_key_message(
                     key, sorted(ACCELERATE_TOP_KEYS), "unknown top-level key (accelerate refuses it)", listing=[])))
+        problems.extend(_parallelism_problems(top.get("parallelism_config"), file))
         launch = {k: top[k] for k in LAUNCH_KEYS if top.get(k) is not None}
         given.where.update({k: k for k in launch})
     if layout == "trainer" and _apply_trainer_fsdp(top.get("fsdp"), given, file, problems):
         launch["distributed_type"] = "FSDP"
     return _build(given, launch, layout, file, problems, fsdp_keys_given=bool(fsdp_raw) and not rebuilt)
+
+
+def _parallelism_problems(section: Any, file: str) -> list[Problem]:
+    """The file's `parallelism_config` section (HSDP, tensor, context parallelism under FSDP2):
+    `accelerate launch` reads only the `parallelism_config_*` keys its version knows and drops
+    any other without a word (an unprefixed `dp_replicate_size: 2` ran the job without
+    replicas), and takes each size as given."""
+    if section is None:
+        return []
+    if not isinstance(section, Mapping):
+        return [Problem(file, "parallelism_config", "expected a mapping of parallelism_config_* keys; got "
+                        + _schema.show(section))]
+    known = parallelism_config_keys()
+    problems = []
+    for key, value in section.items():
+        where = f"parallelism_config.{_schema.key_text(key)}"
+        if key not in known:
+            prefixed = f"parallelism_config_{key}"
+            if prefixed in known:
+                message = f"accelerate reads only the prefixed name; did you mean {prefixed!r}?"
+            elif key in PARALLELISM_CONFIG_KEYS_1_15:
+                message = (f"the installed accelerate {_accelerate_version()} does not read it (accelerate 1.15 "
+                           "does): upgrade accelerate, or remove the key")
+            else:
+                message = _schema.unknown_key_message(key, sorted(known), "unknown key (accelerate ignores it)")
+            problems.append(Problem(file, where, message))
+        elif key.endswith("_size") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append(Problem(file, where, f"expected an integer >= 1; got {_schema.show(value)}"))
+    return problems
+
+
+def _accelerate_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("accelerate")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _canonicalize(raw: Mapping[Any, Any], layout: Layout, prefix: str, file: str, problems: list[Problem]) -> _Values:
