@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from fsdp_offload_cfg.loading.layout import Copies, Target
 
 
@@ -98,8 +99,7 @@ def _buckets(shares: list[Share], rank: int,
     out: list[tuple[int, dist.ProcessGroup, list[torch.Tensor]]] = []
     size = 0
     for share in shares:
-        limit = max(1, bucket_bytes)
-        for block in share.target.split(limit, rank):
+        for block in share.target.split(max(1, bucket_bytes), rank):
             dest = block.dest
             nbytes = dest.numel() * dest.element_size()
             if nbytes == 0:
