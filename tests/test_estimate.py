@@ -344,6 +344,48 @@ def test_master_weights_are_what_the_installed_accelerate_keeps(models: dict[str
         real["params"], real["grads"], real["optimizer"]), (per_rank, real)
 
 
+HSDP_YAML = """distributed_type: FSDP
+mixed_precision: bf16
+num_processes: 4
+fsdp_config:
+  fsdp_version: 2
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_dp_shard_size: 2
+"""
+
+
+@pytest.mark.distributed
+def test_hybrid_sharding_states_are_those_of_a_real_hsdp_run(models: dict[str, str], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]):
+    """The file's `parallelism_config` (2 replicas x 2 shards on 4 ranks): each rank holds half of
+    every tensor, not a quarter. The estimate read 4-way shards before (half the real bytes)."""
+    args = ["estimate", _yaml(tmp_path, HSDP_YAML), "--model", models["llama"], "--seq-len", "16", "--batch-size", "2",
+            "--device", "cpu", "--dtype", "bfloat16", "--format", "json"]
+    assert cli.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["ranks"], report["replicas"]) == (4, 2)
+    real = run_workers(states_after_accelerate_step, 4, models["llama"], report["model"]["layer_classes"], 2)[0]
+    per_rank = report["per_rank"]
+    assert (per_rank["params_bytes"], per_rank["grads_bytes"], per_rank["optimizer_bytes"]) == (
+        real["params"], real["grads"], real["optimizer"]), (per_rank, real)
+    assert cli.main(args[:-2]) == 0 and "on 4 ranks (2 replicas x 2 shards, HSDP)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ("  parallelism_config_dp_replicate_size: 3\n", "dp_replicate_size 3 x dp_shard_size 1 is not the 4 ranks"),
+    ("  parallelism_config_tp_size: 2\n  parallelism_config_dp_shard_size: 2\n",
+     "parallelism_config tp_size=2: the estimate models FSDP2 sharding and hybrid sharding"),
+])
+def test_parallelism_the_estimate_cannot_state_is_refused(models: dict[str, str], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str], section: str,
+                                                          message: str):
+    text = HSDP_YAML.split("parallelism_config:")[0] + "parallelism_config:\n" + section
+    code = cli.main(["estimate", _yaml(tmp_path, text), "--model", models["llama"], "--seq-len", "16",
+                     "--batch-size", "2"])
+    assert code == 1 and message in capsys.readouterr().err
+
+
 def test_shard_rows_round_up_like_fsdp2():
     assert shard_numel(torch.Size([97, 32]), 2) == 49 * 32
     assert shard_numel(torch.Size([97, 32]), 8) == 13 * 32

@@ -15,6 +15,7 @@ would refuse is refused here with the same words.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fsdp_offload_cfg._sizes import AutoBudget
@@ -28,24 +29,45 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     num_processes: int | None = None, optimizer: str = "adamw", device: str | None = None,
                     dtype: str | None = None, activation_budget: int | AutoBudget | None = None,
                     device_memory: int | None = None, compute_flops: float | None = None,
-                    copy_bytes: float | None = None, gradient_accumulation_steps: int = 1) -> dict[str, Any]:
+                    copy_bytes: float | None = None, gradient_accumulation_steps: int = 1,
+                    parallelism: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
     (`estimate.plan`), timed at `compute_flops` FLOP/s and `copy_bytes` bytes/s (default: the
     device's assumed rates). With `gradient_accumulation_steps` > 1 every gradient is on the
-    device during backward (kept from the micro-batches before)."""
+    device during backward (kept from the micro-batches before). `parallelism`: the accelerate
+    file's `parallelism_config` section; under hybrid sharding each rank holds a slice of
+    1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count."""
     from fsdp_offload_cfg.estimate.report import build_report
 
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, activation_budget)
     if gradient_accumulation_steps < 1:
         raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
-    return build_report(config, model, ranks=ranks, seq_len=seq_len, batch_size=batch_size, optimizer=optimizer,
+    replicas = _replicas(ranks, parallelism or {})
+    return build_report(config, model, ranks=ranks // replicas, replicas=replicas, seq_len=seq_len,
+                        batch_size=batch_size, optimizer=optimizer,
                         device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype,
                         activation_budget=activation_budget, device_memory=device_memory,
                         rates=(compute_flops, copy_bytes),
                         accumulating=gradient_accumulation_steps > 1)
+
+
+def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:
+    """How many copies of each slice the ranks hold (HSDP's `dp_replicate_size`), checked as
+    accelerate checks the sizes against the ranks. Tensor, context and sequence parallelism cut
+    the model in other ways, which the estimate does not model: refused rather than misstated."""
+    sizes = {str(k).removeprefix("parallelism_config_"): v for k, v in parallelism.items()}
+    other = [f"{name}={sizes[name]}" for name in ("tp_size", "cp_size", "sp_size") if (sizes.get(name) or 1) > 1]
+    if other:
+        raise EstimateError(f"parallelism_config {', '.join(other)}: the estimate models FSDP2 sharding and "
+                            "hybrid sharding (dp_replicate_size, dp_shard_size) only")
+    replicas, shards = sizes.get("dp_replicate_size") or 1, sizes.get("dp_shard_size") or 1
+    if parallelism and replicas * shards != ranks:
+        raise EstimateError(f"parallelism_config: dp_replicate_size {replicas} x dp_shard_size {shards} is not the "
+                            f"{ranks} ranks (accelerate refuses it too); pass --num-processes or fix the sizes")
+    return replicas
 
 
 def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None,

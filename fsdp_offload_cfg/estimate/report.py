@@ -42,10 +42,10 @@ from fsdp_offload_cfg.layer_classes import listed_but_absent
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 
-def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_len: int, batch_size: int,
-                 optimizer: str, device: str, dtype: str | None, activation_budget: int | AutoBudget | None = None,
-                 device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
-                 accumulating: bool = False) -> dict[str, Any]:
+def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, replicas: int = 1, seq_len: int,
+                 batch_size: int, optimizer: str, device: str, dtype: str | None,
+                 activation_budget: int | AutoBudget | None = None, device_memory: int | None = None,
+                 rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -73,7 +73,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, seq_
         plan = plan_to_budget(profile, activation_budget, offload, async_reload, time_model)
         by_setting["plan"] = plan.residency
     report = {
-        "ranks": ranks,
+        "ranks": ranks * replicas,  # `ranks` shard each tensor; `replicas` copies of each slice (HSDP)
+        "replicas": replicas,
         "model": {"path": model_path, "class": type(model).__name__, "parameters": states.param_count,
                   "groups": len(profile.groups), "layer_classes": layers},
         "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
@@ -353,12 +354,17 @@ def _name(dtype: torch.dtype) -> str:
 # ------------------------------------------------------------------------------ table
 
 
+def _hybrid(report: dict[str, Any]) -> str:
+    replicas = report.get("replicas", 1)
+    return f" ({replicas} replicas x {report['ranks'] // replicas} shards, HSDP)" if replicas > 1 else ""
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report for people: per-rank memory, the four activation settings, loading."""
     r, inputs = report["per_rank"], report["inputs"]
     lines = [
         f"{report['model']['class']} ({report['model']['parameters'] / 1e6:,.1f}M parameters) on {report['ranks']} "
-        f"ranks, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, {inputs['optimizer']}, "
+        f"ranks{_hybrid(report)}, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, {inputs['optimizer']}, "
         f"{inputs['device']}, compute {inputs['compute_dtype']}",
         "",
         "| per rank | bytes |",

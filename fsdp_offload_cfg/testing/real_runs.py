@@ -201,11 +201,12 @@ def states_after_one_step(rank: int, world: int, path: str, layers: list[str]) -
             "optimizer": _storage_bytes(state)}
 
 
-def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[str]) -> dict[str, Any]:
+def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[str], replicas: int = 1) -> dict[str, Any]:
     """On each gloo rank, what a user's run holds: the model loaded in bf16, prepared by the
-    installed accelerate (FSDP2, `mixed_precision: bf16`, the loader off), one AdamW step; this
-    rank's parameter, gradient and optimizer-state bytes and the dtypes accelerate keeps the
-    parameters in (the estimate's master-weight dtype is checked against these, not assumed)."""
+    installed accelerate (FSDP2, `mixed_precision: bf16`, the loader off; with `replicas` > 1,
+    hybrid sharding through its `ParallelismConfig`), one AdamW step; this rank's parameter,
+    gradient and optimizer-state bytes and the dtypes accelerate keeps the parameters in (the
+    estimate's master-weight dtype is checked against these, not assumed)."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -214,7 +215,12 @@ def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[
     fsdp_offload_cfg.patch({"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": {
         "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_transformer_layer_cls_to_wrap": layers, "fsdp_cpu_ram_efficient_loading": False}})
-    accelerator = Accelerator()
+    parallel = {}
+    if replicas > 1:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        parallel["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=world // replicas)
+    accelerator = Accelerator(**parallel)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
