@@ -18,6 +18,7 @@ from fsdp_offload_cfg.config import (
     ConfigError,
     FSDPOffloadConfig,
     as_config_file,
+    file_section,
     load_config,
     normalized_dict,
     read_config_file,
@@ -261,7 +262,7 @@ def _estimate(args: argparse.Namespace) -> int:
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                 parallelism=_parallelism_section(args.file), **_plan_inputs(args))
+                                 parallelism=_parallelism_section(args.file, args.overrides), **_plan_inputs(args))
         if "plan" not in report and (args.compute_tflops is not None or args.copy_gb_per_s is not None):
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",
@@ -287,11 +288,10 @@ def _estimate(args: argparse.Namespace) -> int:
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
 
 
-def _parallelism_section(path: str) -> dict[str, Any]:
-    """An accelerate file's `parallelism_config` (checked already by `load_config`), else {}."""
-    from fsdp_offload_cfg.config.reading import read_config_file
-
-    section = read_config_file(path).get("parallelism_config")
+def _parallelism_section(path: str, overrides: Any) -> dict[str, Any]:
+    """An accelerate file's `parallelism_config`, `--set` applied (checked already by
+    `load_config`), else {}."""
+    section = file_section(path, "parallelism_config", overrides)
     return dict(section) if isinstance(section, dict) else {}
 
 

@@ -370,6 +370,11 @@ def test_hybrid_sharding_states_are_those_of_a_real_hsdp_run(models: dict[str, s
     assert (per_rank["params_bytes"], per_rank["grads_bytes"], per_rank["optimizer_bytes"]) == (
         real["params"], real["grads"], real["optimizer"]), (per_rank, real)
     assert cli.main(args[:-2]) == 0 and "on 4 ranks (2 replicas x 2 shards, HSDP)" in capsys.readouterr().out
+    # what the user typed wins: `--set` over the file, as for every other key
+    assert cli.main([*args, "--set", "parallelism_config.parallelism_config_dp_replicate_size=1",
+                     "--set", "parallelism_config.parallelism_config_dp_shard_size=4"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert (plain["replicas"], plain["per_rank"]["params_bytes"] < per_rank["params_bytes"]) == (1, True)
 
 
 @pytest.mark.parametrize(("section", "message"), [
