@@ -156,10 +156,8 @@ def load_into_sharded(
     clock.lap("allocate")
     # 5. this rank's own reads (under HSDP, its replica's part of them, then the replicas share
     #    them), then rank 0 sends the rest (its own agreements, bucket by bucket)
-    shares = replicas.assign_readers(targets, sources.readers, sources.nodes)
-    not_read = frozenset(s.target.spec.name for s in shares if s.reader != rank)
-    read_stats = agreed("reading this rank's shards from the checkpoint",
-                        lambda: sharded.fill_own(targets, sources, rank, bucket_bytes, not_read))
+    shares, read_stats = agreed("reading this rank's shards from the checkpoint",
+                                lambda: _read_own(targets, sources, rank, bucket_bytes))
     clock.lap("read own slices")
     from_replicas = agreed("sharing the slices each replica read with the other replicas",
                            lambda: replicas.broadcast_shares(shares, rank, device, bucket_bytes))
@@ -169,7 +167,7 @@ def load_into_sharded(
     part = min(bucket_bytes, max(bucket_bytes // world, _MIN_PART_BYTES))
     stats = send_from_rank0(from_rank0, source, device=device, bucket_bytes=part)
     clock.lap("transfer from rank 0")
-    loads = _shares(sources.nodes, stats, read_stats, from_replicas)
+    loads = _loads(sources.nodes, stats, read_stats, from_replicas)
     _log(stats, read_stats, loads)
     if computed:  # the same list on every rank (rank 0's)
         agreed("computing DoRA magnitudes from this rank's rows of the base weights",
@@ -178,6 +176,15 @@ def load_into_sharded(
     agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
     clock.lap("check")
     return LoadReport(sharded_model, stats, read_stats, loads, clock.seconds)
+
+
+def _read_own(targets: list[Target], sources: sharded.Sources, rank: int,
+              bucket_bytes: int) -> tuple[list[replicas.Share], sharded.ReadStats | None]:
+    """This rank's reads, less what another replica of its slices reads for it (HSDP), and
+    which replica reads what (the same on every rank: computed from the agreed sources)."""
+    shares = replicas.assign_readers(targets, sources.readers, sources.nodes)
+    not_read = frozenset(s.target.spec.name for s in shares if s.reader != rank)
+    return shares, sharded.fill_own(targets, sources, rank, bucket_bytes, not_read)
 
 
 def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None, rank: int) -> None:
@@ -244,7 +251,7 @@ def _log_sources(sources: sharded.Sources, receivers: dict[str, frozenset[int]],
         logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
 
 
-def _shares(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStats | None,
+def _loads(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStats | None,
             from_replicas: int) -> tuple[RankLoad, ...]:
     """Every rank's bytes read and received, on every rank (one small all_gather)."""
     mine = ((read.bytes_read if read is not None else 0) + stats.bytes_read, stats.bytes_received, from_replicas)
@@ -253,7 +260,7 @@ def _shares(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStat
     return tuple(RankLoad(node, *load) for node, load in zip(nodes, gathered))
 
 
-def _log(stats: TransferStats, read: sharded.ReadStats | None, shares: tuple[RankLoad, ...]) -> None:
+def _log(stats: TransferStats, read: sharded.ReadStats | None, loads: tuple[RankLoad, ...]) -> None:
     if dist.get_rank() != 0:
         return
     if read is not None:
@@ -267,21 +274,23 @@ def _log(stats: TransferStats, read: sharded.ReadStats | None, shares: tuple[Ran
             stats.tensors, show_size(stats.bytes_sent), rank_ranges(sorted(stats.bytes_to)), stats.buckets,
             stats.seconds,
         )  # fmt: skip
-    if any(s.bytes_from_replicas for s in shares):
+    if any(s.bytes_from_replicas for s in loads):
         logger.info("loading: the replicas (HSDP) split the reading: %s read from the files in all, %s passed "
-                    "between replicas", show_size(sum(s.bytes_read for s in shares)),
-                    show_size(sum(s.bytes_from_replicas for s in shares)))  # fmt: skip
-    if len({s.node for s in shares}) > 1:
-        logger.info("loading by node: %s", "; ".join(_node_line(node, shares) for node in dict.fromkeys(s.node for s in shares)))
+                    "between replicas", show_size(sum(s.bytes_read for s in loads)),
+                    show_size(sum(s.bytes_from_replicas for s in loads)))  # fmt: skip
+    if len({s.node for s in loads}) > 1:
+        logger.info("loading by node: %s", "; ".join(_node_line(node, loads) for node in dict.fromkeys(s.node for s in loads)))
 
 
-def _node_line(node: str, shares: tuple[RankLoad, ...]) -> str:
+def _node_line(node: str, loads: tuple[RankLoad, ...]) -> str:
     """"node 1 (ranks 2-3): read 0 B, received 1.2 GiB from rank 0"."""
-    ranks = [r for r, s in enumerate(shares) if s.node == node]
-    read = sum(shares[r].bytes_read for r in ranks)
-    received = sum(shares[r].bytes_received for r in ranks)
+    ranks = [r for r, s in enumerate(loads) if s.node == node]
+    read = sum(loads[r].bytes_read for r in ranks)
+    received = sum(loads[r].bytes_received for r in ranks)
+    from_replicas = sum(loads[r].bytes_from_replicas for r in ranks)
     return (f"{node} (ranks {rank_ranges(ranks)}): read {show_size(read)} from the files, "
-            f"received {show_size(received)} from rank 0")
+            f"received {show_size(received)} from rank 0"
+            + (f" and {show_size(from_replicas)} from the other replicas" if from_replicas else ""))
 
 
 def _share_rank0_spec(model: nn.Module) -> tuple[ModelSpec, LoadCall | None, list[str]]:
