@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, path: str, mesh_shape: tuple[int, ...], 
         before, start = rchar(), time.perf_counter()
         report = load_into_sharded(model, _shard(mesh_shape), strategy="auto")
         seconds, kernel = time.perf_counter() - start, rchar() - before
-        out.append({"seconds": seconds, "kernel": kernel, "read": report.ranks[rank].bytes_read, "steps": report.seconds,
+        out.append({"seconds": seconds, "kernel": kernel, "read": report.ranks[rank].bytes_read,
                     "from_replicas": report.ranks[rank].bytes_from_replicas})
         del model, report
     return out[1:]
@@ -96,7 +96,8 @@ def main() -> None:
           "| passed between replicas, GiB | load s (slowest rank) |")
     print("|---|---|---|---|---|---|")
     for name, mesh_shape, nodes, split in (ROWS[i] for i in args.rows):
-        ranks = run_workers(_worker, 4, path, mesh_shape, split, args.repeat, timeout=1800, local_world_size=4 // nodes)
+        ranks = run_workers(_worker, 4, path, mesh_shape, split, args.repeat, timeout=1800,
+                            local_world_size=4 // nodes)
         loads = list(zip(*ranks))  # per load, every rank's figures
         read = statistics.median(sum(r["read"] for r in load) for load in loads)
         kernel = statistics.median(sum(r["kernel"] for r in load) for load in loads)

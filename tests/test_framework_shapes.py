@@ -216,10 +216,11 @@ def _tensor_parallel_worker(rank: int, world_size: int, path: str, mode: str) ->
     messages = MessageLog()
     fsdp_offload_cfg.patch(loader_config(mode))
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
-    local = {n: (t.to_local() if hasattr(t, "to_local") else t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    named = [*model.named_parameters(), *model.named_buffers()]
+    local = {n: (t.to_local() if hasattr(t, "to_local") else t) for n, t in named}
     return {
-        "tensors": {n: (type(t).__name__, str(getattr(t, "placements", "")), "meta" if local[n].is_meta else digest(local[n]))
-                    for n, t in [*model.named_parameters(), *model.named_buffers()]},
+        "tensors": {n: (type(t).__name__, str(getattr(t, "placements", "")),
+                        "meta" if local[n].is_meta else digest(local[n])) for n, t in named},
         "loss": model(IDS, labels=IDS).loss.item(),
         "steps_aside": [m for m in messages if "tp_plan" in m],
     }  # fmt: skip

@@ -25,18 +25,24 @@ from fsdp_offload_cfg.testing.reads import KERNEL_SLACK, checkpoint_tensor_bytes
 pytestmark = pytest.mark.distributed
 
 
-def _worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, Any]:
+def _measured_load(strategy: str, path: str, shard_fn: Any) -> tuple[Any, int]:
+    """`load_into_sharded` of the Llama at `path` under `strategy`, and the bytes the kernel
+    counts this process reading meanwhile; the second of two loads (the first imports lazily)."""
     from transformers import LlamaForCausalLM, PreTrainedModel
 
     from fsdp_offload_cfg.loading import auto_from_pretrained, load_into_sharded, sharded_from_pretrained
 
     load = sharded_from_pretrained if strategy == "sharded" else auto_from_pretrained
-
-    for _ in range(2):  # the second load is the measured one
+    for _ in range(2):
         model = load(PreTrainedModel.from_pretrained, LlamaForCausalLM, path)
         before = rchar()
-        report = load_into_sharded(model, shard_by_layer, strategy=strategy)
+        report = load_into_sharded(model, shard_fn, strategy=strategy)
         kernel = rchar() - before
+    return report, kernel
+
+
+def _worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, Any]:
+    report, kernel = _measured_load(strategy, path, shard_by_layer)
     needed, row = needed_and_row(report.model)
     return {"loader": report.read.bytes_read if report.read else 0, "kernel": kernel, "needed": needed, "row": row,
             "sent": 0 if report.sent is None else report.sent.tensors}
@@ -86,22 +92,17 @@ def _hsdp(model: Any) -> Any:
 
 def _hsdp_worker(rank: int, world_size: int, strategy: str, path: str) -> dict[str, Any]:
     import torch
-    from transformers import LlamaForCausalLM, PreTrainedModel
+    from transformers import LlamaForCausalLM
 
     from fsdp_offload_cfg import local_loading
-    from fsdp_offload_cfg.loading import auto_from_pretrained, load_into_sharded, sharded_from_pretrained
 
-    load = sharded_from_pretrained if strategy == "sharded" else auto_from_pretrained
-    for _ in range(2):  # the second load is the measured one
-        model = load(PreTrainedModel.from_pretrained, LlamaForCausalLM, path)
-        before = rchar()
-        report = load_into_sharded(model, _hsdp, strategy=strategy)
-        kernel = rchar() - before
+    report, kernel = _measured_load(strategy, path, _hsdp)
     with local_loading():
         plain = LlamaForCausalLM.from_pretrained(path)
     expected = dict([*plain.named_parameters(), *plain.named_buffers()])
     got = dict([*report.model.named_parameters(), *report.model.named_buffers()])
-    wrong = [n for n, t in got.items() if not torch.equal(t.full_tensor() if hasattr(t, "full_tensor") else t, expected[n])]
+    wrong = [n for n, t in got.items()
+             if not torch.equal(t.full_tensor() if hasattr(t, "full_tensor") else t, expected[n])]
     needed, row = needed_and_row(report.model)
     return {"loader": report.read.bytes_read if report.read else 0, "kernel": kernel, "needed": needed, "row": row,
             "from_replicas": report.ranks[rank].bytes_from_replicas, "wrong": wrong,

@@ -14,7 +14,6 @@ key: top-level keys of an accelerate file, per-consumer defaults, the Trainer's 
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Any, Literal
 

@@ -364,7 +364,8 @@ def format_table(report: dict[str, Any]) -> str:
     r, inputs = report["per_rank"], report["inputs"]
     lines = [
         f"{report['model']['class']} ({report['model']['parameters'] / 1e6:,.1f}M parameters) on {report['ranks']} "
-        f"ranks{_hybrid(report)}, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, {inputs['optimizer']}, "
+        f"ranks{_hybrid(report)}, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, "
+        f"{inputs['optimizer']}, "
         f"{inputs['device']}, compute {inputs['compute_dtype']}",
         "",
         "| per rank | bytes |",

@@ -78,7 +78,8 @@ def _offsets(bucket: list[Target], rank: int) -> tuple[list[int], int]:
     return offsets, (pos if pos > HEADER else 0)
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as a flat uint8 tensor (a view where `t` is contiguous)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -127,7 +128,7 @@ def _pack(bucket: list[Target], source: dict[str, torch.Tensor], messages: dict[
             if read_into is not None:
                 read += read_into(t.regions[rank], dest)
             else:
-                dest.copy_(_as_bytes(full[t.regions[rank]]))
+                dest.copy_(as_bytes(full[t.regions[rank]]))
         message[0] = 0
     for t in bucket:
         if t.last:

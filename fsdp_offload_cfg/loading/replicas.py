@@ -26,15 +26,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdp_offload_cfg.loading.broadcast import as_bytes
 from fsdp_offload_cfg.loading.layout import Copies, Target
 
 
 @dataclass(frozen=True)
 class Share:
-    """One tensor's slice: read by `reader`, broadcast to the other ranks of `copies`."""
+    """One tensor's slice: read by `reader`, broadcast to the other ranks of `target.copies`."""
 
     target: Target
-    copies: Copies
     reader: int  # global rank
 
 
@@ -53,7 +53,7 @@ def assign_readers(targets: list[Target], readers: dict[str, frozenset[int]], no
     shares, before = [], 0
     for t, node_readers in spread:
         index = min(len(node_readers) - 1, before * len(node_readers) // total) if total else 0
-        shares.append(Share(t, t.copies, node_readers[index]))
+        shares.append(Share(t, node_readers[index]))
         before += t.dest.numel() * t.dest.element_size()
     return shares
 
@@ -75,11 +75,11 @@ def broadcast_shares(shares: list[Share], rank: int, device: torch.device, bucke
     received = 0
     for reader, group, dests in _buckets(shares, rank, bucket_bytes):
         if len(dests) == 1 and dests[0].device == device and dests[0].is_contiguous():
-            dist.broadcast(_bytes(dests[0]), src=reader, group=group)
+            dist.broadcast(as_bytes(dests[0]), src=reader, group=group)
         else:
             buffer = torch.empty(sum(d.numel() * d.element_size() for d in dests), dtype=torch.uint8, device=device)
             if rank == reader:
-                torch.cat([_bytes(d.contiguous()).to(device) for d in dests], out=buffer)
+                torch.cat([as_bytes(d).to(device) for d in dests], out=buffer)
             dist.broadcast(buffer, src=reader, group=group)
             if rank != reader:
                 offset = 0
@@ -104,13 +104,11 @@ def _buckets(shares: list[Share], rank: int,
             nbytes = dest.numel() * dest.element_size()
             if nbytes == 0:
                 continue
-            if not out or out[-1][:2] != (share.reader, share.copies.group) or size + nbytes > bucket_bytes:
-                out.append((share.reader, share.copies.group, []))
+            group = share.target.copies.group
+            if not out or out[-1][:2] != (share.reader, group) or size + nbytes > bucket_bytes:
+                out.append((share.reader, group, []))
                 size = 0
             out[-1][2].append(dest)
             size += nbytes
     return out
 
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)

@@ -73,7 +73,8 @@ class Sources:
     # checkpoint tensor, which read it themselves (every rank on shared storage; a node without
     # the files, none of its ranks)
     readers: dict[str, frozenset[int]] = field(default_factory=dict)
-    nodes: tuple[str, ...] = ()  # each rank's node (`ranks.node_name`): the log of who got what; which copies split reads
+    # each rank's node (`ranks.node_name`): for the log of who got what, and which replicas split reads
+    nodes: tuple[str, ...] = ()
 
     def filled_everywhere(self) -> set[str]:
         """What every rank fills itself, from no file (the same names on every rank)."""

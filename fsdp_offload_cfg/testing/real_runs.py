@@ -201,7 +201,8 @@ def states_after_one_step(rank: int, world: int, path: str, layers: list[str]) -
             "optimizer": _storage_bytes(state)}
 
 
-def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[str], replicas: int = 1) -> dict[str, Any]:
+def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[str],
+                                 replicas: int = 1) -> dict[str, Any]:
     """On each gloo rank, what a user's run holds: the model loaded in bf16, prepared by the
     installed accelerate (FSDP2, `mixed_precision: bf16`, the loader off; with `replicas` > 1,
     hybrid sharding through its `ParallelismConfig`), one AdamW step; this rank's parameter,
