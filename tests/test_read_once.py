@@ -134,3 +134,41 @@ def test_hsdp_replicas_on_one_node_read_their_own_slices(checkpoints: dict[str, 
     for rank, r in enumerate(run_workers(_hsdp_worker, 4, "auto", checkpoints["one_file"], timeout=180)):
         assert r["wrong"] == [] and r["from_replicas"] == 0, (rank, r)
         assert r["needed"] <= r["loader"] <= r["needed"] + r["row"], (rank, r)
+
+
+def _hsdp_fault_worker(rank: int, world_size: int, path: str, failing: int) -> tuple[str, float]:
+    """Rank `failing` cannot allocate the buffer the replicas share slices through."""
+    import time
+
+    from fsdp_offload_cfg.loading import replicas
+
+    real = replicas.plan_broadcasts
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("injected: no memory for the replicas' staging buffer")
+
+    _measured_load("auto", path, _hsdp)  # the imports, and the files in the page cache
+    if rank == failing:
+        replicas.plan_broadcasts = no_memory
+    start = time.monotonic()
+    try:
+        _measured_load("auto", path, _hsdp)
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001
+        message = f"{type(exc).__name__}: {exc}"
+    finally:
+        replicas.plan_broadcasts = real
+    return message, time.monotonic() - start
+
+
+@pytest.mark.parametrize("failing", [0, 3])
+def test_a_replica_that_cannot_stage_stops_every_rank_before_any_broadcast(checkpoints: dict[str, str],
+                                                                          failing: int) -> None:
+    """The staging buffer is allocated inside the read step's agreement: a rank short of memory
+    stops all four at once, naming it, instead of leaving its replica waiting in a broadcast."""
+    pg_timeout = 30.0
+    results = run_workers(_hsdp_fault_worker, 4, checkpoints["one_file"], failing, timeout=180,
+                          local_world_size=2, pg_timeout=pg_timeout)
+    for rank, (message, seconds) in enumerate(results):
+        assert f"reading this rank's shards from the checkpoint failed on rank {failing}:" in message, (rank, message)
+        assert "injected: no memory" in message and seconds < pg_timeout / 2, (rank, message, seconds)

@@ -156,12 +156,12 @@ def load_into_sharded(
     clock.lap("allocate")
     # 5. this rank's own reads (under HSDP, its replica's part of them, then the replicas share
     #    them), then rank 0 sends the rest (its own agreements, bucket by bucket)
-    shares, read_stats = agreed("reading this rank's shards from the checkpoint",
-                                lambda: _read_own(targets, sources, rank, bucket_bytes))
+    broadcasts, read_stats = agreed("reading this rank's shards from the checkpoint",
+                                    lambda: _read_own(targets, sources, rank, device, bucket_bytes))
     clock.lap("read own slices")
     from_replicas = agreed("sharing the slices each replica read with the other replicas",
-                           lambda: replicas.broadcast_shares(shares, rank, device, bucket_bytes))
-    if shares:
+                           lambda: replicas.broadcast_shares(broadcasts, rank, device))
+    if broadcasts.buckets:
         clock.lap("share between replicas")
     from_rank0 = [dataclasses.replace(t, to=receivers[t.spec.name]) for t in targets if t.spec.name in receivers]
     part = min(bucket_bytes, max(bucket_bytes // world, _MIN_PART_BYTES))
@@ -178,13 +178,15 @@ def load_into_sharded(
     return LoadReport(sharded_model, stats, read_stats, loads, clock.seconds)
 
 
-def _read_own(targets: list[Target], sources: sharded.Sources, rank: int,
-              bucket_bytes: int) -> tuple[list[replicas.Share], sharded.ReadStats | None]:
-    """This rank's reads, less what another replica of its slices reads for it (HSDP), and
-    which replica reads what (the same on every rank: computed from the agreed sources)."""
+def _read_own(targets: list[Target], sources: sharded.Sources, rank: int, device: torch.device,
+              bucket_bytes: int) -> tuple[replicas.Broadcasts, sharded.ReadStats | None]:
+    """This rank's reads, less what another replica of its slices reads for it (HSDP), and the
+    broadcasts between replicas that follow, their buffer allocated (which replica reads what is
+    the same on every rank: computed from the agreed sources)."""
     shares = replicas.assign_readers(targets, sources.readers, sources.nodes)
+    broadcasts = replicas.plan_broadcasts(shares, rank, device, bucket_bytes)
     not_read = frozenset(s.target.spec.name for s in shares if s.reader != rank)
-    return shares, sharded.fill_own(targets, sources, rank, bucket_bytes, not_read)
+    return broadcasts, sharded.fill_own(targets, sources, rank, bucket_bytes, not_read)
 
 
 def _match_rank0(model: nn.Module, spec: ModelSpec, rank0_call: LoadCall | None, rank: int) -> None:

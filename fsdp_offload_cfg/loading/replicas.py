@@ -66,37 +66,72 @@ def _node_readers(copies: Copies, nodes: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(first.values())
 
 
+Bucket = tuple[int, dist.ProcessGroup, list[torch.Tensor]]  # (reader, replica group, destinations)
+
+
+@dataclass(frozen=True)
+class Broadcasts:
+    """A rank's broadcasts between replicas and the one buffer they pass through."""
+
+    buckets: list[Bucket]
+    staging: torch.Tensor  # bytes on the communication device, for every bucket not sent in place
+
+
+def plan_broadcasts(shares: list[Share], rank: int, device: torch.device, bucket_bytes: int) -> Broadcasts:
+    """The buckets (consecutive slices with the same reader, large ones cut into row blocks, about
+    `bucket_bytes` each) and their staging buffer, allocated here, before any broadcast: a rank
+    that cannot allocate it fails in the step that agrees on it (the read), not halfway through
+    the broadcasts with its replicas waiting in one."""
+    buckets = _buckets(shares, rank, bucket_bytes)
+    staged = [_nbytes(dests) for _, _, dests in buckets if not _in_place(dests, device)]
+    return Broadcasts(buckets, torch.empty(max(staged, default=0), dtype=torch.uint8, device=device))
+
+
 @torch.no_grad()
-def broadcast_shares(shares: list[Share], rank: int, device: torch.device, bucket_bytes: int) -> int:
-    """Each reader's slices to the rest of its replica group, in buckets of at most about
-    `bucket_bytes` (consecutive slices with the same reader, packed as bytes on `device`, the
-    communication device; a slice alone that already lives there contiguously is sent as is).
+def broadcast_shares(broadcasts: Broadcasts, rank: int, device: torch.device) -> int:
+    """Each reader's slices to the rest of its replica group: a slice alone that lives contiguously
+    on the communication device in place, the others packed as bytes into the staging buffer.
     Returns the bytes this rank received."""
     received = 0
-    for reader, group, dests in _buckets(shares, rank, bucket_bytes):
-        if len(dests) == 1 and dests[0].device == device and dests[0].is_contiguous():
+    for reader, group, dests in broadcasts.buckets:
+        if _in_place(dests, device):
             dist.broadcast(as_bytes(dests[0]), src=reader, group=group)
         else:
-            buffer = torch.empty(sum(d.numel() * d.element_size() for d in dests), dtype=torch.uint8, device=device)
+            buffer = broadcasts.staging[:_nbytes(dests)]
             if rank == reader:
-                torch.cat([as_bytes(d).to(device) for d in dests], out=buffer)
+                _copy_through(dests, buffer, pack=True)
             dist.broadcast(buffer, src=reader, group=group)
             if rank != reader:
-                offset = 0
-                for d in dests:
-                    n = d.numel() * d.element_size()
-                    d.copy_(buffer[offset:offset + n].view(d.dtype).view(d.shape))
-                    offset += n
+                _copy_through(dests, buffer, pack=False)
         if rank != reader:
-            received += sum(d.numel() * d.element_size() for d in dests)
+            received += _nbytes(dests)
     return received
 
 
-def _buckets(shares: list[Share], rank: int,
-             bucket_bytes: int) -> list[tuple[int, dist.ProcessGroup, list[torch.Tensor]]]:
-    """(reader, group, destinations) per broadcast: consecutive slices with the same reader,
-    large ones cut into row blocks, up to about `bucket_bytes` each."""
-    out: list[tuple[int, dist.ProcessGroup, list[torch.Tensor]]] = []
+def _in_place(dests: list[torch.Tensor], device: torch.device) -> bool:
+    return len(dests) == 1 and dests[0].device == device and dests[0].is_contiguous()
+
+
+def _nbytes(dests: list[torch.Tensor]) -> int:
+    return sum(d.numel() * d.element_size() for d in dests)
+
+
+def _copy_through(dests: list[torch.Tensor], buffer: torch.Tensor, pack: bool) -> None:
+    """`dests` into the byte buffer one after another (`pack`), or back out of it."""
+    offset = 0
+    for d in dests:
+        part = buffer[offset:offset + d.numel() * d.element_size()]
+        if pack:
+            part.copy_(as_bytes(d))
+        else:
+            d.copy_(part.view(d.dtype).view(d.shape))
+        offset += part.numel()
+
+
+def _buckets(shares: list[Share], rank: int, bucket_bytes: int) -> list[Bucket]:
+    """One per broadcast: consecutive slices with the same reader, large ones cut into row blocks,
+    up to about `bucket_bytes` each."""
+    out: list[Bucket] = []
     size = 0
     for share in shares:
         for block in share.target.split(max(1, bucket_bytes), rank):
