@@ -155,7 +155,7 @@ def test_explain_inside_a_launch_shows_what_the_command_line_overrode(monkeypatc
     data = json.loads(capsys.readouterr().out)
     assert data["overridden_by_launch"] == {
         "cpu_ram_efficient_loading": {"file": True, "launch": False}, "mixed_precision": {"file": "no", "launch": "bf16"}}
-    assert data["config"]["mixed_precision"] == "bf16" and data["defaults"]["cpu_ram_efficient_loading"] is False
+    assert data["config"]["mixed_precision"] == "bf16" and data["config"]["fsdp_config"]["cpu_ram_efficient_loading"] is False
     assert data["config"]["fsdp_config"]["activation_cpu_offload"]["enabled"] is True  # a plugin key: only the file has it
 
 
@@ -185,7 +185,8 @@ def test_explain_plans_the_launch_it_is_asked_about(tmp_path: Path, capsys: pyte
     """explain assumed one process (no gloo patches for a 2-rank run) and listed
     `load_strategy` for a config whose meta loading is off."""
     path = tmp_path / "offload_only.yaml"
-    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  activation_cpu_offload: true\n")
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  activation_cpu_offload: true\n"
+                    "  fsdp_cpu_ram_efficient_loading: false\n")
     assert cli.main(["explain", "--format", "json", str(path), "--num-processes", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
     names = [p.split(":")[0] for p in data["patches"]]

@@ -426,6 +426,35 @@ def test_a_valid_parallelism_config_section_passes(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "p.yaml", text)).version == 2
 
 
+def test_the_parallelism_config_section_is_held_as_written_and_an_empty_one_is_none(tmp_path: Path) -> None:
+    """`accelerate launch` uses the section when it is not empty; `explain` writes it back."""
+    from fsdp_offload_cfg.config.sources import as_config_file
+
+    base = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n")
+    config = load_config(write(tmp_path, "p.yaml", base + "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"))
+    assert config.parallelism_config == {"parallelism_config_dp_shard_size": 2}
+    assert load_config(as_config_file(config)) == config
+    assert load_config(write(tmp_path, "e.yaml", base + "parallelism_config: {}\n")).parallelism_config is None
+
+
+def test_an_accelerate_file_loads_on_rank_0_unless_it_says_not_to_as_accelerate_launch_does(tmp_path: Path) -> None:
+    """`accelerate launch` defaults --fsdp_cpu_ram_efficient_loading to true and exports it: a file
+    without the key ran with rank-0 loading there, and without it under torchrun (`patch("F")`,
+    `run --config F -- torchrun`: every rank read the whole checkpoint); `validate` refused its
+    `load_strategy` as doing nothing and passed a `sync_module_states: false` the launch refuses."""
+    from accelerate.commands.launch import launch_command_parser
+
+    (flag,) = [a for a in launch_command_parser()._actions if a.dest == "fsdp_cpu_ram_efficient_loading"]
+    launch_default = str(flag.default).lower() == "true"
+    config = load_config(write(tmp_path, "a.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n  load_strategy: sharded\n")))
+    assert config.cpu_ram_efficient_loading is launch_default is True and config.load_strategy == "sharded"
+    problem = only_problem(write(tmp_path, "b.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_sync_module_states: false\n")))
+    assert problem.path == "fsdp_config.fsdp_sync_module_states"
+    assert "(fsdp_cpu_ram_efficient_loading is unset; accelerate launch defaults it to true)" in problem.message
+    # the Trainer's fsdp_config and a bare mapping keep their own default: off
+    assert not load_config({"fsdp_config": {"version": 2}, "fsdp": True}).cpu_ram_efficient_loading
+
+
 def test_trainer_only_key_in_accelerate_file_points_to_accelerate_spelling(tmp_path: Path):
     path = write(tmp_path, "t.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n  fsdp_cpu_offload: true\n"))
     problem = only_problem(path)
@@ -604,7 +633,8 @@ def test_unknown_key_without_a_close_match_lists_the_keys():
 
 def test_all_problems_reported_together(tmp_path: Path):
     fsdp = ("  fsdp_version: 2\n  fsdp_activaton_cpu_offload: true\n  fsdp_auto_wrap_policy: LAYER_WRAP\n"
-            "  fsdp_activation_cpu_offload:\n    mode: fast\n  fsdp_load_strategy: sharded\n")
+            "  fsdp_activation_cpu_offload:\n    mode: fast\n  fsdp_load_strategy: sharded\n"
+            "  fsdp_cpu_ram_efficient_loading: false\n")
     text = ACCELERATE_YAML.format(fsdp=fsdp).replace("mixed_precision: bf16", "mixed_precision: fp64")
     path = write(tmp_path, "many.yaml", text)
     with pytest.raises(ConfigError) as info:
@@ -875,7 +905,8 @@ EVERY_KEY_SET = {
     {**EVERY_KEY_SET, "fsdp_activation_checkpointing": False, "fsdp_activation_memory_budget": "auto-5%",
      "fsdp_activation_budget_device_memory": "40GiB"},
     {"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP", "fsdp_backward_prefetch": "BACKWARD_POST",
-     "fsdp_forward_prefetch": True, "fsdp_use_orig_params": False, "fsdp_sync_module_states": False},
+     "fsdp_forward_prefetch": True, "fsdp_use_orig_params": False, "fsdp_sync_module_states": False,
+     "fsdp_cpu_ram_efficient_loading": False},
 ])
 def test_the_environment_mapping_reads_back_the_same_config(fsdp_config: dict):
     """`patch()` exports every key, the plugin's two included; a process started with that
@@ -946,6 +977,7 @@ RULE_CASES = {
     "no-xla": {"xla": True},
     "fsdp-needs-distributed-type": {"compute_environment": "LOCAL_MACHINE", "fsdp_config": {"fsdp_version": 2}},
     "fsdp-config-needs-fsdp": {"distributed_type": "MULTI_GPU", "fsdp_config": {"fsdp_version": 2}},
+    "parallelism-needs-fsdp2": {"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_dp_shard_size": 2}},
 }
 
 

@@ -266,7 +266,8 @@ def _fsdp1_worker(rank: int, world_size: int, path: str, out: str, state_dict_ty
 
     fsdp_offload_cfg.patch({"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
         "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_use_orig_params": True,
-        "fsdp_sync_module_states": False, "fsdp_state_dict_type": state_dict_type}})  # fmt: skip
+        "fsdp_sync_module_states": False, "fsdp_cpu_ram_efficient_loading": False,
+        "fsdp_state_dict_type": state_dict_type}})  # fmt: skip
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     ids = np.random.default_rng(0).integers(1, 97, (8, 12)).tolist()

@@ -59,7 +59,7 @@ def _present(model: nn.Module) -> list[str]:
 
 FSDP1 = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
     "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_sync_module_states": False,
-    "fsdp_use_orig_params": True}}
+    "fsdp_cpu_ram_efficient_loading": False, "fsdp_use_orig_params": True}}
 
 
 def _units(model: nn.Module) -> list[str]:

@@ -587,6 +587,40 @@ def test_patch_exports_the_plugins_own_keys_and_restores_them():
     assert "FSDP_LOAD_STRATEGY" not in os.environ
 
 
+HSDP_FILE = ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\nparallelism_config:\n"
+             "  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 4\n")
+
+
+def test_the_files_parallelism_config_reaches_accelerate_as_a_launch_hands_it_over(tmp_path: Any):
+    """Under torchrun or `patch("F")` in a plain script nobody exported the section: a file asking
+    for HSDP (2 replicas x 4 shards) ran as plain FSDP without a word. accelerate's own
+    `ParallelismConfig()` (what an `Accelerator` without the argument builds) now reads the file's
+    sizes; `unpatch()` takes them back."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    path = tmp_path / "hsdp.yaml"
+    path.write_text(HSDP_FILE)
+    fsdp_offload_cfg.patch(path)
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    read = ParallelismConfig()
+    assert (read.dp_replicate_size, read.dp_shard_size, read.tp_size) == (2, 4, 1)
+    fsdp_offload_cfg.unpatch()
+    assert not any(k.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM")) for k in os.environ)
+
+
+def test_a_launchs_parallelism_config_is_left_as_the_launch_set_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch):
+    """`accelerate launch --parallelism_config_dp_shard_size 8` over the same file: the launch
+    exported the file's section with its command line over it; the file must not undo that."""
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "8")
+    path = tmp_path / "hsdp.yaml"
+    path.write_text(HSDP_FILE)
+    fsdp_offload_cfg.patch(path)
+    assert (os.environ["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], os.environ["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) \
+        == ("1", "8")
+
+
 def test_the_same_settings_from_another_path_do_not_repatch(tmp_path: Any, monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
                                      "  fsdp_activation_cpu_offload: true\n")

@@ -190,7 +190,8 @@ def test_save_state_and_load_state_resume_bit_for_bit(checkpoints: dict[str, str
 
 FSDP1 = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
     "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_use_orig_params": True,
-    "fsdp_sync_module_states": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}  # fmt: skip
+    "fsdp_sync_module_states": False, "fsdp_cpu_ram_efficient_loading": False,
+    "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}  # fmt: skip
 
 
 def test_fsdp1_on_the_cpu_resumes_bit_for_bit(checkpoints: dict[str, str], tmp_path) -> None:

@@ -21,7 +21,7 @@ from fsdp_offload_cfg.testing.training import train_steps
 
 FSDP1_AC = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
     "fsdp_version": 1, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_sync_module_states": False,
-    "fsdp_use_orig_params": True, "fsdp_activation_checkpointing": True}}
+    "fsdp_cpu_ram_efficient_loading": False, "fsdp_use_orig_params": True, "fsdp_activation_checkpointing": True}}
 CONFIGS = {"fsdp2_checkpointed": loader_config("auto", fsdp_activation_checkpointing=True), "fsdp1_checkpointed": FSDP1_AC,
            "fsdp2": loader_config("auto")}
 

@@ -82,15 +82,18 @@ def test_run_turns_the_plugin_on_in_an_unmodified_script(tmp_path: Path, checkpo
 
 @pytest.mark.distributed
 def test_run_with_config_under_torchrun(tmp_path: Path, checkpoint: str):
+    """torchrun exports nothing of the file: the file's `parallelism_config` reaches accelerate as
+    `accelerate launch` hands it over (it ran as plain FSDP on an unnamed mesh without a word)."""
     config = tmp_path / "fsdp2.yaml"
-    config.write_text(YAML.format(extra=""))
+    config.write_text(YAML.format(extra="parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"))
     command = [str(BIN / "fsdp-offload-cfg"), "run", "--config", str(config), "--", sys.executable, "-m",
                "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(PROBE),
                checkpoint]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env(tmp_path / "probe"))
     results = _results(tmp_path / "probe")
     assert len(results) == 2 and all(r["patched"] and r["sharded"] for r in results), proc.stderr[-3000:]
-    assert f"config from $FSDP_OFFLOAD_CFG={config}" in proc.stderr
+    assert [r["mesh"] for r in results] == [{"dp_shard_cp": 2}] * 2, results
+    assert f"config from $FSDP_OFFLOAD_CFG={config} (FSDP2, parallelism_config dp_shard_size 2," in proc.stderr
 
 
 @pytest.mark.distributed

@@ -182,6 +182,11 @@ LAUNCH: tuple[LaunchKey, ...] = (
                                 "anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
               "int | None", "WORLD_SIZE", case_sensitive=False),
     LaunchKey("use_cpu", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_USE_CPU", case_sensitive=False),
+    # HSDP, tensor and context parallelism under FSDP2; its keys are checked against the installed
+    # accelerate's (`sources._parallelism_problems`). accelerate launch exports it as
+    # PARALLELISM_CONFIG_* variables (`integrations.common.parallelism_env`), not as one variable.
+    LaunchKey("parallelism_config", {"description": "a mapping of parallelism_config_* keys", "type": "object"},
+              "dict[str, Any] | None", None, case_sensitive=True),
 )
 LAUNCH_KEYS: tuple[str, ...] = tuple(k.name for k in LAUNCH)
 LAUNCH_ENV_VARS: dict[str, str] = {k.name: k.env for k in LAUNCH if k.env}
@@ -293,6 +298,12 @@ def parallelism_config_keys() -> frozenset[str]:
 
 # What each consumer does when fsdp_config has no version.
 VERSION_DEFAULT: dict[Layout, int] = {"accelerate": 1, "env": 1, "trainer": 2, "mapping": 2}
+# cpu_ram_efficient_loading where the source leaves it unset: `accelerate launch` defaults its
+# --fsdp_cpu_ram_efficient_loading to true (1.10-1.15) and exports it, so an accelerate file
+# without the key loads on rank 0 under it; the same file under torchrun (`patch("F")`) must too.
+# accelerate's plugin reads false from an environment without the variable; the Trainer's
+# fsdp_config defaults it to false.
+EFFICIENT_LOADING_DEFAULT: dict[Layout, bool] = {"accelerate": True, "env": False, "trainer": False, "mapping": False}
 # transformers' Trainer fills these in; accelerate leaves them to the plugin.
 TRAINER_DEFAULTS = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "FULL_STATE_DICT"}
 # The Trainer's legacy `fsdp` option string ("full_shard auto_wrap offload").

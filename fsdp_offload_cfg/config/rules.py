@@ -54,6 +54,11 @@ class RuleContext:
         """The value of `key` as the user wrote it (`1`, not the `FULL_SHARD` it stands for)."""
         return show(self.raw[key] if key in self.raw else self.values[key])
 
+    def why_efficient_loading(self) -> str:
+        if "cpu_ram_efficient_loading" in self.explicit or self.layout != "accelerate":
+            return ""
+        return f" ({self.spell('cpu_ram_efficient_loading')} is unset; accelerate launch defaults it to true)"
+
     def why_version(self) -> str:
         if "version" in self.explicit:
             return ""
@@ -90,8 +95,8 @@ RULES: tuple[Rule, ...] = (
                    f"{str(FSDP2_RESHARD_FOR[c['sharding_strategy']]).lower()} instead"),
     Rule("efficient-loading-needs-sync", ("cpu_ram_efficient_loading", "sync_module_states"), "sync_module_states",
          lambda c: c["cpu_ram_efficient_loading"] and not c["sync_module_states"],
-         lambda c: f"must be true when {c.spell('cpu_ram_efficient_loading')} is true (accelerate launch refuses "
-                   "the combination: ranks other than 0 would keep empty weights)"),
+         lambda c: f"must be true when {c.spell('cpu_ram_efficient_loading')} is true{c.why_efficient_loading()} "
+                   "(accelerate launch refuses the combination: ranks other than 0 would keep empty weights)"),
     Rule("load-strategy-needs-efficient-loading", ("load_strategy", "cpu_ram_efficient_loading"), "load_strategy",
          lambda c: "load_strategy" in c.explicit and not c["cpu_ram_efficient_loading"],
          lambda c: f"only applies with {c.spell('cpu_ram_efficient_loading')}: true; here it would do nothing"),
@@ -142,6 +147,10 @@ RULES: tuple[Rule, ...] = (
            lambda c: f"only sets the rate {c.spell('activation_memory_budget')}'s plan is made at, and that key is "
                      "unset; set it (such as 12GiB), or drop this one")
       for rate in ("activation_budget_compute_tflops", "activation_budget_copy_gb_per_s")),
+    Rule("parallelism-needs-fsdp2", ("parallelism_config", "version", "distributed_type"), "parallelism_config",
+         lambda c: bool(c["parallelism_config"]) and (c.version == 1 or c["distributed_type"] != "FSDP"),
+         lambda c: f"needs FSDP2 (distributed_type: FSDP and {c.spell('version')}: 2){c.why_version()}: accelerate "
+                   "launch refuses a parallelism_config without it; drop the section or switch to FSDP2"),
     Rule("no-forward-prefetch-in-fsdp2", ("forward_prefetch", "version"), "forward_prefetch",
          lambda c: c["forward_prefetch"] and c.version == 2,
          lambda c: f"is not implemented in FSDP2{c.why_version()} (accelerate raises); remove it"),

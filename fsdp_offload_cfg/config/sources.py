@@ -26,6 +26,7 @@ from fsdp_offload_cfg.config.keys import (
     ACCELERATE_TOP_KEYS,
     ALIASES,
     ALL_NAMES,
+    EFFICIENT_LOADING_DEFAULT,
     ENV_VARS,
     FIELD_KEYS,
     FSDP1_ONLY_ENV_KEYS,
@@ -167,7 +168,7 @@ def as_accelerate_mapping(config: FSDPOffloadConfig) -> dict[str, Any]:
     fsdp: dict[str, Any] = {}
     for key in FIELD_KEYS:
         value = getattr(config, key.name)
-        if key.name in ("version", "reshard_after_forward") or value != key.default:
+        if key.name in ("version", "reshard_after_forward", "cpu_ram_efficient_loading") or value != key.default:
             fsdp[key.name] = plain(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
     top = {k: getattr(config, k) for k in LAUNCH_KEYS if getattr(config, k) is not None}
     return {**top, "fsdp_config": fsdp}
@@ -400,6 +401,8 @@ def _build_from_top(top: dict[Any, Any], layout: Layout, file: str, rebuilt: boo
                     key, sorted(ACCELERATE_TOP_KEYS), "unknown top-level key (accelerate refuses it)", listing=[])))
         problems.extend(_parallelism_problems(top.get("parallelism_config"), file))
         launch = {k: top[k] for k in LAUNCH_KEYS if top.get(k) is not None}
+        if launch.get("parallelism_config") == {}:  # accelerate: an empty section is no parallelism config
+            del launch["parallelism_config"]
         given.where.update({k: k for k in launch})
     if layout == "trainer" and _apply_trainer_fsdp(top.get("fsdp"), given, file, problems):
         launch["distributed_type"] = "FSDP"
@@ -411,11 +414,8 @@ def _parallelism_problems(section: Any, file: str) -> list[Problem]:
     `accelerate launch` reads only the `parallelism_config_*` keys its version knows and drops
     any other without a word (an unprefixed `dp_replicate_size: 2` ran the job without
     replicas), and takes each size as given."""
-    if section is None:
+    if not isinstance(section, Mapping):  # absent, or not a mapping (the schema says so)
         return []
-    if not isinstance(section, Mapping):
-        return [Problem(file, "parallelism_config", "expected a mapping of parallelism_config_* keys; got "
-                        + _schema.show(section))]
     known = parallelism_config_keys()
     problems = []
     for key, value in section.items():
@@ -556,6 +556,8 @@ def _build(given: _Values, launch: dict[str, Any], layout: Layout, file: str, pr
         kwargs.setdefault("version", VERSION_DEFAULT[layout])
         if kwargs["version"] == 1:
             kwargs.setdefault("reshard_after_forward", "FULL_SHARD")
+    if "cpu_ram_efficient_loading" not in bad:
+        kwargs.setdefault("cpu_ram_efficient_loading", EFFICIENT_LOADING_DEFAULT[layout])
     if layout == "trainer":
         for key, value in TRAINER_DEFAULTS.items():
             kwargs.setdefault(key, value)

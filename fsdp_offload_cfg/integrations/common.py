@@ -79,7 +79,22 @@ def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
     if cpu_fsdp_needed(cfg, ctx):
         env["ACCELERATE_USE_CPU"] = "true"
-    return env
+    return {**env, **parallelism_env(cfg)}
+
+
+def parallelism_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
+    """The file's `parallelism_config` section as `accelerate launch` exports it: the
+    PARALLELISM_CONFIG_* variables an `Accelerator` without a `parallelism_config` argument reads.
+
+    Under torchrun (`fsdp-offload-cfg run --config F -- torchrun ...`) or `patch("F")` in a plain
+    script nobody exported them, so a file asking for HSDP ran as plain FSDP without a word.
+    Nothing is exported where a launch already did: its values are the file's with its command
+    line over them (accelerate's order). Only the keys the file gives: accelerate reads the same
+    defaults for the others."""
+    section = cfg.parallelism_config
+    if not section or "ACCELERATE_USE_PARALLELISM_CONFIG" in registry.environ_before_patching():
+        return {}
+    return {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", **{str(k).upper(): str(v) for k, v in section.items()}}
 
 
 def ensure_process_group() -> None:
@@ -139,8 +154,17 @@ def log_active(session: registry.PatchSession) -> None:
     offload = "on" if cfg.activation_cpu_offload.enabled else "off"
     if cfg.activation_memory_budget is not None and cfg.version == 2:
         offload = f"planned per layer to activation_memory_budget {cfg.activation_memory_budget} at the first forward"
-    logger.info("config from %s (FSDP%d, meta loading: %s, activation offload: %s); patches: %s", session.source,
-                cfg.version, loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip
+    logger.info("config from %s (FSDP%d%s, meta loading: %s, activation offload: %s); patches: %s", session.source,
+                cfg.version, _parallelism_text(session), loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip
+
+
+def _parallelism_text(session: registry.PatchSession) -> str:
+    """The file's `parallelism_config` where this session exported it (no launch had): the line
+    says the sizes the job gets, which it silently did not before."""
+    if "ACCELERATE_USE_PARALLELISM_CONFIG" not in session.env_before:
+        return ""
+    sizes = [f"{str(k).removeprefix('parallelism_config_')} {v}" for k, v in session.config.parallelism_config.items()]
+    return ", parallelism_config " + ", ".join(sizes)
 
 
 def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:

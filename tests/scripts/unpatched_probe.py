@@ -27,6 +27,8 @@ stats = plugin.offload_stats() if plugin is not None else {}
 result = {
     "rank": accelerator.process_index,
     "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+    "mesh": {name: size for name, size in zip(mesh.mesh_dim_names or (), mesh.shape)}
+    if (mesh := getattr(next(model.parameters()), "device_mesh", None)) is not None else None,
     "patched": config is not None,
     "offloaded_bytes": stats.get("offloaded_bytes", 0),
     "loss": loss.item(),
