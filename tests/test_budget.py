@@ -531,8 +531,8 @@ def test_a_plan_that_offloads_under_a_model_compiled_whole_stops_at_the_next_for
         config = load_config(_config(3_000_000))  # at 2 x 64 tokens: layers 1-2 offloaded, 0 and 3 kept
         wrap_layers(model, config)
         enable_budget(model, config)
-        if whole:
-            model.compile()
+        if whole:  # dynamo decides what a whole-model graph bypasses; inductor's code generation adds 40 s here
+            model.compile(backend="aot_eager")
         reset_offload_stats()
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         assert planned_choices(model) == ["keep", "offload", "offload", "keep"]

@@ -420,6 +420,30 @@ def test_parallelism_config_keys_are_the_installed_accelerates() -> None:
         assert keys == PARALLELISM_CONFIG_KEYS_1_15
 
 
+@pytest.mark.parametrize(("section", "path", "message"), [
+    ("dynamo_config:\n  dynamo_use_regional_compile: true\n", "dynamo_config.dynamo_use_regional_compile",
+     "unknown key (accelerate ignores it); did you mean 'dynamo_use_regional_compilation'?"),
+    ("dynamo_config:\n  backend: inductr\n", "dynamo_config.backend", 'got "inductr"; accelerate launch refuses it'),
+    ("dynamo_backend: NO\n", "dynamo_backend", "got false (YAML reads an unquoted NO as false: write 'NO')"),
+])
+def test_dynamo_config_keys_and_backends_accelerate_would_drop_or_refuse_are_named(
+        tmp_path: Path, section: str, path: str, message: str) -> None:
+    """`accelerate launch` reads a `dynamo_config` key with or without its `dynamo_` prefix and drops
+    any other without a word (the model compiled whole instead of per layer); it stops at launch on
+    an unknown backend, and on a legacy `dynamo_backend: NO` that YAML read as false (a traceback:
+    'bool' object has no attribute 'upper')."""
+    problem = only_problem(write(tmp_path, "d.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n") + section))
+    assert problem.path == path and message in problem.message, problem.message
+
+
+def test_the_dynamo_config_is_held_as_written_and_the_legacy_key_as_accelerate_reads_it(tmp_path: Path) -> None:
+    base = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n")
+    config = load_config(write(tmp_path, "a.yaml", base + "dynamo_config:\n  dynamo_backend: INDUCTOR\n"))
+    assert config.dynamo_config == {"dynamo_backend": "INDUCTOR"}
+    assert load_config(write(tmp_path, "b.yaml", base + "dynamo_backend: INDUCTOR\n")) == config
+    assert load_config(write(tmp_path, "c.yaml", base + "dynamo_backend: 'NO'\n")).dynamo_config is None
+
+
 def test_a_valid_parallelism_config_section_passes(tmp_path: Path) -> None:
     text = ACCELERATE_YAML.format(fsdp="  fsdp_version: 2\n") + (
         "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 4\n")

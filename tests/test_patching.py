@@ -608,17 +608,33 @@ def test_the_files_parallelism_config_reaches_accelerate_as_a_launch_hands_it_ov
     assert not any(k.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM")) for k in os.environ)
 
 
-def test_a_launchs_parallelism_config_is_left_as_the_launch_set_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch):
+def test_a_launchs_parallelism_and_dynamo_config_are_left_as_the_launch_set_them(tmp_path: Any, monkeypatch: pytest.MonkeyPatch):
     """`accelerate launch --parallelism_config_dp_shard_size 8` over the same file: the launch
     exported the file's section with its command line over it; the file must not undo that."""
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "8")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")  # --dynamo_backend no over the file's inductor
     path = tmp_path / "hsdp.yaml"
-    path.write_text(HSDP_FILE)
+    path.write_text(HSDP_FILE + "dynamo_config:\n  dynamo_backend: INDUCTOR\n")
     fsdp_offload_cfg.patch(path)
     assert (os.environ["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], os.environ["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) \
         == ("1", "8")
+    assert os.environ["ACCELERATE_DYNAMO_BACKEND"] == "NO"
+
+
+def test_the_files_dynamo_config_reaches_accelerate_as_a_launch_hands_it_over(tmp_path: Any):
+    """The same for compilation: a file asking for regional compilation ran eagerly under torchrun."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    path = tmp_path / "compiled.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\ndynamo_config:\n  dynamo_backend: inductor\n"
+                    "  use_regional_compilation: true\n")
+    fsdp_offload_cfg.patch(path)
+    read = TorchDynamoPlugin()
+    assert (read.backend.value, read.use_regional_compilation, read.mode) == ("INDUCTOR", True, "default")
+    fsdp_offload_cfg.unpatch()
+    assert TorchDynamoPlugin().backend.value == "NO"
 
 
 def test_the_same_settings_from_another_path_do_not_repatch(tmp_path: Any, monkeypatch: pytest.MonkeyPatch):

@@ -187,6 +187,10 @@ LAUNCH: tuple[LaunchKey, ...] = (
     # PARALLELISM_CONFIG_* variables (`integrations.common.parallelism_env`), not as one variable.
     LaunchKey("parallelism_config", {"description": "a mapping of parallelism_config_* keys", "type": "object"},
               "dict[str, Any] | None", None, case_sensitive=True),
+    # torch.compile through accelerate; exported as ACCELERATE_DYNAMO_* (`integrations.common.launch_sections_env`).
+    # The legacy top-level `dynamo_backend` is read into it, as accelerate reads it.
+    LaunchKey("dynamo_config", {"description": "a mapping of dynamo_* keys", "type": "object"},
+              "dict[str, Any] | None", None, case_sensitive=True),
 )
 LAUNCH_KEYS: tuple[str, ...] = tuple(k.name for k in LAUNCH)
 LAUNCH_ENV_VARS: dict[str, str] = {k.name: k.env for k in LAUNCH if k.env}
@@ -294,6 +298,23 @@ def parallelism_config_keys() -> frozenset[str]:
     except Exception:  # noqa: BLE001 - accelerate missing or its parser changed: the names we know
         return PARALLELISM_CONFIG_KEYS_1_15
     return names or PARALLELISM_CONFIG_KEYS_1_15
+
+
+DYNAMO_CONFIG_KEYS_1_15 = frozenset({"dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
+                                     "dynamo_use_regional_compilation"})
+
+
+@functools.cache
+def dynamo_config_keys() -> frozenset[str]:
+    """The `dynamo_config` keys the installed accelerate reads (its `--dynamo_*` arguments; a key
+    of the section without the `dynamo_` prefix gets it, any other is dropped without a word)."""
+    try:
+        from accelerate.commands.launch import launch_command_parser
+
+        names = frozenset(a.dest for a in launch_command_parser()._actions if a.dest.startswith("dynamo_"))
+    except Exception:  # noqa: BLE001 - accelerate missing or its parser changed: the names we know
+        return DYNAMO_CONFIG_KEYS_1_15
+    return names or DYNAMO_CONFIG_KEYS_1_15
 
 
 # What each consumer does when fsdp_config has no version.

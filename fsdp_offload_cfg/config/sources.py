@@ -41,6 +41,7 @@ from fsdp_offload_cfg.config.keys import (
     TRAINER_ONLY_KEYS,
     VERSION_DEFAULT,
     Layout,
+    dynamo_config_keys,
     parallelism_config_keys,
 )
 from fsdp_offload_cfg.config.model import ConfigError, FSDPOffloadConfig, Problem
@@ -400,9 +401,12 @@ def _build_from_top(top: dict[Any, Any], layout: Layout, file: str, rebuilt: boo
                 problems.append(Problem(file, _schema.key_text(key), _schema.unknown_key_message(
                     key, sorted(ACCELERATE_TOP_KEYS), "unknown top-level key (accelerate refuses it)", listing=[])))
         problems.extend(_parallelism_problems(top.get("parallelism_config"), file))
+        problems.extend(_dynamo_problems(top, file))
+        top = _with_legacy_dynamo_backend(top)
         launch = {k: top[k] for k in LAUNCH_KEYS if top.get(k) is not None}
-        if launch.get("parallelism_config") == {}:  # accelerate: an empty section is no parallelism config
-            del launch["parallelism_config"]
+        for section in ("parallelism_config", "dynamo_config"):
+            if launch.get(section) == {}:  # accelerate: an empty section is none
+                del launch[section]
         given.where.update({k: k for k in launch})
     if layout == "trainer" and _apply_trainer_fsdp(top.get("fsdp"), given, file, problems):
         launch["distributed_type"] = "FSDP"
@@ -432,6 +436,43 @@ def _parallelism_problems(section: Any, file: str) -> list[Problem]:
             problems.append(Problem(file, where, message))
         elif key.endswith("_size") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             problems.append(Problem(file, where, f"expected an integer >= 1; got {_schema.show(value)}"))
+    return problems
+
+
+def _with_legacy_dynamo_backend(top: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """accelerate reads a top-level `dynamo_backend` (older files) as the whole `dynamo_config`."""
+    if "dynamo_backend" not in top:
+        return top
+    legacy = top["dynamo_backend"]
+    section = {} if str(legacy).upper() == "NO" else {"dynamo_backend": legacy}
+    return {**{k: v for k, v in top.items() if k != "dynamo_backend"}, "dynamo_config": section}
+
+
+def _dynamo_problems(top: Mapping[Any, Any], file: str) -> list[Problem]:
+    """The file's `dynamo_config` (torch.compile through accelerate) or legacy `dynamo_backend`:
+    `accelerate launch` adds the `dynamo_` prefix to a key without it and drops a key it does not
+    know without a word (a misspelt `dynamo_use_regional_compilation` compiled the model whole),
+    and stops at launch on a backend it does not know."""
+    if "dynamo_backend" in top:
+        section, at = {"dynamo_backend": top["dynamo_backend"]}, ""
+    elif isinstance(top.get("dynamo_config"), Mapping):  # not a mapping: the schema says so
+        section, at = top["dynamo_config"], "dynamo_config."
+    else:
+        return []
+    from accelerate.utils import DynamoBackend
+
+    known = dynamo_config_keys()
+    problems = []
+    for key, value in section.items():
+        name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
+        where = at + _schema.key_text(key)
+        if name not in known:
+            problems.append(Problem(file, where, _schema.unknown_key_message(
+                key, sorted(known), "unknown key (accelerate ignores it)")))
+        elif name == "dynamo_backend" and str(value).upper() not in DynamoBackend.list():
+            yaml_no = " (YAML reads an unquoted NO as false: write 'NO')" if value is False else ""
+            problems.append(Problem(file, where, f"expected one of {', '.join(DynamoBackend.list())}; got "
+                                    f"{_schema.show(value)}{yaml_no}; accelerate launch refuses it"))
     return problems
 
 

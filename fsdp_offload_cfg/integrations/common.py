@@ -79,22 +79,29 @@ def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
     if cpu_fsdp_needed(cfg, ctx):
         env["ACCELERATE_USE_CPU"] = "true"
-    return {**env, **parallelism_env(cfg)}
+    return {**env, **launch_sections_env(cfg)}
 
 
-def parallelism_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
-    """The file's `parallelism_config` section as `accelerate launch` exports it: the
-    PARALLELISM_CONFIG_* variables an `Accelerator` without a `parallelism_config` argument reads.
+def launch_sections_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
+    """The file's `parallelism_config` and `dynamo_config` sections as `accelerate launch` exports
+    them: the PARALLELISM_CONFIG_* and ACCELERATE_DYNAMO_* variables an `Accelerator` built without
+    those arguments reads.
 
     Under torchrun (`fsdp-offload-cfg run --config F -- torchrun ...`) or `patch("F")` in a plain
-    script nobody exported them, so a file asking for HSDP ran as plain FSDP without a word.
-    Nothing is exported where a launch already did: its values are the file's with its command
-    line over them (accelerate's order). Only the keys the file gives: accelerate reads the same
-    defaults for the others."""
-    section = cfg.parallelism_config
-    if not section or "ACCELERATE_USE_PARALLELISM_CONFIG" in registry.environ_before_patching():
-        return {}
-    return {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", **{str(k).upper(): str(v) for k, v in section.items()}}
+    script nobody exported them: a file asking for HSDP ran as plain FSDP, one asking for
+    compilation ran eagerly, without a word. A section is not exported where a launch already
+    exported it: its values are the file's with its command line over them (accelerate's order).
+    Only the keys the file gives: accelerate reads the same defaults for the others."""
+    before = registry.environ_before_patching()
+    env = {}
+    if cfg.parallelism_config and "ACCELERATE_USE_PARALLELISM_CONFIG" not in before:
+        env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+        env.update({str(k).upper(): str(v) for k, v in cfg.parallelism_config.items()})
+    if cfg.dynamo_config and "ACCELERATE_DYNAMO_BACKEND" not in before:
+        for key, value in cfg.dynamo_config.items():
+            name = str(key).removeprefix("dynamo_").upper()
+            env[f"ACCELERATE_DYNAMO_{name}"] = str(value).upper() if name == "BACKEND" else str(value)
+    return env
 
 
 def ensure_process_group() -> None:
@@ -159,12 +166,15 @@ def log_active(session: registry.PatchSession) -> None:
 
 
 def _parallelism_text(session: registry.PatchSession) -> str:
-    """The file's `parallelism_config` where this session exported it (no launch had): the line
-    says the sizes the job gets, which it silently did not before."""
-    if "ACCELERATE_USE_PARALLELISM_CONFIG" not in session.env_before:
-        return ""
-    sizes = [f"{str(k).removeprefix('parallelism_config_')} {v}" for k, v in session.config.parallelism_config.items()]
-    return ", parallelism_config " + ", ".join(sizes)
+    """The file's `parallelism_config` and `dynamo_config` where this session exported them (no
+    launch had): the line says what the job gets, which it silently did not before."""
+    parts = []
+    for section, marker, prefix in (("parallelism_config", "ACCELERATE_USE_PARALLELISM_CONFIG", "parallelism_config_"),
+                                    ("dynamo_config", "ACCELERATE_DYNAMO_BACKEND", "dynamo_")):
+        if marker in session.env_before:
+            values = getattr(session.config, section).items()
+            parts.append(f", {section} " + ", ".join(f"{str(k).removeprefix(prefix)} {v}" for k, v in values))
+    return "".join(parts)
 
 
 def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadConfig) -> bool:
