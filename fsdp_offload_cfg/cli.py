@@ -18,7 +18,6 @@ from fsdp_offload_cfg.config import (
     ConfigError,
     FSDPOffloadConfig,
     as_config_file,
-    file_section,
     load_config,
     normalized_dict,
     read_config_file,
@@ -261,8 +260,7 @@ def _estimate(args: argparse.Namespace) -> int:
         report = estimate_memory(load_config(args.file, args.overrides), args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
-                                 gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                 parallelism=_parallelism_section(args.file, args.overrides), **_plan_inputs(args))
+                                 gradient_accumulation_steps=args.gradient_accumulation_steps, **_plan_inputs(args))
         if "plan" not in report and (args.compute_tflops is not None or args.copy_gb_per_s is not None):
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",
@@ -286,13 +284,6 @@ def _estimate(args: argparse.Namespace) -> int:
         _print(f"fsdp-offload-cfg estimate: {error}", file=sys.stderr)
         return EXIT_INVALID
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
-
-
-def _parallelism_section(path: str, overrides: Any) -> dict[str, Any]:
-    """An accelerate file's `parallelism_config`, `--set` applied (checked already by
-    `load_config`), else {}."""
-    section = file_section(path, "parallelism_config", overrides)
-    return dict(section) if isinstance(section, dict) else {}
 
 
 def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:

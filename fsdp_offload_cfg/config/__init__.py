@@ -28,7 +28,6 @@ from fsdp_offload_cfg.config.sources import (
     as_config_file,
     config_from_env,
     env_values,
-    file_section,
     load_config,
     with_the_files_other_keys,
 )
@@ -50,7 +49,6 @@ __all__ = [
     "as_config_file",
     "config_from_env",
     "env_values",
-    "file_section",
     "load_config",
     "normalized_dict",
     "read_config_file",

@@ -82,18 +82,6 @@ def load_config(
     raise TypeError(f"load_config: expected a path, a mapping or an FSDPOffloadConfig, got {type(source).__name__}")
 
 
-def file_section(path: str, key: str, overrides: Sequence[str] | Mapping[str, Any] | None = None) -> Any:
-    """The top-level section `key` of the config file at `path` with `overrides` applied as
-    `load_config` applies them (None when absent): for a reader of a section the config does not
-    hold, such as the estimate's `parallelism_config`. Call after `load_config` has checked them."""
-    top = read_config_file(path)
-    items = _override_items(overrides, path, [])
-    if items:
-        layout = _detect_layout(top)
-        top = _merge_overrides(top, [(_route(top, k, layout), value) for k, value in items], path)
-    return top.get(key)
-
-
 def config_from_env(environ: Mapping[str, str] = os.environ) -> FSDPOffloadConfig | None:
     """Rebuild the config from what `accelerate launch` (or `patch()`) exported to the workers.
 

@@ -36,16 +36,16 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     `estimate/room.py`), also the per-layer plan that keeps activations within it
     (`estimate.plan`), timed at `compute_flops` FLOP/s and `copy_bytes` bytes/s (default: the
     device's assumed rates). With `gradient_accumulation_steps` > 1 every gradient is on the
-    device during backward (kept from the micro-batches before). `parallelism`: the accelerate
-    file's `parallelism_config` section; under hybrid sharding each rank holds a slice of
-    1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count."""
+    device during backward (kept from the micro-batches before). `parallelism`: an accelerate
+    `parallelism_config` section (default: the config's); under hybrid sharding each rank holds a
+    slice of 1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count."""
     from fsdp_offload_cfg.estimate.report import build_report
 
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, activation_budget)
     if gradient_accumulation_steps < 1:
         raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
-    replicas = _replicas(ranks, parallelism or {})
+    replicas = _replicas(ranks, (config.parallelism_config if parallelism is None else parallelism) or {})
     return build_report(config, model, ranks=ranks // replicas, replicas=replicas, seq_len=seq_len,
                         batch_size=batch_size, optimizer=optimizer,
                         device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype,
