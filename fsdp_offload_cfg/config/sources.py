@@ -183,12 +183,13 @@ def with_the_files_other_keys(written: dict[str, Any], top: Mapping[Any, Any]) -
     """`written` (an accelerate file from `as_config_file`) with the keys of the user's accelerate
     file `top` that this plugin's config does not hold, as the file has them, in the file's order.
 
-    `explain`'s config is a file to launch. Without them it launched another run: `dynamo_config`
-    (compilation off), `num_machines`, `machine_rank`, `main_process_ip` (one machine), and every
-    other accelerate key. A bare fsdp_config (from a Trainer's file) has nowhere to put them."""
+    `explain`'s config is a file to launch. Without them it launched another run: `num_machines`,
+    `machine_rank`, `main_process_ip` (one machine), and every other accelerate key. A bare
+    fsdp_config (from a Trainer's file) has nowhere to put them. A legacy `dynamo_backend` is ours:
+    it is written as the `dynamo_config` it stands for."""
     if "fsdp_config" not in written or _detect_layout(top) != "accelerate":
         return written
-    ours = {"fsdp_config", *LAUNCH_KEYS}
+    ours = {"fsdp_config", "dynamo_backend", *LAUNCH_KEYS}
     merged = {k: written[k] if k in ours else v for k, v in top.items() if k in written or k not in ours}
     return {**merged, **{k: v for k, v in written.items() if k not in merged}}
 
