@@ -184,7 +184,7 @@ LAUNCH: tuple[LaunchKey, ...] = (
     LaunchKey("use_cpu", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_USE_CPU", case_sensitive=False),
     # HSDP, tensor and context parallelism under FSDP2; its keys are checked against the installed
     # accelerate's (`sources._parallelism_problems`). accelerate launch exports it as
-    # PARALLELISM_CONFIG_* variables (`integrations.common.parallelism_env`), not as one variable.
+    # PARALLELISM_CONFIG_* variables (`integrations.common.launch_sections_env`), not as one variable.
     LaunchKey("parallelism_config", {"description": "a mapping of parallelism_config_* keys", "type": "object"},
               "dict[str, Any] | None", None, case_sensitive=True),
     # torch.compile through accelerate; exported as ACCELERATE_DYNAMO_* (`integrations.common.launch_sections_env`).
