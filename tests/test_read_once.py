@@ -30,9 +30,14 @@ def _measured_load(strategy: str, path: str, shard_fn: Any) -> tuple[Any, int]:
     counts this process reading meanwhile; the second of two loads (the first imports lazily)."""
     from transformers import LlamaForCausalLM, PreTrainedModel
 
-    from fsdp_offload_cfg.loading import auto_from_pretrained, load_into_sharded, sharded_from_pretrained
+    from fsdp_offload_cfg.loading import (
+        auto_from_pretrained,
+        load_into_sharded,
+        rank0_from_pretrained,
+        sharded_from_pretrained,
+    )
 
-    load = sharded_from_pretrained if strategy == "sharded" else auto_from_pretrained
+    load = {"sharded": sharded_from_pretrained, "broadcast": rank0_from_pretrained}.get(strategy, auto_from_pretrained)
     for _ in range(2):
         model = load(PreTrainedModel.from_pretrained, LlamaForCausalLM, path)
         before = rchar()
@@ -106,6 +111,7 @@ def _hsdp_worker(rank: int, world_size: int, strategy: str, path: str) -> dict[s
     needed, row = needed_and_row(report.model)
     return {"loader": report.read.bytes_read if report.read else 0, "kernel": kernel, "needed": needed, "row": row,
             "from_replicas": report.ranks[rank].bytes_from_replicas, "wrong": wrong,
+            "streamed": report.sent.bytes_read if report.sent else 0,
             "placements": {str(p.placements) for p in report.model.parameters()}}
 
 
@@ -134,6 +140,24 @@ def test_hsdp_replicas_on_one_node_read_their_own_slices(checkpoints: dict[str, 
     for rank, r in enumerate(run_workers(_hsdp_worker, 4, "auto", checkpoints["one_file"], timeout=180)):
         assert r["wrong"] == [] and r["from_replicas"] == 0, (rank, r)
         assert r["needed"] <= r["loader"] <= r["needed"] + r["row"], (rank, r)
+
+
+def test_hsdp_under_broadcast_rank_0_reads_each_slice_once(tmp_path: Any) -> None:
+    """`load_strategy: broadcast` (rank 0 reads, every rank receives its part): rank 0 read each
+    slice once per rank holding it, the checkpoint once per replica (R x its size; now 1 + 1/S:
+    the other ranks' distinct slices once, its own once more for itself). A 5 MB checkpoint, so
+    that the kernel's count (rank 0's includes the store's socket reads) tells the two apart."""
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path / "llama"), hidden_size=256, intermediate_size=512)
+    ranks = run_workers(_hsdp_worker, 4, "broadcast", path, timeout=180, local_world_size=2)
+    total = checkpoint_tensor_bytes(path)
+    for rank, r in enumerate(ranks):
+        assert r["wrong"] == [] and r["placements"] == {"(Replicate(), Shard(dim=0))"}, (rank, r)
+        assert rank == 0 or r["kernel"] <= KERNEL_SLACK, (rank, r)  # they read nothing
+    streamed, own = ranks[0]["streamed"], ranks[0]["loader"]  # for the others; for itself
+    assert total <= streamed <= 1.05 * total and own <= ranks[0]["needed"] + ranks[0]["row"], ranks[0]
+    assert ranks[0]["kernel"] <= 1.05 * (total + own) + 16 * KERNEL_SLACK, (ranks[0], total)
 
 
 def _hsdp_fault_worker(rank: int, world_size: int, path: str, failing: int) -> tuple[str, float]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger
-from fsdp_offload_cfg.loading.layout import Target
+from fsdp_offload_cfg.loading.layout import Region, Target
 from fsdp_offload_cfg.loading.progress import Progress
 from fsdp_offload_cfg.ranks import agreed, attempt, describe_error, raise_if_any_failed
 
@@ -116,19 +116,28 @@ def _allocate_staging(sizes: list[list[int]], rank: int, world: int,
 def _pack(bucket: list[Target], source: dict[str, torch.Tensor], messages: dict[int, torch.Tensor]) -> int:
     """Rank 0: write each receiving rank's parts into its message (`_check_source` ran), then
     drop each source tensor whose last part this was (its memory is freed now). Returns the
-    checkpoint bytes read for it (parts of streamed tensors)."""
+    checkpoint bytes read for it (parts of streamed tensors).
+
+    A part another rank of this bucket gets too (HSDP: the same slice on every replica) is read
+    once and copied from the first message that holds it: it was read once per replica."""
     read = 0
+    packed: list[list[tuple[Region, torch.Tensor]]] = [[] for _ in bucket]  # per target: parts already packed
     for rank, message in messages.items():
-        for t, offset in zip(bucket, _offsets(bucket, rank)[0]):
+        for i, (t, offset) in enumerate(zip(bucket, _offsets(bucket, rank)[0])):
             if not t.sent_nbytes(rank):
                 continue
-            full = source[t.spec.name]
+            region = t.regions[rank]
             dest = message[offset : offset + t.nbytes_on(rank)]
+            same = next((bytes_ for r, bytes_ in packed[i] if r == region), None)
+            full = source[t.spec.name]
             read_into = getattr(full, "read_into", None)  # a file slice (streamed) reads in place
-            if read_into is not None:
-                read += read_into(t.regions[rank], dest)
+            if same is not None:
+                dest.copy_(same)
+            elif read_into is not None:
+                read += read_into(region, dest)
             else:
-                dest.copy_(as_bytes(full[t.regions[rank]]))
+                dest.copy_(as_bytes(full[region]))
+            packed[i].append((region, dest))
         message[0] = 0
     for t in bucket:
         if t.last:
