@@ -69,6 +69,10 @@ elif [ "$LEG" = axolotl-plugin ]; then
 elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl, matplotlib" >/dev/null 2>&1; then
   echo "[setup] installing ${TORCH_SPEC:-$TORCH_DEFAULT}, ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
   python -m pip install -q --upgrade pip
+  if [ -n "${TORCH_WHEELS:-}" ]; then  # torch downloaded ahead (.ci/run): from there, nothing fetched twice
+    python -m pip install -q --no-index --find-links "$TORCH_WHEELS" "${TORCH_SPEC:-$TORCH_DEFAULT}" \
+      || echo "[setup] installing torch from $TORCH_WHEELS failed: fetching it"
+  fi
   python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" ${PAIR[@]+"${PAIR[@]}"}
   # The package installs into an environment holding any supported pair without changing it; the
   # pins go along so that the test extras (trl, datasets) resolve around them, not over them.
