@@ -284,20 +284,26 @@ PARALLELISM_CONFIG_KEYS_1_15 = frozenset(f"parallelism_config_{name}" for name i
     "sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"))
 
 
+def _launch_dests(prefix: str, fallback: frozenset[str]) -> frozenset[str]:
+    """The installed `accelerate launch` parser's argument names starting with `prefix`;
+    accelerate 1.15's names (`fallback`) where that cannot be read."""
+    try:
+        from accelerate.commands.launch import launch_command_parser
+
+        names = frozenset(a.dest for a in launch_command_parser()._actions if a.dest.startswith(prefix))
+    except Exception:  # noqa: BLE001 - accelerate missing or its parser changed: the names we know
+        return fallback
+    return names or fallback
+
+
 @functools.cache
 def parallelism_config_keys() -> frozenset[str]:
     """The `parallelism_config` keys the installed accelerate reads. `accelerate launch` copies each
     key of the section onto its arguments by name and reads only its own `parallelism_config_*`
     ones, so any other key is dropped without a word; which ones it has depends on its version
     (1.10: dp_replicate, dp_shard, tp, cp sizes and cp_comm_strategy; 1.15 adds cp_backend and
-    the sp_* keys). Read from its launch parser; accelerate 1.15's names where that cannot be read."""
-    try:
-        from accelerate.commands.launch import launch_command_parser
-
-        names = frozenset(a.dest for a in launch_command_parser()._actions if a.dest.startswith("parallelism_config_"))
-    except Exception:  # noqa: BLE001 - accelerate missing or its parser changed: the names we know
-        return PARALLELISM_CONFIG_KEYS_1_15
-    return names or PARALLELISM_CONFIG_KEYS_1_15
+    the sp_* keys)."""
+    return _launch_dests("parallelism_config_", PARALLELISM_CONFIG_KEYS_1_15)
 
 
 DYNAMO_CONFIG_KEYS_1_15 = frozenset({"dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
@@ -308,13 +314,7 @@ DYNAMO_CONFIG_KEYS_1_15 = frozenset({"dynamo_backend", "dynamo_mode", "dynamo_us
 def dynamo_config_keys() -> frozenset[str]:
     """The `dynamo_config` keys the installed accelerate reads (its `--dynamo_*` arguments; a key
     of the section without the `dynamo_` prefix gets it, any other is dropped without a word)."""
-    try:
-        from accelerate.commands.launch import launch_command_parser
-
-        names = frozenset(a.dest for a in launch_command_parser()._actions if a.dest.startswith("dynamo_"))
-    except Exception:  # noqa: BLE001 - accelerate missing or its parser changed: the names we know
-        return DYNAMO_CONFIG_KEYS_1_15
-    return names or DYNAMO_CONFIG_KEYS_1_15
+    return _launch_dests("dynamo_", DYNAMO_CONFIG_KEYS_1_15)
 
 
 # What each consumer does when fsdp_config has no version.
