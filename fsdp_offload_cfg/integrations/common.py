@@ -94,14 +94,18 @@ def launch_sections_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
     Only the keys the file gives: accelerate reads the same defaults for the others."""
     before = registry.environ_before_patching()
     env = {}
-    if cfg.parallelism_config and "ACCELERATE_USE_PARALLELISM_CONFIG" not in before:
+    if cfg.parallelism_config and _SECTION_MARKERS["parallelism_config"] not in before:
         env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
         env.update({str(k).upper(): str(v) for k, v in cfg.parallelism_config.items()})
-    if cfg.dynamo_config and "ACCELERATE_DYNAMO_BACKEND" not in before:
+    if cfg.dynamo_config and _SECTION_MARKERS["dynamo_config"] not in before:
         for key, value in cfg.dynamo_config.items():
             name = str(key).removeprefix("dynamo_").upper()
             env[f"ACCELERATE_DYNAMO_{name}"] = str(value).upper() if name == "BACKEND" else str(value)
     return env
+
+
+# The variable `accelerate launch` always sets when it exports a section: set, the launch did.
+_SECTION_MARKERS = {"parallelism_config": "ACCELERATE_USE_PARALLELISM_CONFIG", "dynamo_config": "ACCELERATE_DYNAMO_BACKEND"}
 
 
 def ensure_process_group() -> None:
@@ -169,9 +173,8 @@ def _parallelism_text(session: registry.PatchSession) -> str:
     """The file's `parallelism_config` and `dynamo_config` where this session exported them (no
     launch had): the line says what the job gets, which it silently did not before."""
     parts = []
-    for section, marker, prefix in (("parallelism_config", "ACCELERATE_USE_PARALLELISM_CONFIG", "parallelism_config_"),
-                                    ("dynamo_config", "ACCELERATE_DYNAMO_BACKEND", "dynamo_")):
-        if marker in session.env_before:
+    for section, prefix in (("parallelism_config", "parallelism_config_"), ("dynamo_config", "dynamo_")):
+        if _SECTION_MARKERS[section] in session.env_before:
             values = getattr(session.config, section).items()
             parts.append(f", {section} " + ", ".join(f"{str(k).removeprefix(prefix)} {v}" for k, v in values))
     return "".join(parts)
