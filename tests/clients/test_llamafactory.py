@@ -3,8 +3,8 @@ code of ours in between, on 2 gloo CPU ranks (`FORCE_TORCHRUN=1`): the `clients`
 `pip install llamafactory==0.9.5` chose the versions (transformers 5.6, accelerate 1.11, trl
 0.24). Skipped where LlamaFactory is not installed (the other legs).
 
-Against the same run with the plugin's loader and offload off: SFT under auto (with offload),
-broadcast and sharded saves bit-equal weights, and so does LoRA with DoRA and new tokens under
+Against the same run with the plugin's loader and offload off: SFT under auto (with offload:
+auto reads sharded here, one node) and broadcast saves bit-equal weights, and so does LoRA with DoRA and new tokens under
 sharded; DPO (policy and a reference model LlamaFactory
 prepares itself) starts and trains with TRL imported after the plugin (it failed at import while
 `patch()` imported TRL first) and saves the baseline's policy bit for bit; the lines that prove the plugin is on are there; a typo stops every
@@ -120,7 +120,9 @@ def baseline(files: Path) -> dict:
     return _weights(out)
 
 
-@pytest.mark.parametrize("variant", ["auto_offload", "broadcast", "sharded"])
+# Each of the loader's two ways of filling the shards once: auto reads sharded on one node (its line
+# says so); a third launch with `sharded` named took 40 s of CI and ran the same path.
+@pytest.mark.parametrize("variant", ["auto_offload", "broadcast"])
 def test_sft_saves_what_the_run_without_the_loader_saves(files: Path, baseline: dict, variant: str):
     import torch
 
@@ -134,6 +136,7 @@ def test_sft_saves_what_the_run_without_the_loader_saves(files: Path, baseline: 
             f"activation offload: {offload})") in proc.stderr, proc.stderr[-3000:]
     if variant == "auto_offload":
         assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr
+        assert "sharded loading: rank 0 read" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_sft_under_an_activation_budget_plans_each_layer_and_saves_what_the_baseline_saves(files: Path,
