@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -20,6 +21,24 @@ def _allreduce(rank: int, world_size: int) -> float:
 def _fail_on_rank1(rank: int, world_size: int) -> None:
     if rank == 1:
         raise RuntimeError("boom on rank 1")
+
+
+def _abort_on_rank0(rank: int, world_size: int, stderr_path: str) -> str:
+    if rank == 0:
+        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT), 2)  # this rank's stderr, where the test can read it
+        os.abort()  # as glibc does on a corrupted heap ("malloc(): unaligned tcache chunk detected")
+    return "done"
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_python_stack(tmp_path):
+    """A rank of the tied-weights fixture died once of SIGABRT from glibc's heap check, and all the
+    failure said was "exit codes [-6]": no Python line to start from."""
+    stderr_path = tmp_path / "rank0.stderr"
+    with pytest.raises(AssertionError, match=r"exit codes \[-6\], a negative one the signal"):
+        run_workers(_abort_on_rank0, 2, str(stderr_path), timeout=120)
+    text = stderr_path.read_text()
+    assert "Fatal Python error: Aborted" in text, text
+    assert "in _abort_on_rank0" in text and "test_dist_harness.py" in text, text
 
 
 def test_gloo_allreduce_is_real():

@@ -12,10 +12,15 @@ got: the parent's environment as it is at `run_workers` (the server's is the one
 with), restored before the function and its arguments are unpickled, so the test module and the
 package import under it. A forked rank runs no `atexit` handlers at its end, which is why the
 tests of exit behaviour start real launchers (`test_launch.py`, `_real_runs.py`), never this.
+
+A rank that dies of a signal (a native crash: SIGSEGV, or SIGABRT from glibc's heap checks) prints
+every thread's Python stack to its stderr first (`faulthandler`, which pytest turns on in its own
+process only), so the failure names the Python line that was running, not just an exit code.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -58,6 +63,7 @@ def _worker(
     os.environ.clear()
     os.environ.update(environ)  # the parent's at run_workers, as a spawned rank would inherit it
     store = None
+    faulthandler.enable(all_threads=True)  # a native crash names its Python line (module docstring)
     try:
         fn, args, env = pickle.loads(call)  # imports the test module under that environment
         os.environ.update(env)
@@ -184,7 +190,8 @@ def run_workers(
     if missing:
         raise AssertionError(
             f"ranks {missing} did not report within {timeout:.0f}s (hung or crashed; exit codes "
-            f"{[procs[r].exitcode for r in missing]}); reported: "
+            f"{[procs[r].exitcode for r in missing]}, a negative one the signal that ended the rank, whose "
+            f"Python stacks are in the captured stderr); reported: "
             + "; ".join(f"rank {r}: {s}" for r, (s, _) in sorted(results.items()))
             + "".join(f"\n--- rank {r} ---\n{p}" for r, (s, p) in sorted(results.items()) if s == "error")
         )
