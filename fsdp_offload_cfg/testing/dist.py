@@ -39,9 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# imported once by the forkserver, before any rank forks from it; what nearly every rank imports
+# imported once by the forkserver, before any rank forks from it; what nearly every rank imports.
+# The last four were each rank's own until run 34 (docs/compatibility.md): the test module imports
+# pytest, and `patch()` imports transformers' `training_args` (which imports PEFT) and validates
+# with jsonschema: about 900 modules a rank, 11-14% of the CPU the ranks of test_budget.py,
+# test_final_model.py, test_before_prepare.py and test_tied_groups.py took. Nothing that reads the
+# environment at import for a test to set (datasets, TRL, the Trainer) is here.
 _WARM = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers", "accelerate",
-         "transformers.models.llama.modeling_llama"]
+         "transformers.models.llama.modeling_llama",
+         "pytest", "transformers.training_args", "peft", "jsonschema"]
 
 
 def _worker(
