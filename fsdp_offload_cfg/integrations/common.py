@@ -82,6 +82,11 @@ def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]
     return {**env, **launch_sections_env(cfg)}
 
 
+# The variable `accelerate launch` always sets when it exports a section: set, the launch did.
+_SECTION_MARKERS = {"parallelism_config": "ACCELERATE_USE_PARALLELISM_CONFIG",
+                    "dynamo_config": "ACCELERATE_DYNAMO_BACKEND"}
+
+
 def launch_sections_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
     """The file's `parallelism_config` and `dynamo_config` sections as `accelerate launch` exports
     them: the PARALLELISM_CONFIG_* and ACCELERATE_DYNAMO_* variables an `Accelerator` built without
@@ -102,10 +107,6 @@ def launch_sections_env(cfg: FSDPOffloadConfig) -> dict[str, str]:
             name = str(key).removeprefix("dynamo_").upper()
             env[f"ACCELERATE_DYNAMO_{name}"] = str(value).upper() if name == "BACKEND" else str(value)
     return env
-
-
-# The variable `accelerate launch` always sets when it exports a section: set, the launch did.
-_SECTION_MARKERS = {"parallelism_config": "ACCELERATE_USE_PARALLELISM_CONFIG", "dynamo_config": "ACCELERATE_DYNAMO_BACKEND"}
 
 
 def ensure_process_group() -> None:
