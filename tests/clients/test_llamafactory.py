@@ -3,11 +3,12 @@ code of ours in between, on 2 gloo CPU ranks (`FORCE_TORCHRUN=1`): the `clients`
 `pip install llamafactory==0.9.5` chose the versions (transformers 5.6, accelerate 1.11, trl
 0.24). Skipped where LlamaFactory is not installed (the other legs).
 
-Against the same run with the plugin's loader and offload off: SFT under auto (with offload:
-auto reads sharded here, one node) and broadcast saves bit-equal weights, and so does LoRA with
-DoRA and new tokens under sharded; DPO (policy and a reference model LlamaFactory prepares itself) starts and trains with TRL imported after the plugin (it failed at import while
-`patch()` imported TRL first) and saves the baseline's policy bit for bit; the lines that prove the plugin is on are there; a typo stops every
-rank with status 1.
+Against the same run with the plugin's loader and offload off: SFT under auto (with offload: auto
+reads sharded here, one node) and broadcast saves bit-equal weights, and so does LoRA with DoRA and
+new tokens under sharded; DPO (policy and a reference model LlamaFactory prepares itself) starts and
+trains with TRL imported after the plugin (it failed at import while `patch()` imported TRL first)
+and saves the baseline's policy bit for bit; the lines that prove the plugin is on are there; a typo
+stops every rank with status 1.
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@ leg, where `pip install ms-swift==4.6.0` chose the versions (transformers 5.19, 
 trl 0.29, peft 0.20). Skipped where ms-swift is not installed (the other legs).
 
 The plugin's config travels in ms-swift's `--fsdp` JSON (`fsdp` + `fsdp_config`, handed to the
-Trainer's arguments). Against the same run with the loader and offload off: full SFT under
-broadcast (through `run`) and auto + offload (through ms-swift's `--external_plugins`; auto reads
-sharded on one node) saves bit-equal weights, with the lines that prove the plugin is on, and so
-does an activation budget (planned per layer, ms-swift's checkpointing off); an offload left with nothing to move under ms-swift's default gradient
-checkpointing says so at the end; LoRA under both strategies saves the same adapters (ms-swift
-seeds each rank differently); the unprefixed `activation_cpu_offload` (ms-swift's own key too,
-which turns its offloader on beside ours) stops every rank naming both.
+Trainer's arguments). Against the same run with the loader and offload off: full SFT under broadcast
+(through `run`) and auto + offload (through ms-swift's `--external_plugins`; auto reads sharded on
+one node) saves bit-equal weights, with the lines that prove the plugin is on, and so does an
+activation budget (planned per layer, ms-swift's checkpointing off); an offload left with nothing to
+move under ms-swift's default gradient checkpointing says so at the end; LoRA under both strategies
+saves the same adapters (ms-swift seeds each rank differently); the unprefixed
+`activation_cpu_offload` (ms-swift's own key too, which turns its offloader on beside ours) stops
+every rank naming both.
 """
 
 from __future__ import annotations
