@@ -576,7 +576,7 @@ def test_override_problems_name_the_key(tmp_path: Path):
 RULES = [
     ({"version": 2, "reshard_after_forward": "SHARD_GRAD_OP"}, "reshard_after_forward", "FSDP2 needs true or false"),
     ({"version": 1, "reshard_after_forward": True}, "reshard_after_forward", "FSDP1 needs a sharding strategy"),
-    ({"version": 2, "sharding_strategy": "HYBRID_SHARD"}, "sharding_strategy", "use reshard_after_forward: true instead"),
+    ({"version": 2, "sharding_strategy": "FULL_SHARD"}, "sharding_strategy", "use reshard_after_forward: true instead"),
     ({"cpu_ram_efficient_loading": True, "sync_module_states": False}, "sync_module_states", "must be true when cpu_ram_efficient_loading"),
     ({"version": 1, "cpu_ram_efficient_loading": True, "sync_module_states": "false"}, "sync_module_states", "must be true"),
     ({"load_strategy": "broadcast"}, "load_strategy", "only applies with cpu_ram_efficient_loading: true"),
@@ -618,6 +618,60 @@ def test_rule_mentions_accelerates_fsdp1_default(tmp_path: Path):
     problem = only_problem(write(tmp_path, "v.yaml", ACCELERATE_YAML.format(fsdp="  fsdp_reshard_after_forward: true\n")))
     assert problem.path == "fsdp_config.fsdp_reshard_after_forward"
     assert "fsdp_version is unset; accelerate defaults to 1" in problem.message
+
+
+HYBRID_MESH = "parallelism_config section with parallelism_config_dp_replicate_size"
+
+
+@pytest.mark.parametrize("fsdp", ["  fsdp_version: 2\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
+                                  "  fsdp_version: 2\n  fsdp_reshard_after_forward: HYBRID_SHARD\n",
+                                  "  fsdp_version: 2\n  fsdp_sharding_strategy: 5\n"],
+                         ids=["sharding_strategy", "reshard_after_forward", "zero2-by-number"])
+def test_hybrid_sharding_under_fsdp2_names_the_mesh_not_only_the_bool(tmp_path: Path, fsdp: str):
+    """`accelerate to-fsdp2` maps HYBRID_SHARD to `reshard_after_forward: true`, and the message
+    said only that: followed, the job shards over every rank and has no replicas. FSDP2's hybrid
+    sharding is accelerate's parallelism_config mesh, which the message now names."""
+    problem = only_problem(write(tmp_path, "h.yaml", ACCELERATE_YAML.format(fsdp=fsdp)))
+    assert HYBRID_MESH in problem.message and "(the replicas, such as one per node)" in problem.message
+    assert "reshard_after_forward: " + ("false" if "5" in fsdp else "true") in problem.message
+
+
+def test_hybrid_sharding_with_the_mesh_in_the_file_needs_only_the_bool(tmp_path: Path):
+    mesh = "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 4\n"
+    for fsdp, fragment in (("  fsdp_version: 2\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
+                            "true instead (the parallelism_config section makes the replicas)"),
+                           ("  fsdp_version: 2\n  fsdp_reshard_after_forward: HYBRID_SHARD\n",
+                            "maps HYBRID_SHARD to true)")):
+        problem = only_problem(write(tmp_path, "m.yaml", ACCELERATE_YAML.format(fsdp=fsdp) + mesh))
+        assert HYBRID_MESH not in problem.message and problem.message.endswith(fragment), problem.message
+
+
+@pytest.mark.parametrize("fsdp", ["  fsdp_version: 2\n  fsdp_sharding_strategy: NO_SHARD\n",
+                                  "  fsdp_version: 2\n  fsdp_reshard_after_forward: NO_SHARD\n"])
+def test_no_shard_under_fsdp2_points_to_ddp(tmp_path: Path, fsdp: str):
+    """FSDP2 has no unsharded mode; the bool accelerate maps NO_SHARD to still shards everything."""
+    problem = only_problem(write(tmp_path, "n.yaml", ACCELERATE_YAML.format(fsdp=fsdp)))
+    assert "use DDP (distributed_type: MULTI_GPU)" in problem.message
+    assert "fsdp_reshard_after_forward: false is the nearest FSDP2 setting" in problem.message
+
+
+def test_advice_never_says_to_set_the_trainers_fsdp_option_to_a_bool():
+    """The Trainer's `fsdp` option string sets reshard_after_forward, and the advice was spelled
+    with the key that set it: "use fsdp: false instead", which turns FSDP off."""
+    problem = only_problem({"fsdp": "full_shard", "fsdp_config": {"version": 2, "sharding_strategy": "NO_SHARD"}})
+    assert problem.path == "fsdp_config.sharding_strategy"
+    assert "fsdp: false" not in problem.message and "reshard_after_forward: false" in problem.message
+    assert "use DDP (no fsdp in TrainingArguments)" in problem.message
+
+
+@pytest.mark.parametrize(("option", "fragment"), [
+    ("hybrid_shard", "pass ParallelismConfig(dp_replicate_size="),
+    ("hybrid_shard_zero2", "fsdp_config.reshard_after_forward: false"),
+    ("no_shard", "use DDP (no fsdp in TrainingArguments)"),
+])
+def test_trainer_fsdp1_only_options_under_fsdp2_say_what_fsdp2_needs(option: str, fragment: str):
+    problem = only_problem({"fsdp": f"{option} auto_wrap", "fsdp_config": {"version": 2}})
+    assert problem.path == "fsdp" and "only available with FSDP1" in problem.message and fragment in problem.message
 
 
 def test_fsdp_config_under_another_distributed_type(tmp_path: Path):

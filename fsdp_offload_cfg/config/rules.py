@@ -43,6 +43,14 @@ class RuleContext:
             return self.written[key].rpartition(".")[2]
         return f"fsdp_{key}" if self.prefixed and key not in LAUNCH_KEYS else key
 
+    def config_key(self, key: str) -> str:
+        """`key` as an fsdp_config key of the user's spelling: unlike `spell`, never the Trainer's
+        `fsdp` option string that may have set it (advice to write `fsdp: false` turns FSDP off)."""
+        spelled = self.spell(key)
+        if spelled != "fsdp":
+            return spelled
+        return f"fsdp_{key}" if self.prefixed else key
+
     def where(self, key: str) -> str:
         """The key path a problem with `key` is reported at."""
         if key in self.written:
@@ -76,10 +84,46 @@ class Rule:
     message: Callable[[RuleContext], str]
 
 
+def fsdp2_form(strategy: str, layout: Layout, reshard_key: str, replicas: bool = False) -> str:
+    """What to write under FSDP2 for an FSDP1 sharding strategy. `accelerate to-fsdp2` maps every
+    strategy to a `reshard_after_forward` bool, but for two of them the bool alone is not the same
+    run: HYBRID_SHARD's replicas are a 2-D mesh in FSDP2 (accelerate's `parallelism_config`), and
+    with the bool alone the job shards over every rank and replicates nothing; NO_SHARD has no FSDP2
+    form at all (FSDP2 always shards), its run is DDP's. `replicas`: the config has that mesh already."""
+    reshard = f"{reshard_key}: {str(FSDP2_RESHARD_FOR[strategy]).lower()}"
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP") or (replicas and strategy.startswith("HYBRID")):
+        return f"use {reshard} instead" + (" (the parallelism_config section makes the replicas)" if replicas else "")
+    if strategy == "NO_SHARD":
+        ddp = "distributed_type: MULTI_GPU" if layout in ("accelerate", "env") else "no fsdp in TrainingArguments"
+        return (f"FSDP2 always shards the parameters: for every rank to hold the whole model use DDP ({ddp}); "
+                f"{reshard} is the nearest FSDP2 setting")
+    return f"FSDP2 shards hybrid over a 2-D mesh: {_hybrid_mesh(layout)}, with {reshard}"
+
+
+def _has_replicas(ctx: RuleContext) -> bool:
+    """The config file's `parallelism_config` section asks for more than one replica."""
+    section = ctx.values.get("parallelism_config") or {}
+    replicas = section.get("parallelism_config_dp_replicate_size") if isinstance(section, Mapping) else None
+    return isinstance(replicas, int) and replicas > 1
+
+
+def _hybrid_mesh(layout: Layout) -> str:
+    if layout in ("accelerate", "env"):
+        return ("add to the config file a parallelism_config section with parallelism_config_dp_replicate_size "
+                "(the replicas, such as one per node) and parallelism_config_dp_shard_size (the ranks in each)")
+    return ("pass ParallelismConfig(dp_replicate_size=<the replicas, such as one per node>, dp_shard_size=<the "
+            "ranks in each>) from accelerate.parallelism_config as TrainingArguments' or the Accelerator's "
+            "parallelism_config")
+
+
 def _fsdp2_reshard_name(ctx: RuleContext) -> str:
     value = ctx["reshard_after_forward"]
-    return (f"FSDP2{ctx.why_version()} needs true or false; got {ctx.shown('reshard_after_forward')} "
-            f"(accelerate to-fsdp2 maps {value} to {str(FSDP2_RESHARD_FOR[value]).lower()})")
+    mapped = (f"FSDP2{ctx.why_version()} needs true or false; got {ctx.shown('reshard_after_forward')} "
+              f"(accelerate to-fsdp2 maps {value} to {str(FSDP2_RESHARD_FOR[value]).lower()})")
+    if value in ("FULL_SHARD", "SHARD_GRAD_OP") or (value.startswith("HYBRID") and _has_replicas(ctx)):
+        return mapped
+    form = fsdp2_form(value, ctx.layout, ctx.config_key("reshard_after_forward"))
+    return f"{mapped}, but that bool alone is not {value}: {form}"
 
 
 RULES: tuple[Rule, ...] = (
@@ -91,8 +135,8 @@ RULES: tuple[Rule, ...] = (
                    f"got {c.shown('reshard_after_forward')}"),
     Rule("sharding-strategy-is-fsdp1-only", ("version", "sharding_strategy"), "sharding_strategy",
          lambda c: c.version == 2 and "sharding_strategy" in c.explicit,
-         lambda c: f"is FSDP1-only and ignored by FSDP2{c.why_version()}; use {c.spell('reshard_after_forward')}: "
-                   f"{str(FSDP2_RESHARD_FOR[c['sharding_strategy']]).lower()} instead"),
+         lambda c: f"is FSDP1-only and ignored by FSDP2{c.why_version()}; " + fsdp2_form(
+             c["sharding_strategy"], c.layout, c.config_key("reshard_after_forward"), _has_replicas(c))),
     Rule("efficient-loading-needs-sync", ("cpu_ram_efficient_loading", "sync_module_states"), "sync_module_states",
          lambda c: c["cpu_ram_efficient_loading"] and not c["sync_module_states"],
          lambda c: f"must be true when {c.spell('cpu_ram_efficient_loading')} is true{c.why_efficient_loading()} "

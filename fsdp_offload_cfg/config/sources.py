@@ -46,7 +46,7 @@ from fsdp_offload_cfg.config.keys import (
 )
 from fsdp_offload_cfg.config.model import ConfigError, FSDPOffloadConfig, Problem
 from fsdp_offload_cfg.config.reading import check_shape, parse_yaml, plain, read_config_file
-from fsdp_offload_cfg.config.rules import RuleContext, broken_rules
+from fsdp_offload_cfg.config.rules import RuleContext, broken_rules, fsdp2_form
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
 ENV_SOURCE = "env FSDP_*"
@@ -545,7 +545,8 @@ def _apply_trainer_fsdp(option: Any, given: _Values, file: str, problems: list[P
         elif low.upper() in ("FULL_SHARD", "SHARD_GRAD_OP"):
             _set_default(given, "reshard_after_forward", FSDP2_RESHARD_FOR[low.upper()])
         else:
-            problems.append(Problem(file, "fsdp", f"{item!r} is only available with FSDP1 (fsdp_config.version 1)"))
+            problems.append(Problem(file, "fsdp", f"{item!r} is only available with FSDP1 (fsdp_config.version 1); "
+                                    + fsdp2_form(low.upper(), "trainer", "fsdp_config.reshard_after_forward")))
     return True
 
 
