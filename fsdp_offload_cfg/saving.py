@@ -44,6 +44,8 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
     and the Trainer's own saves) stays as it is. Without one the ranks gather it here and only
     rank 0 writes, whatever `is_main_process` each passed. A call some ranks never make raises on
     the ranks that made it, after the process-group timeout (the wait is logged each minute).
+    `distributed_checkpoint=True`, transformers' save for a model it sharded itself, raises on
+    every rank before anything is written, naming what works for this model instead.
     PEFT's `save_pretrained` takes the state dict through `**kwargs`; transformers' by name."""
     signature = inspect.signature(original)
     by_name = "state_dict" in signature.parameters
@@ -53,10 +55,12 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
     def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
         call = signature.bind(self, *args, **kwargs)
         given, extra = call.arguments, call.arguments.get(extras, {})
-        if (given.get("state_dict", extra.get("state_dict")) is not None or given.get("distributed_checkpoint")
+        if (given.get("state_dict", extra.get("state_dict")) is not None
                 or getattr(self, "_hf_peft_config_loaded", False) or not _sharded_by_fully_shard(self)
                 or not distributed_ready()):
             return original(self, *args, **kwargs)
+        if given.get("distributed_checkpoint"):
+            raise ValueError(_NO_DISTRIBUTED_CHECKPOINT.format(model=type(self).__name__))
         _every_rank_or_raise(f"{type(self).__name__}.save_pretrained({given['save_directory']!r})")
         full = gathered_state_dict(self)
         if by_name:
@@ -67,6 +71,20 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
         return original(*call.args, **call.kwargs)
 
     return save_pretrained
+
+
+# transformers' `distributed_checkpoint=True` (5.16 and 5.24 have it) writes each rank's slices for a model it
+# sharded itself (`distributed_config`); for one accelerate sharded it stopped with "requires an
+# FSDP- or TP-sharded model", having written config.json already. Said before anything is written,
+# on every rank alike (no collective is involved), with the two ways that do work.
+_NO_DISTRIBUTED_CHECKPOINT = (
+    "{model}.save_pretrained(..., distributed_checkpoint=True) is transformers' sharded save for a model transformers "
+    "sharded itself (from_pretrained(distributed_config=...)); this one was sharded by accelerate (FSDP2), and "
+    "transformers cannot save it that way. For a sharded checkpoint without gathering the model, use "
+    "accelerator.save_state(dir) with fsdp_state_dict_type: SHARDED_STATE_DICT (`accelerate merge-weights` makes one "
+    "model of it later); for a model from_pretrained reads, call save_pretrained(dir) on every rank without "
+    "distributed_checkpoint (the weights are gathered and rank 0 writes them). Nothing was written."
+)
 
 
 def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:

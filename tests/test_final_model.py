@@ -255,6 +255,38 @@ def test_save_pretrained_on_rank_0_alone_raises_saying_to_call_it_on_every_rank(
     assert "every rank with is_main_process=accelerator.is_main_process" in message, message
 
 
+def _distributed_checkpoint_worker(rank: int, world_size: int, path: str, out: str) -> str:
+    accelerator, model = _accelerate_loop(path, "loader_off")
+    try:
+        accelerator.unwrap_model(model).save_pretrained(out, distributed_checkpoint=True)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_save_pretrained_with_distributed_checkpoint_of_a_model_accelerate_sharded_says_what_works(
+        tmp_path: Any) -> None:  # fmt: skip
+    """transformers' `distributed_checkpoint=True` (in 5.16 and 5.24; not in 4.57 or 5.6) saves only a model transformers sharded
+    itself: for one accelerate sharded it stopped with "requires an FSDP- or TP-sharded model" (it
+    is one) after writing config.json. Every rank now says why and what to use instead, and
+    nothing is written."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    if "distributed_checkpoint" not in inspect.signature(PreTrainedModel.save_pretrained).parameters:
+        pytest.skip("this transformers' save_pretrained has no distributed_checkpoint (4.57 and 5.6 have none)")
+    out = tmp_path / "out"
+    messages = run_workers(_distributed_checkpoint_worker, 2, save_llama(str(tmp_path / "llama")), str(out),
+                           timeout=180)  # fmt: skip
+    for message in messages:
+        assert "sharded by accelerate (FSDP2)" in message and "accelerator.save_state(dir)" in message, message
+        assert "call save_pretrained(dir) on every rank without distributed_checkpoint" in message, message
+    assert not out.exists() or not os.listdir(out), os.listdir(out)
+
+
 def _fsdp1_worker(rank: int, world_size: int, path: str, out: str, state_dict_type: str) -> dict[str, Any]:
     """FSDP1 on the CPU, trained 2 steps with a checkpoint at step 2, then `save_model`; returns
     the trained weights as `summon_full_params` gathers them, without any offload."""
