@@ -266,6 +266,42 @@ def test_run_keeps_the_users_own_sitecustomize(tmp_path: Path):
     assert proc.stdout.split() == ["1", "True"], proc.stderr[-2000:]
 
 
+def test_run_stops_a_python_of_another_environment_with_one_line_saying_where_the_plugin_is(tmp_path: Path):
+    """Every Python the command starts reads the bootstrap folder, also one of another environment
+    (a command from another venv, or the CLI installed on its own with pipx), which cannot import
+    the package: Python printed "Error in sitecustomize" with a ModuleNotFoundError and ran the
+    script without the plugin."""
+    import venv
+
+    venv.create(tmp_path / "other", with_pip=False, symlinks=True)
+    other = tmp_path / "other" / "bin" / "python"
+    # only the bootstrap folder `run` puts first: whatever else PYTHONPATH holds (the package
+    # itself, on a machine that installs it with `pip --target`) is not the other environment's
+    command = ["sh", "-c", f'PYTHONPATH="${{PYTHONPATH%%{os.pathsep}*}}" exec {other} -c "print(\'ran\')"']
+    proc = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", *command],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 1 and "ran" not in proc.stdout, proc
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "Error in" not in proc.stderr, proc
+    assert f"{other} cannot import fsdp_offload_cfg, which is installed at" in proc.stderr, proc.stderr
+    assert "install fsdp-offload-cfg into the environment that runs the command" in proc.stderr, proc.stderr
+    off = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", "env", f"{SWITCH}=0", *command],
+                         capture_output=True, text=True, timeout=120, env=_env())
+    assert (off.returncode, off.stdout, off.stderr) == (0, "ran\n", ""), off  # a process that turned it off
+
+
+def test_the_bootstrap_reads_the_switch_as_autopatch_does():
+    """The bootstrap holds its own copy of the switch's name and off values: it must read them
+    where the package cannot be imported."""
+    import ast
+
+    from fsdp_offload_cfg import autopatch
+
+    tree = ast.parse((Path(autopatch.__file__).parent / "_bootstrap" / "sitecustomize.py").read_text())
+    values = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+              if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)}  # fmt: skip
+    assert (values["SWITCH"], values["OFF_VALUES"]) == (autopatch.SWITCH, autopatch.OFF_VALUES)
+
+
 @pytest.mark.parametrize(
     "argv, launcher",
     [

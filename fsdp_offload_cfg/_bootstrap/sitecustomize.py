@@ -6,6 +6,12 @@ import os
 import sys
 
 
+# `autopatch.SWITCH` and `OFF_VALUES`, for a Python that cannot import the package
+# (`tests/test_zero_code.py` checks they agree)
+SWITCH = "FSDP_OFFLOAD_CFG_AUTOPATCH"
+OFF_VALUES = ("", "0", "false", "no", "off")
+
+
 def _run_shadowed() -> None:
     """The next `sitecustomize.py` on `sys.path` after this folder, if any."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -19,8 +25,30 @@ def _run_shadowed() -> None:
             return
 
 
+def _stop_without_the_package(error: ModuleNotFoundError) -> None:
+    """This folder is inherited by every Python the command starts, also one of another
+    environment, which cannot import the package (a command from another venv or conda env, or
+    the CLI installed on its own with pipx). Python would print "Error in sitecustomize" and run
+    the script without the plugin the user asked for: one line and status 1 instead, as the
+    `.pth` hook does."""
+    if not (error.name or "").startswith("fsdp_offload_cfg"):
+        raise error
+    if os.environ.get(SWITCH, "").strip().lower() in OFF_VALUES:  # a process that turned it off: nothing to do
+        return
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.stderr.write(
+        f"[fsdp_offload_cfg] fsdp-offload-cfg run: {sys.executable} cannot import fsdp_offload_cfg, which is "
+        f"installed at {package} for another Python; install fsdp-offload-cfg into the environment that runs "
+        "the command (pip install fsdp-offload-cfg there), or run the command from the environment that has it\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
 _run_shadowed()
 
-from fsdp_offload_cfg.autopatch import activate  # noqa: E402 - after the shadowed one, which may set paths
-
-activate()
+try:
+    from fsdp_offload_cfg.autopatch import activate  # noqa: E402 - after the shadowed one, which may set paths
+except ModuleNotFoundError as missing:
+    _stop_without_the_package(missing)
+else:
+    activate()
