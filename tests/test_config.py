@@ -749,6 +749,15 @@ def test_missing_file_or_directory_is_unreadable(path: str):
     assert info.value.unreadable and info.value.problems[0].file == path
 
 
+def test_a_missing_relative_path_says_which_folder_it_was_read_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`patch("fsdp2.yaml")` in a script launched from another folder: the message named only the
+    file, and the user looked beside the script, where it is."""
+    monkeypatch.chdir(tmp_path)
+    problem = only_problem("fsdp2.yaml")
+    assert f"(a relative path is read from the current folder, {tmp_path})" in problem.message, problem.message
+    assert "current folder" not in only_problem(str(tmp_path / "fsdp2.yaml")).message  # an absolute path says it all
+
+
 @pytest.mark.parametrize(("content", "fragment"), [
     ("", "holds no settings"),
     ("- 1\n- 2\n", "expected a mapping at the top level"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +59,7 @@ def read_config_file(path: str) -> dict[Any, Any]:
         with open(path, encoding="utf-8") as handle:
             text = handle.read(MAX_BYTES + 1)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise _unreadable(path, _reason(exc)) from exc
+        raise _unreadable(path, _reason(exc) + _where_relative(path, exc)) from exc
     if len(text) > MAX_BYTES:
         raise _unreadable(path, f"larger than {MAX_BYTES // 2**20} MiB; a config file is a few KB")
     data = _parse_json_file(text, path) if path.lower().endswith(".json") else parse_yaml(text, path)
@@ -161,6 +162,14 @@ def _too_deep(where: str) -> ConfigError:
 
 def _unreadable(where: str, reason: str) -> ConfigError:
     return ConfigError([Problem(where, "", f"cannot read or parse the file: {reason}")], unreadable=True)
+
+
+def _where_relative(path: str, exc: BaseException) -> str:
+    """Where a relative path that was not found was looked for: `patch("fsdp2.yaml")` in a script
+    started from another folder reads the current folder, not the script's."""
+    if not isinstance(exc, FileNotFoundError) or os.path.isabs(path):
+        return ""
+    return f" (a relative path is read from the current folder, {os.getcwd()})"
 
 
 def _reason(exc: BaseException) -> str:
