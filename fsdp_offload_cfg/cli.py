@@ -35,7 +35,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_UNREADABLE
+    if args.verb in ("validate", "explain", "estimate") and not (args.files if args.verb == "validate" else args.file):
+        default = _accelerate_default_config(args.verb)
+        if default is None:
+            return EXIT_UNREADABLE
+        args.files, args.file = [default], default
     return args.run(args)
+
+
+def _accelerate_default_config(verb: str) -> str | None:
+    """No FILE given: the config `accelerate launch` reads without `--config_file` (the one
+    `accelerate config` writes), said on stderr; None, and why, where there is none."""
+    from fsdp_offload_cfg.discovery import accelerate_default_config_path
+
+    path = accelerate_default_config_path()
+    if not path.is_file():
+        _print(f"fsdp-offload-cfg {verb}: no FILE given, and accelerate has no config of its own at {path} (`accelerate "
+               "config` writes one there); name the config file to read", file=sys.stderr)
+        return None
+    _print(f"fsdp-offload-cfg {verb}: no FILE given; reading accelerate's own config, {path} (what accelerate launch "
+           "reads without --config_file)", file=sys.stderr)
+    return str(path)
+
+
+_DEFAULT_FILE_HELP = "default: accelerate's own config, which accelerate launch reads without --config_file"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                                   metavar="{validate,schema,explain,estimate,run,swift-plugin,install-hook,uninstall-hook}")
 
     validate = verbs.add_parser("validate", help="check config files; exit 0 valid, 1 invalid, 2 unreadable")
-    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.add_argument("files", nargs="*", metavar="FILE", help=_DEFAULT_FILE_HELP)
     validate.add_argument("--format", choices=("text", "json"), default="text")
     _add_set(validate)
     validate.set_defaults(run=_validate)
@@ -54,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     schema.set_defaults(run=lambda args: _print(schema_text(), end=""))
 
     explain = verbs.add_parser("explain", help="print the effective config and the patches it turns on")
-    explain.add_argument("file", metavar="FILE")
+    explain.add_argument("file", nargs="?", metavar="FILE", help=_DEFAULT_FILE_HELP)
     explain.add_argument("--format", choices=("yaml", "json"), default="yaml")
     explain.add_argument("--num-processes", type=_count, metavar="P",
                          help="ranks of the launch to plan for (default: the config's num_processes, else 1)")
@@ -62,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.set_defaults(run=_explain)
 
     estimate = verbs.add_parser("estimate", help="per-rank device and host memory of a run of this config")
-    estimate.add_argument("file", metavar="CONFIG")
+    estimate.add_argument("file", nargs="?", metavar="CONFIG", help=_DEFAULT_FILE_HELP)
     estimate.add_argument("--model", required=True, metavar="MODEL",
                           help="a local model directory, its config.json, or a Hub id already in the local "
                                "Hugging Face cache, as from_pretrained takes it (nothing is downloaded)")

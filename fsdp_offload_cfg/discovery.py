@@ -185,10 +185,16 @@ def _launcher_args(cmdline: Sequence[str]) -> list[str]:
     return args
 
 
-def _accelerate_default_config_file() -> Path | None:
+def accelerate_default_config_path() -> Path:
+    """Where accelerate keeps the config `accelerate config` writes and `accelerate launch`
+    reads without `--config_file` (it may not exist)."""
     from accelerate.commands.config.config_args import default_config_file
 
-    path = Path(default_config_file)
+    return Path(default_config_file)
+
+
+def _accelerate_default_config_file() -> Path | None:
+    path = accelerate_default_config_path()
     return path if path.is_file() else None
 
 

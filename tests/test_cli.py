@@ -74,11 +74,44 @@ def test_validate_set_overrides(capsys: pytest.CaptureFixture[str]):
     assert cli.main(["validate", EXAMPLES[0], "--set", "load_strategy=sharded", "--set", "num_processes=16"]) == 0
 
 
-@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["validate"], ["validate", "x.yaml", "--set", "novalue"],
-                                  ["validate", "x.yaml", "--format", "xml"], ["explain"]])
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["validate", "x.yaml", "--set", "novalue"],
+                                  ["validate", "x.yaml", "--format", "xml"], ["explain", "a.yaml", "b.yaml"]])
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]):
     assert cli.main(argv) == 2
     assert "usage: fsdp-offload-cfg" in capsys.readouterr().err
+
+
+@pytest.fixture
+def accelerate_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where accelerate's own config is looked for, in a temp folder (not there yet)."""
+    from accelerate.commands.config import config_args
+
+    path = tmp_path / "accelerate" / "default_config.yaml"
+    monkeypatch.setattr(config_args, "default_config_file", str(path))
+    return path
+
+
+def test_without_a_file_the_verbs_read_accelerates_own_config(accelerate_default: Path,
+                                                               capsys: pytest.CaptureFixture[str]):
+    """`accelerate launch train.py` reads the config `accelerate config` wrote; `fsdp-offload-cfg
+    validate` with no FILE stopped with a usage error instead of checking that one."""
+    accelerate_default.parent.mkdir()
+    accelerate_default.write_text((ROOT / "examples" / "fsdp2.yaml").read_text())
+    assert cli.main(["validate"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"{accelerate_default}: OK"]
+    assert f"reading accelerate's own config, {accelerate_default}" in captured.err, captured.err
+    assert cli.main(["explain"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["source"] == str(accelerate_default)
+
+
+def test_without_a_file_and_without_accelerates_config_the_verbs_say_where_they_looked(
+        accelerate_default: Path, capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    for verb in (["validate"], ["explain"], ["estimate", "--model", "m", "--seq-len", "8", "--batch-size", "1"]):
+        assert cli.main(verb) == 2, verb
+        err = capsys.readouterr().err
+        assert f"no FILE given, and accelerate has no config of its own at {accelerate_default}" in err, err
+        assert "`accelerate config` writes one there" in err and "Traceback" not in err, err
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]):
