@@ -633,6 +633,7 @@ def test_hybrid_sharding_under_fsdp2_names_the_mesh_not_only_the_bool(tmp_path: 
     sharding is accelerate's parallelism_config mesh, which the message now names."""
     problem = only_problem(write(tmp_path, "h.yaml", ACCELERATE_YAML.format(fsdp=fsdp)))
     assert HYBRID_MESH in problem.message and "(the replicas, such as one per node)" in problem.message
+    assert "the two multiply to the number of processes" in problem.message  # accelerate refuses any other mesh
     assert "reshard_after_forward: " + ("false" if "5" in fsdp else "true") in problem.message
 
 

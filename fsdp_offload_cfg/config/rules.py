@@ -110,10 +110,11 @@ def _has_replicas(ctx: RuleContext) -> bool:
 def _hybrid_mesh(layout: Layout) -> str:
     if layout in ("accelerate", "env"):
         return ("add to the config file a parallelism_config section with parallelism_config_dp_replicate_size "
-                "(the replicas, such as one per node) and parallelism_config_dp_shard_size (the ranks in each)")
+                "(the replicas, such as one per node) and parallelism_config_dp_shard_size (the ranks in each; "
+                "the two multiply to the number of processes)")
     return ("pass ParallelismConfig(dp_replicate_size=<the replicas, such as one per node>, dp_shard_size=<the "
             "ranks in each>) from accelerate.parallelism_config as TrainingArguments' or the Accelerator's "
-            "parallelism_config")
+            "parallelism_config (the two multiply to the number of processes)")
 
 
 def _fsdp2_reshard_name(ctx: RuleContext) -> str:
