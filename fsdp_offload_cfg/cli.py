@@ -35,11 +35,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_UNREADABLE
-    if args.verb in ("validate", "explain", "estimate") and not (args.files if args.verb == "validate" else args.file):
+    if getattr(args, "files", None) == [] or getattr(args, "file", "") is None:  # validate / explain, estimate
         default = _accelerate_default_config(args.verb)
         if default is None:
             return EXIT_UNREADABLE
-        args.files, args.file = [default], default
+        if args.verb == "validate":
+            args.files = [default]
+        else:
+            args.file = default
     return args.run(args)
 
 

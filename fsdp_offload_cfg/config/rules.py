@@ -38,18 +38,12 @@ class RuleContext:
         return self.values["version"]
 
     def spell(self, key: str) -> str:
-        """`key` as the user wrote it, or as they would write it (their `fsdp_` habit)."""
-        if key in self.written:
+        """`key` as the user wrote it, or as they would write it (their `fsdp_` habit). Never the
+        Trainer's `fsdp` option string that may have set it: messages name the key to write, and
+        advice to write `fsdp: false` would turn FSDP off."""
+        if key in self.written and self.written[key] != "fsdp":
             return self.written[key].rpartition(".")[2]
         return f"fsdp_{key}" if self.prefixed and key not in LAUNCH_KEYS else key
-
-    def config_key(self, key: str) -> str:
-        """`key` as an fsdp_config key of the user's spelling: unlike `spell`, never the Trainer's
-        `fsdp` option string that may have set it (advice to write `fsdp: false` turns FSDP off)."""
-        spelled = self.spell(key)
-        if spelled != "fsdp":
-            return spelled
-        return f"fsdp_{key}" if self.prefixed else key
 
     def where(self, key: str) -> str:
         """The key path a problem with `key` is reported at."""
@@ -91,13 +85,18 @@ def fsdp2_form(strategy: str, layout: Layout, reshard_key: str, replicas: bool =
     with the bool alone the job shards over every rank and replicates nothing; NO_SHARD has no FSDP2
     form at all (FSDP2 always shards), its run is DDP's. `replicas`: the config has that mesh already."""
     reshard = f"{reshard_key}: {str(FSDP2_RESHARD_FOR[strategy]).lower()}"
-    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP") or (replicas and strategy.startswith("HYBRID")):
+    if _the_bool_is_the_strategy(strategy, replicas):
         return f"use {reshard} instead" + (" (the parallelism_config section makes the replicas)" if replicas else "")
     if strategy == "NO_SHARD":
         ddp = "distributed_type: MULTI_GPU" if layout in ("accelerate", "env") else "no fsdp in TrainingArguments"
         return (f"FSDP2 always shards the parameters: for every rank to hold the whole model use DDP ({ddp}); "
                 f"{reshard} is the nearest FSDP2 setting")
     return f"FSDP2 shards hybrid over a 2-D mesh: {_hybrid_mesh(layout)}, with {reshard}"
+
+
+def _the_bool_is_the_strategy(strategy: str, replicas: bool) -> bool:
+    """`reshard_after_forward` alone runs `strategy` under FSDP2 (HYBRID_SHARD only beside the mesh)."""
+    return strategy in ("FULL_SHARD", "SHARD_GRAD_OP") or (replicas and strategy.startswith("HYBRID"))
 
 
 def _has_replicas(ctx: RuleContext) -> bool:
@@ -121,9 +120,9 @@ def _fsdp2_reshard_name(ctx: RuleContext) -> str:
     value = ctx["reshard_after_forward"]
     mapped = (f"FSDP2{ctx.why_version()} needs true or false; got {ctx.shown('reshard_after_forward')} "
               f"(accelerate to-fsdp2 maps {value} to {str(FSDP2_RESHARD_FOR[value]).lower()})")
-    if value in ("FULL_SHARD", "SHARD_GRAD_OP") or (value.startswith("HYBRID") and _has_replicas(ctx)):
+    if _the_bool_is_the_strategy(value, _has_replicas(ctx)):
         return mapped
-    form = fsdp2_form(value, ctx.layout, ctx.config_key("reshard_after_forward"))
+    form = fsdp2_form(value, ctx.layout, ctx.spell("reshard_after_forward"))
     return f"{mapped}, but that bool alone is not {value}: {form}"
 
 
@@ -137,7 +136,7 @@ RULES: tuple[Rule, ...] = (
     Rule("sharding-strategy-is-fsdp1-only", ("version", "sharding_strategy"), "sharding_strategy",
          lambda c: c.version == 2 and "sharding_strategy" in c.explicit,
          lambda c: f"is FSDP1-only and ignored by FSDP2{c.why_version()}; " + fsdp2_form(
-             c["sharding_strategy"], c.layout, c.config_key("reshard_after_forward"), _has_replicas(c))),
+             c["sharding_strategy"], c.layout, c.spell("reshard_after_forward"), _has_replicas(c))),
     Rule("efficient-loading-needs-sync", ("cpu_ram_efficient_loading", "sync_module_states"), "sync_module_states",
          lambda c: c["cpu_ram_efficient_loading"] and not c["sync_module_states"],
          lambda c: f"must be true when {c.spell('cpu_ram_efficient_loading')} is true{c.why_efficient_loading()} "
