@@ -288,3 +288,75 @@ def test_patch_after_accelerator_is_refused_on_every_rank() -> None:
     for message in run_workers(_late_patch_worker, 2, timeout=90):
         assert "after Accelerator() was created" in message and "patch() first" in message, message
         assert message.endswith("active: None")
+
+
+# --------------------------------------------------------------------------------------------
+# a model loaded before the config was active
+# --------------------------------------------------------------------------------------------
+
+TRAINER_FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                       "cpu_ram_efficient_loading": True}
+
+
+def _load_order_worker(rank: int, world_size: int, path: str, shape: str) -> dict[str, Any]:
+    """`shape`: where `from_pretrained` stands against what makes the config active: `patch(CONFIG)`
+    (an accelerate script) or `TrainingArguments(fsdp_config=...)` (a Trainer script)."""
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    trainer = shape.startswith("trainer")
+    load_first = shape.endswith("load_first")
+    with MessageLog(level=logging.WARNING) as warnings:
+        if load_first:
+            model = AutoModelForCausalLM.from_pretrained(path)
+        fsdp_offload_cfg.patch(None if trainer else CONFIG)
+        if trainer:
+            from transformers import Trainer, TrainingArguments
+
+            args = TrainingArguments(output_dir="unused", max_steps=1, per_device_train_batch_size=1, report_to=[],
+                                     save_strategy="no", use_cpu=True, fsdp=True, fsdp_config=TRAINER_FSDP_CONFIG)
+        if not load_first:
+            model = AutoModelForCausalLM.from_pretrained(path)
+        meta_before_prepare = _meta_params(model)
+        if trainer:
+            Trainer(model=model, args=args, train_dataset=[{"input_ids": IDS[0], "labels": IDS[0]}]).train()
+            return {"warnings": list(warnings), "meta_before_prepare": meta_before_prepare}
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        prepared = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))[0]
+        state = accelerator.get_state_dict(prepared)
+    out: dict[str, Any] = {"warnings": list(warnings), "meta_before_prepare": meta_before_prepare}
+    if rank == 0:
+        with fsdp_offload_cfg.local_loading():
+            out["equal_to_plain"] = _same(state, _state(AutoModelForCausalLM.from_pretrained(path)))
+    return out
+
+
+@pytest.mark.parametrize("shape", ["patch_load_first", "trainer_load_first"])
+def test_a_model_loaded_before_the_config_is_said_to_have_cost_every_rank_the_whole_model(llama: str, shape: str) -> None:
+    """`from_pretrained` before `TrainingArguments(fsdp_config={cpu_ram_efficient_loading: True})`
+    (or before `patch()`) loads the whole model on every rank, which is what meta loading exists to
+    avoid; stock transformers says nothing. Rank 0 says so once, naming the ranks, the size and the
+    fix for the script's shape; the prepared model is still exactly the plain load."""
+    rank0, rank1 = run_workers(_load_order_worker, 2, llama, shape, timeout=180)
+    assert rank0["meta_before_prepare"] == rank1["meta_before_prepare"] == 0  # whole on every rank
+    said = [w for w in rank0["warnings"] if "reached prepare whole on rank 1" in w]
+    assert len(said) == 1, rank0["warnings"]
+    assert "LlamaForCausalLM" in said[0] and "cpu_ram_efficient_loading" in said[0] and "KiB" in said[0], said
+    fix = "after TrainingArguments(fsdp_config=...)" if shape.startswith("trainer") else "after fsdp_offload_cfg.patch()"
+    assert fix in said[0], said
+    assert not any("reached prepare whole" in w for w in rank1["warnings"])  # rank 0 alone says it
+    if not shape.startswith("trainer"):
+        assert rank0["equal_to_plain"], "a model loaded whole everywhere is still filled as a plain load"
+
+
+@pytest.mark.parametrize("shape", ["patch_config_first", "trainer_config_first"])
+def test_a_model_loaded_after_the_config_draws_no_such_warning(llama: str, shape: str) -> None:
+    rank0, rank1 = run_workers(_load_order_worker, 2, llama, shape, timeout=180)
+    assert rank1["meta_before_prepare"] > 0  # the loader kept rank 1 on meta
+    for out in (rank0, rank1):
+        assert not any("reached prepare whole" in w for w in out["warnings"]), out["warnings"]
+    if not shape.startswith("trainer"):
+        assert rank0["equal_to_plain"]

@@ -190,7 +190,36 @@ def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCon
     One decision for all ranks: it is followed by collectives on one path or the other.
     """
     asked = bool(plugin.cpu_ram_efficient_loading and cfg.cpu_ram_efficient_loading)
-    return _on_any_rank(_built_here(model) or asked)
+    built = _on_any_rank(_built_here(model))
+    if asked and not built:
+        _say_it_came_whole(model, cfg)
+    return built or asked
+
+
+def _say_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
+    """Rank 0's warning when meta loading is on but the model reached prepare whole on other
+    ranks too: it was loaded before the config was active (the Trainer's shape: `from_pretrained`
+    before the `TrainingArguments` that bring `cpu_ram_efficient_loading`, or before `patch()`),
+    so every rank held the whole model, which is what the user turned meta loading on to avoid,
+    and stock transformers says nothing. On every rank (a collective): the ranks' models differ."""
+    from fsdp_offload_cfg._sizes import show_size
+    from fsdp_offload_cfg.ranks import distributed_ready, every_rank, rank_ranges
+
+    if not distributed_ready():
+        return
+    tensors = [*model.parameters(), *model.buffers()]
+    whole = not any(t.is_meta for t in tensors)
+    held = sum(t.numel() * t.element_size() for t in tensors) if whole else 0
+    gathered = every_rank([int(whole), held])
+    ranks = [r for r, (w, _) in enumerate(gathered) if r > 0 and w]
+    if not ranks or not is_rank0():
+        return
+    after = ("TrainingArguments(fsdp_config=...), which bring the config" if cfg.source.startswith("TrainingArguments")
+             else "fsdp_offload_cfg.patch(), outside local_loading()")
+    logger.warning("%s reached prepare whole on rank %s though meta loading is on (cpu_ram_efficient_loading): it was "
+                   "loaded before the config was active, so each of those ranks held the whole model (%s) besides rank "
+                   "0. Load it after %s: a model loaded then stays on meta until prepare fills its shards.",
+                   type(model).__name__, rank_ranges(ranks), show_size(max(h for _, h in gathered)), after)
 
 
 def built_by_loader(model: torch.nn.Module) -> bool:
