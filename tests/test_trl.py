@@ -117,7 +117,11 @@ def test_grpo_with_a_reward_model_under_broadcast_loading(llama: str, tmp_path) 
     every rank). Under `load_strategy: broadcast` rank 1 failed there: "Cannot copy out of meta
     tensor". The rewards are the stock run's up to the last bit or two: the scores are the same
     model's (`test_eval_copies.py` checks every tensor bit for bit), but a CPU GEMM rounds by
-    where its operands lie, and a plain load leaves each weight at its offset in the file."""
+    where its operands lie, and a plain load leaves each weight at its offset in the file. The
+    losses are compared to the same tolerance: with two generations per prompt of one length, the
+    two advantages of a group are +a and -a, so GRPO's loss (beta 0, one iteration: ratio 1) is
+    their mean, zero up to rounding; its logged value (1e-8 or 0.0) is the rounding residue of
+    rewards one bit apart, not a figure either run can be held to."""
     from fsdp_offload_cfg.testing.models import save_qwen2_reward, save_word_tokenizer
 
     reward = save_qwen2_reward(str(tmp_path / "reward"))
@@ -127,5 +131,5 @@ def test_grpo_with_a_reward_model_under_broadcast_loading(llama: str, tmp_path) 
     stock = run_workers(_grpo_worker, 2, llama, reward, str(tmp_path / "stock"), STOCK, timeout=300)
     for rank in range(2):
         assert len(plugin[rank]["losses"]) == 2, plugin[rank]
-        assert plugin[rank]["losses"] == stock[rank]["losses"], (rank, plugin[rank], stock[rank])
+        assert plugin[rank]["losses"] == pytest.approx(stock[rank]["losses"], rel=0, abs=1e-6), (rank, plugin, stock)
         assert plugin[rank]["rewards"] == pytest.approx(stock[rank]["rewards"], rel=1e-6, abs=0), (rank, plugin, stock)
