@@ -203,14 +203,12 @@ def _say_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     so every rank held the whole model, which is what the user turned meta loading on to avoid,
     and stock transformers says nothing. On every rank (a collective): the ranks' models differ."""
     from fsdp_offload_cfg._sizes import show_size
-    from fsdp_offload_cfg.ranks import distributed_ready, every_rank, rank_ranges
+    from fsdp_offload_cfg.loading.spec import meta_tensor_names, named_tensors
+    from fsdp_offload_cfg.ranks import every_rank, rank_ranges
 
-    if not distributed_ready():
-        return
-    tensors = [*model.parameters(), *model.buffers()]
-    whole = not any(t.is_meta for t in tensors)
-    held = sum(t.numel() * t.element_size() for t in tensors) if whole else 0
-    gathered = every_rank([int(whole), held])
+    whole = not meta_tensor_names(model)
+    held = sum(t.nbytes for _, t in named_tensors(model)) if whole else 0
+    gathered = every_rank([int(whole), held])  # one process: [[whole, held]], no rank above 0
     ranks = [r for r, (w, _) in enumerate(gathered) if r > 0 and w]
     if not ranks or not is_rank0():
         return
