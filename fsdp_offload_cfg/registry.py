@@ -99,8 +99,10 @@ class Patch:
     # The replacement does not depend on the config: a config switch leaves it installed. The
     # Trainer's patch is one, and switches the config from inside its own replacement.
     config_free: bool = False
-    # The target is a framework's (TRL, PEFT): `patch()` never imports it; the replacement goes in
-    # when the module is first imported, by whoever imports it (`post_import`).
+    # The target is a framework's (TRL, PEFT, the Trainer's modules): `patch()` never imports it;
+    # the replacement goes in when the module is first imported, by whoever imports it
+    # (`post_import`). The Trainer's `training_args` imports PEFT: 1.7 CPU-s a rank, for a script
+    # that never builds a Trainer.
     lazy: bool = False
 
 

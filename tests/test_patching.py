@@ -695,7 +695,9 @@ def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
 
 def test_patch_imports_no_framework_and_patches_it_when_it_is_imported():
     """`patch()` imported TRL (and PEFT) itself, before a framework imported later could
-    set up what TRL caches at its import (LlamaFactory's shim of transformers' package checks)."""
+    set up what TRL caches at its import (LlamaFactory's shim of transformers' package checks).
+    It also imported the Trainer's `training_args`, which imports PEFT: about 1.7 CPU-s on every
+    rank of a script that never builds a Trainer (a third of what `patch()` imported)."""
     import subprocess
     import sys
 
@@ -705,8 +707,11 @@ os.environ.update(WORLD_SIZE="2", LOCAL_RANK="0")
 import fsdp_offload_cfg
 session = fsdp_offload_cfg.patch({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,
                                   "fsdp_cpu_ram_efficient_loading": True}})
-assert "trl" not in sys.modules  # (transformers' own training_args imports PEFT: that one is patched at once)
-assert {"trl-prepare-fsdp", "peft-adapters-on-host"} <= set(session.patch_names), session.patch_names
+assert not {"trl", "peft", "transformers.training_args", "transformers.trainer"} & set(sys.modules), sorted(
+    m for m in sys.modules if m.startswith(("trl", "peft", "transformers.train")))
+assert {"trl-prepare-fsdp", "peft-adapters-on-host", "trainer-fsdp-config"} <= set(session.patch_names), session.patch_names
+from transformers import TrainingArguments
+assert hasattr(TrainingArguments.__post_init__, "__wrapped__")
 import trl.models.utils as utils
 from trl.models import prepare_fsdp
 from peft.tuners.tuners_utils import BaseTuner
@@ -714,6 +719,7 @@ assert prepare_fsdp is utils.prepare_fsdp and hasattr(prepare_fsdp, "__wrapped__
 assert hasattr(BaseTuner.inject_adapter, "__wrapped__")
 fsdp_offload_cfg.unpatch()
 assert not hasattr(utils.prepare_fsdp, "__wrapped__") and not hasattr(BaseTuner.inject_adapter, "__wrapped__")
+assert not hasattr(TrainingArguments.__post_init__, "__wrapped__")
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK"))}

@@ -216,5 +216,5 @@ PATCHES = [
           "(stock wrote nothing)", lazy=True),
     Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",
           build_training_args_post_init, _always, _REQUIRES,
-          "validate the Trainer's fsdp_config and apply its plugin keys", config_free=True),
+          "validate the Trainer's fsdp_config and apply its plugin keys", config_free=True, lazy=True),
 ]
