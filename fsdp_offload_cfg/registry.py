@@ -101,8 +101,8 @@ class Patch:
     config_free: bool = False
     # The target is a framework's (TRL, PEFT, the Trainer's modules): `patch()` never imports it;
     # the replacement goes in when the module is first imported, by whoever imports it
-    # (`post_import`). The Trainer's `training_args` imports PEFT: 1.7 CPU-s a rank, for a script
-    # that never builds a Trainer.
+    # (`post_import`). The Trainer's `training_args` imports PEFT: about 1.7 s of imports a rank
+    # (`-X importtime`), for a script that never builds a Trainer.
     lazy: bool = False
 
 

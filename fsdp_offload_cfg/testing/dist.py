@@ -41,9 +41,12 @@ def free_port() -> int:
 
 # imported once by the forkserver, before any rank forks from it; what nearly every rank imports.
 # The last four were each rank's own until run 34 (docs/compatibility.md): the test module imports
-# pytest, and `patch()` imports transformers' `training_args` (which imports PEFT) and validates
-# with jsonschema: about 900 modules a rank, 11-14% of the CPU the ranks of test_budget.py,
-# test_final_model.py, test_before_prepare.py and test_tied_groups.py took. Nothing that reads the
+# pytest, `patch()` validates with jsonschema, and a rank that builds a Trainer or an adapter
+# imports transformers' `training_args` (which imports PEFT; `patch()` itself no longer does, its
+# Trainer patch waits for that import: tests/test_patching.py checks that in a fresh interpreter,
+# where nothing is preloaded): about 900 modules a rank, 11-14% of the CPU the ranks of
+# test_budget.py, test_final_model.py, test_before_prepare.py and test_tied_groups.py took (run
+# 35, when `patch()` still imported them all). Nothing that reads the
 # environment at import for a test to set (datasets, TRL, the Trainer) is here.
 _WARM = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers", "accelerate",
          "transformers.models.llama.modeling_llama",
