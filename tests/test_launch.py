@@ -89,7 +89,10 @@ def _accelerate_launch(config: Path, *script_args: str, flags: tuple[str, ...] =
                  "--main_process_port", str(free_port()), str(PROBE), *script_args], **env)
 
 
-@pytest.mark.parametrize("named", ["launch", "argument", "env"])
+# [launch] is accelerate's (what its command line exports, at each leg's accelerate); the file
+# named to `patch()` or in $FSDP_OFFLOAD_CFG is this package's route alone
+@pytest.mark.parametrize("named", ["launch", pytest.param("argument", marks=pytest.mark.own_code),
+                                   pytest.param("env", marks=pytest.mark.own_code)])
 def test_launch_command_line_overrides_win_over_the_file(tmp_path: Path, checkpoint: str, named: str) -> None:
     """`patch()` used to re-export every value of the file, undoing the command line: the run had
     mixed precision "no", RAM-efficient loading on and no checkpointing. Before, it still
@@ -143,14 +146,9 @@ def plain_run(checkpoint: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
     return config, _reports(_accelerate_launch(config, checkpoint, "--steps", "3"))
 
 
-@pytest.mark.parametrize("use_cpu", ["true", "false"])
-def test_accelerate_launch_finds_its_config_and_runs_fsdp2_on_cpu(tmp_path: Path, checkpoint: str, use_cpu: str,
-                                                                  plain_run: tuple[Path, list[dict]]):
-    if use_cpu == "true":
-        config, reports = plain_run
-    else:
-        config = _write(tmp_path, "fsdp2_cpu.yaml", use_cpu=use_cpu)
-        reports = _reports(_accelerate_launch(config, checkpoint))
+def test_accelerate_launch_finds_its_config_and_runs_fsdp2_on_cpu(plain_run: tuple[Path, list[dict]]):
+    """`use_cpu: true`; `use_cpu: false` on a machine without a GPU is the default file's launch below."""
+    config, reports = plain_run
     _assert_fsdp2_sharded(reports)
     for r in reports:
         assert str(config) in r["source"], r["source"]
@@ -190,6 +188,7 @@ def _demo_folder(launch: Launch) -> Path:
     return Path(found.group(1))
 
 
+@pytest.mark.own_code
 def test_the_demo_learns_shows_one_loading_bar_saves_and_cleans_up(tmp_path: Path):
     """Its losses were flat (new random tokens every step) and every rank drew a loading bar. Its
     `--output-dir` save (`save_pretrained` on every rank) writes a model that loads whole."""
@@ -209,26 +208,18 @@ def test_the_demo_learns_shows_one_loading_bar_saves_and_cleans_up(tmp_path: Pat
     assert not _demo_folder(launch).exists()
 
 
+@pytest.mark.own_code
 def test_the_demo_removes_its_checkpoint_after_a_failed_run():
     launch = _demo("--steps", "1", "--lr", "-1")  # AdamW refuses the rate after the checkpoint is built
     assert launch.proc.returncode != 0 and "Invalid learning rate" in launch.output, launch.output[-3000:]
     assert not _demo_folder(launch).exists()
 
 
-def test_accelerate_launch_with_loader_and_offload_keys(tmp_path: Path, checkpoint: str):
-    config = _write(tmp_path, "full.yaml", loading="true",
-                    extra="  activation_cpu_offload: true\n  load_strategy: broadcast\n")
-    reports = _reports(_accelerate_launch(config, checkpoint))
-    _assert_fsdp2_sharded(reports)
-    for r in reports:  # zero parameter bytes on every rank, rank 0 included: it streams them at prepare
-        assert r["meta_numel_after_from_pretrained"] == r["full_numel"]
-    for r in reports:
-        assert r["offload_enabled"] and r["offload_stats"]["offloaded_bytes"] > 0, r
-
-
 def test_accelerate_launch_without_flag_uses_accelerates_default_config_file(tmp_path: Path, checkpoint: str):
+    """accelerate's default file, with `use_cpu: false` (a file written for GPUs) on this machine
+    without one: FSDP2 on the CPU all the same."""
     hf_home = tmp_path / "hf_home"
-    default = _write(tmp_path, "default.yaml", extra="  activation_cpu_offload: true\n")
+    default = _write(tmp_path, "default.yaml", use_cpu="false", extra="  activation_cpu_offload: true\n")
     (hf_home / "accelerate").mkdir(parents=True)
     (hf_home / "accelerate" / "default_config.yaml").write_text(default.read_text())
     launch = _run([str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), str(PROBE),
@@ -237,6 +228,7 @@ def test_accelerate_launch_without_flag_uses_accelerates_default_config_file(tmp
     _assert_fsdp2_sharded(reports)
     for r in reports:
         assert str(hf_home / "accelerate" / "default_config.yaml") in r["source"], r["source"]
+        assert "cpu-fsdp-accelerator-state" in r["patches"]
         assert r["offload_enabled"], r  # a plugin key only the file holds: not from FSDP_* variables
 
 
@@ -274,14 +266,7 @@ def test_activation_offload_with_accelerates_regional_compilation(tmp_path: Path
     assert ours == [], "\n".join(ours[:20])
 
 
-def test_from_pretrained_before_accelerator_brings_the_process_group_up(tmp_path: Path, checkpoint: str):
-    """Scripts often load the model first: the patched loader starts the (gloo) group itself."""
-    config = _write(tmp_path, "load_first.yaml", loading="true")
-    reports = _reports(_accelerate_launch(config, checkpoint, "--load-before-accelerator"))
-    _assert_fsdp2_sharded(reports)
-    assert all(r["meta_numel_after_from_pretrained"] == r["full_numel"] for r in reports)
-
-
+@pytest.mark.own_code
 def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path, checkpoint: str):
     config = _write(tmp_path, "typo.yaml", extra="  fsdp_activaton_cpu_offload: true\n")
     launch = _accelerate_launch(config, checkpoint)
@@ -397,21 +382,28 @@ def _plain_digests(checkpoint: str) -> dict[str, str]:
 
 # Each strategy once under the launcher: what a launch adds (its exports, its process group) is the
 # same for every model; each model under each strategy is test_loading.py's matrix (forked ranks).
+# Each launch also carries one script shape: the loader beside the activation offload, and a
+# script that loads the model before it builds the Accelerator (the patched loader then starts
+# the gloo group itself).
 @pytest.mark.parametrize(
-    "builder, strategy",
-    [(save_deepseek_v3, "broadcast"), (save_qwen2_tied, "sharded")],
-    ids=["deepseek_v3-broadcast", "qwen2_tied-sharded"],
+    "builder, strategy, extra, probe_args",
+    [(save_deepseek_v3, "broadcast", "  activation_cpu_offload: true\n", ()),
+     (save_qwen2_tied, "sharded", "", ("--load-before-accelerator",))],
+    ids=["deepseek_v3-broadcast-offload", "qwen2_tied-sharded-load_first"],
 )
-def test_accelerate_launch_loads_exactly_what_a_plain_load_gives(tmp_path: Path, builder, strategy: str):
+def test_accelerate_launch_loads_exactly_what_a_plain_load_gives(tmp_path: Path, builder, strategy: str, extra: str,
+                                                                 probe_args: tuple[str, ...]):
     """Through the real prepare path: persistent router bias (stock accelerate crashes on it),
     yarn RoPE buffers, bf16 weights, per-expert keys stacked on load, tied embeddings; every
     tensor equal on both ranks."""
     checkpoint = builder(str(tmp_path / "ckpt"))
     expected = _plain_digests(checkpoint)
     config = tmp_path / "loader.yaml"
-    config.write_text(CPU_YAML.format(use_cpu="true", loading="true", extra=f"  load_strategy: {strategy}\n").replace(
+    config.write_text(CPU_YAML.format(use_cpu="true", loading="true",
+                                      extra=f"  load_strategy: {strategy}\n{extra}").replace(
         "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n", ""))
-    reports = _reports(_accelerate_launch(config, checkpoint, "--steps", "1"))
+    reports = _reports(_accelerate_launch(config, checkpoint, "--steps", "1", *probe_args))
+    _assert_fsdp2_sharded(reports)
     for r in reports:
         assert "overridden" not in r["source"], r["source"]  # nothing typed: accelerate's own exports are no override
         assert r["state_digests"] == expected, sorted(
@@ -419,7 +411,9 @@ def test_accelerate_launch_loads_exactly_what_a_plain_load_gives(tmp_path: Path,
         # no rank reads a weight in from_pretrained, rank 0 included: per-expert keys that
         # transformers 5 stacks on load are read expert by expert at prepare
         assert r["meta_numel_after_from_pretrained"] == r["full_numel"]
-        assert r["losses_finite"], r
+        assert r["offload_enabled"] == bool(extra), r
+        if extra:
+            assert r["offload_stats"]["offloaded_bytes"] > 0, r
     if builder is save_qwen2_tied:
         assert all(r["tied_after_prepare"] and r["tied_after_steps"] for r in reports)
 

@@ -140,6 +140,7 @@ PATCH_UNDER_LAUNCHER = textwrap.dedent("""\
 
 @pytest.mark.parametrize("content", ['fsdp_version: !!int "abc"\n', "a: " + "[" * 5000 + "]" * 5000 + "\n",
                                      "fsdp_config:\n  fsdp_activaton_cpu_offload: true\n"])
+@pytest.mark.own_code
 def test_patch_under_a_launcher_reports_the_file_without_a_traceback(content: str, tmp_path: Path):
     path = tmp_path / "bad.yaml"
     path.write_text(content)

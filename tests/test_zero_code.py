@@ -62,6 +62,7 @@ def _launch(config: Path, checkpoint: str, probe_dir: Path, *prefix: str) -> sub
 
 
 @pytest.mark.distributed
+@pytest.mark.own_code
 def test_run_turns_the_plugin_on_in_an_unmodified_script(tmp_path: Path, checkpoint: str):
     config = tmp_path / "fsdp2.yaml"
     config.write_text(YAML.format(extra=""))
@@ -97,6 +98,7 @@ def test_run_with_config_under_torchrun(tmp_path: Path, checkpoint: str):
 
 
 @pytest.mark.distributed
+@pytest.mark.own_code
 def test_a_typo_stops_every_rank_with_status_1_naming_the_key(tmp_path: Path, checkpoint: str):
     """The switch set and the bootstrap first on the path, as `install-hook`'s line or `run` leave
     them, with nothing checking the file first: each rank stops itself naming the key."""
@@ -171,6 +173,7 @@ def _start(site_dir: Path, code: str, value: str | None, isolated: bool = False,
                           capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.own_code
 def test_the_pth_switch_patches_only_when_on_and_imports_nothing_when_off(tmp_path: Path):
     site_dir = tmp_path / "site"
     site_dir.mkdir()
@@ -252,6 +255,7 @@ def test_install_hook_refuses_a_missing_folder_and_says_whom_a_folder_reaches(tm
     assert f"fsdp-offload-cfg uninstall-hook --target {tmp_path}" in out, out
 
 
+@pytest.mark.own_code
 def test_run_keeps_the_users_own_sitecustomize(tmp_path: Path):
     own = tmp_path / "own"
     own.mkdir()
@@ -266,6 +270,7 @@ def test_run_keeps_the_users_own_sitecustomize(tmp_path: Path):
     assert proc.stdout.split() == ["1", "True"], proc.stderr[-2000:]
 
 
+@pytest.mark.own_code
 def test_run_stops_a_python_of_another_environment_with_one_line_saying_where_the_plugin_is(tmp_path: Path):
     """Every Python the command starts reads the bootstrap folder, also one of another environment
     (a command from another venv, or the CLI installed on its own with pipx), which cannot import
