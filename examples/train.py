@@ -15,7 +15,9 @@ import fsdp_offload_cfg
 fsdp_offload_cfg.patch()
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -67,9 +69,23 @@ def shared_checkpoint_dir(accelerator: Accelerator, args: argparse.Namespace) ->
     return holder[0], True
 
 
+def stop_if_run_alone(accelerator: Accelerator) -> None:
+    """`torchrun --nproc_per_node 2 examples/train.py` with no config named: stock accelerate on a
+    machine without a GPU runs each process as a job of its own, and each would build, train and
+    remove a model of its own. Every rank stops, saying how to name the file (no rank waits on
+    another: no process group exists)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        sys.exit(f"examples/train.py: launched as {launched} processes, but Accelerator() runs this one "
+                 f"alone: no accelerate config reached it. Name one: FSDP_OFFLOAD_CFG=examples/fsdp2_cpu.yaml "
+                 f"torchrun --nproc_per_node {launched} examples/train.py, or "
+                 f"accelerate launch --config_file examples/fsdp2_cpu.yaml examples/train.py")
+
+
 def main() -> None:
     args = parse_args()
     accelerator = Accelerator()
+    stop_if_run_alone(accelerator)
     if not accelerator.is_main_process:
         transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar, rank 0's
     path, owned = shared_checkpoint_dir(accelerator, args)

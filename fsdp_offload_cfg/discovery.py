@@ -326,5 +326,16 @@ def discover_config(
         return env_cfg, "accelerate's FSDP_* environment variables"
     cfg = load_config({}, overrides or None) if overrides else FSDPOffloadConfig(source="<none found>")
     return cfg, ("no config found yet (nothing to patch for FSDP until TrainingArguments(fsdp=..., fsdp_config=...) "
-                 "brings one)")
+                 "brings one)" + _how_a_launch_names_a_file(environ if environ is not None else os.environ))
+
+
+def _how_a_launch_names_a_file(environ: Mapping[str, str]) -> str:
+    """Under torchrun (or `accelerate launch` without a file) a script whose only FSDP settings
+    are in a file runs every rank as a job of its own: stock `Accelerator()` on a machine without
+    a GPU sees one process. The one line the user gets says how the file reaches the ranks."""
+    world_size = environ.get("WORLD_SIZE", "")
+    if not world_size.isdigit() or int(world_size) < 2:
+        return ""
+    return (f"; this is one of {world_size} launched processes: a config file reaches every rank as "
+            f"${ENV_CONFIG_PATH}=PATH on the launch command, or as patch(PATH)")
 

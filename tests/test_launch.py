@@ -215,6 +215,20 @@ def test_the_demo_removes_its_checkpoint_after_a_failed_run():
     assert not _demo_folder(launch).exists()
 
 
+@pytest.mark.own_code
+def test_the_demo_under_torchrun_without_a_config_stops_saying_how_to_name_one():
+    """It crashed on rank 1 with "Unrecognized model in /tmp/fsdp_offload_cfg_demo_...": stock
+    `Accelerator()` ran each rank as a job of its own, each building its own checkpoint."""
+    root = HERE.parent
+    launch = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(root / "examples" / "train.py"), "--steps", "1"])
+    assert launch.proc.returncode != 0
+    assert "launched as 2 processes, but Accelerator() runs this one alone" in launch.output, launch.output[-3000:]
+    assert "FSDP_OFFLOAD_CFG=examples/fsdp2_cpu.yaml torchrun" in launch.output
+    assert "this is one of 2 launched processes" in launch.output  # patch()'s own line says it too
+    assert "Unrecognized model" not in launch.output and "step 0 loss" not in launch.output
+
+
 def test_accelerate_launch_without_flag_uses_accelerates_default_config_file(tmp_path: Path, checkpoint: str):
     """accelerate's default file, with `use_cpu: false` (a file written for GPUs) on this machine
     without one: FSDP2 on the CPU all the same."""

@@ -350,6 +350,18 @@ def test_discovery_order_argument_then_env_path_then_fsdp_env(tmp_path, monkeypa
     assert "no config found" in source and not integrations.fsdp_requested(cfg)
 
 
+@pytest.mark.parametrize("world_size", ["", "1", "2"])
+def test_no_config_under_a_launch_of_several_processes_says_how_to_name_the_file(world_size: str):
+    """`torchrun --nproc_per_node 2 train.py` with the file forgotten: stock `Accelerator()` on a
+    machine without a GPU ran each rank as a job of its own, and the example crashed on a
+    checkpoint another rank was still writing; the one line said only "no config found yet"."""
+    environ = {"WORLD_SIZE": world_size} if world_size else {}
+    cfg, source = discover_config(None, {}, environ=environ, launch=None)
+    assert source.startswith("no config found yet") and not integrations.fsdp_requested(cfg)
+    hint = "this is one of 2 launched processes: a config file reaches every rank as $FSDP_OFFLOAD_CFG=PATH"
+    assert (hint in source) is (world_size == "2"), source
+
+
 # ---- precedence: patch() keywords > launch command line > file, wherever the file was named ----
 
 LAUNCH_FILE = """distributed_type: FSDP
