@@ -1057,6 +1057,8 @@ RULE_CASES = {
     "budget-needs-fsdp2": {"version": 1, "activation_memory_budget": "12GiB"},
     "device-memory-needs-auto": {"activation_budget_device_memory": "80GiB"},
     "device-memory-is-a-size": {"activation_memory_budget": "auto", "activation_budget_device_memory": 2**51},
+    "auto-on-the-cpu-needs-a-device-size": {"distributed_type": "FSDP", "use_cpu": True, "fsdp_config": {
+        "fsdp_version": 2, "fsdp_activation_memory_budget": "auto"}},
     "budget-decides-checkpointing": {"activation_checkpointing": True, "activation_memory_budget": 10**9},
     "activation_budget_compute_tflops-needs-a-budget": {"activation_budget_compute_tflops": 300},
     "activation_budget_copy_gb_per_s-needs-a-budget": {"activation_budget_copy_gb_per_s": 50},
@@ -1067,6 +1069,28 @@ RULE_CASES = {
     "fsdp-config-needs-fsdp": {"distributed_type": "MULTI_GPU", "fsdp_config": {"fsdp_version": 2}},
     "parallelism-needs-fsdp2": {"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_dp_shard_size": 2}},
 }
+
+
+def test_validate_refuses_auto_in_a_file_for_the_cpu_until_it_states_a_size(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]):
+    """The example CPU file with `activation_memory_budget: auto`: `validate` said OK, and the
+    launch loaded the model and stopped at the first forward."""
+    from fsdp_offload_cfg import cli
+
+    cpu_file = (Path(__file__).parent.parent / "examples" / "fsdp2_cpu.yaml").read_text()
+    assert "use_cpu: true" in cpu_file
+    auto = cpu_file.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_activation_memory_budget: auto\n", 1)
+    path = write(tmp_path, "auto.yaml", auto)
+    assert cli.main(["validate", path]) == 1
+    out = capsys.readouterr()
+    assert "fsdp_config.fsdp_activation_memory_budget" in out.out + out.err, out
+    assert "use_cpu: true computes on the CPU" in out.out + out.err, out
+    assert "fsdp_activation_budget_device_memory (such as 8GiB)" in out.out + out.err, out
+    stated = auto.replace("fsdp_activation_memory_budget: auto\n",
+                          "fsdp_activation_memory_budget: auto\n  fsdp_activation_budget_device_memory: 8GiB\n")
+    assert cli.main(["validate", write(tmp_path, "stated.yaml", stated)]) == 0
+    on_gpus = auto.replace("use_cpu: true", "use_cpu: false")
+    assert cli.main(["validate", write(tmp_path, "gpus.yaml", on_gpus)]) == 0
 
 
 @pytest.mark.parametrize("name", sorted(RULE_CASES))

@@ -173,6 +173,14 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"is the device size {c.spell('activation_memory_budget')}: auto plans against, and that key is "
                    f"{'unset' if c['activation_memory_budget'] is None else 'a fixed size'}; set it to auto, or drop "
                    "this one"),
+    # a file written for the CPU: what the run would say at its first forward, after loading
+    Rule("auto-on-the-cpu-needs-a-device-size",
+         ("activation_memory_budget", "activation_budget_device_memory", "use_cpu"), "activation_memory_budget",
+         lambda c: c["use_cpu"] is True and parse_auto(c["activation_memory_budget"]) is not None
+         and c["activation_budget_device_memory"] is None,
+         lambda c: f"auto reads the device's memory from CUDA, and {c.spell('use_cpu')}: true computes on the CPU: "
+                   f"state the size to plan against with {c.spell('activation_budget_device_memory')} (such as "
+                   "8GiB), or give the budget in bytes"),
     Rule("device-memory-is-a-size", ("activation_budget_device_memory",), "activation_budget_device_memory",
          lambda c: c["activation_budget_device_memory"] is not None
          and size_in_bytes(c["activation_budget_device_memory"]) is None,
