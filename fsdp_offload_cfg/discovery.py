@@ -330,9 +330,9 @@ def discover_config(
 
 
 def _how_a_launch_names_a_file(environ: Mapping[str, str]) -> str:
-    """Under torchrun (or `accelerate launch` without a file) a script whose only FSDP settings
-    are in a file runs every rank as a job of its own: stock `Accelerator()` on a machine without
-    a GPU sees one process. The one line the user gets says how the file reaches the ranks."""
+    """torchrun reads no config file, so a script whose FSDP settings are only in one gets none of
+    them: stock `Accelerator()` then runs plain DDP on GPUs, and on a machine without one every
+    process alone. The one line the user gets says how the file reaches the ranks."""
     world_size = environ.get("WORLD_SIZE", "")
     if not world_size.isdigit() or int(world_size) < 2:
         return ""
