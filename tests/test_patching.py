@@ -575,6 +575,38 @@ def test_a_training_arguments_made_after_the_accelerator_does_not_switch_the_con
         AcceleratorState._reset_state(True)
 
 
+def test_a_config_for_fsdp2_in_a_process_no_launcher_started_says_that_none_of_it_applies(tmp_path: Path,
+                                                                                          monkeypatch: Any):
+    """`FSDP_OFFLOAD_CFG=fsdp2.yaml python train.py`: accelerate reads a config file only in
+    `accelerate launch`, so the process ran alone (distributed_type NO) with no sharding and no
+    offload (the offload's summary: 0 bytes), while rank 0's line said "activation offload: on".
+    (FSDP1 is not here: without a GPU its plugin stops `Accelerator()` itself, "no available devices".)"""
+    import logging
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  activation_cpu_offload: true\n")
+    monkeypatch.setattr("sys.argv", ["my_train.py"])
+    fsdp_offload_cfg.patch(str(path))
+    try:
+        with MessageLog(level=logging.WARNING) as lines:
+            accelerator = Accelerator(cpu=True)
+            model = torch.nn.Linear(4, 4)
+            model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            accelerator.prepare(torch.nn.Linear(4, 4))  # a second model: said once
+    finally:
+        AcceleratorState._reset_state(True)
+    said = [line for line in lines if "but the Accelerator preparing the model runs without it" in line]
+    assert len(said) == 1, lines
+    assert said[0].startswith(f"{path} asks for FSDP2, ") and "(distributed_type NO, 1 process)" in said[0]
+    assert f"start it as `accelerate launch --config_file {path} my_train.py`" in said[0]
+
+
 def test_trainer_config_errors_name_the_training_arguments(single_process: dict, tmp_path: Any):
     from transformers import TrainingArguments
 

@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -207,6 +209,7 @@ def build_prepare(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Calla
     @functools.wraps(original)
     def prepare(self: Any, *args: Any, device_placement: Any = None) -> Any:
         if not self.is_fsdp2:
+            _say_fsdp_is_not_running(self, cfg)
             return original(self, *args, device_placement=device_placement)
         again = any(_prepared_before(obj) for obj in args)
         with _checkpointing_done(self.state.fsdp_plugin) if again else contextlib.nullcontext():
@@ -217,6 +220,33 @@ def build_prepare(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Calla
             return original(self, *args, device_placement=device_placement)
 
     return prepare
+
+
+_SAID = "_fsdp_offload_cfg_said_fsdp_is_off"
+
+
+def _say_fsdp_is_not_running(accelerator: Any, cfg: FSDPOffloadConfig) -> None:
+    """The config asks for FSDP, but the `Accelerator` preparing runs without it: nothing of
+    fsdp_config (sharding, meta loading, the offload, the budget) applies, and rank 0's line at
+    `patch()` said it was on. `FSDP_OFFLOAD_CFG=fsdp2.yaml python train.py` (or `patch("F")`
+    run with plain `python`) does this: accelerate reads a config file only in `accelerate
+    launch`, and a process no launcher started runs alone (`distributed_type NO`). The run goes
+    on as the user started it; the warning says what it is and how to start what they asked for."""
+    if getattr(accelerator, _SAID, False) or not is_rank0():
+        return
+    setattr(accelerator, _SAID, True)  # once: each model and each prepare of the run would say it again
+    how = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    started = ""
+    if not LaunchContext.from_environ().distributed:
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+        file = f"--config_file {cfg.source} " if os.path.isfile(cfg.source) else ""
+        started = (f": this process was started without a launcher, and accelerate reads a config file only in "
+                   f"`accelerate launch`; start it as `accelerate launch {file}{script}` (--num_processes 1 for one "
+                   "process), or under torchrun")
+    logger.warning("%s asks for FSDP%d, but the Accelerator preparing the model runs without it (distributed_type "
+                   "%s, %d process%s), so nothing of its fsdp_config applies: no sharding, meta loading, activation "
+                   "offload or budget%s", cfg.source, cfg.version, how, accelerator.num_processes,
+                   "" if accelerator.num_processes == 1 else "es", started)
 
 
 def _model_alone(accelerator: Any, args: tuple[Any, ...]) -> bool:
