@@ -32,6 +32,13 @@ case "$LEG" in
   *) echo "unknown LEG=$LEG (newest, oldest, axolotl, clients, swift, axolotl-plugin)" >&2; exit 2 ;;
 esac
 if [ "$LEG" = newest ]; then DEFAULT_VENV="$ROOT/.venv"; else DEFAULT_VENV="$ROOT/.venv-$LEG"; fi
+# The editable install writes into the checkout (fsdp_offload_cfg.egg-info): where several legs
+# install at once from one checkout (.ci/run's lanes), that step takes turns through the lock file
+# FSDP_OFFLOAD_CFG_INSTALL_LOCK names; torch and the frameworks install into each leg's own venv
+# side by side.
+in_turn() {
+  if [ -n "${FSDP_OFFLOAD_CFG_INSTALL_LOCK:-}" ]; then flock "$FSDP_OFFLOAD_CFG_INSTALL_LOCK" "$@"; else "$@"; fi
+}
 VENV="${FSDP_OFFLOAD_CFG_VENV:-$DEFAULT_VENV}"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV (leg $LEG)"
@@ -50,21 +57,21 @@ if [ "$LEG" = clients ]; then
     # in pure-Python mode without its compiled libraries
     python -m pip uninstall -q -y torchvision || true
     rm -f "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/torchaudio/lib/*.so
-    python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+    in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = swift ]; then
   if ! python -c "import fsdp_offload_cfg, pytest, swift" >/dev/null 2>&1; then
     echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
     python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "ms-swift==4.6.0"
-    python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+    in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = axolotl-plugin ]; then
   if ! python -c "import fsdp_offload_cfg, pytest, axolotl" >/dev/null 2>&1; then
     echo "[setup] installing axolotl==0.19.0 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
     python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "axolotl==0.19.0"
-    python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+    in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl, matplotlib" >/dev/null 2>&1; then
   echo "[setup] installing ${TORCH_SPEC:-$TORCH_DEFAULT}, ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
@@ -76,7 +83,7 @@ elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl, matplo
   python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" ${PAIR[@]+"${PAIR[@]}"}
   # The package installs into an environment holding any supported pair without changing it; the
   # pins go along so that the test extras (trl, datasets) resolve around them, not over them.
-  python -m pip install -q -e "$ROOT[test]" ${PAIR[@]+"${PAIR[@]}"}
+  in_turn python -m pip install -q -e "$ROOT[test]" ${PAIR[@]+"${PAIR[@]}"}
 fi
 TORCH_PIN=()
 case "${TORCH_SPEC:-$TORCH_DEFAULT}" in *==*) TORCH_PIN=("${TORCH_SPEC:-$TORCH_DEFAULT}") ;; esac
