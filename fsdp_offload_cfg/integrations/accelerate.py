@@ -204,7 +204,10 @@ def build_prepare(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Calla
     stops there (transformers #39961 and #48841, open on 5.24). The model is prepared as for
     training (checkpointing, sharding, the loader, the offload), with no optimizer to remap;
     when it comes back with its optimizer (the Trainer's `train()`, the optimizer built on the
-    sharded parameters), only the optimizer is new: checkpointing is not applied a second time."""
+    sharded parameters), only the optimizer is new: checkpointing is not applied a second time.
+
+    An `Accelerator` that runs without FSDP though the config asks for it (a process no launcher
+    started) prepares as stock, and rank 0 says that none of fsdp_config applies."""
 
     @functools.wraps(original)
     def prepare(self: Any, *args: Any, device_placement: Any = None) -> Any:
@@ -235,7 +238,6 @@ def _say_fsdp_is_not_running(accelerator: Any, cfg: FSDPOffloadConfig) -> None:
     if getattr(accelerator, _SAID, False) or not is_rank0():
         return
     setattr(accelerator, _SAID, True)  # once: each model and each prepare of the run would say it again
-    how = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
     started = ""
     if not LaunchContext.from_environ().distributed:
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
@@ -245,8 +247,8 @@ def _say_fsdp_is_not_running(accelerator: Any, cfg: FSDPOffloadConfig) -> None:
                    "process), or under torchrun")
     logger.warning("%s asks for FSDP%d, but the Accelerator preparing the model runs without it (distributed_type "
                    "%s, %d process%s), so nothing of its fsdp_config applies: no sharding, meta loading, activation "
-                   "offload or budget%s", cfg.source, cfg.version, how, accelerator.num_processes,
-                   "" if accelerator.num_processes == 1 else "es", started)
+                   "offload or budget%s", cfg.source, cfg.version, accelerator.distributed_type.value,
+                   accelerator.num_processes, "" if accelerator.num_processes == 1 else "es", started)
 
 
 def _model_alone(accelerator: Any, args: tuple[Any, ...]) -> bool:
@@ -433,7 +435,8 @@ PATCHES = [
           "(saved exp_avg values were overwritten)"),
     Patch("prepare-model-alone", "accelerate.accelerator", "Accelerator.prepare", build_prepare, fsdp2_prepare_needed,
           _REQUIRES, "a model prepared without an optimizer (the Trainer's evaluate() or predict() before train()) "
-          "is sharded as for training, where accelerate refused it"),
+          "is sharded as for training, where accelerate refused it; an Accelerator running without FSDP (a process "
+          "no launcher started) says on rank 0 that none of fsdp_config applies"),
     Patch("prepare-fsdp2", "accelerate.accelerator", "Accelerator._prepare_fsdp2", build_prepare_fsdp2,
           fsdp2_prepare_needed, _REQUIRES, "keep optimizer remapping right for meta parameters; run our "
           "fsdp2_prepare_model around a framework's copy installed after patch() (axolotl's); no KV cache in "
