@@ -46,8 +46,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+# Whether the venv has these top-level modules: found, not imported (importing the frameworks to
+# check for them took 9-15 s of CPU a leg, twice: at set-up and again in scripts/test.sh)
+venv_has() {
+  python -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' "$@"
+}
 if [ "$LEG" = clients ]; then
-  if ! python -c "import fsdp_offload_cfg, pytest, llamafactory" >/dev/null 2>&1; then
+  if ! venv_has fsdp_offload_cfg pytest llamafactory; then
     echo "[setup] installing llamafactory==0.9.5 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
     # one command: alone, llamafactory's torchvision pin would replace the CPU torch with a CUDA build
@@ -60,20 +65,20 @@ if [ "$LEG" = clients ]; then
     in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = swift ]; then
-  if ! python -c "import fsdp_offload_cfg, pytest, swift" >/dev/null 2>&1; then
+  if ! venv_has fsdp_offload_cfg pytest swift; then
     echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
     python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "ms-swift==4.6.0"
     in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = axolotl-plugin ]; then
-  if ! python -c "import fsdp_offload_cfg, pytest, axolotl" >/dev/null 2>&1; then
+  if ! venv_has fsdp_offload_cfg pytest axolotl; then
     echo "[setup] installing axolotl==0.19.0 with torch (CPU build), then fsdp-offload-cfg"
     python -m pip install -q --upgrade pip
     python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "axolotl==0.19.0"
     in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
-elif ! python -c "import fsdp_offload_cfg, pytest, hypothesis, peft, trl, matplotlib" >/dev/null 2>&1; then
+elif ! venv_has fsdp_offload_cfg pytest hypothesis peft trl matplotlib; then
   echo "[setup] installing ${TORCH_SPEC:-$TORCH_DEFAULT}, ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
   python -m pip install -q --upgrade pip
   if [ -n "${TORCH_WHEELS:-}" ]; then  # torch downloaded ahead (.ci/run): from there, nothing fetched twice
