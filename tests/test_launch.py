@@ -155,18 +155,32 @@ def test_accelerate_launch_finds_its_config_and_runs_fsdp2_on_cpu(plain_run: tup
         assert "cpu-fsdp-accelerator-state" in r["patches"]
 
 
-def test_what_explain_writes_launches_as_is(tmp_path: Path, checkpoint: str, capsys: pytest.CaptureFixture[str]):
-    """The README calls `explain`'s `config` a file you can run: it wrote the layer classes as a
-    YAML list, which `accelerate launch` turns into text no rank can read."""
+@pytest.fixture(scope="module")
+def explained_offload_run(checkpoint: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The plain file with the offload on (every saved tensor moved), rewritten by `explain` and
+    launched as written, 3 steps: the run that both the test of `explain`'s file and the offload's
+    exactness test without checkpointing read (one launch fewer at each end leg)."""
+    import contextlib
+    import io
+
     import yaml
 
     from fsdp_offload_cfg import cli
 
-    source = _write(tmp_path, "source.yaml", extra="  activation_cpu_offload: true\n")
-    assert cli.main(["explain", str(source)]) == 0
-    written = tmp_path / "explained.yaml"
-    written.write_text(yaml.safe_dump(yaml.safe_load(capsys.readouterr().out)["config"], sort_keys=False))
-    reports = _reports(_accelerate_launch(written, checkpoint))
+    folder = tmp_path_factory.mktemp("explained")
+    source = _write(folder, "source.yaml", extra="  activation_cpu_offload:\n    min_tensor_bytes: 0\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["explain", str(source)]) == 0
+    written = folder / "explained.yaml"
+    written.write_text(yaml.safe_dump(yaml.safe_load(out.getvalue())["config"], sort_keys=False))
+    return written, _reports(_accelerate_launch(written, checkpoint, "--steps", "3"))
+
+
+def test_what_explain_writes_launches_as_is(explained_offload_run: tuple[Path, list[dict]]):
+    """The README calls `explain`'s `config` a file you can run: it wrote the layer classes as a
+    YAML list, which `accelerate launch` turns into text no rank can read."""
+    written, reports = explained_offload_run
     _assert_fsdp2_sharded(reports)
     for r in reports:
         assert str(written) in r["source"] and r["offload_enabled"], r
@@ -248,16 +262,17 @@ def test_accelerate_launch_without_flag_uses_accelerates_default_config_file(tmp
 
 @pytest.mark.parametrize("checkpointing", ["false", "true"])
 def test_activation_offload_through_accelerate_is_bit_identical(tmp_path: Path, checkpoint: str, checkpointing: str,
-                                                                plain_run: tuple[Path, list[dict]]):
+                                                                plain_run: tuple[Path, list[dict]],
+                                                                explained_offload_run: tuple[Path, list[dict]]):
     """Same launch with and without `activation_cpu_offload`: identical losses over 3 AdamW steps
     (each loss after the first depends on the previous step's gradients)."""
-    ac = f"  fsdp_activation_checkpointing: {checkpointing}\n"
-    offload = _write(tmp_path, "offload.yaml", extra=ac + "  activation_cpu_offload:\n    min_tensor_bytes: 0\n")
-    if checkpointing == "false":  # accelerate's default: the plain file's run
-        without = plain_run[1]
+    if checkpointing == "false":  # accelerate's default: the plain file's run, and the same file with the offload
+        without, with_offload = plain_run[1], explained_offload_run[1]
     else:
+        ac = f"  fsdp_activation_checkpointing: {checkpointing}\n"
+        offload = _write(tmp_path, "offload.yaml", extra=ac + "  activation_cpu_offload:\n    min_tensor_bytes: 0\n")
         without = _reports(_accelerate_launch(_write(tmp_path, "plain.yaml", extra=ac), checkpoint, "--steps", "3"))
-    with_offload = _reports(_accelerate_launch(offload, checkpoint, "--steps", "3"))
+        with_offload = _reports(_accelerate_launch(offload, checkpoint, "--steps", "3"))
     assert with_offload[0]["offload_stats"]["offloaded_bytes"] > 0
     assert [r["losses"] for r in with_offload] == [r["losses"] for r in without]
 
