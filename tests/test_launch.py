@@ -62,7 +62,7 @@ class Launch:
 
 
 def _run(cmd: list[str], timeout: float = 240, **extra_env: str) -> Launch:
-    out_dir = Path(tempfile.mkdtemp(prefix="probe_"))
+    out_dir = Path(tempfile.mkdtemp(prefix="probe_", dir=os.environ["TMPDIR"]))  # the suite's scratch (conftest.py)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     # CPU launches (gloo) whatever the machine has: a visible GPU would give every rank a CUDA device
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PROBE_DIR=str(out_dir),
