@@ -40,6 +40,11 @@ class _StderrHandler(logging.StreamHandler):
         return sys.stderr
 
 
+def counted(n: int, noun: str) -> str:
+    """"1 file", "2 files": the counts in log lines a user reads (a small model is one file)."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _own_logger(name: str) -> logging.Logger:
     """`logging.getLogger(name)`, without the filters a framework's logger class puts on every
     logger created after it is installed: axolotl's `AxolotlLogger` drops every INFO line of other

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from fsdp_offload_cfg.loading import is_rank0_source, load_into_sharded, rank0_from_pretrained, sharded_from_pretrained
-from fsdp_offload_cfg.loading.broadcast import buckets
+from fsdp_offload_cfg.loading.broadcast import TransferStats, buckets
 from fsdp_offload_cfg.loading.checkpoint import read_header
 from fsdp_offload_cfg.loading.file_reads import contiguous_range, read_region, read_whole
 from fsdp_offload_cfg.loading.layout import Target
-from fsdp_offload_cfg.loading.sharded import read_own_shards
+from fsdp_offload_cfg.loading.prepare import RankLoad, summary_lines
+from fsdp_offload_cfg.loading.sharded import ReadStats, read_own_shards
 from fsdp_offload_cfg.loading.spec import TensorSpec, describe, meta_tensor_names, mismatch, rebuild_on_meta
 
 
@@ -315,3 +316,16 @@ def test_a_transpose_already_applied_or_of_dim_0_is_told_apart(tmp_path) -> None
         map_keys_5x(_Experts((3, 5, 4)), {"experts.gate_up": None}, [_transpose(0, 1, False)], files)
     with pytest.raises(NotSliceable, match=r"transposed \(1, 2\) it is not 'experts.gate_up'.s shape \[5, 4, 4\]"):
         map_keys_5x(_Experts((5, 4, 4)), {"experts.gate_up": None}, [_transpose(1, 2)], files)
+
+
+def test_rank0s_load_lines_count_one_file_and_one_bucket_in_the_singular() -> None:
+    """A small model is one safetensors file, and its broadcast one bucket: the lines said "from 1
+    files" and "in 1 buckets"."""
+    loads = (RankLoad("host", 2**20, 0), RankLoad("host", 0, 2**20))
+    one = summary_lines(TransferStats(tensors=1, bytes_to={1: 2**20}, buckets=1),
+                        ReadStats(tensors=1, reads=1, bytes_read=2**20, files=["model.safetensors"]), loads)
+    assert one == ["sharded loading: rank 0 read 1 tensor (1.0 MiB, 1 read) from 1 file in 0.00s",
+                   "rank-0 loading: sent 1 tensor (1.0 MiB to ranks 1) in 1 bucket in 0.00s"], one
+    two = summary_lines(TransferStats(tensors=2, bytes_to={1: 2**20}, buckets=2),
+                        ReadStats(tensors=2, reads=2, bytes_read=2**20, files=["a", "b"]), loads)
+    assert "2 tensors (1.0 MiB, 2 reads) from 2 files" in two[0] and "in 2 buckets" in two[1], two

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_offload_cfg import model_state
-from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg._logging import counted, get_logger
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.loading import dora, replicas, sharded
 from fsdp_offload_cfg.loading.broadcast import TransferStats, send_from_rank0
@@ -263,25 +263,30 @@ def _loads(nodes: tuple[str, ...], stats: TransferStats, read: sharded.ReadStats
 
 
 def _log(stats: TransferStats, read: sharded.ReadStats | None, loads: tuple[RankLoad, ...]) -> None:
-    if dist.get_rank() != 0:
-        return
+    if dist.get_rank() == 0:
+        for line in summary_lines(stats, read, loads):
+            logger.info(line)
+
+
+def summary_lines(stats: TransferStats, read: sharded.ReadStats | None, loads: tuple[RankLoad, ...]) -> list[str]:
+    """Rank 0's lines on a finished load: what it read, what it sent, what the replicas and the
+    nodes did (each only where it happened)."""
+    lines = []
     if read is not None:
-        logger.info(
-            "sharded loading: rank 0 read %d tensors (%s, %d reads) from %d files in %.2fs",
-            read.tensors, show_size(read.bytes_read), read.reads, len(read.files), read.seconds,
-        )  # fmt: skip
+        lines.append(f"sharded loading: rank 0 read {counted(read.tensors, 'tensor')} ({show_size(read.bytes_read)}, "
+                     f"{counted(read.reads, 'read')}) from {counted(len(read.files), 'file')} in {read.seconds:.2f}s")
     if stats.bytes_sent:
-        logger.info(
-            "rank-0 loading: sent %d tensors (%s to ranks %s) in %d buckets in %.2fs",
-            stats.tensors, show_size(stats.bytes_sent), rank_ranges(sorted(stats.bytes_to)), stats.buckets,
-            stats.seconds,
-        )  # fmt: skip
+        lines.append(f"rank-0 loading: sent {counted(stats.tensors, 'tensor')} ({show_size(stats.bytes_sent)} to ranks "
+                     f"{rank_ranges(sorted(stats.bytes_to))}) in {counted(stats.buckets, 'bucket')} in "
+                     f"{stats.seconds:.2f}s")
     if any(s.bytes_from_replicas for s in loads):
-        logger.info("loading: the replicas (HSDP) split the reading: %s read from the files in all, %s passed "
-                    "between replicas", show_size(sum(s.bytes_read for s in loads)),
-                    show_size(sum(s.bytes_from_replicas for s in loads)))  # fmt: skip
+        lines.append(f"loading: the replicas (HSDP) split the reading: {show_size(sum(s.bytes_read for s in loads))} "
+                     f"read from the files in all, {show_size(sum(s.bytes_from_replicas for s in loads))} passed "
+                     "between replicas")
     if len({s.node for s in loads}) > 1:
-        logger.info("loading by node: %s", "; ".join(_node_line(node, loads) for node in dict.fromkeys(s.node for s in loads)))
+        lines.append("loading by node: " + "; ".join(_node_line(node, loads)
+                                                      for node in dict.fromkeys(s.node for s in loads)))
+    return lines
 
 
 def _node_line(node: str, loads: tuple[RankLoad, ...]) -> str:
