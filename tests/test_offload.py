@@ -341,6 +341,15 @@ def test_the_end_of_run_line_warns_only_about_layers_it_was_to_move(kept: str) -
         assert line is not None and line[0] == logging.WARNING and "moved nothing" in line[1]
 
 
+def test_the_end_of_run_line_counts_one_tensor_in_the_singular() -> None:
+    """Under checkpointing a layer saves one tensor for the offload to move (its input): a
+    two-layer model's line read "(1 tensors)"."""
+    from fsdp_offload_cfg.offload.stats import describe_moved
+
+    stats = {**offload_stats(), "offloaded_bytes": 2**20, "reloaded_bytes": 2**20, "offloaded_tensors": 1}
+    assert "to the host (1 tensor) and 1.0 MiB back" in describe_moved(stats)[1]
+
+
 def test_the_end_of_run_line_is_silent_when_the_offload_never_ran() -> None:
     from fsdp_offload_cfg.offload.stats import describe_moved
 

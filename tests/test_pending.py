@@ -140,7 +140,7 @@ def test_a_forward_with_a_tensor_no_file_backs_names_prepare(layer: nn.Linear, t
     record.forget(layer.bias)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeError, match=r"still on the meta device on rank 0 \(1 tensors, e.g. bias\)"):
+        with pytest.raises(RuntimeError, match=r"still on the meta device on rank 0 \(1 tensor, e.g. bias\)"):
             layer(torch.ones(1, 4))
     finally:
         dist.destroy_process_group()

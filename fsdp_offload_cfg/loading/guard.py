@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_offload_cfg import model_state
-from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg._logging import counted, get_logger
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.loading import dora, pending
 from fsdp_offload_cfg.loading.checkpoint import record_of
@@ -72,7 +72,7 @@ def _fill_or_refuse(module: nn.Module, *_: Any, what: str, part: str = "") -> No
     shown = f"its part `{part}`, " if part else ""
     raise RuntimeError(
         f"fsdp_offload_cfg: the model made by `{what}` is still on the meta device on rank {dist.get_rank()} "
-        f"({shown}{len(left)} tensors, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
+        f"({shown}{counted(len(left), 'tensor')}, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
         f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}"
     )
 

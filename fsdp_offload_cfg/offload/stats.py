@@ -80,12 +80,13 @@ def describe_moved(stats: dict[str, Any]) -> tuple[int, str] | None:
     offloads no layer runs it without a word beyond the plan's own line."""
     import logging
 
+    from fsdp_offload_cfg._logging import counted
     from fsdp_offload_cfg._sizes import show_size
 
     if stats["offloaded_bytes"]:
         return logging.INFO, (
             f"activation offload moved {show_size(stats['offloaded_bytes'])} to the host "
-            f"({stats['offloaded_tensors']} tensors) and {show_size(stats['reloaded_bytes'])} back; pinned host "
+            f"({counted(stats['offloaded_tensors'], 'tensor')}) and {show_size(stats['reloaded_bytes'])} back; pinned host "
             f"pool peaked at {show_size(stats['pinned_pool_peak_bytes'])}")
     if not stats["groups_to_offload_entered"]:
         return None
