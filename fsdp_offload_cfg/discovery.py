@@ -159,7 +159,8 @@ def typed_launch_keys(cmdline: Sequence[str]) -> frozenset[str]:
     """Config keys the user typed as `accelerate launch` flags (`--mixed_precision`, `--cpu`,
     `--fsdp_<key>`), in either spelling (`--fsdp_version 2`, `--fsdp-version=2`). Only the
     launcher's own arguments count: everything after the script path belongs to the script."""
-    flags = {"mixed_precision": "mixed_precision", "cpu": "use_cpu", "num_processes": "num_processes"}
+    flags = {"mixed_precision": "mixed_precision", "cpu": "use_cpu", "num_processes": "num_processes",
+             "debug": "debug", "enable_cpu_affinity": "enable_cpu_affinity"}
     flags.update({f"fsdp_{key}": key for key in ENV_VARS.values()})
     flags["fsdp_transformer_layer_cls_to_wrap"] = "transformer_layer_cls_to_wrap"
     typed = set()
@@ -251,7 +252,8 @@ def with_launch_overrides(
 def _flag(key: str) -> str:
     """The `accelerate launch` flag (and exported variable) that carries `key`."""
     var = LAUNCH_ENV_VARS.get(key) or next(v for v, k in ENV_VARS.items() if k == key)
-    flag = {"use_cpu": "--cpu", "mixed_precision": "--mixed_precision"}.get(key, f"--fsdp_{key}")
+    flag = {"use_cpu": "--cpu", "mixed_precision": "--mixed_precision", "debug": "--debug",
+            "enable_cpu_affinity": "--enable_cpu_affinity"}.get(key, f"--fsdp_{key}")
     return f"{flag} (${var})"
 
 

@@ -667,6 +667,38 @@ def test_a_launchs_parallelism_and_dynamo_config_are_left_as_the_launch_set_them
     assert os.environ["ACCELERATE_DYNAMO_BACKEND"] == "NO"
 
 
+def test_the_files_debug_and_cpu_affinity_reach_accelerate_as_a_launch_hands_them_over(tmp_path: Any):
+    """`debug: true` (accelerate's checks that every rank's collectives match) and
+    `enable_cpu_affinity: true` did nothing under torchrun or `patch("F")`: only `accelerate
+    launch` exported them. accelerate's `PartialState` reads them with `parse_flag_from_env`."""
+    from accelerate.utils import parse_flag_from_env
+
+    path = tmp_path / "f.yaml"
+    path.write_text("distributed_type: FSDP\ndebug: true\nenable_cpu_affinity: true\nfsdp_config:\n  fsdp_version: 2\n")
+    fsdp_offload_cfg.patch(path)
+    assert parse_flag_from_env("ACCELERATE_DEBUG_MODE") and parse_flag_from_env("ACCELERATE_CPU_AFFINITY")
+    fsdp_offload_cfg.unpatch()
+    assert "ACCELERATE_DEBUG_MODE" not in os.environ and "ACCELERATE_CPU_AFFINITY" not in os.environ
+    path.write_text("distributed_type: FSDP\ndebug: false\nfsdp_config:\n  fsdp_version: 2\n")
+    fsdp_offload_cfg.patch(path)
+    assert "ACCELERATE_DEBUG_MODE" not in os.environ and "ACCELERATE_CPU_AFFINITY" not in os.environ
+
+
+def test_accelerate_launchs_own_spelling_of_its_flags_reads_back(tmp_path: Any):
+    """`accelerate launch --enable_cpu_affinity --debug` exports ACCELERATE_CPU_AFFINITY=1 and
+    ACCELERATE_DEBUG_MODE=true: read as the flags they are, and named as the flags typed over a
+    file that says false."""
+    path = tmp_path / "f.yaml"
+    path.write_text(LAUNCH_FILE + "debug: false\nenable_cpu_affinity: false\n")
+    environ = {**LAUNCH_ENV, "ACCELERATE_MIXED_PRECISION": "no", "FSDP_ACTIVATION_CHECKPOINTING": "false",
+               "ACCELERATE_CPU_AFFINITY": "1", "ACCELERATE_DEBUG_MODE": "true"}
+    cmdline = ["accelerate", "launch", "--debug", "--enable_cpu_affinity", "train.py"]
+    cfg, source = discover_config(None, {}, environ=environ, launch=AccelerateLaunch(path, typed_launch_keys(cmdline)))
+    assert (cfg.debug, cfg.enable_cpu_affinity) == (True, True)
+    assert "overridden by the launch command line: debug: True (the file says False), enable_cpu_affinity: " \
+           "True (the file says False)" in source, source
+
+
 def test_the_files_dynamo_config_reaches_accelerate_as_a_launch_hands_it_over(tmp_path: Any):
     """The same for compilation: a file asking for regional compilation ran eagerly under torchrun."""
     from accelerate.utils import TorchDynamoPlugin

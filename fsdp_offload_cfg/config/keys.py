@@ -191,6 +191,12 @@ LAUNCH: tuple[LaunchKey, ...] = (
     # The legacy top-level `dynamo_backend` is read into it, as accelerate reads it.
     LaunchKey("dynamo_config", {"description": "a mapping of dynamo_* keys", "type": "object"},
               "dict[str, Any] | None", None, case_sensitive=True),
+    # accelerate's checks of collectives' shapes across ranks (`--debug`) and each process pinned
+    # to the CPU cores of its GPU's NUMA node (`--enable_cpu_affinity`): exported under torchrun
+    # too (`integrations.common.accelerate_env`), where a file's `true` did nothing before
+    LaunchKey("debug", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_DEBUG_MODE", case_sensitive=False),
+    LaunchKey("enable_cpu_affinity", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_CPU_AFFINITY",
+              case_sensitive=False),
 )
 LAUNCH_KEYS: tuple[str, ...] = tuple(k.name for k in LAUNCH)
 LAUNCH_ENV_VARS: dict[str, str] = {k.name: k.env for k in LAUNCH if k.env}

@@ -31,6 +31,7 @@ from fsdp_offload_cfg.config.keys import (
     FIELD_KEYS,
     FSDP1_ONLY_ENV_KEYS,
     FSDP2_RESHARD_FOR,
+    LAUNCH,
     LAUNCH_ENV_VARS,
     LAUNCH_KEYS,
     NULL_MEANS_UNSET,
@@ -51,6 +52,8 @@ from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 
 ENV_SOURCE = "env FSDP_*"
 _TRUE = ("1", "true", "yes", "y", "on", "t")
+_FALSE = ("0", "false", "no", "n", "off", "f")  # accelerate's `str_to_bool`, both ways
+_BOOL_LAUNCH_KEYS = frozenset(k.name for k in LAUNCH if k.annotation == "bool | None")
 
 
 def load_config(
@@ -120,8 +123,17 @@ def config_from_env(environ: Mapping[str, str] = os.environ) -> FSDPOffloadConfi
     launch: dict[str, Any] = {"distributed_type": "FSDP"}
     for key, var in LAUNCH_ENV_VARS.items():
         if var in environ:
-            launch[key], where[key] = environ[var], var
+            launch[key], where[key] = _launch_env_value(key, environ[var]), var
     return _build(_Values(values, where, dict(values)), launch, "env", ENV_SOURCE, problems)
+
+
+def _launch_env_value(key: str, text: str) -> Any:
+    """A launch variable's text as the key's value. accelerate reads its flags with `str_to_bool`
+    and spells them its own way (ACCELERATE_CPU_AFFINITY=1, ACCELERATE_USE_CPU=True): the flags'
+    spellings it accepts are booleans here too; anything else stays text, for validation to name."""
+    if key in _BOOL_LAUNCH_KEYS and text.strip().lower() in (*_TRUE, *_FALSE):
+        return text.strip().lower() in _TRUE
+    return text
 
 
 def env_values(config: FSDPOffloadConfig) -> dict[str, str]:

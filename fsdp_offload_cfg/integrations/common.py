@@ -79,6 +79,10 @@ def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]
         env["ACCELERATE_MIXED_PRECISION"] = cfg.mixed_precision
     if cpu_fsdp_needed(cfg, ctx):
         env["ACCELERATE_USE_CPU"] = "true"
+    if cfg.debug:
+        env["ACCELERATE_DEBUG_MODE"] = "true"
+    if cfg.enable_cpu_affinity:
+        env["ACCELERATE_CPU_AFFINITY"] = "1"
     return {**env, **launch_sections_env(cfg)}
 
 
