@@ -54,6 +54,11 @@ def rank_ranges(ranks: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
+def named_ranks(ranks: Sequence[int]) -> str:
+    """"rank 1", "ranks 1-3": `rank_ranges` with the noun a log line reads with it."""
+    return ("rank " if len(set(ranks)) == 1 else "ranks ") + rank_ranges(ranks)
+
+
 def describe_error(exc: BaseException) -> str:
     """One line naming the exception and where it was raised (the last frame)."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -194,8 +199,8 @@ def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
         elif now >= next_log:
             next_log += MEETING_LOG_EVERY_S
             absent = [r for r in range(world) if not store.check([f"{slot}/rank{r}"])]
-            logger.warning("rank %d has waited %.0fs for rank %s to %s as well", rank, now - start,
-                           rank_ranges(absent), what)  # fmt: skip
+            logger.warning("rank %d has waited %.0fs for %s to %s as well", rank, now - start,
+                           named_ranks(absent), what)  # fmt: skip
         time.sleep(pause)
         pause = min(2 * pause, 0.5)
     if store.get(decision) == b"go":

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger, is_rank0
-from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, rank_ranges
+from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, named_ranks
 
 logger = get_logger("fsdp_offload_cfg.saving")
 
@@ -165,7 +165,7 @@ def _every_rank_or_raise(what: str) -> None:
 
 def _who_did_not_come(absent: list[int]) -> str:
     if absent:
-        return f"rank {rank_ranges(absent)} did not within the process-group timeout"
+        return f"{named_ranks(absent)} did not within the process-group timeout"
     return "this rank came after the others had stopped waiting for it"
 
 

@@ -325,7 +325,17 @@ def test_rank0s_load_lines_count_one_file_and_one_bucket_in_the_singular() -> No
     one = summary_lines(TransferStats(tensors=1, bytes_to={1: 2**20}, buckets=1),
                         ReadStats(tensors=1, reads=1, bytes_read=2**20, files=["model.safetensors"]), loads)
     assert one == ["sharded loading: rank 0 read 1 tensor (1.0 MiB, 1 read) from 1 file in 0.00s",
-                   "rank-0 loading: sent 1 tensor (1.0 MiB to ranks 1) in 1 bucket in 0.00s"], one
+                   "rank-0 loading: sent 1 tensor (1.0 MiB to rank 1) in 1 bucket in 0.00s"], one
     two = summary_lines(TransferStats(tensors=2, bytes_to={1: 2**20}, buckets=2),
                         ReadStats(tensors=2, reads=2, bytes_read=2**20, files=["a", "b"]), loads)
     assert "2 tensors (1.0 MiB, 2 reads) from 2 files" in two[0] and "in 2 buckets" in two[1], two
+
+
+def test_ranks_are_named_with_the_noun_their_count_takes() -> None:
+    """A 2-rank broadcast read "sent ... to ranks 1"; a lone waiting rank "for rank 1-3"."""
+    from fsdp_offload_cfg.ranks import named_ranks
+
+    assert (named_ranks([1]), named_ranks([3, 1, 2]), named_ranks([0, 1, 4])) == ("rank 1", "ranks 1-3", "ranks 0-1, 4")
+    loads = (RankLoad("host", 0, 0), RankLoad("host", 0, 2**20), RankLoad("host", 0, 2**20))
+    three = summary_lines(TransferStats(tensors=2, bytes_to={1: 2**20, 2: 2**20}, buckets=2), None, loads)
+    assert three == ["rank-0 loading: sent 2 tensors (2.0 MiB to ranks 1-2) in 2 buckets in 0.00s"], three

@@ -208,7 +208,7 @@ def _say_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     and stock transformers says nothing. On every rank (a collective): the ranks' models differ."""
     from fsdp_offload_cfg._sizes import show_size
     from fsdp_offload_cfg.loading.spec import meta_tensor_names, named_tensors
-    from fsdp_offload_cfg.ranks import every_rank, rank_ranges
+    from fsdp_offload_cfg.ranks import every_rank, named_ranks
 
     whole = not meta_tensor_names(model)
     held = sum(t.nbytes for _, t in named_tensors(model)) if whole else 0
@@ -218,10 +218,10 @@ def _say_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
         return
     after = ("TrainingArguments(fsdp_config=...), which bring the config" if cfg.source.startswith("TrainingArguments")
              else "fsdp_offload_cfg.patch(), outside local_loading()")
-    logger.warning("%s reached prepare whole on rank %s though meta loading is on (cpu_ram_efficient_loading): it was "
+    logger.warning("%s reached prepare whole on %s though meta loading is on (cpu_ram_efficient_loading): it was "
                    "loaded before the config was active, so each of those ranks held the whole model (%s) besides rank "
                    "0. Load it after %s: a model loaded then stays on meta until prepare fills its shards.",
-                   type(model).__name__, rank_ranges(ranks), show_size(max(h for _, h in gathered)), after)
+                   type(model).__name__, named_ranks(ranks), show_size(max(h for _, h in gathered)), after)
 
 
 def built_by_loader(model: torch.nn.Module) -> bool:

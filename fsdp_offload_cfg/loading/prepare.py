@@ -57,7 +57,7 @@ from fsdp_offload_cfg.loading.spec import (
     rebuild_on_meta,
     retie,
 )
-from fsdp_offload_cfg.ranks import agreed, attempt, broadcast_from_rank0, describe_error, distributed_ready, rank_ranges
+from fsdp_offload_cfg.ranks import agreed, attempt, broadcast_from_rank0, describe_error, distributed_ready, named_ranks
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -246,9 +246,9 @@ def _log_sources(sources: sharded.Sources, receivers: dict[str, frozenset[int]],
     if sources.streamed:
         without = sorted({r for n in sources.streamed for r in receivers.get(n, ())})
         nodes = sorted({sources.nodes[r] for r in without})
-        logger.info("loading: rank 0 reads %d tensors' slices for ranks %s (%s), which have no record of the "
+        logger.info("loading: rank 0 reads %d tensors' slices for %s (%s), which have no record of the "
                     "checkpoint files (built from rank 0's description), and streams them; every other rank "
-                    "reads its own", len(sources.streamed), rank_ranges(without), ", ".join(nodes))  # fmt: skip
+                    "reads its own", len(sources.streamed), named_ranks(without), ", ".join(nodes))  # fmt: skip
     elif strategy == "sharded" and not sources.readers:
         logger.info("sharded loading: the model has no checkpoint record; every tensor comes from rank 0")
 
@@ -276,8 +276,8 @@ def summary_lines(stats: TransferStats, read: sharded.ReadStats | None, loads: t
         lines.append(f"sharded loading: rank 0 read {counted(read.tensors, 'tensor')} ({show_size(read.bytes_read)}, "
                      f"{counted(read.reads, 'read')}) from {counted(len(read.files), 'file')} in {read.seconds:.2f}s")
     if stats.bytes_sent:
-        lines.append(f"rank-0 loading: sent {counted(stats.tensors, 'tensor')} ({show_size(stats.bytes_sent)} to ranks "
-                     f"{rank_ranges(sorted(stats.bytes_to))}) in {counted(stats.buckets, 'bucket')} in "
+        lines.append(f"rank-0 loading: sent {counted(stats.tensors, 'tensor')} ({show_size(stats.bytes_sent)} to "
+                     f"{named_ranks(sorted(stats.bytes_to))}) in {counted(stats.buckets, 'bucket')} in "
                      f"{stats.seconds:.2f}s")
     if any(s.bytes_from_replicas for s in loads):
         lines.append(f"loading: the replicas (HSDP) split the reading: {show_size(sum(s.bytes_read for s in loads))} "
@@ -295,7 +295,7 @@ def _node_line(node: str, loads: tuple[RankLoad, ...]) -> str:
     read = sum(loads[r].bytes_read for r in ranks)
     received = sum(loads[r].bytes_received for r in ranks)
     from_replicas = sum(loads[r].bytes_from_replicas for r in ranks)
-    return (f"{node} (ranks {rank_ranges(ranks)}): read {show_size(read)} from the files, "
+    return (f"{node} ({named_ranks(ranks)}): read {show_size(read)} from the files, "
             f"received {show_size(received)} from rank 0"
             + (f" and {show_size(from_replicas)} from the other replicas" if from_replicas else ""))
 
