@@ -35,7 +35,7 @@ from fsdp_offload_cfg.config import (
     config_from_env,
     load_config,
 )
-from fsdp_offload_cfg.config.keys import ALIASES
+from fsdp_offload_cfg.config.keys import ALIASES, LAUNCH_FLAGS
 from fsdp_offload_cfg.config.reading import plain
 
 ENV_CONFIG_PATH = "FSDP_OFFLOAD_CFG"
@@ -159,8 +159,7 @@ def typed_launch_keys(cmdline: Sequence[str]) -> frozenset[str]:
     """Config keys the user typed as `accelerate launch` flags (`--mixed_precision`, `--cpu`,
     `--fsdp_<key>`), in either spelling (`--fsdp_version 2`, `--fsdp-version=2`). Only the
     launcher's own arguments count: everything after the script path belongs to the script."""
-    flags = {"mixed_precision": "mixed_precision", "cpu": "use_cpu", "num_processes": "num_processes",
-             "debug": "debug", "enable_cpu_affinity": "enable_cpu_affinity"}
+    flags = {flag.removeprefix("--"): key for key, flag in LAUNCH_FLAGS.items()}
     flags.update({f"fsdp_{key}": key for key in ENV_VARS.values()})
     flags["fsdp_transformer_layer_cls_to_wrap"] = "transformer_layer_cls_to_wrap"
     typed = set()
@@ -252,8 +251,7 @@ def with_launch_overrides(
 def _flag(key: str) -> str:
     """The `accelerate launch` flag (and exported variable) that carries `key`."""
     var = LAUNCH_ENV_VARS.get(key) or next(v for v, k in ENV_VARS.items() if k == key)
-    flag = {"use_cpu": "--cpu", "mixed_precision": "--mixed_precision", "debug": "--debug",
-            "enable_cpu_affinity": "--enable_cpu_affinity"}.get(key, f"--fsdp_{key}")
+    flag = LAUNCH_FLAGS.get(key, f"--fsdp_{key}")
     return f"{flag} (${var})"
 
 

@@ -171,17 +171,19 @@ class LaunchKey:
     annotation: str
     env: str | None  # what the launcher exports it as to its workers
     case_sensitive: bool  # accelerate builds an enum from the exact text: `distributed_type: fsdp` is refused
+    flag: str | None = None  # the `accelerate launch` flag that sets it over the file (`--cpu` for use_cpu)
 
 
 LAUNCH: tuple[LaunchKey, ...] = (
     LaunchKey("distributed_type", {"description": "one of " + ", ".join(DISTRIBUTED_TYPES), "enum": DISTRIBUTED_TYPES},
               "str | None", None, case_sensitive=True),
     LaunchKey("mixed_precision", {"description": "one of no, fp8, fp16, bf16", "enum": ["no", "fp8", "fp16", "bf16"]},
-              "str | None", "ACCELERATE_MIXED_PRECISION", case_sensitive=False),
+              "str | None", "ACCELERATE_MIXED_PRECISION", case_sensitive=False, flag="--mixed_precision"),
     LaunchKey("num_processes", {"description": "an integer >= 1, or -1 (decided at launch)",
                                 "anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}]},
-              "int | None", "WORLD_SIZE", case_sensitive=False),
-    LaunchKey("use_cpu", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_USE_CPU", case_sensitive=False),
+              "int | None", "WORLD_SIZE", case_sensitive=False, flag="--num_processes"),
+    LaunchKey("use_cpu", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_USE_CPU", case_sensitive=False,
+              flag="--cpu"),
     # HSDP, tensor and context parallelism under FSDP2; its keys are checked against the installed
     # accelerate's (`sources._parallelism_problems`). accelerate launch exports it as
     # PARALLELISM_CONFIG_* variables (`integrations.common.launch_sections_env`), not as one variable.
@@ -194,12 +196,14 @@ LAUNCH: tuple[LaunchKey, ...] = (
     # accelerate's checks of collectives' shapes across ranks (`--debug`) and each process pinned
     # to the CPU cores of its GPU's NUMA node (`--enable_cpu_affinity`): exported under torchrun
     # too (`integrations.common.accelerate_env`), where a file's `true` did nothing before
-    LaunchKey("debug", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_DEBUG_MODE", case_sensitive=False),
+    LaunchKey("debug", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_DEBUG_MODE", case_sensitive=False,
+              flag="--debug"),
     LaunchKey("enable_cpu_affinity", {"$ref": "#/$defs/boolish"}, "bool | None", "ACCELERATE_CPU_AFFINITY",
-              case_sensitive=False),
+              case_sensitive=False, flag="--enable_cpu_affinity"),
 )
 LAUNCH_KEYS: tuple[str, ...] = tuple(k.name for k in LAUNCH)
 LAUNCH_ENV_VARS: dict[str, str] = {k.name: k.env for k in LAUNCH if k.env}
+LAUNCH_FLAGS: dict[str, str] = {k.name: k.flag for k in LAUNCH if k.flag}  # key -> `accelerate launch` flag
 
 # -------------------------------------------------------------------------------------------
 # Value types ($defs of the schema)
