@@ -36,8 +36,9 @@ if [ "$LEG" = newest ]; then DEFAULT_VENV="$ROOT/.venv"; else DEFAULT_VENV="$ROO
 # install at once from one checkout (.ci/run's lanes), that step takes turns through the lock file
 # FSDP_OFFLOAD_CFG_INSTALL_LOCK names; torch and the frameworks install into each leg's own venv
 # side by side.
-in_turn() {
-  if [ -n "${FSDP_OFFLOAD_CFG_INSTALL_LOCK:-}" ]; then flock "$FSDP_OFFLOAD_CFG_INSTALL_LOCK" "$@"; else "$@"; fi
+in_turn() {  # COMMAND...: run it holding that lock where one is named (a shell function too)
+  if [ -z "${FSDP_OFFLOAD_CFG_INSTALL_LOCK:-}" ]; then "$@"; return; fi
+  ( flock 9 && "$@" ) 9>"$FSDP_OFFLOAD_CFG_INSTALL_LOCK"
 }
 VENV="${FSDP_OFFLOAD_CFG_VENV:-$DEFAULT_VENV}"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -46,6 +47,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+# pip's install and uninstall, done by uv with pip's settings (scripts/_pip.py: 2-3x faster)
+pip_() { python "$ROOT/scripts/_pip.py" "$@"; }
 # Whether the venv has these top-level modules: found, not imported (importing the frameworks to
 # check for them took 9-15 s of CPU a leg, twice: at set-up and again in scripts/test.sh)
 venv_has() {
@@ -54,41 +57,37 @@ venv_has() {
 if [ "$LEG" = clients ]; then
   if ! venv_has fsdp_offload_cfg pytest llamafactory; then
     echo "[setup] installing llamafactory==0.9.5 with torch (CPU build), then fsdp-offload-cfg"
-    python -m pip install -q --upgrade pip
     # one command: alone, llamafactory's torchvision pin would replace the CPU torch with a CUDA build
-    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "llamafactory==0.9.5"
+    pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "llamafactory==0.9.5"
     # PyPI's torchvision/torchaudio are CUDA builds that cannot load beside the CPU torch:
     # transformers imports torchvision when present; llamafactory imports torchaudio, which loads
     # in pure-Python mode without its compiled libraries
-    python -m pip uninstall -q -y torchvision || true
+    pip_ uninstall -q -y torchvision || true
     rm -f "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/torchaudio/lib/*.so
-    in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+    in_turn pip_ install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = swift ]; then
   if ! venv_has fsdp_offload_cfg pytest swift; then
     echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
-    python -m pip install -q --upgrade pip
-    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "ms-swift==4.6.0"
-    in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+    pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "ms-swift==4.6.0"
+    in_turn pip_ install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = axolotl-plugin ]; then
   if ! venv_has fsdp_offload_cfg pytest axolotl; then
     echo "[setup] installing axolotl==0.19.0 with torch (CPU build), then fsdp-offload-cfg"
-    python -m pip install -q --upgrade pip
-    python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "axolotl==0.19.0"
-    in_turn python -m pip install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
+    pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "axolotl==0.19.0"
+    in_turn pip_ install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif ! venv_has fsdp_offload_cfg pytest hypothesis peft trl matplotlib; then
   echo "[setup] installing ${TORCH_SPEC:-$TORCH_DEFAULT}, ${PAIR[*]:-the newest accelerate and transformers}, fsdp-offload-cfg[test]"
-  python -m pip install -q --upgrade pip
   if [ -n "${TORCH_WHEELS:-}" ]; then  # torch downloaded ahead (.ci/run): from there, nothing fetched twice
-    python -m pip install -q --no-index --find-links "$TORCH_WHEELS" "${TORCH_SPEC:-$TORCH_DEFAULT}" \
+    pip_ install -q --no-index --find-links "$TORCH_WHEELS" "${TORCH_SPEC:-$TORCH_DEFAULT}" \
       || echo "[setup] installing torch from $TORCH_WHEELS failed: fetching it"
   fi
-  python -m pip install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" ${PAIR[@]+"${PAIR[@]}"}
+  pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" ${PAIR[@]+"${PAIR[@]}"}
   # The package installs into an environment holding any supported pair without changing it; the
   # pins go along so that the test extras (trl, datasets) resolve around them, not over them.
-  in_turn python -m pip install -q -e "$ROOT[test]" ${PAIR[@]+"${PAIR[@]}"}
+  in_turn pip_ install -q -e "$ROOT[test]" ${PAIR[@]+"${PAIR[@]}"}
 fi
 TORCH_PIN=()
 case "${TORCH_SPEC:-$TORCH_DEFAULT}" in *==*) TORCH_PIN=("${TORCH_SPEC:-$TORCH_DEFAULT}") ;; esac
