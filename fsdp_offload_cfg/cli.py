@@ -205,9 +205,9 @@ def _validate(args: argparse.Namespace) -> int:
     results, code = [], EXIT_OK
     for file in args.files:
         try:
-            load_config(file, args.overrides)
+            config = load_config(file, args.overrides)
             results.append({"file": file, "valid": True, "unreadable": False, "problems": [],
-                            "warnings": spelling_warnings(file)})
+                            "warnings": file_warnings(file, config)})
         except ConfigError as error:
             code = max(code, _exit_code(error))
             results.append({"file": file, "valid": False, "unreadable": error.unreadable,
@@ -225,19 +225,39 @@ def _validate(args: argparse.Namespace) -> int:
     return code
 
 
-def spelling_warnings(file: str) -> list[str]:
-    """Valid spellings that also switch something else on. The unprefixed `activation_cpu_offload`
-    in a TrainingArguments-style file (ms-swift's `--fsdp` JSON, a Trainer `fsdp_config`) is
-    ms-swift's own key too: it turns ms-swift's offloader on beside this plugin's."""
+def file_warnings(file: str, config: Any) -> list[str]:
+    """What a valid file says that it may not mean: keys that do nothing under the FSDP version
+    it runs, and spellings that also switch something else on."""
     from fsdp_offload_cfg.config import read_config_file
 
     try:
         top = read_config_file(file)
     except ConfigError:
         return []
-    if "distributed_type" in top or "compute_environment" in top:
-        return []  # an accelerate file: only this plugin reads its plugin keys
+    accelerate_file = "distributed_type" in top or "compute_environment" in top
     fsdp = top.get("fsdp_config") if isinstance(top.get("fsdp_config"), dict) else top
+    return _ignored_by_fsdp2(fsdp, config) + ([] if accelerate_file else _spelling_warnings(fsdp))
+
+
+# FSDP1 keys FSDP2 has no use for, and why; accelerate accepts them (a warning at most) and drops
+# them, so an FSDP1 file moved to `fsdp_version: 2` keeps them without a word (`sharding_strategy`
+# and a true `forward_prefetch`, which change or stop the run, are errors: config/rules.py)
+_FSDP1_ONLY = {"backward_prefetch": "FSDP2 prefetches the next layer's all-gather itself",
+               "use_orig_params": "FSDP2 always trains the original parameters"}
+
+
+def _ignored_by_fsdp2(fsdp: dict[str, Any], config: Any) -> list[str]:
+    if config.version != 2:
+        return []
+    return [f"fsdp_config.{spelled} does nothing under FSDP2 ({why}; accelerate drops it): remove it"
+            for key, why in _FSDP1_ONLY.items() for spelled in (f"fsdp_{key}", key)
+            if fsdp.get(spelled) not in (None, "NO_PREFETCH")]
+
+
+def _spelling_warnings(fsdp: dict[str, Any]) -> list[str]:
+    """The unprefixed `activation_cpu_offload` in a TrainingArguments-style file (ms-swift's
+    `--fsdp` JSON, a Trainer `fsdp_config`) is ms-swift's own key too: it turns ms-swift's
+    offloader on beside this plugin's (in an accelerate file only this plugin reads it)."""
     if "activation_cpu_offload" not in fsdp:
         return []
     return ["fsdp_config.activation_cpu_offload is also ms-swift's own key: under `swift sft` it turns on "
@@ -265,7 +285,7 @@ def _explain(args: argparse.Namespace) -> int:
         "processes": processes,
         "patches": _describe_patches(config, processes),
     }
-    if warnings := spelling_warnings(args.file):
+    if warnings := file_warnings(args.file, config):
         data["warnings"] = warnings
     if changed:  # run inside `accelerate launch`: its command line wins over the file, as in patch()
         data["overridden_by_launch"] = {key: {"file": old, "launch": new} for key, (old, new) in changed.items()}

@@ -248,6 +248,32 @@ def test_validate_and_explain_warn_on_a_spelling_another_framework_reads(tmp_pat
     assert cli.main(["validate", EXAMPLES[2]]) == 0 and "warning" not in capsys.readouterr().out  # accelerate YAML
 
 
+def test_validate_and_explain_warn_on_fsdp1_keys_a_file_for_fsdp2_keeps(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """An FSDP1 file moved to `fsdp_version: 2` keeps keys FSDP2 drops: validate said OK and
+    nothing else; accelerate drops them at launch, with a warning among each rank's logs at most."""
+    moved = tmp_path / "moved_to_fsdp2.yaml"
+    moved.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_backward_prefetch: BACKWARD_PRE\n"
+                     "  fsdp_use_orig_params: true\n  fsdp_cpu_ram_efficient_loading: false\n")
+    assert cli.main(["validate", str(moved)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{moved}: OK",
+                   f"{moved}: warning: fsdp_config.fsdp_backward_prefetch does nothing under FSDP2 (FSDP2 prefetches "
+                   "the next layer's all-gather itself; accelerate drops it): remove it",
+                   f"{moved}: warning: fsdp_config.fsdp_use_orig_params does nothing under FSDP2 (FSDP2 always trains "
+                   "the original parameters; accelerate drops it): remove it"], out
+    assert cli.main(["explain", "--format", "json", str(moved)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["warnings"]) == 2
+    # the same keys under FSDP1, and NO_PREFETCH (accelerate's "none") under FSDP2, say nothing
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text(moved.read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
+    none = tmp_path / "no_prefetch.yaml"
+    none.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_backward_prefetch: NO_PREFETCH\n"
+                    "  fsdp_cpu_ram_efficient_loading: false\n")
+    assert cli.main(["validate", str(fsdp1), str(none)]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_swift_plugin_prints_a_file_alone_in_its_folder(capsys: pytest.CaptureFixture[str]):
     """ms-swift puts an `--external_plugins` file's folder first on `sys.path`: anything else there
     (our `integrations/accelerate.py`, `transformers.py`) would shadow the real packages."""
