@@ -6,12 +6,21 @@ machine, the same 244 packages at the same versions (docs/compatibility.md, run 
 
 Why not uv alone: uv reads none of pip's configuration, and that configuration is how a machine
 says where its packages come from (a private index, wheels on disk, a constraints file: this
-project's machines keep the CPU build of torch in a find-links folder and cap torch with a
-constraints file). So pip's own settings (`pip config list`: its files and PIP_* variables, the
-same merge pip does) are passed to uv as the flags that mean the same thing, and uv chooses
-among all sources as pip does (`--index-strategy unsafe-best-match`: the highest version
-anywhere, not the first source that has the package). A setting with no such flag here, or a
-venv where uv cannot be had, installs with pip instead, saying why: slower, never different.
+project's machines keep the CPU build of torch in a find-links folder, cap torch with a
+constraints file and add two local indexes). So pip's own settings (`pip config list`: its files
+and PIP_* variables, merged as pip merges them) are passed to uv as the flags that mean the same.
+
+Where pip and uv choose differently, and what is done about it:
+- pip takes the highest version from all sources together; uv, by default, from the first index
+  that has the package: `--index-strategy unsafe-best-match` makes it pip's way.
+- For one version found on several indexes, pip takes the file whose tags fit this Python best,
+  from any of them; uv takes the first index's files only, and ranks `--extra-index-url` before
+  `--index-url`. This machine's first extra index holds `multiprocess` 0.70.19 for Python 3.10
+  only, beside PyPI's file for 3.11: uv installed the 3.10 one, and `axolotl train` failed
+  (`fork_exec() takes exactly 23 arguments`, run 53's first try). So the indexes go to uv in
+  pip's order of trust: pip's `index-url` (PyPI unless set) first, then the extra ones.
+- A pip setting with no uv flag here, or a venv where uv cannot be had, installs with pip,
+  saying why: slower, the same packages.
 
 Usage (in the venv's Python): `python scripts/_pip.py install|uninstall ARGS...`, ARGS as pip takes
 them (the set-up passes -q, -e, --no-index, --find-links, --upgrade and TORCH_PIP_ARGS).
@@ -24,18 +33,30 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 
-# pip setting -> the uv flag that means the same; the value is split on whitespace as pip splits it
-_AS_FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
-             "find-links": "--find-links", "constraint": "--constraint"}
+PYPI = "https://pypi.org/simple"
 # pip setting -> the environment variable uv reads for it
 _AS_ENV = {"cert": "SSL_CERT_FILE", "default-timeout": "UV_HTTP_TIMEOUT", "timeout": "UV_HTTP_TIMEOUT"}
 # settings that change how pip runs, not what it installs, or that uv already does its own way
 _NOT_ABOUT_WHAT = {"disable-pip-version-check", "no-compile", "compile", "progress-bar", "root-user-action",
                    "quiet", "verbose", "no-input", "no-warn-script-location", "cache-dir", "retries",
-                   "no-color", "require-virtualenv"}
+                   "no-color", "require-virtualenv",
+                   "config-file"}  # where the settings come from: `pip config list` has read it
 _TRUE = {"1", "true", "yes", "on"}
-_ONE_VALUE = {"--index-url", "--no-index", "--index-strategy"}  # flags uv takes once
+
+
+@dataclass
+class Sources:
+    """Where pip would look, from its settings: what uv is told."""
+
+    index: str = PYPI  # pip's index-url
+    extra_indexes: list[str] = field(default_factory=list)
+    find_links: list[str] = field(default_factory=list)
+    constraints: list[str] = field(default_factory=list)
+    no_index: bool = False
+    no_cache: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # uv's variables for pip's cert and timeout
 
 
 def pip_settings(config_list: str) -> dict[str, str]:
@@ -53,31 +74,49 @@ def pip_settings(config_list: str) -> dict[str, str]:
     return {key: value for key, (_, value) in ranked.items()}
 
 
-def uv_options(settings: dict[str, str]) -> tuple[list[tuple[str, str | None]], dict[str, str]] | str:
-    """uv's flags (flag, value or None) and environment for pip's settings, or why there are none
-    (a setting uv would not follow the same way: then pip installs)."""
-    flags: list[tuple[str, str | None]] = [("--index-strategy", "unsafe-best-match")]
-    env: dict[str, str] = {}
+def sources(settings: dict[str, str]) -> Sources | str:
+    """pip's settings as uv will be told them, or why they cannot be (then pip installs)."""
+    found = Sources()
     for key, value in settings.items():
-        if key in _AS_FLAGS:
-            flags += [(_AS_FLAGS[key], item) for item in value.split()]
+        if key == "index-url":
+            found.index = value
+        elif key in ("extra-index-url", "find-links", "constraint"):
+            {"extra-index-url": found.extra_indexes, "find-links": found.find_links,
+             "constraint": found.constraints}[key].extend(value.split())  # split on whitespace, as pip does
         elif key in _AS_ENV:
-            env[_AS_ENV[key]] = value
+            found.env[_AS_ENV[key]] = value
         elif key == "no-cache-dir":  # pip takes any value of PIP_NO_CACHE_DIR as "no cache" (kept)
-            flags.append(("--no-cache", None))
+            found.no_cache = True
         elif key == "no-index":
-            flags += [("--no-index", None)] if value.lower() in _TRUE else []
+            found.no_index = value.lower() in _TRUE
         elif key not in _NOT_ABOUT_WHAT:
             return f"pip's setting `{key}` has no uv counterpart here"
-    return flags, env
+    return found
 
 
-def command_line(flags: list[tuple[str, str | None]], args: list[str]) -> list[str]:
-    """The settings' flags, then the command's own arguments; a one-value flag the command gives
-    too is the command's, as with pip (`TORCH_PIP_ARGS="--index-url ..."` over a configured index)."""
-    given = {"--index-url" if a == "-i" else a.split("=")[0] for a in args}
-    kept = [(flag, value) for flag, value in flags if not (flag in _ONE_VALUE and flag in given)]
-    return [part for flag, value in kept for part in (flag, value) if part is not None] + args
+def command_line(found: Sources, args: list[str]) -> list[str]:
+    """uv's flags, then the command's own arguments. An index the command gives (`-i`,
+    `--index-url`: TORCH_PIP_ARGS) replaces pip's index-url, as on pip's command line."""
+    index, rest, i = found.index, [], 0
+    while i < len(args):
+        if args[i] in ("-i", "--index-url"):
+            index, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith("--index-url="):
+            index = args[i].partition("=")[2]
+        else:
+            rest.append(args[i])
+        i += 1
+    flags = ["--index-strategy", "unsafe-best-match"]
+    for url in (index, *found.extra_indexes):  # earlier first: pip's own index before the extra ones
+        flags += ["--index", url]
+    flags += ["--default-index", index]  # or uv would add PyPI behind them, which pip would not ask
+    for path in found.find_links:
+        flags += ["--find-links", path]
+    for path in found.constraints:
+        flags += ["--constraint", path]
+    flags += ["--no-index"] * (found.no_index and "--no-index" not in rest) + ["--no-cache"] * found.no_cache
+    return flags + rest
 
 
 def _uv() -> str | None:
@@ -92,17 +131,18 @@ def _uv() -> str | None:
 def main(argv: list[str]) -> int:
     command, args = argv[0], argv[1:]
     config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
-    options = uv_options(pip_settings(config.stdout)) if config.returncode == 0 else "`pip config list` failed"
-    uv = None if isinstance(options, str) else _uv()
-    if isinstance(options, str) or uv is None:
-        reason = options if isinstance(options, str) else "uv could not be installed"
+    found = sources(pip_settings(config.stdout)) if config.returncode == 0 else "`pip config list` failed"
+    uv = None if isinstance(found, str) else _uv()
+    if isinstance(found, str) or uv is None:
+        reason = found if isinstance(found, str) else "uv could not be installed"
         print(f"[setup] {reason}: installing with pip (slower, the same packages)", file=sys.stderr)
         return subprocess.run([sys.executable, "-m", "pip", command, *args]).returncode
-    flags, env = options
     if command == "uninstall":  # uv asks nothing, and takes no index flags
-        flags, args = [], [a for a in args if a not in ("-y", "--yes")]
-    return subprocess.run([uv, "pip", command, "--python", sys.executable, *command_line(flags, args)],
-                          env={**os.environ, **env}).returncode
+        line = [a for a in args if a not in ("-y", "--yes")]
+    else:
+        line = command_line(found, args)
+    return subprocess.run([uv, "pip", command, "--python", sys.executable, *line],
+                          env={**os.environ, **found.env}).returncode
 
 
 if __name__ == "__main__":

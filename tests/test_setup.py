@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "_pip.py"
 _spec = importlib.util.spec_from_file_location("setup_pip", SCRIPT)
-setup_pip = importlib.util.module_from_spec(_spec)
+setup_pip = sys.modules["setup_pip"] = importlib.util.module_from_spec(_spec)  # a dataclass looks itself up there
 _spec.loader.exec_module(setup_pip)
 
 # `pip config list` on this project's machines, with CI's PIP_NO_CACHE_DIR and the newest leg's
@@ -45,63 +45,88 @@ def test_a_pip_variable_wins_over_the_install_section_over_global():
 
 
 def test_each_setting_reaches_uv_as_the_flag_or_variable_that_means_the_same():
-    flags, env = setup_pip.uv_options(setup_pip.pip_settings(CONFIG_LIST))
-    line = setup_pip.command_line(flags, ["-q", "torch"])
+    found = setup_pip.sources(setup_pip.pip_settings(CONFIG_LIST))
+    line = setup_pip.command_line(found, ["-q", "torch"])
     assert line == ["--index-strategy", "unsafe-best-match",  # the highest version anywhere, as pip picks
-                    "--constraint", "/dev/null", "--find-links", "/opt/wheels", "--no-cache",
-                    "--extra-index-url", "file:///opt/pypi/simple", "--extra-index-url", "file:///opt/pypi-more/simple",
-                    "-q", "torch"], line
-    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "UV_HTTP_TIMEOUT": "180"}
+                    # pip's own index first (PyPI, unset), then the extra ones, and nothing behind them
+                    "--index", "https://pypi.org/simple", "--index", "file:///opt/pypi/simple",
+                    "--index", "file:///opt/pypi-more/simple", "--default-index", "https://pypi.org/simple",
+                    "--find-links", "/opt/wheels", "--constraint", "/dev/null", "--no-cache", "-q", "torch"], line
+    assert found.env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "UV_HTTP_TIMEOUT": "180"}
 
 
 @pytest.mark.parametrize("given", [["--index-url", "https://mine"], ["-i", "https://mine"], ["--index-url=https://mine"]])
 def test_an_index_on_the_command_line_wins_over_the_configured_one(given: list[str]):
     """TORCH_PIP_ARGS="--index-url ..." (the set-up's way to pick torch's own index) over a
-    pip.conf index: uv takes `--index-url` once, and pip lets the command line win."""
-    flags, _ = setup_pip.uv_options({"index-url": "https://configured", "find-links": "/opt/wheels"})
-    line = setup_pip.command_line(flags, [*given, "torch"])
-    assert "https://configured" not in line and line[-len(given) - 1:] == [*given, "torch"], line
-    assert line[line.index("--find-links") + 1] == "/opt/wheels"  # the rest of the settings stay
+    pip.conf index, as on pip's command line; the extra indexes stay behind it."""
+    found = setup_pip.sources({"index-url": "https://configured", "extra-index-url": "https://extra"})
+    line = setup_pip.command_line(found, [*given, "torch"])
+    assert "https://configured" not in line and line[-1] == "torch", line
+    assert line[2:8] == ["--index", "https://mine", "--index", "https://extra", "--default-index", "https://mine"], line
 
 
 @pytest.mark.parametrize("key", ["trusted-host", "proxy", "pre", "only-binary"])
 def test_a_setting_uv_would_not_follow_means_pip_installs(key: str):
-    reason = setup_pip.uv_options({"find-links": "/opt/wheels", key: "x"})
+    reason = setup_pip.sources({"find-links": "/opt/wheels", key: "x"})
     assert reason == f"pip's setting `{key}` has no uv counterpart here"
 
 
-def _wheel(folder: Path) -> Path:
-    """A one-module wheel, built by hand: something to install with no index and no network."""
-    path = folder / "tinypkg_for_setup-1.0-py3-none-any.whl"
-    files = {"tinypkg_for_setup.py": "",
+def _wheel(folder: Path, tag: str = "py3", text: str = "") -> Path:
+    """A one-module wheel, built by hand (tagged `TAG-none-any`, its module holding `text`):
+    something to install with no network."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"tinypkg_for_setup-1.0-{tag}-none-any.whl"
+    files = {"tinypkg_for_setup.py": text,
              "tinypkg_for_setup-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg-for-setup\nVersion: 1.0\n",
-             "tinypkg_for_setup-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             "tinypkg_for_setup-1.0.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: {tag}-none-any\n"}
     with zipfile.ZipFile(path, "w") as zf:
-        for name, text in files.items():
-            zf.writestr(name, text)
+        for name, content in files.items():
+            zf.writestr(name, content)
         zf.writestr("tinypkg_for_setup-1.0.dist-info/RECORD", "".join(f"{n},,\n" for n in files)
                     + "tinypkg_for_setup-1.0.dist-info/RECORD,,\n")
     return path
 
 
-def _dry_run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    _wheel(tmp_path)
-    return subprocess.run([sys.executable, str(SCRIPT), "install", "--dry-run", "--no-index", "--find-links",
-                           str(tmp_path), "tinypkg-for-setup"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+def _index(root: Path, *wheels: tuple[str, str]) -> str:
+    """A simple-API index on disk (as this machine's /opt/pypi) serving wheels (tag, module text)."""
+    page = root / "simple" / "tinypkg-for-setup" / "index.html"
+    page.parent.mkdir(parents=True)
+    links = [_wheel(root / "files", tag, text).name for tag, text in wheels]
+    page.write_text("".join(f'<a href="../../files/{name}">{name}</a>\n' for name in links))
+    return (root / "simple").as_uri()
+
+
+def _run(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`argv` in this Python with pip's settings only those given (no machine's pip.conf)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
+                          env={**clean, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_CACHE_DIR": "1", **env})
+
+
+def _has_uv() -> None:
+    if shutil.which("uv", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("this venv was built before the set-up used uv: `rm -r` it and run scripts/test.sh to rebuild")
+
+
+def test_uv_takes_the_file_pip_takes_where_two_indexes_have_the_version(tmp_path: Path):
+    """This machine's first extra index has `multiprocess` 0.70.19 for Python 3.10 only, PyPI the
+    3.11 file: pip took PyPI's (the best fit), uv told `--extra-index-url` took the extra index's,
+    and `axolotl train` failed on it. The same here on disk, pip's own choice the measure."""
+    _has_uv()
+    this = f"py{sys.version_info.major}{sys.version_info.minor}"
+    env = {"PIP_INDEX_URL": _index(tmp_path / "main", (this, "FROM = 'main'")),
+           "PIP_EXTRA_INDEX_URL": _index(tmp_path / "extra", ("py30", "FROM = 'extra'"))}
+    for installer, target in ((["-m", "pip"], "by-pip"), ([str(SCRIPT)], "by-setup")):
+        proc = _run(*installer, "install", "-q", "--target", str(tmp_path / target), "tinypkg-for-setup", **env)
+        assert proc.returncode == 0 and "[setup]" not in proc.stderr, proc.stderr  # the second by uv
+    chosen = {t: (tmp_path / t / "tinypkg_for_setup.py").read_text() for t in ("by-pip", "by-setup")}
+    assert chosen == {"by-pip": "FROM = 'main'", "by-setup": "FROM = 'main'"}, chosen
 
 
 def test_with_a_setting_uv_would_not_follow_pip_installs_and_says_why(tmp_path: Path):
-    proc = _dry_run(tmp_path, PIP_TRUSTED_HOST="example.org")
+    _wheel(tmp_path)
+    proc = _run(str(SCRIPT), "install", "--dry-run", "--no-index", "--find-links", str(tmp_path), "tinypkg-for-setup",
+                PIP_TRUSTED_HOST="example.org")
     assert proc.returncode == 0, proc.stderr
     assert "[setup] pip's setting `trusted-host` has no uv counterpart here: installing with pip" in proc.stderr
     assert "Would install tinypkg-for-setup-1.0" in proc.stdout, proc.stdout  # pip's own words
-
-
-def test_uv_installs_with_the_machines_settings(tmp_path: Path):
-    """The venvs the set-up builds have uv beside their Python (it installs it there first)."""
-    if shutil.which("uv", path=os.path.dirname(sys.executable)) is None:
-        pytest.skip("this venv was built before the set-up used uv: `rm -r` it and run scripts/test.sh to rebuild")
-    proc = _dry_run(tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "[setup]" not in proc.stderr and "+ tinypkg-for-setup==1.0" in proc.stderr, proc.stderr  # uv's words
