@@ -1,8 +1,9 @@
 """`pip install` / `pip uninstall` for the set-up scripts, done by uv where pip's settings allow.
 
-Why: building a venv is the set-up's longest wait and a sixth of CI's time. uv resolves and
-unpacks in parallel: axolotl's venv took 131 s with pip and 42 s with uv on this project's 2-core
-machine, the same 244 packages at the same versions (docs/compatibility.md, run 53).
+Why: building a venv is the set-up's longest wait, and a tenth of CI's. uv resolves and unpacks
+in parallel: the axolotl-plugin leg's venv (axolotl 0.19, 244 packages) took 131 s with pip and
+42 s with uv on this project's idle 2-core machine, the same versions from the same files
+(docs/compatibility.md, runs 53 and 54).
 
 Why not uv alone: uv reads none of pip's configuration, and that configuration is how a machine
 says where its packages come from (a private index, wheels on disk, a constraints file: this
@@ -17,7 +18,7 @@ Where pip and uv choose differently, and what is done about it:
   from any of them; uv takes the first index's files only, and ranks `--extra-index-url` before
   `--index-url`. This machine's first extra index holds `multiprocess` 0.70.19 for Python 3.10
   only, beside PyPI's file for 3.11: uv installed the 3.10 one, and `axolotl train` failed
-  (`fork_exec() takes exactly 23 arguments`, run 53's first try). So the indexes go to uv in
+  (`fork_exec() takes exactly 23 arguments`, run 53). So the indexes go to uv in
   pip's order of trust: pip's `index-url` (PyPI unless set) first, then the extra ones.
 - A pip setting with no uv flag here, or a venv where uv cannot be had, installs with pip,
   saying why: slower, the same packages.
