@@ -251,7 +251,7 @@ def _ignored_by_fsdp2(fsdp: dict[str, Any], config: Any) -> list[str]:
         return []
     return [f"fsdp_config.{spelled} does nothing under FSDP2 ({why}; accelerate drops it): remove it"
             for key, why in _FSDP1_ONLY.items() for spelled in (f"fsdp_{key}", key)
-            if fsdp.get(spelled) not in (None, "NO_PREFETCH")]
+            if fsdp.get(spelled) is not None and str(fsdp[spelled]).upper() != "NO_PREFETCH"]  # accelerate's "none"
 
 
 def _spelling_warnings(fsdp: dict[str, Any]) -> list[str]:

@@ -270,7 +270,9 @@ def test_validate_and_explain_warn_on_fsdp1_keys_a_file_for_fsdp2_keeps(tmp_path
     none = tmp_path / "no_prefetch.yaml"
     none.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_backward_prefetch: NO_PREFETCH\n"
                     "  fsdp_cpu_ram_efficient_loading: false\n")
-    assert cli.main(["validate", str(fsdp1), str(none)]) == 0
+    lower = tmp_path / "no_prefetch_lower.yaml"  # accelerate upper-cases the name before it compares
+    lower.write_text(none.read_text().replace("NO_PREFETCH", "no_prefetch"))
+    assert cli.main(["validate", str(fsdp1), str(none), str(lower)]) == 0
     assert "warning" not in capsys.readouterr().out
 
 
