@@ -63,11 +63,17 @@ FSDP1 = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
 
 
 def _units(model: nn.Module) -> list[str]:
-    """The classes of the modules FSDP made units of: FSDP2's `FSDP<class>`, FSDP1's wrapped module."""
+    """The classes of the modules FSDP made units of: FSDP2's `FSDP<class>`, FSDP1's wrapped module.
+    A checkpointed layer's unit is named by the layer: accelerate up to 1.15 shards the layer inside
+    torch's `CheckpointWrapper`, 1.16 the wrapper around it (to keep FSDP's hooks out of compiled code)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1Unit
 
-    return sorted([type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
+    def held(m: nn.Module) -> nn.Module:
+        return getattr(m, "_checkpoint_wrapped_module", m)
+
+    return sorted([f"FSDP{type(held(m)).__name__}" if held(m) is not m else type(m).__name__
+                   for m in model.modules() if isinstance(m, FSDPModule)]
                   + [f"FSDP{type(m.module).__name__}" for m in model.modules() if isinstance(m, FSDP1Unit)])
 
 
