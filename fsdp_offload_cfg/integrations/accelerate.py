@@ -199,9 +199,10 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
 def build_prepare(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """`Accelerator.prepare` under FSDP2 takes a model without an optimizer, to evaluate it.
 
-    accelerate refuses one ("When using FSDP2, a model and optimizer must be passed together"),
-    and transformers' Trainer passes one: `trainer.evaluate()` or `predict()` before `train()`
-    stops there (transformers #39961 and #48841, open on 5.24). The model is prepared as for
+    accelerate up to 1.15 refuses one ("When using FSDP2, a model and optimizer must be passed
+    together"), and transformers' Trainer passes one: `trainer.evaluate()` or `predict()` before
+    `train()` stops there (transformers #39961 and #48841). accelerate 1.16 takes it itself; the
+    patch keeps every version alike and says when FSDP is not running. The model is prepared as for
     training (checkpointing, sharding, the loader, the offload), with no optimizer to remap;
     when it comes back with its optimizer (the Trainer's `train()`, the optimizer built on the
     sharded parameters), only the optimizer is new: checkpointing is not applied a second time.
