@@ -284,3 +284,45 @@ def test_hsdp_through_parallelism_config_loads_and_trains_as_without_the_loader(
             assert got["losses"] == expected["losses"] and got["trained"] == expected["trained"], (mode, rank)
             assert got["offloaded"] > 0 and got["placements"] == expected["placements"], (mode, rank)
             assert len(got["split"]) == (rank == 0 and mode != "broadcast"), (mode, rank, got["split"])
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate's ignored_modules: modules left unsharded, whole on every rank
+# --------------------------------------------------------------------------------------------
+
+
+def _ignored_worker(rank: int, world_size: int, path: str, mode: str) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.testing.compare import digests
+    from fsdp_offload_cfg.testing.configs import loader_config
+    from fsdp_offload_cfg.testing.training import train_steps
+
+    fsdp_offload_cfg.patch(loader_config(mode, fsdp_ignored_modules=r"model\.layers\.0"))
+    accelerator = Accelerator()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loaded = digests(_full(model))
+    return {"loaded": loaded, "losses": train_steps(accelerator, model, optimizer, rank),
+            "trained": digests(_full(model)),
+            "kinds": sorted({type(p).__name__ for n, p in model.named_parameters() if ".layers.0." in n})}
+
+
+def test_ignored_modules_load_and_train_as_without_the_loader(llama: str) -> None:
+    """`fsdp_ignored_modules` leaves the modules it names unsharded. Under the loader they were on
+    meta when accelerate moved them to the device (`module.to`), and every rank stopped with
+    "Cannot copy out of meta tensor". Each mode now gives every tensor, loss and trained weight of
+    the run with the loader off, the named layer whole (no DTensor) on every rank."""
+    import accelerate
+
+    plain = run_workers(_ignored_worker, 2, llama, "loader_off", timeout=120)
+    if plain[0]["kinds"] != ["Parameter"]:
+        pytest.skip(f"accelerate {accelerate.__version__} shards the modules ignored_modules names under FSDP2")
+    for mode in ("broadcast", "sharded", "auto"):
+        runs = run_workers(_ignored_worker, 2, llama, mode, timeout=120)
+        for rank, (got, expected) in enumerate(zip(runs, plain, strict=True)):
+            assert got["loaded"] == expected["loaded"], (mode, rank)
+            assert got["losses"] == expected["losses"] and got["trained"] == expected["trained"], (mode, rank)
+            assert got["kinds"] == ["Parameter"], (mode, rank, got["kinds"])

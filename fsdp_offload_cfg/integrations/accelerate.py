@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -148,6 +149,38 @@ def _stock_loading_off(plugin: Any) -> Iterator[None]:
         plugin.cpu_ram_efficient_loading = saved
 
 
+@contextmanager
+def _ignored_modules_kept_on_meta() -> Iterator[None]:
+    """accelerate (1.13 and later) moves each module `ignored_modules` names to the device with
+    `module.to(device)` as it collects their parameters; on a loader-built model, on meta, that
+    raised "Cannot copy out of meta tensor" on every rank. (accelerate 1.16's own meta loading keeps
+    them on meta for the same reason.) For the call, a module on meta stays there: FSDP leaves its
+    parameters whole, and the loader fills them on every rank as it fills buffers."""
+    import accelerate.utils.fsdp_utils as fsdp_utils
+
+    original = getattr(fsdp_utils, "get_parameters_from_modules", None)
+    if original is None:  # nothing to swap: this accelerate has no ignored modules under FSDP2
+        yield
+        return
+
+    @functools.wraps(original)
+    def get_parameters_from_modules(modules: Any, model: torch.nn.Module, device: Any = None) -> set[Any]:
+        if isinstance(modules, str):
+            pattern = re.compile(modules)
+            modules = [m for name, m in model.named_modules() if pattern.fullmatch(name)]
+        modules = list(modules or ())
+        for module in modules:
+            if device is not None and not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+                module.to(device)
+        return {p for m in modules for p in m.parameters()}
+
+    fsdp_utils.get_parameters_from_modules = get_parameters_from_modules
+    try:
+        yield
+    finally:
+        fsdp_utils.get_parameters_from_modules = original
+
+
 _OURS = "_fsdp_offload_cfg_prepare"  # marks the fsdp2_prepare_model this module built
 _preparing = 0  # depth of our fsdp2_prepare_model calls: a framework's copy that calls ours inside ours runs as itself
 
@@ -181,7 +214,7 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
     if fill_through_loader(model, plugin, cfg):
 
         def shard(m: torch.nn.Module) -> torch.nn.Module:
-            with _stock_loading_off(plugin), fsdp2_groups(m):
+            with _stock_loading_off(plugin), _ignored_modules_kept_on_meta(), fsdp2_groups(m):
                 return original(accelerator, m)
 
         model = load_through_loader(model, shard, plugin, cfg)
