@@ -158,8 +158,10 @@ def _ignored_modules_kept_on_meta() -> Iterator[None]:
     parameters whole, and the loader fills them on every rank as it fills buffers."""
     import accelerate.utils.fsdp_utils as fsdp_utils
 
+    from fsdp_offload_cfg.loading.spec import meta_tensor_names
+
     original = getattr(fsdp_utils, "get_parameters_from_modules", None)
-    if original is None:  # nothing to swap: this accelerate has no ignored modules under FSDP2
+    if original is None:  # accelerate 1.10: FSDP2 shards ignored modules anyway, nothing moves them
         yield
         return
 
@@ -170,7 +172,7 @@ def _ignored_modules_kept_on_meta() -> Iterator[None]:
             modules = [m for name, m in model.named_modules() if pattern.fullmatch(name)]
         modules = list(modules or ())
         for module in modules:
-            if device is not None and not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            if device is not None and not meta_tensor_names(module):
                 module.to(device)
         return {p for m in modules for p in m.parameters()}
 
