@@ -244,6 +244,15 @@ def test_cli_auto_plans_what_the_device_leaves(llama: str, tmp_path: Path, capsy
     assert "the device's memory is unknown here; pass --device-memory" in capsys.readouterr().err
 
 
+def test_auto_without_a_device_size_is_said_before_the_model_is_read(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]):
+    """A flag missing is said at once, not after the model is built and run on meta (12 s for
+    an 8B config): here the model path does not even exist, and the device's size is what is said."""
+    assert _cli(tmp_path, str(tmp_path / "not-read"), "--activation-budget", "auto", "--device", "cpu") == 1
+    err = capsys.readouterr().err
+    assert "the device's memory is unknown here; pass --device-memory" in err and "not-read" not in err
+
+
 def test_auto_on_the_command_line_plans_against_the_configs_device_size(llama: str):
     """`--activation-budget auto-1MiB` without `--device-memory`: the size the config states."""
     from fsdp_offload_cfg._sizes import parse_auto

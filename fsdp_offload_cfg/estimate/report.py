@@ -46,6 +46,11 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  batch_size: int, optimizer: str, device: str, dtype: str | None,
                  activation_budget: int | AutoBudget | None = None, device_memory: int | None = None,
                  rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
+    requested = _requested_budget(config, activation_budget)
+    # auto's device size before the model is built and run on meta (seconds to minutes): a flag
+    # missing is said at once
+    device_bytes = _auto_device_bytes(config, requested, device_memory, device) \
+        if isinstance(requested, AutoBudget) else None
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -60,12 +65,11 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     offload = config.activation_cpu_offload
     async_reload = offload.resolved_mode(device) == "async"
     by_setting = settings(profile, offload, async_reload)
-    chosen = _setting_name(config)
+    chosen = "plan" if activation_budget is None and requested is not None else _setting_name(config)
     plan = room = None
-    if activation_budget is None and config.activation_memory_budget is not None:  # the run will plan: so do we
-        activation_budget, chosen = budget_bytes(config) or auto_budget(config), "plan"
+    activation_budget = requested
     if isinstance(activation_budget, AutoBudget):
-        room = _room(config, states, activation_budget, device_memory, device)
+        room = _room(config, states, activation_budget, device_bytes)
         activation_budget = room.budget_bytes
     if activation_budget is not None:
         given = (r if r is not None else c for r, c in zip(rates, stated_rates(config)))  # command line over file
@@ -118,9 +122,17 @@ def _plan(plan: Plan, uniform: dict[str, Plan]) -> dict[str, Any]:
     }
 
 
-def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_memory: int | None,
-          device: str) -> Room:
-    """`auto`'s room on the device: the command line's size, else the config's, else the visible GPU's."""
+def _requested_budget(config: FSDPOffloadConfig, given: int | AutoBudget | None) -> int | AutoBudget | None:
+    """The budget to plan: the one given (the command line's), else the config's (the run will
+    plan it: so does the estimate), else none."""
+    if given is not None or config.activation_memory_budget is None:
+        return given
+    return budget_bytes(config) or auto_budget(config)
+
+
+def _auto_device_bytes(config: FSDPOffloadConfig, auto: AutoBudget, device_memory: int | None, device: str) -> int:
+    """The device size `auto` plans against: the command line's, else the budget's own, else the
+    config's `activation_budget_device_memory`, else the visible GPU's."""
     from fsdp_offload_cfg.estimate.plot import visible_device_bytes
 
     stated = auto_budget(config)  # the config's own device size, where it has one
@@ -128,6 +140,11 @@ def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, de
     if device_bytes is None:
         raise EstimateError("activation budget auto: the device's memory is unknown here; pass --device-memory "
                             "(such as 80GiB), or set activation_budget_device_memory in the config")
+    return device_bytes
+
+
+def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int) -> Room:
+    """`auto`'s room on a device of `device_bytes`."""
     try:
         return offline_room(states, auto, device_bytes, resident=not config.offload_params)
     except EstimateError as error:
