@@ -18,6 +18,7 @@ from fsdp_offload_cfg.config import (
     ConfigError,
     FSDPOffloadConfig,
     as_config_file,
+    fsdp_keys_written,
     load_config,
     normalized_dict,
     read_config_file,
@@ -277,11 +278,13 @@ def _explain(args: argparse.Namespace) -> int:
         _print(str(error), file=sys.stderr)
         return _exit_code(error)
     processes = args.num_processes or config.num_processes or 1
+    top = read_config_file(args.file)
+    typed = fsdp_keys_written(top) | override_keys(args.overrides)  # the user's, even at their defaults
     data: dict[str, Any] = {
         "source": config.source,
         # a file `validate` accepts, that loads back to this config, and that launches as the user's did
-        "config": with_the_files_other_keys(as_config_file(config), read_config_file(args.file)),
-        "defaults": _defaults_taken(config),
+        "config": with_the_files_other_keys(as_config_file(config, typed), top),
+        "defaults": _defaults_taken(config, typed),
         "processes": processes,
         "patches": _describe_patches(config, processes),
     }
@@ -368,12 +371,13 @@ def _plot_inputs(args: argparse.Namespace) -> int | None:
     return parse_size(args.device_memory) if args.device_memory else None
 
 
-def _defaults_taken(config: FSDPOffloadConfig) -> dict[str, Any]:
-    """The keys `config` leaves at their defaults, with those defaults (what `config` does not show;
-    `load_strategy` only where meta loading is on: elsewhere it does nothing)."""
+def _defaults_taken(config: FSDPOffloadConfig, typed: frozenset[str]) -> dict[str, Any]:
+    """The keys `config` leaves at their defaults, with those defaults (what `config` does not show:
+    a key the user wrote at its default value is theirs, shown there; `load_strategy` only where
+    meta loading is on: elsewhere it does nothing)."""
     from fsdp_offload_cfg.integrations import loader_enabled
 
-    written = as_config_file(config)
+    written = as_config_file(config, typed)
     written = {**written, **written.get("fsdp_config", {})}  # launch keys and fsdp_config keys
     unused = set() if loader_enabled(config) else {"load_strategy"}
     return {k: v for k, v in normalized_dict(config).items()

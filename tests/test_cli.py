@@ -139,6 +139,29 @@ def test_explain_yaml_and_json(capsys: pytest.CaptureFixture[str]):
     assert not written & set(data["defaults"]), "a key the config writes is not a default"
 
 
+def test_explain_shows_a_key_the_user_wrote_at_its_default_as_theirs(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """`fsdp_offload_params: false` (accelerate's own `accelerate config` writes it) was missing from
+    the config and listed under `defaults`, as if the file had left it out; so was a `--set` of a
+    default. A key the file leaves unset, or sets to a null that means unset, stays a default."""
+    from fsdp_offload_cfg.config import load_config
+
+    file = tmp_path / "fsdp2.yaml"
+    file.write_text(Path(EXAMPLES[2]).read_text().replace("fsdp_config:\n", "fsdp_config:\n  fsdp_min_num_params: null\n"))
+    assert "fsdp_offload_params: false" in file.read_text() and "fsdp_activation_checkpointing: false" in file.read_text()
+    assert cli.main(["explain", str(file), "--set", "fsdp_config.fsdp_use_orig_params=true"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    fsdp, defaults = data["config"]["fsdp_config"], data["defaults"]
+    for key in ("offload_params", "activation_checkpointing"):
+        assert fsdp[key] is False and key not in defaults, (key, fsdp, defaults)
+    assert fsdp["use_orig_params"] is True and "use_orig_params" not in defaults
+    assert defaults["forward_prefetch"] is False and "forward_prefetch" not in fsdp
+    assert "min_num_params" not in fsdp
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(yaml.safe_dump(data["config"]))
+    assert load_config(str(shown)) == load_config(str(file))
+
+
 TRAINER_JSON = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "activation_cpu_offload": {"mode": "sync"}}}
 BARE_MAPPING = {"fsdp_version": 2, "fsdp_reshard_after_forward": 1 == 1, "fsdp_transformer_layer_cls_to_wrap": "A,B"}
 

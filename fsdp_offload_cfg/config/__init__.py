@@ -28,6 +28,7 @@ from fsdp_offload_cfg.config.sources import (
     as_config_file,
     config_from_env,
     env_values,
+    fsdp_keys_written,
     load_config,
     with_the_files_other_keys,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "as_config_file",
     "config_from_env",
     "env_values",
+    "fsdp_keys_written",
     "load_config",
     "normalized_dict",
     "read_config_file",

@@ -164,31 +164,45 @@ def _env_text(value: Any) -> str:
     return str(value)
 
 
-def as_accelerate_mapping(config: FSDPOffloadConfig) -> dict[str, Any]:
-    """An accelerate-layout mapping that loads back into an equal config (non-default keys only)."""
+def as_accelerate_mapping(config: FSDPOffloadConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """An accelerate-layout mapping that loads back into an equal config: the keys off their
+    defaults, and those in `keep` (the ones the user wrote, which `explain` shows as theirs)."""
     fsdp: dict[str, Any] = {}
     for key in FIELD_KEYS:
         value = getattr(config, key.name)
-        if key.name in ("version", "reshard_after_forward", "cpu_ram_efficient_loading") or value != key.default:
+        if key.name in ("version", "reshard_after_forward", "cpu_ram_efficient_loading", *keep) \
+                or value != key.default:
             fsdp[key.name] = plain(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
     top = {k: getattr(config, k) for k in LAUNCH_KEYS if getattr(config, k) is not None}
     return {**top, "fsdp_config": fsdp}
 
 
-def as_config_file(config: FSDPOffloadConfig) -> dict[str, Any]:
+def as_config_file(config: FSDPOffloadConfig, keep: frozenset[str] = frozenset()) -> dict[str, Any]:
     """A config file's content that `validate` accepts and that loads back into an equal config.
 
     An accelerate file when the config has launch keys; otherwise a bare fsdp_config mapping
     (an accelerate file without `distributed_type` is refused by accelerate, and so by us).
-    `explain` prints this: the user can save it and run with it.
+    `explain` prints this: the user can save it and run with it. `keep`: keys written even at
+    their defaults (`as_accelerate_mapping`).
     """
-    data = as_accelerate_mapping(config)
+    data = as_accelerate_mapping(config, keep)
     if config.distributed_type is None:
         return data["fsdp_config"]  # a bare fsdp_config (a Trainer's, say): a list of classes is right there
     classes = data["fsdp_config"].get("transformer_layer_cls_to_wrap")
     if isinstance(classes, list):  # a launch file: accelerate launch reads classes comma-separated only
         data["fsdp_config"]["transformer_layer_cls_to_wrap"] = ",".join(classes)
     return data
+
+
+def fsdp_keys_written(top: Mapping[Any, Any]) -> frozenset[str]:
+    """The config's fields that a file's own mapping sets, in any spelling (`fsdp_` prefix or not,
+    aliases), a `null` that means unset left out: what the user typed, default value or not."""
+    fsdp = top.get("fsdp_config") if _detect_layout(top) in ("accelerate", "trainer") else top
+    if not isinstance(fsdp, Mapping):
+        return frozenset()
+    fields = {key.name for key in FIELD_KEYS}
+    return frozenset(name for key, value in fsdp.items() if (name := _target(key)) in fields
+                     and not (value is None and name in NULL_MEANS_UNSET))
 
 
 def with_the_files_other_keys(written: dict[str, Any], top: Mapping[Any, Any]) -> dict[str, Any]:
