@@ -237,7 +237,8 @@ def file_warnings(file: str, config: Any) -> list[str]:
         return []
     accelerate_file = "distributed_type" in top or "compute_environment" in top
     fsdp = top.get("fsdp_config") if isinstance(top.get("fsdp_config"), dict) else top
-    return _ignored_by_fsdp2(fsdp, config) + ([] if accelerate_file else _spelling_warnings(fsdp))
+    return (_ignored_by_fsdp2(fsdp, config) + _ignored_by_this_accelerate(config)
+            + ([] if accelerate_file else _spelling_warnings(fsdp)))
 
 
 # FSDP1 keys FSDP2 has no use for, and why; accelerate accepts them (a warning at most) and drops
@@ -253,6 +254,16 @@ def _ignored_by_fsdp2(fsdp: dict[str, Any], config: Any) -> list[str]:
     return [f"fsdp_config.{spelled} does nothing under FSDP2 ({why}; accelerate drops it): remove it"
             for key, why in _FSDP1_ONLY.items() for spelled in (f"fsdp_{key}", key)
             if fsdp.get(spelled) is not None and str(fsdp[spelled]).upper() != "NO_PREFETCH"]  # accelerate's "none"
+
+
+def _ignored_by_this_accelerate(config: Any) -> list[str]:
+    """Keys the installed accelerate takes and does nothing with under FSDP2 (`compat`)."""
+    from fsdp_offload_cfg.compat.ignored_modules import ignored_modules_sharded_anyway
+
+    if config.version != 2 or config.ignored_modules is None:
+        return []
+    message = ignored_modules_sharded_anyway()
+    return [message] if message else []
 
 
 def _spelling_warnings(fsdp: dict[str, Any]) -> list[str]:

@@ -7,6 +7,8 @@ are in `test_trl.py`.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 from test_script_shapes import CONFIG as SCRIPT_CONFIG
 from test_script_shapes import IDS
 
+from fsdp_offload_cfg import cli
 from fsdp_offload_cfg.testing.dist import run_workers
 from fsdp_offload_cfg.testing.logs import MessageLog
 
@@ -300,25 +303,37 @@ def _ignored_worker(rank: int, world_size: int, path: str, mode: str) -> dict[st
     from fsdp_offload_cfg.testing.configs import loader_config
     from fsdp_offload_cfg.testing.training import train_steps
 
+    messages = MessageLog(level=logging.WARNING)
     fsdp_offload_cfg.patch(loader_config(mode, fsdp_ignored_modules=r"model\.layers\.0"))
     accelerator = Accelerator()
     model = AutoModelForCausalLM.from_pretrained(path)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     loaded = digests(_full(model))
     return {"loaded": loaded, "losses": train_steps(accelerator, model, optimizer, rank),
+            "warned": [m for m in messages if "fsdp_ignored_modules does nothing under FSDP2" in m],
             "trained": digests(_full(model)),
             "kinds": sorted({type(p).__name__ for n, p in model.named_parameters() if ".layers.0." in n})}
 
 
-def test_ignored_modules_load_and_train_as_without_the_loader(llama: str) -> None:
+def test_ignored_modules_load_and_train_as_without_the_loader(llama: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`fsdp_ignored_modules` leaves the modules it names unsharded. Under the loader they were on
     meta when accelerate moved them to the device (`module.to`), and every rank stopped with
     "Cannot copy out of meta tensor". Each mode now gives every tensor, loss and trained weight of
-    the run with the loader off, the named layer whole (no DTensor) on every rank."""
+    the run with the loader off, the named layer whole (no DTensor) on every rank. An accelerate
+    that shards the layer anyway (1.10) took the key without a word: `validate` and rank 0 say so."""
     import accelerate
 
     plain = run_workers(_ignored_worker, 2, llama, "loader_off", timeout=120)
-    if plain[0]["kinds"] != ["Parameter"]:
+    sharded_anyway = plain[0]["kinds"] != ["Parameter"]
+    # the installed accelerate's own behaviour, against what validate and the run say about it
+    assert [bool(run["warned"]) for run in plain] == [sharded_anyway, False], [run["warned"] for run in plain]
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_ignored_modules: lm_head\n")
+    assert cli.main(["validate", str(config)]) == 0
+    said = "fsdp_config.fsdp_ignored_modules does nothing under FSDP2 with the installed accelerate"
+    assert (said in capsys.readouterr().out) == sharded_anyway
+    if sharded_anyway:
         pytest.skip(f"accelerate {accelerate.__version__} shards the modules ignored_modules names under FSDP2")
     for mode in ("broadcast", "sharded", "auto"):
         runs = run_workers(_ignored_worker, 2, llama, mode, timeout=120)

@@ -11,6 +11,8 @@ The rest of the package calls these functions and never compares versions itself
   `past_key_values` before);
 - `master_weights`: which parameters accelerate's FSDP2 prepare upcasts to float32 under mixed
   precision (all, the trainable ones, or none in 1.13), for the estimate.
+- `ignored_modules`: whether accelerate's FSDP2 prepare keeps the modules `fsdp_ignored_modules`
+  names whole (1.11 and later) or shards them like the rest (1.10), for a warning.
 
 (accelerate's patched entry points kept their names and signatures from 1.10 to 1.15;
 `docs/compatibility.md` lists the behaviours that differ.)

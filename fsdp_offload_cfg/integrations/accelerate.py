@@ -19,6 +19,7 @@ import torch
 from fsdp_offload_cfg import registry, training_cache, vision_sync
 from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
+from fsdp_offload_cfg.compat.ignored_modules import ignored_modules_sharded_anyway
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.integrations.common import (
     built_by_loader,
@@ -161,7 +162,7 @@ def _ignored_modules_kept_on_meta() -> Iterator[None]:
     from fsdp_offload_cfg.loading.spec import meta_tensor_names
 
     original = getattr(fsdp_utils, "get_parameters_from_modules", None)
-    if original is None:  # accelerate 1.10: FSDP2 shards ignored modules anyway, nothing moves them
+    if original is None:  # accelerate 1.10: FSDP2 shards ignored modules anyway (compat.ignored_modules)
         yield
         return
 
@@ -181,6 +182,20 @@ def _ignored_modules_kept_on_meta() -> Iterator[None]:
         yield
     finally:
         fsdp_utils.get_parameters_from_modules = original
+
+
+_SAID_IGNORED = "_fsdp_offload_cfg_said_ignored_modules"  # on the plugin: said once a run, not at every prepare
+
+
+def _say_ignored_modules_are_sharded(plugin: Any, cfg: FSDPOffloadConfig) -> None:
+    """accelerate 1.10 takes `fsdp_ignored_modules` and shards the modules it names under FSDP2
+    like the rest (`compat.ignored_modules`): the user asked for them whole, so rank 0 says so."""
+    if getattr(plugin, "ignored_modules", None) is None or getattr(plugin, _SAID_IGNORED, False) or not is_rank0():
+        return
+    message = ignored_modules_sharded_anyway(f"{cfg.source}: fsdp_ignored_modules")
+    if message:
+        setattr(plugin, _SAID_IGNORED, True)
+        logger.warning(message)
 
 
 _OURS = "_fsdp_offload_cfg_prepare"  # marks the fsdp2_prepare_model this module built
@@ -210,6 +225,7 @@ def build_fsdp2_prepare_model(original: Callable[..., Any], cfg: FSDPOffloadConf
 
 def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Module, cfg: FSDPOffloadConfig) -> Any:
     plugin = accelerator.state.fsdp_plugin
+    _say_ignored_modules_are_sharded(plugin, cfg)
     budget = cfg.activation_memory_budget is not None  # bytes or auto
     if budget:
         wrap_layers(model, cfg)
