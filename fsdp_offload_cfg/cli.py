@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_offload_cfg.config import (
@@ -238,7 +239,7 @@ def file_warnings(file: str, config: Any) -> list[str]:
     accelerate_file = "distributed_type" in top or "compute_environment" in top
     fsdp = top.get("fsdp_config") if isinstance(top.get("fsdp_config"), dict) else top
     return (_ignored_by_fsdp2(fsdp, config) + _ignored_by_this_accelerate(config)
-            + ([] if accelerate_file else _spelling_warnings(fsdp)))
+            + (_parallelism_size_warnings(top) if accelerate_file else _spelling_warnings(fsdp)))
 
 
 # FSDP1 keys FSDP2 has no use for, and why; accelerate accepts them (a warning at most) and drops
@@ -264,6 +265,26 @@ def _ignored_by_this_accelerate(config: Any) -> list[str]:
         return []
     message = ignored_modules_sharded_anyway()
     return [message] if message else []
+
+
+def _parallelism_size_warnings(top: dict[str, Any]) -> list[str]:
+    """accelerate stops every rank at `Accelerator()` when the `parallelism_config` sizes do not
+    multiply to the number of processes (more: torch's device mesh is bigger than the world; fewer:
+    accelerate's "total_size does not match num_processes"), after the launch has started them
+    all; the file says it before. A warning, not an error: the launch's `--num_processes` replaces
+    the file's number."""
+    section, processes = top.get("parallelism_config"), top.get("num_processes")
+    if not isinstance(section, Mapping) or isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        return []
+    sizes = {key.removeprefix("parallelism_config_"): value for key, value in section.items()
+             if str(key).endswith("_size") and isinstance(value, int) and not isinstance(value, bool)}
+    total = math.prod(sizes.values())
+    if total in (1, processes) or str(section.get("parallelism_config_sp_backend")).lower() == "deepspeed":
+        return []  # all 1: accelerate replicates over every process; DeepSpeed's SP counts its own groups
+    shown = " x ".join(f"{name} {size}" for name, size in sizes.items() if size != 1)
+    return [f"parallelism_config: {shown} = {total} processes, but num_processes is {processes}: accelerate stops "
+            f"every rank at Accelerator() (its device mesh is one rank per process); make the sizes multiply to "
+            f"num_processes, or launch with --num_processes {total}"]
 
 
 def _spelling_warnings(fsdp: dict[str, Any]) -> list[str]:

@@ -289,6 +289,41 @@ def test_hsdp_through_parallelism_config_loads_and_trains_as_without_the_loader(
             assert len(got["split"]) == (rank == 0 and mode != "broadcast"), (mode, rank, got["split"])
 
 
+def _mesh_worker(rank: int, world_size: int, sizes: dict[str, int]) -> str | None:
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.testing.configs import loader_config
+
+    fsdp_offload_cfg.patch(loader_config("loader_off"))
+    try:
+        Accelerator(parallelism_config=ParallelismConfig(**sizes))
+    except (ValueError, RuntimeError) as error:  # torch's mesh, or accelerate's own check
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.parametrize("processes", [2, 4, -1])
+def test_validate_warns_of_parallelism_sizes_the_processes_do_not_fill(tmp_path: Path, processes: int,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`dp_replicate_size: 2, dp_shard_size: 2` with `num_processes: 2` passed `validate`, then the
+    launch stopped every rank at `Accelerator()`. The file now draws a warning naming both numbers;
+    where they agree, or the launch decides the number (-1), it draws none. That accelerate does
+    stop there is checked on 2 real ranks (`test_hsdp_...` runs the sizes that agree)."""
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(f"distributed_type: FSDP\nnum_processes: {processes}\nfsdp_config:\n  fsdp_version: 2\n"
+                      "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+                      "  parallelism_config_dp_shard_size: 2\n")
+    assert cli.main(["validate", str(config)]) == 0
+    warned = "parallelism_config: dp_replicate_size 2 x dp_shard_size 2 = 4 processes, but num_processes is 2: " \
+             "accelerate stops every rank at Accelerator()"
+    assert (warned in capsys.readouterr().out) == (processes == 2)
+    if processes == 2:
+        stopped = run_workers(_mesh_worker, 2, {"dp_replicate_size": 2, "dp_shard_size": 2}, timeout=120)
+        assert all(stopped), stopped
+
+
 # --------------------------------------------------------------------------------------------
 # accelerate's ignored_modules: modules left unsharded, whole on every rank
 # --------------------------------------------------------------------------------------------
