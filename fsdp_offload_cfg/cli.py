@@ -274,9 +274,9 @@ def _parallelism_size_warnings(top: dict[str, Any]) -> list[str]:
     all; the file says it before. A warning, not an error: the launch's `--num_processes` replaces
     the file's number."""
     section, processes = top.get("parallelism_config"), top.get("num_processes")
-    if not isinstance(section, Mapping) or isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+    if not isinstance(section, Mapping) or type(processes) is not int or processes < 1:  # -1: the launch decides
         return []
-    sizes = {key.removeprefix("parallelism_config_"): value for key, value in section.items()
+    sizes = {str(key).removeprefix("parallelism_config_"): value for key, value in section.items()
              if str(key).endswith("_size") and isinstance(value, int) and not isinstance(value, bool)}
     total = math.prod(sizes.values())
     if total in (1, processes) or str(section.get("parallelism_config_sp_backend")).lower() == "deepspeed":

@@ -147,8 +147,9 @@ def test_explain_shows_a_key_the_user_wrote_at_its_default_as_theirs(tmp_path: P
     from fsdp_offload_cfg.config import load_config
 
     file = tmp_path / "fsdp2.yaml"
-    file.write_text(Path(EXAMPLES[2]).read_text().replace("fsdp_config:\n", "fsdp_config:\n  fsdp_min_num_params: null\n"))
-    assert "fsdp_offload_params: false" in file.read_text() and "fsdp_activation_checkpointing: false" in file.read_text()
+    text = Path(EXAMPLES[2]).read_text()
+    assert "fsdp_offload_params: false" in text and "fsdp_activation_checkpointing: false" in text
+    file.write_text(text.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_min_num_params: null\n"))
     assert cli.main(["explain", str(file), "--set", "fsdp_config.fsdp_use_orig_params=true"]) == 0
     data = yaml.safe_load(capsys.readouterr().out)
     fsdp, defaults = data["config"]["fsdp_config"], data["defaults"]
