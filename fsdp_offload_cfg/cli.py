@@ -12,7 +12,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from fsdp_offload_cfg.config import (
@@ -238,8 +238,8 @@ def file_warnings(file: str, config: Any) -> list[str]:
         return []
     accelerate_file = "distributed_type" in top or "compute_environment" in top
     fsdp = top.get("fsdp_config") if isinstance(top.get("fsdp_config"), dict) else top
-    return (_ignored_by_fsdp2(fsdp, config) + _ignored_by_this_accelerate(config)
-            + (_parallelism_size_warnings(top) if accelerate_file else _spelling_warnings(fsdp)))
+    return (_ignored_by_fsdp2(fsdp, config) + _ignored_by_this_accelerate(config) + _parallelism_size_warnings(config)
+            + ([] if accelerate_file else _spelling_warnings(fsdp)))
 
 
 # FSDP1 keys FSDP2 has no use for, and why; accelerate accepts them (a warning at most) and drops
@@ -267,20 +267,18 @@ def _ignored_by_this_accelerate(config: Any) -> list[str]:
     return [message] if message else []
 
 
-def _parallelism_size_warnings(top: dict[str, Any]) -> list[str]:
+def _parallelism_size_warnings(config: Any) -> list[str]:
     """accelerate stops every rank at `Accelerator()` when the `parallelism_config` sizes do not
     multiply to the number of processes (more: torch's device mesh is bigger than the world; fewer:
     accelerate's "total_size does not match num_processes"), after the launch has started them
-    all; the file says it before. A warning, not an error: the launch's `--num_processes` replaces
-    the file's number."""
-    section, processes = top.get("parallelism_config"), top.get("num_processes")
-    if not isinstance(section, Mapping) or type(processes) is not int or processes < 1:  # -1: the launch decides
-        return []
-    sizes = {str(key).removeprefix("parallelism_config_"): value for key, value in section.items()
-             if str(key).endswith("_size") and isinstance(value, int) and not isinstance(value, bool)}
+    all; the file says it before. Read from the loaded config, so a `--set num_processes=N` counts.
+    A warning, not an error: the launch's `--num_processes` replaces the file's number."""
+    section, processes = config.parallelism_config or {}, config.num_processes
+    sizes = {key.removeprefix("parallelism_config_"): value for key, value in section.items() if key.endswith("_size")}
     total = math.prod(sizes.values())
-    if total in (1, processes) or str(section.get("parallelism_config_sp_backend")).lower() == "deepspeed":
-        return []  # all 1: accelerate replicates over every process; DeepSpeed's SP counts its own groups
+    # -1: the launch decides; all 1: accelerate replicates over every process; DeepSpeed's SP counts its own groups
+    if processes in (None, -1) or total in (1, processes) or section.get("parallelism_config_sp_backend") == "deepspeed":
+        return []
     shown = " x ".join(f"{name} {size}" for name, size in sizes.items() if size != 1)
     return [f"parallelism_config: {shown} = {total} processes, but num_processes is {processes}: accelerate stops "
             f"every rank at Accelerator() (its device mesh is one rank per process); make the sizes multiply to "

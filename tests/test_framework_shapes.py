@@ -309,7 +309,8 @@ def test_validate_warns_of_parallelism_sizes_the_processes_do_not_fill(tmp_path:
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """`dp_replicate_size: 2, dp_shard_size: 2` with `num_processes: 2` passed `validate`, then the
     launch stopped every rank at `Accelerator()`. The file now draws a warning naming both numbers;
-    where they agree, or the launch decides the number (-1), it draws none. That accelerate does
+    where they agree (a `--set num_processes` included), or the launch decides the number (-1), it
+    draws none. That accelerate does
     stop there is checked on 2 real ranks (`test_hsdp_...` runs the sizes that agree)."""
     config = tmp_path / "fsdp2.yaml"
     config.write_text(f"distributed_type: FSDP\nnum_processes: {processes}\nfsdp_config:\n  fsdp_version: 2\n"
@@ -320,6 +321,8 @@ def test_validate_warns_of_parallelism_sizes_the_processes_do_not_fill(tmp_path:
              "accelerate stops every rank at Accelerator()"
     assert (warned in capsys.readouterr().out) == (processes == 2)
     if processes == 2:
+        assert cli.main(["validate", str(config), "--set", "num_processes=4"]) == 0  # what the user typed wins
+        assert "parallelism_config:" not in capsys.readouterr().out
         stopped = run_workers(_mesh_worker, 2, {"dp_replicate_size": 2, "dp_shard_size": 2}, timeout=120)
         assert all(stopped), stopped
 

@@ -195,14 +195,14 @@ def as_config_file(config: FSDPOffloadConfig, keep: frozenset[str] = frozenset()
 
 
 def fsdp_keys_written(top: Mapping[Any, Any]) -> frozenset[str]:
-    """The config's fields that a file's own mapping sets, in any spelling (`fsdp_` prefix or not,
-    aliases), a `null` that means unset left out: what the user typed, default value or not."""
-    fsdp = top.get("fsdp_config") if _detect_layout(top) in ("accelerate", "trainer") else top
+    """The config's fields that a file's own mapping sets, read as the file is read
+    (`_canonicalize`: any spelling, aliases, a `null` that means unset left out): what the user
+    typed, default value or not."""
+    layout = _detect_layout(top)
+    fsdp = top.get("fsdp_config") if layout in ("accelerate", "trainer") else top
     if not isinstance(fsdp, Mapping):
         return frozenset()
-    fields = {key.name for key in FIELD_KEYS}
-    return frozenset(name for key, value in fsdp.items() if (name := _target(key)) in fields
-                     and not (value is None and name in NULL_MEANS_UNSET))
+    return frozenset(_canonicalize(fsdp, layout, "", "", []).values)
 
 
 def with_the_files_other_keys(written: dict[str, Any], top: Mapping[Any, Any]) -> dict[str, Any]:
