@@ -330,9 +330,8 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
-    from fsdp_offload_cfg.estimate.model import ModelSourceError
-    from fsdp_offload_cfg.estimate.report import format_table
+    from fsdp_offload_cfg.estimate import EstimateError, estimate_memory  # torch only once the inputs are checked
+    from fsdp_offload_cfg.estimate.source import ModelSourceError
 
     try:
         capacity = _plot_inputs(args)
@@ -362,6 +361,8 @@ def _estimate(args: argparse.Namespace) -> int:
     except EstimateError as error:
         _print(f"fsdp-offload-cfg estimate: {error}", file=sys.stderr)
         return EXIT_INVALID
+    from fsdp_offload_cfg.estimate.report import format_table
+
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
 
 

@@ -10,7 +10,8 @@ The steps, each in its own module:
 7. `report`: the JSON document (stable keys, `docs/estimate.md`) and its table.
 
 The config goes through the same `load_config` as `patch()` and `validate`, so a config the run
-would refuse is refused here with the same words.
+would refuse is refused here with the same words. The inputs are checked (flags, the model's
+`config.json`) before torch is imported: a mistyped path is said in a second, not after five.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from typing import Any
 
 from fsdp_offload_cfg._sizes import AutoBudget
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.estimate.inputs import DEVICES, OPTIMIZERS, Dtypes, EstimateError, resolve_dtypes
+from fsdp_offload_cfg.estimate.inputs import (
+    DEVICES,
+    OPTIMIZERS,
+    Dtypes,
+    EstimateError,
+    auto_device_bytes,
+    check_dtype_name,
+    requested_budget,
+    resolve_dtypes,
+)
+from fsdp_offload_cfg.estimate.source import read_config_json
 
 __all__ = ["DEVICES", "OPTIMIZERS", "Dtypes", "EstimateError", "estimate_memory", "resolve_dtypes"]
 
@@ -39,19 +50,22 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     device during backward (kept from the micro-batches before). `parallelism`: an accelerate
     `parallelism_config` section (default: the config's); under hybrid sharding each rank holds a
     slice of 1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count."""
-    from fsdp_offload_cfg.estimate.report import build_report
-
     ranks = num_processes or config.num_processes
-    _check_inputs(ranks, seq_len, batch_size, optimizer, device, activation_budget)
+    _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
         raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
     replicas = _replicas(ranks, (config.parallelism_config if parallelism is None else parallelism) or {})
+    device = device or ("cpu" if config.use_cpu else "cuda")
+    requested = requested_budget(config, activation_budget)
+    if isinstance(requested, AutoBudget):  # a size missing, said before the model is read
+        device_memory = auto_device_bytes(config, requested, device_memory, device)
+    read_config_json(model)  # a model that is not there, said before torch's import
+    from fsdp_offload_cfg.estimate.report import build_report
+
     return build_report(config, model, ranks=ranks // replicas, replicas=replicas, seq_len=seq_len,
-                        batch_size=batch_size, optimizer=optimizer,
-                        device=device or ("cpu" if config.use_cpu else "cuda"), dtype=dtype,
+                        batch_size=batch_size, optimizer=optimizer, device=device, dtype=dtype,
                         activation_budget=activation_budget, device_memory=device_memory,
-                        rates=(compute_flops, copy_bytes),
-                        accumulating=gradient_accumulation_steps > 1)
+                        rates=(compute_flops, copy_bytes), accumulating=gradient_accumulation_steps > 1)
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:
@@ -71,7 +85,7 @@ def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:
 
 
 def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None,
-                  activation_budget: int | AutoBudget | None) -> None:
+                  dtype: str | None, activation_budget: int | AutoBudget | None) -> None:
     if not ranks or ranks < 1:
         raise EstimateError("the number of ranks is unknown: the config has no num_processes; pass --num-processes")
     if seq_len < 1 or batch_size < 1:
@@ -82,6 +96,6 @@ def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: s
         raise EstimateError(f"--activation-budget must be positive, got {activation_budget}")
     if device is not None and device not in DEVICES:
         raise EstimateError(f"--device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    if dtype is not None:
+        check_dtype_name(dtype)
 
-
-__all__ = ["EstimateError", "estimate_memory"]

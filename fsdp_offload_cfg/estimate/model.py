@@ -10,7 +10,6 @@ when that model is in the local Hugging Face cache (the snapshot `from_pretraine
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +19,8 @@ from torch import nn
 
 from fsdp_offload_cfg.compat.model_init import after_init, kept_in_float32, meta_init
 from fsdp_offload_cfg.estimate.inputs import EstimateError
+from fsdp_offload_cfg.estimate.source import ModelSourceError, read_config_json
 from fsdp_offload_cfg.layer_classes import wrapped_by_default
-
-
-class ModelSourceError(ValueError):
-    """The model path cannot be read as a transformers config; the message names the path."""
 
 
 @dataclass(frozen=True)
@@ -37,44 +33,9 @@ class ModelSource:
     folder: str  # the directory that holds the config.json (a Hub id's cached snapshot)
 
 
-def _cached_config_file(repo_id: str) -> str | None:
-    """The cached `config.json` of Hub model `repo_id` (its `main` snapshot), or None when the
-    cache has none or `repo_id` is not a Hub id. Only the cache is read: the estimate runs offline."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.utils import HFValidationError
-
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except (HFValidationError, ValueError):
-        return None
-    return found if isinstance(found, str) else None
-
-
-def _config_file(path: str) -> str:
-    """`path`'s config.json: in the directory, the file itself, or the cached Hub snapshot."""
-    if os.path.isdir(path):
-        return os.path.join(path, "config.json")
-    if os.path.exists(path) or os.path.isabs(path) or path.startswith("."):
-        return path
-    cached = _cached_config_file(path)
-    if cached is None:
-        raise ModelSourceError(f"{path}: no such file or directory, and no model {path!r} in the local Hugging Face "
-                               "cache (nothing is downloaded); pass a model directory with a config.json, or fetch "
-                               f"the config first: hf download {path} config.json")
-    return cached
-
-
 def read_model(path: str) -> ModelSource:
     """Read `path` (a model directory, a `config.json`, or a cached Hub id) without touching any weight."""
-    config_file = _config_file(path)
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ModelSourceError(f"{config_file}: cannot read the model config ({exc}); pass a model directory "
-                               "with a config.json, or the config.json itself") from exc
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ModelSourceError(f"{config_file}: no 'model_type' key; is this a transformers config.json?")
+    config_file, data = read_config_json(path)
     from transformers import AutoConfig
 
     try:

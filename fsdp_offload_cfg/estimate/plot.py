@@ -105,8 +105,10 @@ def parse_size(text: str, option: str = "--device-memory") -> int:
 
 def visible_device_bytes(device: str) -> int | None:
     """The first visible GPU's memory for a CUDA estimate on a machine that has one; else unknown."""
+    if device != "cuda":  # no torch to import (seconds) to know a CPU run has no GPU
+        return None
     import torch
 
-    if device == "cuda" and torch.cuda.is_available():
+    if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory
     return None

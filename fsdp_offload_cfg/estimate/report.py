@@ -16,9 +16,9 @@ import torch
 
 from fsdp_offload_cfg._sizes import AutoBudget, show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.config.derived import auto_budget, budget_bytes, stated_rates
+from fsdp_offload_cfg.config.derived import stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
-from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
+from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, requested_budget, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
     ModelSource,
@@ -46,11 +46,9 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  batch_size: int, optimizer: str, device: str, dtype: str | None,
                  activation_budget: int | AutoBudget | None = None, device_memory: int | None = None,
                  rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
-    requested = _requested_budget(config, activation_budget)
-    # auto's device size before the model is built and run on meta (seconds to minutes): a flag
-    # missing is said at once
-    device_bytes = _auto_device_bytes(config, requested, device_memory, device) \
-        if isinstance(requested, AutoBudget) else None
+    """The report `estimate_memory` returns; under `auto`, `device_memory` is the size it resolved
+    (`inputs.auto_device_bytes`)."""
+    requested = requested_budget(config, activation_budget)
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -69,7 +67,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     plan = room = None
     activation_budget = requested
     if isinstance(activation_budget, AutoBudget):
-        room = _room(config, states, activation_budget, device_bytes)
+        room = _room(config, states, activation_budget, device_memory)
         activation_budget = room.budget_bytes
     if activation_budget is not None:
         given = (r if r is not None else c for r, c in zip(rates, stated_rates(config)))  # command line over file
@@ -120,27 +118,6 @@ def _plan(plan: Plan, uniform: dict[str, Plan]) -> dict[str, Any]:
                            "fits": p.residency.device_peak_bytes <= (plan.budget_bytes or 0)}
                     for name, p in uniform.items()},
     }
-
-
-def _requested_budget(config: FSDPOffloadConfig, given: int | AutoBudget | None) -> int | AutoBudget | None:
-    """The budget to plan: the one given (the command line's), else the config's (the run will
-    plan it: so does the estimate), else none."""
-    if given is not None or config.activation_memory_budget is None:
-        return given
-    return budget_bytes(config) or auto_budget(config)
-
-
-def _auto_device_bytes(config: FSDPOffloadConfig, auto: AutoBudget, device_memory: int | None, device: str) -> int:
-    """The device size `auto` plans against: the command line's, else the budget's own, else the
-    config's `activation_budget_device_memory`, else the visible GPU's."""
-    from fsdp_offload_cfg.estimate.plot import visible_device_bytes
-
-    stated = auto_budget(config)  # the config's own device size, where it has one
-    device_bytes = device_memory or auto.device_bytes or (stated and stated.device_bytes) or visible_device_bytes(device)
-    if device_bytes is None:
-        raise EstimateError("activation budget auto: the device's memory is unknown here; pass --device-memory "
-                            "(such as 80GiB), or set activation_budget_device_memory in the config")
-    return device_bytes
 
 
 def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int) -> Room:
