@@ -591,7 +591,10 @@ def test_a_config_for_fsdp2_in_a_process_no_launcher_started_says_that_none_of_i
         monkeypatch.delenv(name, raising=False)
     path = tmp_path / "fsdp.yaml"
     path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  activation_cpu_offload: true\n")
-    monkeypatch.setattr("sys.argv", ["my_train.py"])
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "my_train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["scripts/my_train.py", "--lr", "1e-4", "--run-name", "a b"])
     fsdp_offload_cfg.patch(str(path))
     try:
         with MessageLog(level=logging.WARNING) as lines:
@@ -604,7 +607,9 @@ def test_a_config_for_fsdp2_in_a_process_no_launcher_started_says_that_none_of_i
     said = [line for line in lines if "but the Accelerator preparing the model runs without it" in line]
     assert len(said) == 1, lines
     assert said[0].startswith(f"{path} asks for FSDP2, ") and "(distributed_type NO, 1 process)" in said[0]
-    assert f"start it as `accelerate launch --config_file {path} my_train.py`" in said[0]
+    # the command to copy: the script where the user typed it, with its arguments
+    assert f"start it as `accelerate launch --config_file {path} scripts/my_train.py --lr 1e-4 --run-name 'a b'`" \
+        in said[0]
 
 
 def test_trainer_config_errors_name_the_training_arguments(single_process: dict, tmp_path: Any):

@@ -9,6 +9,7 @@ import functools
 import inspect
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -292,15 +293,24 @@ def _say_fsdp_is_not_running(accelerator: Any, cfg: FSDPOffloadConfig) -> None:
     setattr(accelerator, _SAID, True)  # once: each model and each prepare of the run would say it again
     started = ""
     if not LaunchContext.from_environ().distributed:
-        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
-        file = f"--config_file {cfg.source} " if os.path.isfile(cfg.source) else ""
+        file = f"--config_file {shlex.quote(cfg.source)} " if os.path.isfile(cfg.source) else ""
         started = (f": this process was started without a launcher, and accelerate reads a config file only in "
-                   f"`accelerate launch`; start it as `accelerate launch {file}{script}` (--num_processes 1 for one "
-                   "process), or under torchrun")
+                   f"`accelerate launch`; start it as `accelerate launch {file}{_this_script()}` (--num_processes 1 "
+                   "for one process), or under torchrun")
     logger.warning("%s asks for FSDP%d, but the Accelerator preparing the model runs without it (distributed_type "
                    "%s, %d process%s), so nothing of its fsdp_config applies: no sharding, meta loading, activation "
                    "offload or budget%s", cfg.source, cfg.version, accelerator.distributed_type.value,
                    accelerator.num_processes, "" if accelerator.num_processes == 1 else "es", started)
+
+
+def _this_script() -> str:
+    """This process's script and arguments as typed (`examples/train.py --lr 1e-4`), for a command
+    to copy; `train.py` where there is no script file (`python -c`, a notebook kernel's launcher is
+    one, but its arguments are the kernel's)."""
+    script = sys.argv[0] if sys.argv else ""
+    if not os.path.isfile(script) or "ipykernel" in os.path.basename(script):
+        return "train.py"
+    return shlex.join(sys.argv)
 
 
 def _model_alone(accelerator: Any, args: tuple[Any, ...]) -> bool:
