@@ -680,6 +680,59 @@ def test_a_sequence_too_short_for_an_image_is_said_to_be_text_only(models: dict[
     assert not any("one image per sample" in a for a in short)
 
 
+def test_an_internvl_image_takes_the_tokens_its_pixel_shuffle_leaves():
+    """InternVL states its sizes as [height, width] pairs (the estimate stopped on a traceback,
+    "unsupported operand type(s) for //: 'list' and 'list'") and merges 2 x 2 patches into one
+    token (`downsample_ratio` 0.5): InternVL3's 448 x 448 image at 14 x 14 patches is 256 tokens."""
+    from transformers import InternVLConfig
+
+    from fsdp_offload_cfg.estimate.model import image_tokens_per_image
+
+    assert image_tokens_per_image(InternVLConfig()) == 256
+
+
+@ONLY_5X
+def test_an_internvl_batch_with_an_image_is_estimated(tmp_path: Path):
+    """transformers' own check is the referee: the forward stops with "Image features and image
+    tokens do not match" unless the batch holds exactly the tokens the model's image takes."""
+    from transformers import InternVLConfig
+
+    model = InternVLConfig(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": [28, 28], "patch_size": [14, 14]},
+        text_config={"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 160},
+        image_token_id=151, architectures=["InternVLForConditionalGeneration"])
+    model.save_pretrained(tmp_path)
+    report = estimate(str(tmp_path), seq_len=16)
+    assert any("one image per sample" in a for a in report["assumptions"]), report["assumptions"]
+
+
+def test_a_config_with_an_infinite_float_is_read_as_from_pretrained_reads_it(tmp_path: Path):
+    """transformers 5 writes an infinite float as {"__float__": "Infinity"} (Mamba2's, Falcon-H1's
+    `time_step_limit`) and decodes it on read; the estimate built the config from the raw JSON and
+    stopped on a traceback (StrictDataclassFieldValidationError)."""
+    from transformers import Mamba2Config
+
+    Mamba2Config(num_hidden_layers=1, hidden_size=16, num_heads=2, head_dim=16, n_groups=1,
+                 vocab_size=32).save_pretrained(tmp_path)
+    assert tuple(read_model(str(tmp_path)).config.time_step_limit) == (0.0, float("inf"))
+
+
+def test_a_model_its_config_cannot_build_is_said_with_its_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """The model's own `__init__` failing (a backend it needs, such as Gemma 3n's timm; a size it
+    cannot take) stopped the estimate on a traceback; it is said, with the path and the cause."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=-4, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2).save_pretrained(tmp_path / "model")
+    argv = ["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", str(tmp_path / "model"), "--seq-len", "8",
+            "--batch-size", "1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'model'}: transformers cannot build LlamaForCausalLM from its config (RuntimeError: " in err, err
+
+
 def test_the_offload_rows_use_the_configs_knobs_even_when_it_leaves_offload_off(models: dict[str, str]):
     off = {"enabled": False, "min_tensor_bytes": 2**40}  # every tensor would stay on the device
     report = estimate_memory(config(activation_cpu_offload=off), models["llama"], seq_len=SEQ, batch_size=BATCH,

@@ -35,13 +35,14 @@ class ModelSource:
 
 def read_model(path: str) -> ModelSource:
     """Read `path` (a model directory, a `config.json`, or a cached Hub id) without touching any weight."""
-    config_file, data = read_config_json(path)
+    config_file, _ = read_config_json(path)
     from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.for_model(data.pop("model_type"), **data)
-    except (KeyError, ValueError) as exc:
-        raise ModelSourceError(f"{config_file}: transformers cannot build this config ({exc})") from exc
+    try:  # as the script's from_pretrained reads it (transformers 5 writes an infinite float as {"__float__": ...})
+        config = AutoConfig.from_pretrained(config_file)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the file, said with its path, never a traceback
+        raise ModelSourceError(f"{config_file}: transformers cannot build this config "
+                               f"({type(exc).__name__}: {exc})") from exc
     folder = os.path.dirname(os.path.abspath(config_file))
     files = tuple(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")))
     return ModelSource(path, config, files, folder)
@@ -71,8 +72,12 @@ def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dty
     load_dtype)` keeps in float32 (a MoE router gate in a bf16 model, transformers >= 5.24) stay
     float32, so their bytes are counted as the run holds them."""
     cls = cls or model_class(source.config)
-    with meta_init(cls, dtype):
-        model = cls(source.config)
+    try:
+        with meta_init(cls, dtype):
+            model = cls(source.config)
+    except Exception as exc:  # noqa: BLE001 - the user's model code (a backend it needs, a key it lacks), said
+        raise ModelSourceError(f"{source.path}: transformers cannot build {cls.__name__} from its config "
+                               f"({type(exc).__name__}: {str(exc).strip()})") from exc
     after_init(model)
     if hasattr(model, "tie_weights"):  # from_pretrained ties after loading; the init context does not
         model.tie_weights()
@@ -100,14 +105,24 @@ def image_tokens_per_image(config: Any) -> int | None:
     """Placeholder tokens one image takes in a Llava-family prompt; None for other models.
 
     Llava replaces each image token by one projected patch feature: (image_size/patch_size)^2,
-    plus the CLS feature under `vision_feature_select_strategy: full`.
+    plus the CLS feature under `vision_feature_select_strategy: full`; InternVL's pixel shuffle
+    keeps `downsample_ratio`^2 of them.
     """
     vision = getattr(config, "vision_config", None)
     strategy = getattr(config, "vision_feature_select_strategy", None)
     if vision is None or strategy is None or _image_token_id(config) is None:
         return None
-    patches = (vision.image_size // vision.patch_size) ** 2
+    (height, width), (patch_h, patch_w) = _pair(vision.image_size), _pair(vision.patch_size)
+    patches = (height // patch_h) * (width // patch_w)
+    ratio = getattr(config, "downsample_ratio", None)  # InternVL's pixel shuffle merges patches
+    if ratio:
+        patches = int(patches * ratio**2)
     return patches + (1 if strategy == "full" else 0)
+
+
+def _pair(size: int | list[int]) -> tuple[int, int]:
+    """A vision config's size: one int, or [height, width] (InternVL's)."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[-1]))
 
 
 def _image_token_id(config: Any) -> int | None:
@@ -127,6 +142,6 @@ def example_batch(source: ModelSource, batch_size: int, seq_len: int, dtype: tor
     per_image = image_tokens_per_image(source.config)
     if per_image is not None and per_image <= seq_len:
         ids[:, :per_image] = _image_token_id(source.config)
-        size = source.config.vision_config.image_size
-        batch["pixel_values"] = torch.empty(batch_size, 3, size, size, dtype=dtype, device="meta")
+        height, width = _pair(source.config.vision_config.image_size)
+        batch["pixel_values"] = torch.empty(batch_size, 3, height, width, dtype=dtype, device="meta")
     return batch
