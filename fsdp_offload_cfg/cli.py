@@ -347,7 +347,8 @@ def _estimate(args: argparse.Namespace) -> int:
             _print("fsdp-offload-cfg estimate: --device-memory is read by --plot and --activation-budget auto; "
                    "ignored without either", file=sys.stderr)
         if args.plot:
-            from fsdp_offload_cfg.estimate.plot import save_memory_plot, visible_device_bytes
+            from fsdp_offload_cfg.estimate.inputs import visible_device_bytes
+            from fsdp_offload_cfg.estimate.plot import save_memory_plot
 
             save_memory_plot(report, args.plot, capacity or visible_device_bytes(report["inputs"]["device"]))
             _print(f"fsdp-offload-cfg estimate: device memory per activation setting drawn in {args.plot}",

@@ -76,11 +76,20 @@ def requested_budget(config: FSDPOffloadConfig, given: int | AutoBudget | None) 
 def auto_device_bytes(config: FSDPOffloadConfig, auto: AutoBudget, device_memory: int | None, device: str) -> int:
     """The device size `auto` plans against: the command line's, else the budget's own, else the
     config's `activation_budget_device_memory`, else the visible GPU's."""
-    from fsdp_offload_cfg.estimate.plot import visible_device_bytes
-
     stated = auto_budget(config)  # the config's own device size, where it has one
     device_bytes = device_memory or auto.device_bytes or (stated and stated.device_bytes) or visible_device_bytes(device)
     if device_bytes is None:
         raise EstimateError("activation budget auto: the device's memory is unknown here; pass --device-memory "
                             "(such as 80GiB), or set activation_budget_device_memory in the config")
     return device_bytes
+
+
+def visible_device_bytes(device: str) -> int | None:
+    """The first visible GPU's memory for a CUDA estimate on a machine that has one; else unknown."""
+    if device != "cuda":  # no torch to import (seconds) to know a CPU run has no GPU
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None

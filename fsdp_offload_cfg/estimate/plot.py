@@ -103,12 +103,3 @@ def parse_size(text: str, option: str = "--device-memory") -> int:
     return value
 
 
-def visible_device_bytes(device: str) -> int | None:
-    """The first visible GPU's memory for a CUDA estimate on a machine that has one; else unknown."""
-    if device != "cuda":  # no torch to import (seconds) to know a CPU run has no GPU
-        return None
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return None
