@@ -612,6 +612,22 @@ def test_a_config_for_fsdp2_in_a_process_no_launcher_started_says_that_none_of_i
         in said[0]
 
 
+@pytest.mark.parametrize("kernel", [False, True])
+def test_the_command_to_copy_names_a_script_where_the_process_has_none(kernel: bool, tmp_path: Path,
+                                                                       monkeypatch: Any):
+    """`python -c` has no script, and a notebook kernel's launcher (a file that exists) takes the
+    kernel's arguments: neither is what `accelerate launch` should run, so the command names
+    `train.py` for the user's script."""
+    from fsdp_offload_cfg.integrations.accelerate import _this_script
+
+    argv = ["-c"]
+    if kernel:
+        argv = [str(tmp_path / "ipykernel_launcher.py"), "-f", "kernel.json"]
+        Path(argv[0]).write_text("")
+    monkeypatch.setattr("sys.argv", argv)
+    assert _this_script() == "train.py"
+
+
 def test_trainer_config_errors_name_the_training_arguments(single_process: dict, tmp_path: Any):
     from transformers import TrainingArguments
 

@@ -31,7 +31,7 @@ from fsdp_offload_cfg.estimate.inputs import (
     requested_budget,
     resolve_dtypes,
 )
-from fsdp_offload_cfg.estimate.source import read_config_json
+from fsdp_offload_cfg.estimate.source import model_config_file
 
 __all__ = ["DEVICES", "OPTIMIZERS", "Dtypes", "EstimateError", "estimate_memory", "resolve_dtypes"]
 
@@ -59,13 +59,15 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     requested = requested_budget(config, activation_budget)
     if isinstance(requested, AutoBudget):  # a size missing, said before the model is read
         device_memory = auto_device_bytes(config, requested, device_memory, device)
-    read_config_json(model)  # a model that is not there, said before torch's import
+    model_config_file(model)  # a model that is not there, said before torch's import
     from fsdp_offload_cfg.estimate.report import build_report
 
     return build_report(config, model, ranks=ranks // replicas, replicas=replicas, seq_len=seq_len,
                         batch_size=batch_size, optimizer=optimizer, device=device, dtype=dtype,
-                        activation_budget=activation_budget, device_memory=device_memory,
-                        rates=(compute_flops, copy_bytes), accumulating=gradient_accumulation_steps > 1)
+                        activation_budget=requested,
+                        the_run_plans_it=activation_budget is None and requested is not None,
+                        device_memory=device_memory, rates=(compute_flops, copy_bytes),
+                        accumulating=gradient_accumulation_steps > 1)
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:

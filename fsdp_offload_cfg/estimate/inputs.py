@@ -77,7 +77,8 @@ def auto_device_bytes(config: FSDPOffloadConfig, auto: AutoBudget, device_memory
     """The device size `auto` plans against: the command line's, else the budget's own, else the
     config's `activation_budget_device_memory`, else the visible GPU's."""
     stated = auto_budget(config)  # the config's own device size, where it has one
-    device_bytes = device_memory or auto.device_bytes or (stated and stated.device_bytes) or visible_device_bytes(device)
+    device_bytes = (device_memory or auto.device_bytes or (stated and stated.device_bytes)
+                    or visible_device_bytes(device))
     if device_bytes is None:
         raise EstimateError("activation budget auto: the device's memory is unknown here; pass --device-memory "
                             "(such as 80GiB), or set activation_budget_device_memory in the config")

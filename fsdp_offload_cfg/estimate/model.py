@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_offload_cfg.compat.model_init import after_init, kept_in_float32, meta_init
 from fsdp_offload_cfg.estimate.inputs import EstimateError
-from fsdp_offload_cfg.estimate.source import ModelSourceError, read_config_json
+from fsdp_offload_cfg.estimate.source import ModelSourceError, model_config_file
 from fsdp_offload_cfg.layer_classes import wrapped_by_default
 
 
@@ -35,7 +35,7 @@ class ModelSource:
 
 def read_model(path: str) -> ModelSource:
     """Read `path` (a model directory, a `config.json`, or a cached Hub id) without touching any weight."""
-    config_file, _ = read_config_json(path)
+    config_file = model_config_file(path)
     from transformers import AutoConfig
 
     try:  # as the script's from_pretrained reads it (transformers 5 writes an infinite float as {"__float__": ...})

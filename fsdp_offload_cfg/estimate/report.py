@@ -18,7 +18,7 @@ from fsdp_offload_cfg._sizes import AutoBudget, show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
-from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, requested_budget, resolve_dtypes
+from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
     ModelSource,
@@ -44,11 +44,12 @@ from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, replicas: int = 1, seq_len: int,
                  batch_size: int, optimizer: str, device: str, dtype: str | None,
-                 activation_budget: int | AutoBudget | None = None, device_memory: int | None = None,
-                 rates: tuple[float | None, float | None] = (None, None), accumulating: bool = False) -> dict[str, Any]:
-    """The report `estimate_memory` returns; under `auto`, `device_memory` is the size it resolved
-    (`inputs.auto_device_bytes`)."""
-    requested = requested_budget(config, activation_budget)
+                 activation_budget: int | AutoBudget | None = None, the_run_plans_it: bool = False,
+                 device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
+                 accumulating: bool = False) -> dict[str, Any]:
+    """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
+    line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
+    `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -63,9 +64,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     offload = config.activation_cpu_offload
     async_reload = offload.resolved_mode(device) == "async"
     by_setting = settings(profile, offload, async_reload)
-    chosen = "plan" if activation_budget is None and requested is not None else _setting_name(config)
+    chosen = "plan" if the_run_plans_it else _setting_name(config)
     plan = room = None
-    activation_budget = requested
     if isinstance(activation_budget, AutoBudget):
         room = _room(config, states, activation_budget, device_memory)
         activation_budget = room.budget_bytes

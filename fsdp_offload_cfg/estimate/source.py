@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 
 class ModelSourceError(ValueError):
@@ -43,9 +42,9 @@ def _config_file(path: str) -> str:
     return cached
 
 
-def read_config_json(path: str) -> tuple[str, dict[str, Any]]:
-    """`path`'s config.json (a model directory, the file itself, or a cached Hub id) and its keys,
-    checked to be a transformers config: it names a `model_type`."""
+def model_config_file(path: str) -> str:
+    """`path`'s config.json (a model directory, the file itself, or a cached Hub id), checked to
+    be a transformers config: JSON that names a `model_type`."""
     config_file = _config_file(path)
     try:
         with open(config_file, encoding="utf-8") as f:
@@ -55,4 +54,4 @@ def read_config_json(path: str) -> tuple[str, dict[str, Any]]:
                                "with a config.json, or the config.json itself") from exc
     if not isinstance(data, dict) or "model_type" not in data:
         raise ModelSourceError(f"{config_file}: no 'model_type' key; is this a transformers config.json?")
-    return config_file, data
+    return config_file
