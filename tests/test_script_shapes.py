@@ -360,3 +360,97 @@ def test_a_model_loaded_after_the_config_draws_no_such_warning(llama: str, shape
         assert not any("reached prepare whole" in w for w in out["warnings"]), out["warnings"]
     if not shape.startswith("trainer"):
         assert rank0["equal_to_plain"]
+
+
+# --------------------------------------------------------------------------------------------
+# a model built by its own code (no from_pretrained): a torch module, a transformers class
+# --------------------------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.register_buffer("scale", torch.full((width,), 0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x) * self.scale
+
+
+class _Net(torch.nn.Module):
+    """A model of the user's own, as in a nanoGPT-style script: no transformers anywhere."""
+
+    def __init__(self, width: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _own_code_worker(rank: int, world_size: int, path: str, shape: str) -> dict[str, Any]:
+    """`shape`: `torch_whole` (every rank builds `_Net()`, each with its own seed), `torch_meta`
+    (the ranks but 0 build it under `torch.device("meta")`), `transformers_class` (every rank calls
+    `LlamaForCausalLM(config)` after `patch()`)."""
+    import fsdp_offload_cfg
+
+    config = {**CONFIG, "fsdp_config": {**CONFIG["fsdp_config"], "fsdp_transformer_layer_cls_to_wrap": "_Block"}}
+    torch.manual_seed(rank if shape == "torch_meta" else 0)  # on meta: rank 0's values must reach rank 1
+    with MessageLog(level=logging.WARNING) as warnings:
+        fsdp_offload_cfg.patch(CONFIG if shape == "transformers_class" else config)
+        if shape == "transformers_class":
+            from transformers import AutoConfig, LlamaForCausalLM
+
+            model: torch.nn.Module = LlamaForCausalLM(AutoConfig.from_pretrained(path))
+        else:
+            with torch.device("meta") if shape == "torch_meta" and rank > 0 else torch.device("cpu"):
+                model = _Net()
+        before = _state(model) if rank == 0 else {}
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        prepared = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))[0]
+        after = {k: getattr(v, "full_tensor", lambda v=v: v)().detach().clone() for k, v in prepared.state_dict().items()}
+        buffers = {n: b.clone() for n, b in prepared.named_buffers()}
+    out: dict[str, Any] = {"warnings": list(warnings), "buffers_are_rank_0s": all(
+        torch.equal(b, torch.full_like(b, 0.5)) for n, b in buffers.items() if n.endswith("scale"))}
+    out["digest"] = [float(v.double().sum()) for _, v in sorted(after.items())]
+    if rank == 0:
+        out["equal_to_rank_0s_own"] = [float(v.double().sum()) for _, v in sorted(before.items())] == out["digest"]
+    return out
+
+
+def test_a_torch_model_built_whole_on_every_rank_is_said_with_how_to_build_it_on_meta(llama: str) -> None:
+    """A model of the user's own code under the default meta loading: no loader built it, so every
+    rank held it whole; the warning said "loaded before the config was active" and "load it after
+    patch()", which the script already did. It now says what happened and how to build it on meta
+    on the other ranks."""
+    rank0, rank1 = run_workers(_own_code_worker, 2, llama, "torch_whole", timeout=120)
+    said = [w for w in rank0["warnings"] if "reached prepare whole on rank 1" in w]
+    assert len(said) == 1, rank0["warnings"]
+    assert "_Net is not a transformers model" in said[0] and "before the config was active" not in said[0], said
+    assert 'torch.device("meta")' in said[0] and "accelerator.is_main_process" in said[0], said
+    assert rank0["equal_to_rank_0s_own"] and rank0["digest"] == rank1["digest"]
+    assert not any("reached prepare whole" in w for w in rank1["warnings"])
+
+
+def test_a_torch_model_built_on_meta_beyond_rank_0_is_filled_from_rank_0_without_a_warning(llama: str) -> None:
+    """What the warning above advises works: the ranks but 0 build on meta, prepare fills their
+    shards and buffers (a non-persistent one too) from rank 0 (seeded apart from rank 1)."""
+    rank0, rank1 = run_workers(_own_code_worker, 2, llama, "torch_meta", timeout=120)
+    for out in (rank0, rank1):
+        assert not any("reached prepare whole" in w for w in out["warnings"]), out["warnings"]
+        assert out["buffers_are_rank_0s"]
+    assert rank0["equal_to_rank_0s_own"] and rank0["digest"] == rank1["digest"]
+
+
+def test_a_transformers_class_built_by_its_constructor_is_named_as_a_cause(llama: str) -> None:
+    """`LlamaForCausalLM(config)` after `patch()` goes through no loader: the warning names that
+    cause beside a load before the config, and from_pretrained / from_config as the fix."""
+    rank0, _ = run_workers(_own_code_worker, 2, llama, "transformers_class", timeout=120)
+    said = [w for w in rank0["warnings"] if "reached prepare whole on rank 1" in w]
+    assert len(said) == 1, rank0["warnings"]
+    assert "LlamaForCausalLM(config)" in said[0] and "from_config" in said[0], said
+    assert rank0["equal_to_rank_0s_own"]

@@ -202,10 +202,10 @@ def fill_through_loader(model: torch.nn.Module, plugin: Any, cfg: FSDPOffloadCon
 
 def _say_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     """Rank 0's warning when meta loading is on but the model reached prepare whole on other
-    ranks too: it was loaded before the config was active (the Trainer's shape: `from_pretrained`
-    before the `TrainingArguments` that bring `cpu_ram_efficient_loading`, or before `patch()`),
-    so every rank held the whole model, which is what the user turned meta loading on to avoid,
-    and stock transformers says nothing. On every rank (a collective): the ranks' models differ."""
+    ranks too, so every rank held the whole model, which is what meta loading exists to avoid (on
+    by default under `accelerate launch`) and stock accelerate says nothing. On every rank (a
+    collective): the ranks' models differ. What the line says depends on how it came whole
+    (`_how_it_came_whole`)."""
     from fsdp_offload_cfg._sizes import show_size
     from fsdp_offload_cfg.loading.spec import meta_tensor_names, named_tensors
     from fsdp_offload_cfg.ranks import every_rank, named_ranks
@@ -216,12 +216,36 @@ def _say_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig) -> None:
     ranks = [r for r, (w, _) in enumerate(gathered) if r > 0 and w]
     if not ranks or not is_rank0():
         return
+    name = type(model).__name__
+    logger.warning("%s reached prepare whole on %s though meta loading is on (cpu_ram_efficient_loading): %s",
+                   name, named_ranks(ranks), _how_it_came_whole(model, cfg, show_size(max(h for _, h in gathered))))
+
+
+def _how_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig, size: str) -> str:
+    """The cause and the fix for the script's shape. A transformers model was loaded before the
+    config was active (the Trainer's shape: `from_pretrained` before the `TrainingArguments` that
+    bring the config, or before `patch()`), or built by its class's constructor, which no loader
+    sees. A model of the user's own code (a torch module) has no loader at all: its ranks but 0
+    build it on meta, and prepare fills their shards from rank 0's (a model real on every rank
+    keeps each rank's own shard, as without meta loading: `sharded.agree_sources`)."""
+    name = type(model).__name__
+    if not _is_transformers_model(model):
+        return (f"{name} is not a transformers model, so no loader built it: each of those ranks held the whole "
+                f"model ({size}) besides rank 0, and prepare shards each rank's own copy, as without meta loading. To "
+                f'hold it on rank 0 alone, build it on meta on the other ranks: `with torch.device("meta") if not '
+                f"accelerator.is_main_process else contextlib.nullcontext(): model = {name}(...)`; prepare then fills "
+                f"their shards from rank 0's.")
     after = ("TrainingArguments(fsdp_config=...), which bring the config" if cfg.source.startswith("TrainingArguments")
              else "fsdp_offload_cfg.patch(), outside local_loading()")
-    logger.warning("%s reached prepare whole on %s though meta loading is on (cpu_ram_efficient_loading): it was "
-                   "loaded before the config was active, so each of those ranks held the whole model (%s) besides rank "
-                   "0. Load it after %s: a model loaded then stays on meta until prepare fills its shards.",
-                   type(model).__name__, named_ranks(ranks), show_size(max(h for _, h in gathered)), after)
+    return (f"it was loaded before the config was active, or built by its class ({name}(config)), which no loader "
+            f"sees, so each of those ranks held the whole model ({size}) besides rank 0. Load it with from_pretrained "
+            f"or from_config after {after}: a model loaded then stays on meta until prepare fills its shards.")
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    """A `PreTrainedModel` anywhere in `model` (PEFT and accelerate wrap one)."""
+    transformers = sys.modules.get("transformers")  # not imported: not a transformers model
+    return transformers is not None and any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())
 
 
 def built_by_loader(model: torch.nn.Module) -> bool:
