@@ -118,6 +118,15 @@ def _parser() -> argparse.ArgumentParser:
                           help="the plan's compute rate (default: 350 on cuda, 0.05 on cpu)")
     estimate.add_argument("--copy-gb-per-s", type=float, metavar="X",
                           help="the plan's device<->host copy rate, each way (default: 55 on cuda, 5 on cpu)")
+    estimate.add_argument("--lora-rank", type=int, metavar="R",
+                          help="a LoRA fine-tune (PEFT): adapters of rank R train over the frozen model, which "
+                               "then keeps no gradients or optimizer state (needs peft)")
+    estimate.add_argument("--lora-targets", metavar="NAMES",
+                          help="the modules that get adapters, as PEFT's target_modules: all-linear (the default: "
+                               "every linear layer but the output head) or names, e.g. q_proj,v_proj")
+    estimate.add_argument("--lora-dropout", type=float, metavar="P",
+                          help="the adapters' dropout (default 0, PEFT's; ms-swift's is 0.05): each adapter then "
+                               "saves a dropped copy of its input")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
 
@@ -338,7 +347,8 @@ def _estimate(args: argparse.Namespace) -> int:
         report = estimate_memory(load_config(args.file, args.overrides), args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
-                                 gradient_accumulation_steps=args.gradient_accumulation_steps, **_plan_inputs(args))
+                                 gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                 lora=_lora_input(args), **_plan_inputs(args))
         if "plan" not in report and (args.compute_tflops is not None or args.copy_gb_per_s is not None):
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",
@@ -365,6 +375,22 @@ def _estimate(args: argparse.Namespace) -> int:
     from fsdp_offload_cfg.estimate.report import format_table
 
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
+
+
+def _lora_input(args: argparse.Namespace) -> Any:
+    """--lora-rank and the flags that describe its adapters (refused without it: they would
+    silently estimate a full fine-tune)."""
+    from fsdp_offload_cfg.estimate import EstimateError, Lora
+    from fsdp_offload_cfg.estimate.adapters import ALL_LINEAR
+
+    if args.lora_rank is None:
+        given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-dropout", args.lora_dropout))
+                 if value is not None]
+        if given:
+            raise EstimateError(f"{' and '.join(given)} describe the adapters of --lora-rank, which is not given: "
+                                "pass --lora-rank R for a LoRA fine-tune")
+        return None
+    return Lora(args.lora_rank, args.lora_targets or ALL_LINEAR, args.lora_dropout or 0.0)
 
 
 def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:

@@ -346,6 +346,8 @@ def test_estimate_says_a_wrong_input_before_importing_torch(tmp_path: Path, inva
         (["estimate", EXAMPLES[0], *model, "--dtype", "float8"], 1, "--dtype"),
         (["estimate", EXAMPLES[0], *model, "--activation-budget", "auto", "--device", "cpu"], 1, "--device-memory"),
         (["estimate", EXAMPLES[0], "--model", llama, "--seq-len", "0", "--batch-size", "1"], 1, "--seq-len"),
+        (["estimate", EXAMPLES[0], *model, "--lora-rank", "0"], 1, "--lora-rank must be >= 1"),
+        (["estimate", EXAMPLES[0], *model, "--lora-targets", "q_proj"], 1, "pass --lora-rank R"),
     ]
     code = ("import contextlib, io, json, sys; from fsdp_offload_cfg import cli\n"
             f"answers = []\n"

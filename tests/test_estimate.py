@@ -19,7 +19,7 @@ import torch
 from fsdp_offload_cfg import cli, load_config
 from fsdp_offload_cfg._sizes import size_in_bytes
 from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
-from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
+from fsdp_offload_cfg.estimate import EstimateError, Lora, estimate_memory
 from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import model_class, read_model
 from fsdp_offload_cfg.estimate.plan import layer_runs
@@ -863,3 +863,67 @@ def test_the_estimate_is_within_10_percent_of_the_peaks_an_h200_measured(setting
         report = bench.estimated(args, str(tmp_path), setting, rates)
     estimated = report["device_by_setting"][key]["peak_device_bytes"] / 2**30
     assert abs(estimated / H200_PEAK_GIB[setting] - 1) <= 0.10, (setting, estimated, H200_PEAK_GIB[setting])
+
+
+# ------------------------------------------------------------------------------ LoRA
+
+
+def _real_lora(model: torch.nn.Module, gathered_in: torch.dtype | None) -> torch.nn.Module:
+    """PEFT's LoRA (rank 4, every linear layer but the head) on a real model; under mixed
+    precision its float32 adapters in the dtype FSDP2's `MixedPrecisionPolicy` gathers them in."""
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    for p in wrapped.parameters():
+        if gathered_in is not None and p.requires_grad:
+            p.data = p.data.to(gathered_in)
+    return wrapped
+
+
+@pytest.mark.parametrize("mixed", ["bf16", "no"])
+def test_a_lora_runs_activations_match_what_a_real_lora_forward_saves(models: dict[str, str], mixed: str):
+    """`--lora-rank`: the frozen base saves no input for its weights' gradients (a norm's
+    normalised input, here), each adapter saves its input; without mixed precision PEFT casts each
+    adapter's input to its float32 weights, and saves that copy. Against PEFT on the real model,
+    and unlike the full fine-tune's figure."""
+    args = {"seq_len": SEQ, "batch_size": BATCH, "device": "cpu", "dtype": "bfloat16"}
+    report = estimate_memory(config(mixed_precision=mixed), models["llama"], lora=Lora(4), **args)
+    full = estimate_memory(config(mixed_precision=mixed), models["llama"], **args)
+    model, batch = real_model(models["llama"], torch.bfloat16, BATCH, SEQ)
+    measured = saved_bytes(_real_lora(model, torch.bfloat16 if mixed == "bf16" else None), batch)
+    estimated = report["per_rank"]["activations_bytes"]
+    assert close(estimated, measured, tolerance=0.02), (estimated, measured)
+    assert not close(full["per_rank"]["activations_bytes"], measured, tolerance=0.02), "the test tells nothing apart"
+    assert report["model"]["class"] == "LlamaForCausalLM" and report["model"]["lora"]["rank"] == 4
+
+
+@pytest.mark.skipif(MALLINFO2 is None, reason="needs glibc's mallinfo2 to read the allocator")
+def test_a_lora_runs_activations_match_what_the_allocator_holds_after_a_forward(larger_llama: str):
+    """The LoRA figure against the C allocator, not saved-tensor hooks (the estimate's own method)."""
+    seq = 512
+    report = estimate_memory(config(), larger_llama, seq_len=seq, batch_size=BATCH, device="cpu", lora=Lora(4))
+    model, batch = real_model(larger_llama, torch.bfloat16, BATCH, seq)
+    measured = allocator_held_after_forward(_real_lora(model, torch.bfloat16), batch)
+    estimated = report["per_rank"]["activations_bytes"]
+    assert close(estimated, measured, tolerance=0.025), (estimated, measured, estimated / measured)
+
+
+@pytest.mark.distributed
+def test_a_lora_runs_states_are_those_of_a_real_accelerate_lora_step(models: dict[str, str]):
+    """Gradients and AdamW's moments for the adapters alone; the frozen base in the dtype the
+    installed accelerate keeps it in (bf16 since 1.14, which upcasts only what trains; float32
+    with 1.10-1.12, which upcast all): against a model prepared by accelerate and one step."""
+    report = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu", dtype="bfloat16",
+                             lora=Lora(4))
+    real = run_workers(states_after_accelerate_step, 2, models["llama"], report["model"]["layer_classes"], 1, 4)[0]
+    per_rank = report["per_rank"]
+    assert (per_rank["params_bytes"], per_rank["grads_bytes"], per_rank["optimizer_bytes"]) == (
+        real["params"], real["grads"], real["optimizer"]), (per_rank, real)
+    full = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu", dtype="bfloat16")
+    assert 0 < per_rank["grads_bytes"] < full["per_rank"]["grads_bytes"] / 2, "the test tells nothing apart"
+
+
+def test_lora_targets_no_module_has_are_said_with_the_flag(models: dict[str, str]):
+    with pytest.raises(EstimateError, match=r"--lora-targets q_projection: .*not found"):
+        estimate_memory(config(), models["llama"], seq_len=8, batch_size=1, device="cpu",
+                        lora=Lora(4, "q_projection"))

@@ -21,6 +21,7 @@ from typing import Any
 
 from fsdp_offload_cfg._sizes import AutoBudget
 from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.estimate.adapters import Lora, check_lora
 from fsdp_offload_cfg.estimate.inputs import (
     DEVICES,
     OPTIMIZERS,
@@ -33,7 +34,7 @@ from fsdp_offload_cfg.estimate.inputs import (
 )
 from fsdp_offload_cfg.estimate.source import model_config_file
 
-__all__ = ["DEVICES", "OPTIMIZERS", "Dtypes", "EstimateError", "estimate_memory", "resolve_dtypes"]
+__all__ = ["DEVICES", "OPTIMIZERS", "Dtypes", "EstimateError", "Lora", "estimate_memory", "resolve_dtypes"]
 
 
 def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batch_size: int,
@@ -41,7 +42,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     dtype: str | None = None, activation_budget: int | AutoBudget | None = None,
                     device_memory: int | None = None, compute_flops: float | None = None,
                     copy_bytes: float | None = None, gradient_accumulation_steps: int = 1,
-                    parallelism: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -49,11 +50,14 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     device's assumed rates). With `gradient_accumulation_steps` > 1 every gradient is on the
     device during backward (kept from the micro-batches before). `parallelism`: an accelerate
     `parallelism_config` section (default: the config's); under hybrid sharding each rank holds a
-    slice of 1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count."""
+    slice of 1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count.
+    `lora`: LoRA adapters trained over the frozen model (`estimate/adapters.py`)."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
         raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
+    if lora is not None:
+        check_lora(lora)
     replicas = _replicas(ranks, (config.parallelism_config if parallelism is None else parallelism) or {})
     device = device or ("cpu" if config.use_cpu else "cuda")
     requested = requested_budget(config, activation_budget)
@@ -67,7 +71,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         activation_budget=requested,
                         the_run_plans_it=activation_budget is None and requested is not None,
                         device_memory=device_memory, rates=(compute_flops, copy_bytes),
-                        accumulating=gradient_accumulation_steps > 1)
+                        accumulating=gradient_accumulation_steps > 1, lora=lora)
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:

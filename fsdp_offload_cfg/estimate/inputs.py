@@ -31,6 +31,7 @@ class Dtypes:
     load: torch.dtype  # what from_pretrained materialises (and the checkpoint converts to)
     storage: torch.dtype  # sharded parameters, gradients, optimizer moments
     compute: torch.dtype  # gathered parameters and activations
+    frozen: torch.dtype  # parameters that do not train (a LoRA's base): upcast only where accelerate upcasts all
 
 
 def resolve_dtypes(config: FSDPOffloadConfig, model_config: Any, dtype: str | None) -> Dtypes:
@@ -49,7 +50,7 @@ def resolve_dtypes(config: FSDPOffloadConfig, model_config: Any, dtype: str | No
     mixed_name = mixed_compute_dtype(config)  # one rule with the run-time plan
     mixed = getattr(torch, mixed_name) if mixed_name is not None else None
     storage = torch.float32 if mixed and accelerate_upcast() != "none" else load
-    return Dtypes(load, storage, mixed or load)
+    return Dtypes(load, storage, mixed or load, storage if accelerate_upcast() == "all" else load)
 
 
 def check_dtype_name(name: str) -> None:

@@ -318,11 +318,14 @@ class _BackwardWatch(TorchDispatchMode):
         self.extra[group] = max(self.extra[group], live - self.counted[group])
 
 
-def _measure_backward(recorder: _Recorder, root: torch.Tensor | None) -> None:
+def _measure_backward(recorder: _Recorder, root: torch.Tensor | None, trainable: list[nn.Parameter]) -> None:
     """Fill `backward_extra` from a backward of `root` on meta that stops at the groups' inputs;
-    a model whose backward cannot run on meta leaves it empty and says why (`backward_error`)."""
+    a model whose backward cannot run on meta leaves it empty and says why (`backward_error`).
+    Where no group input needs a gradient (a LoRA over a frozen embedding), backward runs to the
+    `trainable` parameters instead: their gradients are held to the end, which is small where
+    that happens (adapters)."""
     profile = recorder.profile
-    entries = recorder.stopping_points()
+    entries = recorder.stopping_points() or trainable
     if root is None or not entries:
         profile.backward_error = "the forward returned no loss" if root is None else "no group input needs a gradient"
         return
@@ -382,9 +385,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
         hooks.append(g.register_forward_pre_hook(lambda _m, a, k, i=i: recorder.enter(i, a, k), with_kwargs=True))
         hooks.append(g.register_forward_hook(lambda _m, _a, out, i=i: recorder.exit(i, out)))
     was_training = model.training
-    model.train()
-    for p in model.parameters():
-        p.requires_grad_(True)
+    model.train()  # each parameter keeps its requires_grad: a LoRA's frozen base saves no input for its gradient
     try:
         with meta_forward(), _attention_as_on(target, recorder.add_flops), recorder.counter, \
                 saved_tensors_hooks(recorder.pack, recorder.unpack), torch.enable_grad():
@@ -395,7 +396,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
                 recorder.profile.held.setdefault(_storage_key(t), recorder.record(t))
         root = _backward_root(output)
         del output  # the logits and the cache go, as a training step drops them before backward
-        _measure_backward(recorder, root)
+        _measure_backward(recorder, root, [p for p in model.parameters() if p.requires_grad])
     finally:
         for h in hooks:
             h.remove()

@@ -16,8 +16,9 @@ import torch
 
 from fsdp_offload_cfg._sizes import AutoBudget, show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.config.derived import stated_rates
+from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
+from fsdp_offload_cfg.estimate.adapters import Lora, base_model, with_lora
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
@@ -46,18 +47,22 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  batch_size: int, optimizer: str, device: str, dtype: str | None,
                  activation_budget: int | AutoBudget | None = None, the_run_plans_it: bool = False,
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
-                 accumulating: bool = False) -> dict[str, Any]:
+                 accumulating: bool = False, lora: Lora | None = None) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
-    `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved."""
+    `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
+    trained over a frozen base (`estimate/adapters.py`)."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
+    if lora is not None:
+        model = with_lora(model, lora, dtypes.compute if mixed_compute_dtype(config) else None)
     _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()), config.source)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute)
     profile = _measure(model, batch, layers, device)
-    states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained)
+    states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
+                            dtypes.frozen)
     step_transient = optimizer_step_transient(states, optimizer, device)
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
@@ -77,8 +82,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     report = {
         "ranks": ranks * replicas,  # `ranks` shard each tensor; `replicas` copies of each slice (HSDP)
         "replicas": replicas,
-        "model": {"path": model_path, "class": type(model).__name__, "parameters": states.param_count,
-                  "groups": len(profile.groups), "layer_classes": layers},
+        "model": {"path": model_path, "class": type(base_model(model)).__name__, "parameters": states.param_count,
+                  "groups": len(profile.groups), "layer_classes": layers, "lora": _lora(model, lora)},
         "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
                    "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),
                    "compute_dtype": _name(dtypes.compute), "activation_setting": chosen},
@@ -86,7 +91,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
-        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile)
+        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora)
         + _head_advice(profile, by_setting),
     }
     if plan is not None:
@@ -118,6 +123,15 @@ def _plan(plan: Plan, uniform: dict[str, Plan]) -> dict[str, Any]:
                            "fits": p.residency.device_peak_bytes <= (plan.budget_bytes or 0)}
                     for name, p in uniform.items()},
     }
+
+
+def _lora(model: torch.nn.Module, lora: Lora | None) -> dict[str, Any] | None:
+    """The JSON `model.lora` key: the adapters asked for and the parameters they train."""
+    if lora is None:
+        return None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"rank": lora.rank, "targets": lora.target_modules(), "dropout": lora.dropout,
+            "trainable_parameters": trainable}
 
 
 def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int) -> Room:
@@ -283,14 +297,18 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
 
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
-                 batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile) -> list[str]:
+                 batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile,
+                 lora: Lora | None) -> list[str]:
     batch_size = batch["input_ids"].shape[0]
+    trained = ("full fine-tuning: every parameter the loss reaches gets a gradient" if lora is None else
+               f"{lora.describe()} (PEFT's get_peft_model): only the adapters get gradients and optimizer state; the "
+               f"frozen base is stored in {_name(dtypes.frozen)}")
     out = [
         f"per rank = rank 0, which holds the largest dim-0 shard of every parameter (FSDP2 Shard(0)); "
         f"batch_size={batch_size} is one rank's micro-batch",
         f"parameters, gradients and optimizer state in {_name(dtypes.storage)}; gathered parameters and "
         f"activations in {_name(dtypes.compute)} (mixed_precision: {config.mixed_precision or 'no'})",
-        "full fine-tuning: every parameter the loss reaches gets a gradient; " + {
+        f"{trained}; " + {
             "adamw": "AdamW keeps two moments per parameter (its scalar step counters are not counted); on CUDA "
                      "its step (foreach) holds one parameter-sized temporary",
             "adamw_fused": "fused AdamW keeps two moments per parameter and no step temporary",
@@ -356,8 +374,11 @@ def _hybrid(report: dict[str, Any]) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The report for people: per-rank memory, the four activation settings, loading."""
     r, inputs = report["per_rank"], report["inputs"]
+    lora = report["model"].get("lora")
+    trains = (f"; LoRA rank {lora['rank']}: {lora['trainable_parameters'] / 1e6:,.1f}M trained" if lora else "")
     lines = [
-        f"{report['model']['class']} ({report['model']['parameters'] / 1e6:,.1f}M parameters) on {report['ranks']} "
+        f"{report['model']['class']} ({report['model']['parameters'] / 1e6:,.1f}M parameters{trains}) on "
+        f"{report['ranks']} "
         f"ranks{_hybrid(report)}, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, "
         f"{inputs['optimizer']}, "
         f"{inputs['device']}, compute {inputs['compute_dtype']}",

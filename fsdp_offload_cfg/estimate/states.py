@@ -70,16 +70,20 @@ def _unit_params(model: nn.Module, layer_classes: list[str]) -> tuple[list[list[
 
 
 def sharded_states(model: nn.Module, layer_classes: list[str], world: int, storage_dtype: torch.dtype,
-                   compute_dtype: torch.dtype, optimizer: str, trained: set[int] | None = None) -> ShardedStates:
+                   compute_dtype: torch.dtype, optimizer: str, trained: set[int] | None = None,
+                   frozen_dtype: torch.dtype | None = None) -> ShardedStates:
     """Per-rank bytes of everything FSDP2 and the optimizer keep for `model` on `world` ranks.
 
     `trained`: id() of the parameters that get a gradient (the probe's loss graph); a parameter
-    the loss never reaches gets no gradient and no optimizer state. None: all of them."""
+    the loss never reaches gets no gradient and no optimizer state. None: all of them.
+    `frozen_dtype`: what a parameter that does not require grad is stored in (a LoRA's base;
+    default `storage_dtype`)."""
     params = list(model.parameters())  # tied parameters once
-    size = storage_dtype.itemsize
+    frozen_dtype = frozen_dtype or storage_dtype
     mixed = storage_dtype != compute_dtype  # FSDP2 gathers every parameter in the compute dtype
 
     def stored(p: nn.Parameter) -> int:
+        size = (storage_dtype if p.requires_grad else frozen_dtype).itemsize
         return max(size, p.element_size()) if p.is_floating_point() else p.element_size()
 
     def gathered(unit: list[nn.Parameter]) -> int:

@@ -202,12 +202,13 @@ def states_after_one_step(rank: int, world: int, path: str, layers: list[str]) -
 
 
 def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[str],
-                                 replicas: int = 1) -> dict[str, Any]:
+                                 replicas: int = 1, lora_rank: int = 0) -> dict[str, Any]:
     """On each gloo rank, what a user's run holds: the model loaded in bf16, prepared by the
     installed accelerate (FSDP2, `mixed_precision: bf16`, the loader off; with `replicas` > 1,
     hybrid sharding through its `ParallelismConfig`), one AdamW step; this rank's parameter,
     gradient and optimizer-state bytes and the dtypes accelerate keeps the parameters in (the
-    estimate's master-weight dtype is checked against these, not assumed)."""
+    estimate's master-weight dtype is checked against these, not assumed). With `lora_rank`,
+    PEFT's LoRA of that rank on every linear layer but the head, the optimizer over the adapters."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -223,7 +224,11 @@ def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[
         parallel["parallelism_config"] = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=world // replicas)
     accelerator = Accelerator(**parallel)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters())
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     model, optimizer = accelerator.prepare(model, optimizer)
     ids = torch.randint(1, 90, (2, 16), generator=torch.Generator().manual_seed(rank))
     accelerator.backward(model(input_ids=ids, labels=ids).loss)

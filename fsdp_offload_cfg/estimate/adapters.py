@@ -1,0 +1,85 @@
+"""LoRA adapters on the estimate's meta model (`--lora-rank`): a fine-tune that trains adapters
+over a frozen base, as ms-swift's and LlamaFactory's default runs do.
+
+What changes against full fine-tuning: gradients and optimizer state exist for the adapters
+alone; the frozen base stays in the dtype it was loaded in (accelerate since 1.14 upcasts to
+float32 only the parameters that train; 1.10-1.12 upcast all: `compat.master_weights`); and the
+activations differ, since a frozen linear layer saves no input for its weight's gradient while
+each adapter saves its own (with dropout, a dropped copy of the input and its mask per adapter).
+
+Why PEFT's own `get_peft_model` on the meta skeleton rather than a count: the adapters' shapes,
+their dtype (float32 over a low-precision base, PEFT's `autocast_adapter_dtype`) and the layers
+`all-linear` picks (every linear layer but the output head) are then PEFT's, and the probe's
+forward and backward run through them as the run's do. No torch at import: `check_lora` runs
+with the other input checks, before torch's import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fsdp_offload_cfg.estimate.inputs import EstimateError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class Lora:
+    rank: int
+    targets: str = ALL_LINEAR  # PEFT's `all-linear`, or module names separated by commas
+    dropout: float = 0.0  # PEFT's default; ms-swift's is 0.05
+
+    def target_modules(self) -> str | list[str]:
+        if self.targets == ALL_LINEAR:
+            return ALL_LINEAR
+        return [name.strip() for name in self.targets.split(",") if name.strip()]
+
+    def describe(self) -> str:
+        return f"LoRA rank {self.rank} on {self.targets}" + (f", dropout {self.dropout:g}" if self.dropout else "")
+
+
+def check_lora(lora: Lora) -> None:
+    """The flags, and PEFT being there, said before the model is read."""
+    if lora.rank < 1:
+        raise EstimateError(f"--lora-rank must be >= 1, got {lora.rank}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise EstimateError(f"--lora-dropout must be in [0, 1), got {lora.dropout:g}")
+    if not lora.target_modules():
+        raise EstimateError(f"--lora-targets: no module name in {lora.targets!r}; give names such as q_proj,v_proj, "
+                            f"or {ALL_LINEAR}")
+    if importlib.util.find_spec("peft") is None:
+        raise EstimateError("--lora-rank places the adapters with PEFT, which is not installed here: pip install peft")
+
+
+def with_lora(model: nn.Module, lora: Lora, gathered_in: torch.dtype | None) -> nn.Module:
+    """`model` wrapped by PEFT with `lora`'s adapters (on meta, as the model is). `gathered_in`:
+    under mixed precision, the dtype FSDP2 gathers the adapters in for the forward (PEFT keeps
+    them in float32, and would otherwise cast each adapter's input to float32, which the run does
+    not do); the states still count them at the storage dtype (`states.sharded_states`)."""
+    from peft import LoraConfig, get_peft_model
+
+    try:
+        with warnings.catch_warnings():  # PEFT reads transformers 5's deprecated `is_gradient_checkpointing`
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = get_peft_model(model, LoraConfig(r=lora.rank, target_modules=lora.target_modules(),
+                                                       lora_dropout=lora.dropout))
+    except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
+        raise EstimateError(f"--lora-targets {lora.targets}: {error}") from None
+    if gathered_in is not None:
+        for p in wrapped.parameters():
+            if p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(gathered_in)
+    return wrapped
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (the model itself without one)."""
+    get_base: Any = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
