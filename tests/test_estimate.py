@@ -868,29 +868,31 @@ def test_the_estimate_is_within_10_percent_of_the_peaks_an_h200_measured(setting
 # ------------------------------------------------------------------------------ LoRA
 
 
-def _real_lora(model: torch.nn.Module, gathered_in: torch.dtype | None) -> torch.nn.Module:
+def _real_lora(model: torch.nn.Module, gathered_in: torch.dtype | None, dropout: float = 0.0) -> torch.nn.Module:
     """PEFT's LoRA (rank 4, every linear layer but the head) on a real model; under mixed
     precision its float32 adapters in the dtype FSDP2's `MixedPrecisionPolicy` gathers them in."""
     from peft import LoraConfig, get_peft_model
 
-    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=dropout))
     for p in wrapped.parameters():
         if gathered_in is not None and p.requires_grad:
             p.data = p.data.to(gathered_in)
     return wrapped
 
 
-@pytest.mark.parametrize("mixed", ["bf16", "no"])
-def test_a_lora_runs_activations_match_what_a_real_lora_forward_saves(models: dict[str, str], mixed: str):
+@pytest.mark.parametrize(("mixed", "dropout"), [("bf16", 0.0), ("no", 0.0), ("bf16", 0.1)])
+def test_a_lora_runs_activations_match_what_a_real_lora_forward_saves(models: dict[str, str], mixed: str,
+                                                                      dropout: float):
     """`--lora-rank`: the frozen base saves no input for its weights' gradients (a norm's
     normalised input, here), each adapter saves its input; without mixed precision PEFT casts each
-    adapter's input to its float32 weights, and saves that copy. Against PEFT on the real model,
-    and unlike the full fine-tune's figure."""
+    adapter's input to its float32 weights, and saves that copy; with dropout each adapter saves
+    its dropped input and mask. Against PEFT on the real model, and unlike the full fine-tune's
+    figure."""
     args = {"seq_len": SEQ, "batch_size": BATCH, "device": "cpu", "dtype": "bfloat16"}
-    report = estimate_memory(config(mixed_precision=mixed), models["llama"], lora=Lora(4), **args)
+    report = estimate_memory(config(mixed_precision=mixed), models["llama"], lora=Lora(4, dropout=dropout), **args)
     full = estimate_memory(config(mixed_precision=mixed), models["llama"], **args)
     model, batch = real_model(models["llama"], torch.bfloat16, BATCH, SEQ)
-    measured = saved_bytes(_real_lora(model, torch.bfloat16 if mixed == "bf16" else None), batch)
+    measured = saved_bytes(_real_lora(model, torch.bfloat16 if mixed == "bf16" else None, dropout), batch)
     estimated = report["per_rank"]["activations_bytes"]
     assert close(estimated, measured, tolerance=0.02), (estimated, measured)
     assert not close(full["per_rank"]["activations_bytes"], measured, tolerance=0.02), "the test tells nothing apart"
@@ -927,3 +929,17 @@ def test_lora_targets_no_module_has_are_said_with_the_flag(models: dict[str, str
     with pytest.raises(EstimateError, match=r"--lora-targets q_projection: .*not found"):
         estimate_memory(config(), models["llama"], seq_len=8, batch_size=1, device="cpu",
                         lora=Lora(4, "q_projection"))
+
+
+def test_cli_lora_flags_reach_the_estimate_and_the_table_says_what_trains(models: dict[str, str], tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "32",
+                     "--batch-size", "1", "--lora-rank", "4", "--lora-targets", "q_proj, v_proj",
+                     "--lora-dropout", "0.05", "--format", "json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["model"]["lora"]
+    assert {k: lora[k] for k in ("rank", "targets", "dropout")} == {"rank": 4, "targets": ["q_proj", "v_proj"],
+                                                                    "dropout": 0.05}
+    assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "32",
+                     "--batch-size", "1", "--lora-rank", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 4:" in out.splitlines()[0] and "only the adapters get gradients" in out, out
