@@ -363,6 +363,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
                    shape: tuple[int, int]) -> tuple[ActivationProfile, nn.Module]:
     """What this model's layers save and compute at `shape`, measured on a `meta` twin as the
     estimate measures it, and the twin."""
+    from fsdp_offload_cfg.estimate.adapters import adapters_like
     from fsdp_offload_cfg.estimate.model import ModelSource, build_on_meta, example_batch, layer_class_names
     from fsdp_offload_cfg.estimate.probe import measure_activations
 
@@ -373,6 +374,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     source = ModelSource("", pretrained.config, (), "")
     dtype = _compute_dtype(model, cfg)
     twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
+    twin = adapters_like(model, twin, dtype if mixed_compute_dtype(cfg) else None)  # a LoRA run: its adapters
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
     batch = example_batch(source, *shape, dtype)
     target = handle.handler.device.type
@@ -424,8 +426,10 @@ def _world() -> int:
 
 
 def _storage_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the sharded parameters are kept in (float32 masters under mixed precision)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    """The dtype the sharded parameters that train are kept in (float32 masters under mixed
+    precision; a LoRA's adapters, not its frozen base)."""
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    return next((p.dtype for p in floats if p.requires_grad), floats[0].dtype if floats else torch.float32)
 
 
 def describe(plan: Plan, shape: tuple[int, int], rates_source: str, room: Room | None = None) -> str:

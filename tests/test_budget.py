@@ -21,6 +21,7 @@ from fsdp_offload_cfg.testing.models import shard_by_layer
 pytestmark = pytest.mark.distributed
 
 BATCH, SEQ, LAYERS = 2, 48, 4
+LORA_RANK = 4
 AUTO_MARGIN = 2**20
 AUTO = "auto-1MiB"  # the `auto` runs' budget: a stated device size (`budgets`), less 1 MiB
 
@@ -49,7 +50,7 @@ def _config(budget: int | str | None, loader: bool = False, rates: bool = True, 
 
 
 def _train(rank: int, world: int, path: str, budget: int | str | None, loader: bool, no_cache: bool = False,
-           slow_copies: bool = False, device_memory: int | None = None) -> dict[str, Any]:
+           slow_copies: bool = False, device_memory: int | None = None, lora: bool = False) -> dict[str, Any]:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -61,7 +62,11 @@ def _train(rank: int, world: int, path: str, budget: int | str | None, loader: b
     accelerator = Accelerator()
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     before = planned_choices(model)
@@ -80,14 +85,16 @@ def _train(rank: int, world: int, path: str, budget: int | str | None, loader: b
             "moved": offload_stats()["offloaded_bytes"], "budget": planner.budget if planner else None}
 
 
-def _plan_for(path: str, budget: int, seq: int = SEQ, rates: tuple[float, float] | None = None) -> list[str]:
+def _plan_for(path: str, budget: int, seq: int = SEQ, rates: tuple[float, float] | None = None,
+              lora: bool = False) -> list[str]:
     """The estimate's plan for the same model, config, batch and device (what the run must follow),
-    at the config's rates or at `rates` (FLOP/s, copy bytes/s)."""
+    at the config's rates or at `rates` (FLOP/s, copy bytes/s); with `lora`, of the LoRA run."""
     from fsdp_offload_cfg import load_config
-    from fsdp_offload_cfg.estimate import estimate_memory
+    from fsdp_offload_cfg.estimate import Lora, estimate_memory
 
     config = load_config(_config(budget, rates=rates is None) | {"num_processes": 2})
     report = estimate_memory(config, path, seq_len=seq, batch_size=BATCH, device="cpu", dtype="float32",
+                             lora=Lora(LORA_RANK) if lora else None,
                              **({"compute_flops": rates[0], "copy_bytes": rates[1]} if rates else {}))
     return [layer["choice"] for layer in report["plan"]["layers"]]
 
@@ -165,6 +172,39 @@ def test_the_layers_run_the_estimates_plan_for_the_first_batch(runs: dict[str, A
     if any(c.endswith("offload") for c in expected):
         assert all(runs[case][rank]["moved"] > 0 for rank in (0, 1))
     assert runs["none"][0]["choices"] is None and runs["none"][0]["moved"] == 0
+
+
+@pytest.fixture(scope="module")
+def lora_runs(model_dir: str) -> dict[str, Any]:
+    """A LoRA run (PEFT on every linear layer) with a budget for which the LoRA estimate plans a
+    mix that the full fine-tune's estimate does not (the LoRA saves less: here each adapter's
+    frozen base saves no input for its weight's gradient), and the same run without a budget."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import Lora, estimate_memory
+
+    report = estimate_memory(load_config(_config(None) | {"num_processes": 2}), model_dir, seq_len=SEQ,
+                             batch_size=BATCH, device="cpu", dtype="float32", activation_budget=10**12,
+                             lora=Lora(LORA_RANK))
+    peaks = [u["device_peak_bytes"] for u in report["plan"]["uniform"].values()]
+    low, high = min(peaks), max(peaks)
+    candidates = [low + (high - low) * i // 24 for i in range(1, 24)]
+    budget = next(b for b in candidates if _plan_for(model_dir, b, lora=True) != _plan_for(model_dir, b)
+                  and {"offload", "keep"} <= set(_plan_for(model_dir, b, lora=True)))
+    return {"budget": budget, **{name: run_workers(_train, 2, model_dir, b, False, False, False, None, True, timeout=400)
+                                 for name, b in (("none", None), ("mix", budget))}}
+
+
+def test_a_lora_run_plans_what_its_adapters_save_and_trains_exactly(lora_runs: dict[str, Any], model_dir: str):
+    """The run's meta twin carries the run's PEFT adapters, so a LoRA run's budget plans what it
+    saves (the estimate's `--lora-rank` plan), not what a full fine-tune of the model would save
+    (a plan for more activations than there are: more layers offloaded or recomputed than needed);
+    and it trains bit for bit what the LoRA run without a budget trains."""
+    expected = _plan_for(model_dir, lora_runs["budget"], lora=True)  # differs from the full fine-tune's (fixture)
+    for rank in (0, 1):
+        assert lora_runs["mix"][rank]["choices"] == expected
+        plain, ours = lora_runs["none"][rank], lora_runs["mix"][rank]
+        assert ours["losses"] == plain["losses"] and ours["norms"] == plain["norms"], rank
+    assert lora_runs["mix"][0]["state"] == lora_runs["none"][0]["state"]
 
 
 def test_auto_plans_the_room_a_stated_device_leaves_as_the_estimate_does(runs: dict[str, Any],

@@ -16,6 +16,7 @@ with the other input checks, before torch's import.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import warnings
 from dataclasses import dataclass
@@ -63,15 +64,34 @@ def with_lora(model: nn.Module, lora: Lora, gathered_in: torch.dtype | None) -> 
     under mixed precision, the dtype FSDP2 gathers the adapters in for the forward (PEFT keeps
     them in float32, and would otherwise cast each adapter's input to float32, which the run does
     not do); the states still count them at the storage dtype (`states.sharded_states`)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
+    config = LoraConfig(r=lora.rank, target_modules=lora.target_modules(), lora_dropout=lora.dropout)
     try:
-        with warnings.catch_warnings():  # PEFT reads transformers 5's deprecated `is_gradient_checkpointing`
-            warnings.simplefilter("ignore", FutureWarning)
-            wrapped = get_peft_model(model, LoraConfig(r=lora.rank, target_modules=lora.target_modules(),
-                                                       lora_dropout=lora.dropout))
+        return _placed(model, config, gathered_in)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         raise EstimateError(f"--lora-targets {lora.targets}: {error}") from None
+
+
+def adapters_like(trained: nn.Module, twin: nn.Module, gathered_in: torch.dtype | None) -> nn.Module:
+    """`twin` (the run's meta twin, which an activation budget plans from) with the PEFT adapters
+    `trained` has, from its active adapter's config: a LoRA run then plans what it saves, not what
+    a full fine-tune would. `twin` itself where `trained` has none."""
+    wrapper = next((m for m in trained.modules() if isinstance(getattr(m, "peft_config", None), dict)
+                    and hasattr(m, "active_adapter")), None)
+    if wrapper is None:
+        return twin
+    active = wrapper.active_adapter
+    return _placed(twin, copy.deepcopy(wrapper.peft_config[active[0] if isinstance(active, list) else active]),
+                   gathered_in)
+
+
+def _placed(model: nn.Module, config: Any, gathered_in: torch.dtype | None) -> nn.Module:
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():  # PEFT reads transformers 5's deprecated `is_gradient_checkpointing`
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapped = get_peft_model(model, config)
     if gathered_in is not None:
         for p in wrapped.parameters():
             if p.requires_grad and p.is_floating_point():
