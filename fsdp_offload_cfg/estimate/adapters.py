@@ -10,8 +10,9 @@ each adapter saves its own (with dropout, a dropped copy of the input and its ma
 Why PEFT's own `get_peft_model` on the meta skeleton rather than a count: the adapters' shapes,
 their dtype (float32 over a low-precision base, PEFT's `autocast_adapter_dtype`) and the layers
 `all-linear` picks (every linear layer but the output head) are then PEFT's, and the probe's
-forward and backward run through them as the run's do. No torch at import: `check_lora` runs
-with the other input checks, before torch's import.
+forward and backward run through them as the run's do. A run's activation budget plans from
+a meta twin of its model the same way: `adapters_like` gives the twin the run's own adapters.
+No torch at import: `check_lora` runs with the other input checks, before torch's import.
 """
 
 from __future__ import annotations
