@@ -943,3 +943,29 @@ def test_cli_lora_flags_reach_the_estimate_and_the_table_says_what_trains(models
                      "--batch-size", "1", "--lora-rank", "4"]) == 0
     out = capsys.readouterr().out
     assert "LoRA rank 4:" in out.splitlines()[0] and "only the adapters get gradients" in out, out
+
+
+@pytest.mark.parametrize("adapter", ["lora", "pissa", "dora", "none"])
+def test_a_budget_twin_takes_a_runs_lora_adapters_but_not_their_init_nor_dora(models: dict[str, str], adapter: str):
+    """The meta twin a run's activation budget plans from gets the run's LoRA adapters (the
+    shapes the run trains), with PEFT's default init: PiSSA's SVD of the base weights cannot run
+    on meta ("incompatible tensor type"), and would have stopped the run at its first forward.
+    DoRA, which the probe would count a whole weight per layer high for, and a model without
+    adapters leave the twin as it is."""
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_offload_cfg.estimate.adapters import adapters_like
+    from fsdp_offload_cfg.estimate.model import build_on_meta
+
+    model, _ = real_model(models["llama"], torch.float32, 1, 8)
+    if adapter != "none":
+        init = {"pissa": {"init_lora_weights": "pissa"}, "dora": {"use_dora": True}}.get(adapter, {})
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", **init))
+    twin = build_on_meta(read_model(models["llama"]), torch.float32)
+    placed = adapters_like(model, twin, None)
+    shapes = sorted((n, tuple(p.shape)) for n, p in placed.named_parameters() if p.requires_grad)
+    real = sorted((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)
+    if adapter in ("lora", "pissa"):
+        assert placed is not twin and shapes == real
+    else:
+        assert placed is twin

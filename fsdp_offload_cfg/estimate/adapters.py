@@ -75,16 +75,23 @@ def with_lora(model: nn.Module, lora: Lora, gathered_in: torch.dtype | None) -> 
 
 
 def adapters_like(trained: nn.Module, twin: nn.Module, gathered_in: torch.dtype | None) -> nn.Module:
-    """`twin` (the run's meta twin, which an activation budget plans from) with the PEFT adapters
+    """`twin` (the run's meta twin, which an activation budget plans from) with the LoRA adapters
     `trained` has, from its active adapter's config: a LoRA run then plans what it saves, not what
-    a full fine-tune would. `twin` itself where `trained` has none."""
+    a full fine-tune would. `twin` itself where `trained` has none, or has adapters the probe does
+    not measure as the run saves (DoRA's weight norm saves a whole weight per layer in a graph the
+    forward drops, which the probe, holding every save for its backward, would count as kept; other
+    PEFT types). The adapters' init is PEFT's default: values are never read on meta, and an init
+    from the base weights (PiSSA's SVD, LoftQ) cannot run there."""
     wrapper = next((m for m in trained.modules() if isinstance(getattr(m, "peft_config", None), dict)
                     and hasattr(m, "active_adapter")), None)
     if wrapper is None:
         return twin
     active = wrapper.active_adapter
-    return _placed(twin, copy.deepcopy(wrapper.peft_config[active[0] if isinstance(active, list) else active]),
-                   gathered_in)
+    config = copy.deepcopy(wrapper.peft_config[active[0] if isinstance(active, list) else active])
+    if getattr(config.peft_type, "value", config.peft_type) != "LORA" or getattr(config, "use_dora", False):
+        return twin
+    config.init_lora_weights = True
+    return _placed(twin, config, gathered_in)
 
 
 def _placed(model: nn.Module, config: Any, gathered_in: torch.dtype | None) -> nn.Module:
