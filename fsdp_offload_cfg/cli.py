@@ -247,8 +247,21 @@ def file_warnings(file: str, config: Any) -> list[str]:
         return []
     accelerate_file = "distributed_type" in top or "compute_environment" in top
     fsdp = top.get("fsdp_config") if isinstance(top.get("fsdp_config"), dict) else top
-    return (_ignored_by_fsdp2(fsdp, config) + _ignored_by_this_accelerate(config) + _parallelism_size_warnings(config)
-            + ([] if accelerate_file else _spelling_warnings(fsdp)))
+    return (_not_fsdp(config) if accelerate_file else []) + (
+        _ignored_by_fsdp2(fsdp, config) + _ignored_by_this_accelerate(config) + _parallelism_size_warnings(config)
+        + ([] if accelerate_file else _spelling_warnings(fsdp)))
+
+
+def _not_fsdp(config: Any) -> list[str]:
+    """An accelerate file that launches no FSDP (DeepSpeed, DDP, one process) is valid, and the
+    plugin does nothing under it: a bare "OK" read as "checked and on" (its `deepspeed_config`
+    is not checked at all)."""
+    kind = str(config.distributed_type or "NO")
+    if kind.upper() == "FSDP":
+        return []
+    return [f"distributed_type {kind}: this file runs no FSDP, so nothing of fsdp-offload-cfg applies to it (the launch "
+            f"keys were checked{', not deepspeed_config' if kind.upper() == 'DEEPSPEED' else ''}); "
+            "set distributed_type: FSDP with an fsdp_config to use it"]
 
 
 # FSDP1 keys FSDP2 has no use for, and why; accelerate accepts them (a warning at most) and drops

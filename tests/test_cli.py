@@ -420,3 +420,17 @@ def test_explains_config_keeps_the_files_other_keys(tmp_path: Path, capsys: pyte
     fed_back = tmp_path / "effective.yaml"
     fed_back.write_text(yaml.safe_dump(written, sort_keys=False))
     assert cli.main(["validate", str(fed_back)]) == 0
+
+
+@pytest.mark.parametrize(("body", "named"), [("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n",
+                                              "not deepspeed_config"),
+                                             ("distributed_type: 'NO'\n", "distributed_type NO")])
+def test_a_file_that_runs_no_fsdp_is_valid_and_says_the_plugin_does_nothing(tmp_path: Path, body: str, named: str,
+                                                                            capsys: pytest.CaptureFixture[str]):
+    """A DeepSpeed or single-process accelerate file validated with a bare "OK", read as checked
+    and on; its deepspeed_config was never looked at."""
+    path = tmp_path / "other.yaml"
+    path.write_text(body)
+    assert cli.main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: OK" in out and "nothing of fsdp-offload-cfg applies" in out and named in out, out
