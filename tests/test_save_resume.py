@@ -6,7 +6,8 @@ activation offload, as a user's script does it.
   the loader reloads exactly;
 - `save_state` / `load_state` (SHARDED_STATE_DICT and FULL_STATE_DICT) resume to the losses of an
   uninterrupted run, bit for bit;
-- the Trainer's `resume_from_checkpoint` likewise.
+- the Trainer's `resume_from_checkpoint` likewise;
+- a LoRA run's `save_state` / `load_state` as stock's.
 """
 
 from __future__ import annotations
@@ -61,12 +62,19 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def _prepared(accelerator: Any, path: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _prepared(accelerator: Any, path: str, lora: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and AdamW, prepared; with `lora`, PEFT's LoRA on every linear layer (drawn from
+    one seed, so that every run starts from the same adapters) and AdamW over the adapters."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return accelerator.prepare(model, optimizer)
 
 
@@ -152,26 +160,27 @@ def test_get_state_dict_and_save_pretrained_round_trip(checkpoints: dict[str, st
 # --------------------------------------------------------------------------------------------
 
 
-def _resume_worker(rank: int, world_size: int, path: str, out_root: str, config: dict) -> dict[str, Any]:
+def _resume_worker(rank: int, world_size: int, path: str, out_root: str, config: dict,
+                   lora: bool = False) -> dict[str, Any]:
     from accelerate import Accelerator
 
     import fsdp_offload_cfg
 
     fsdp_offload_cfg.patch(config)
     accelerator = Accelerator()
-    model, optimizer = _prepared(accelerator, path)
+    model, optimizer = _prepared(accelerator, path, lora)
     results: dict[str, Any] = {"uninterrupted": _train(model, optimizer, range(STEPS))}
     for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
         accelerator = Accelerator()
         plugin = accelerator.state.fsdp_plugin  # switched at run time: accelerate keeps stale configs
         plugin.state_dict_config = plugin.optim_state_dict_config = None  # unless they are cleared
         plugin.set_state_dict_type(state_dict_type)
-        model, optimizer = _prepared(accelerator, path)
+        model, optimizer = _prepared(accelerator, path, lora)
         first = _train(model, optimizer, range(STEPS // 2))
         out = os.path.join(out_root, state_dict_type)
         accelerator.save_state(out)
         accelerator = Accelerator()  # as a new process would: fresh model, optimizer, Accelerator
-        model, optimizer = _prepared(accelerator, path)
+        model, optimizer = _prepared(accelerator, path, lora)
         accelerator.load_state(out)
         results[state_dict_type] = first + _train(model, optimizer, range(STEPS // 2, STEPS))
     return results
@@ -190,6 +199,19 @@ def test_save_state_and_load_state_resume_bit_for_bit(checkpoints: dict[str, str
         exact = result["SHARDED_STATE_DICT"] == result["uninterrupted"]
         assert exact is SHARDED_RESUME_EXACT, (rank, accelerate.__version__, result)
     assert results[0]["uninterrupted"] != results[1]["uninterrupted"]  # the ranks saw different data
+
+
+def test_a_lora_run_saves_and_resumes_as_stock_does(checkpoints: dict[str, str], tmp_path) -> None:
+    """PEFT's adapters over a base the loader keeps on meta until prepare, the optimizer over the
+    adapters alone: `save_state` / `load_state` resume to the uninterrupted run's losses (from a
+    sharded state where the installed accelerate does so itself), equal to the stock run's."""
+    path = checkpoints["qwen2_tied"]
+    results = run_workers(_resume_worker, 2, path, str(tmp_path / "plugin"), CONFIG, True, timeout=300)
+    stock = run_workers(_resume_worker, 2, path, str(tmp_path / "stock"), STOCK, True, timeout=300)
+    for rank, result in enumerate(results):
+        assert result == stock[rank], (rank, result, stock[rank])
+        assert result["FULL_STATE_DICT"] == result["uninterrupted"], (rank, result)
+        assert (result["SHARDED_STATE_DICT"] == result["uninterrupted"]) is SHARDED_RESUME_EXACT, (rank, result)
 
 
 FSDP1 = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
