@@ -258,7 +258,7 @@ class BudgetPlanner:
 
     def make_plan(self, shape: tuple[int, int] | None) -> None:
         from fsdp_offload_cfg.estimate import EstimateError
-        from fsdp_offload_cfg.estimate.plan import default_time_model, plan_to_budget
+        from fsdp_offload_cfg.estimate.plan import BudgetUnreachable, default_time_model, plan_to_budget
         from fsdp_offload_cfg.offload.handlers import AsyncHandler
 
         assert self.rates is not None and self.budget is not None
@@ -268,8 +268,10 @@ class BudgetPlanner:
         try:
             plan = plan_to_budget(profile, self.budget, self.handle.config, async_reload, time)
         except EstimateError as error:
+            said = (self.room.unreachable(error.smallest_bytes)
+                    if isinstance(error, BudgetUnreachable) and self.room is not None else str(error))
             raise ConfigError(f"{self.cfg.source}: activation_memory_budget: at {shape[0]} x {shape[1]} tokens per "
-                              f"rank, {error}") from error
+                              f"rank, {said}") from error
         for boundary, choice in zip(self.handle.groups, plan.choices):
             set_checkpointing(boundary, choice.startswith("checkpoint"))
         self.handle.handler.kept_groups = frozenset(i for i, c in enumerate(plan.choices) if not c.endswith("offload"))

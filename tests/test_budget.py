@@ -126,7 +126,7 @@ def budgets(model_dir: str) -> dict[str, int]:
     states = sum(report["per_rank"][f"{kind}_bytes"] for kind in ("params", "grads", "optimizer", "buffers",
                                                                  "gathered_params"))
     return {"mix": mix, "tight": low + 3 * (high - low) // 100, "plain": high,
-            "auto_device": mix + states + AUTO_MARGIN}
+            "auto_device": mix + states + AUTO_MARGIN, "auto_short_device": low // 2 + states + AUTO_MARGIN}
 
 
 @pytest.fixture(scope="module")
@@ -358,12 +358,14 @@ def _fail(rank: int, world: int, path: str, case: str, budget: int | str, device
 @pytest.fixture(scope="module")
 def failures(model_dir: str, budgets: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
     budget = {"too_small": 1, "longer_batches": budgets["plain"], "measured": budgets["mix"], "one_rate": budgets["mix"],
-              "auto_logged": AUTO, "auto_no_device": "auto", "auto_no_room": "auto-1%"}
-    device = {"auto_logged": budgets["auto_device"], "auto_no_room": 4 * 2**20}
+              "auto_logged": AUTO, "auto_no_device": "auto", "auto_no_room": "auto-1%", "auto_short": AUTO}
+    device = {"auto_logged": budgets["auto_device"], "auto_no_room": 4 * 2**20,
+              "auto_short": budgets["auto_short_device"]}
     return {case: run_workers(_fail, 2, model_dir, case, budget.get(case, 10**9), device.get(case), timeout=120,
                               pg_timeout=60)
             for case in ("too_small", "rank1_fails", "gradient_checkpointing", "longer_batches", "classifier",
-                         "measured", "measure_fails", "one_rate", "auto_logged", "auto_no_device", "auto_no_room")}
+                         "measured", "measure_fails", "one_rate", "auto_logged", "auto_no_device", "auto_no_room",
+                         "auto_short")}
 
 
 def test_auto_says_on_rank_0_how_the_budget_was_worked_out(failures: dict[str, Any], budgets: dict[str, int]):
@@ -391,6 +393,15 @@ def test_auto_with_no_room_left_stops_every_rank_with_the_figures(failures: dict
         assert error is not None and error.startswith("ConfigError: <dict>: activation_memory_budget: auto: nothing "
                                                       "is left for activations (device 4.0 MiB, taken "), error
         assert "use more ranks" in error and not failures["auto_no_room"][rank]["chained"], error
+
+
+def test_auto_that_no_plan_fits_stops_every_rank_with_the_room_and_how_far_short(failures: dict[str, Any]):
+    """Room left, but less than any plan needs: said with the room's figures, not "raise the
+    budget" (a number an `auto` user never wrote)."""
+    for rank in (0, 1):
+        error = failures["auto_short"][rank]["error"]
+        assert error is not None and "activation_memory_budget: at 2 x 48 tokens per rank, auto: device " in error, error
+        assert "that leaves " in error and "more; use more ranks" in error and "Raise the budget" not in error, error
 
 
 def test_a_budget_no_plan_meets_stops_every_rank_naming_the_key_and_the_smallest(failures: dict[str, Any]):

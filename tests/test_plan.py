@@ -244,6 +244,24 @@ def test_cli_auto_plans_what_the_device_leaves(llama: str, tmp_path: Path, capsy
     assert "the device's memory is unknown here; pass --device-memory" in capsys.readouterr().err
 
 
+def test_auto_that_no_plan_fits_says_the_room_and_how_far_short_not_raise_the_budget(
+        llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A device that leaves activations some room, less than any plan needs: the answer was "Raise
+    the budget to at least X", a number `auto` users never wrote. It now gives the room's figures,
+    how far short they are, and what changes them."""
+    import json
+
+    assert _cli(tmp_path, llama, "--activation-budget", "auto-1MiB", "--device-memory", "8GiB", "--format", "json") == 0
+    report = json.loads(capsys.readouterr().out)
+    room = report["plan"]["room"]
+    smallest = min(u["device_peak_bytes"] for u in report["plan"]["uniform"].values())
+    device = room["taken_bytes"] + room["to_come_bytes"] + 2**20 + smallest // 2
+    assert _cli(tmp_path, llama, "--activation-budget", "auto-1MiB", "--device-memory", str(device)) == 1
+    err = capsys.readouterr().err
+    assert "activation budget auto: device " in err and "that leaves " in err and "more; use more ranks" in err, err
+    assert "Raise the budget" not in err, err
+
+
 def test_auto_without_a_device_size_is_said_before_the_model_is_read(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]):
     """A flag missing is said at once, not after the model is built and run on meta (12 s for

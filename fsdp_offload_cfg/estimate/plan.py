@@ -128,8 +128,18 @@ def plan_to_budget(profile: ActivationProfile, budget_bytes: int, offload: Activ
     fitting = [p for p in candidates if p.residency.device_peak_bytes <= budget_bytes]
     if not fitting:
         smallest = min([smallest] + [p.residency.device_peak_bytes for p in candidates])
-        raise EstimateError(_unreachable(budget_bytes, smallest))
+        raise BudgetUnreachable(budget_bytes, smallest)
     return min(fitting, key=lambda p: p.extra_seconds)
+
+
+class BudgetUnreachable(EstimateError):
+    """No plan fits the budget. Carries the least activation peak a plan reaches, so that `auto`
+    can say it against the device's room (`room.Room.unreachable`) rather than ask the user to
+    raise a budget they never wrote."""
+
+    def __init__(self, budget_bytes: int, smallest_bytes: int) -> None:
+        super().__init__(_unreachable(budget_bytes, smallest_bytes))
+        self.smallest_bytes = smallest_bytes
 
 
 def uniform_plans(profile: ActivationProfile, offload: ActivationOffloadConfig, async_reload: bool,

@@ -30,6 +30,7 @@ from fsdp_offload_cfg.estimate.model import (
     read_model,
 )
 from fsdp_offload_cfg.estimate.plan import (
+    BudgetUnreachable,
     Plan,
     default_time_model,
     layer_runs,
@@ -77,7 +78,12 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     if activation_budget is not None:
         given = (r if r is not None else c for r, c in zip(rates, stated_rates(config)))  # command line over file
         time_model = default_time_model(device, async_reload, *given)
-        plan = plan_to_budget(profile, activation_budget, offload, async_reload, time_model)
+        try:
+            plan = plan_to_budget(profile, activation_budget, offload, async_reload, time_model)
+        except BudgetUnreachable as error:
+            if room is None:
+                raise
+            raise EstimateError(f"activation budget {room.unreachable(error.smallest_bytes)}") from None
         by_setting["plan"] = plan.residency
     report = {
         "ranks": ranks * replicas,  # `ranks` shard each tensor; `replicas` copies of each slice (HSDP)

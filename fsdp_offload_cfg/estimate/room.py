@@ -46,6 +46,15 @@ class Room:
                 f"{show_size(self.to_come_bytes)} (gradients, AdamW state, gathered layers), margin "
                 f"{show_size(self.margin_bytes)}")
 
+    def unreachable(self, smallest_bytes: int) -> str:
+        """`auto`'s words when no plan fits what the room leaves: the figures, how far short it
+        is, and what changes them (the budget itself is not the user's number to raise)."""
+        short = smallest_bytes - self.budget_bytes
+        return (f"auto: {self.describe()}; that leaves {show_size(self.budget_bytes)} for activations, and the smallest "
+                f"activation peak a plan reaches is {show_size(smallest_bytes)}, {show_size(short)} more; use more "
+                "ranks (the states shard over them), offload_params, shorter sequences or a smaller batch, a smaller "
+                "margin, or a larger device")
+
     def checked(self) -> Room:
         """Itself, if it leaves activations anything; else an `EstimateError` with the figures."""
         if self.budget_bytes <= 0:
