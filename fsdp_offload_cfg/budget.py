@@ -45,6 +45,7 @@ from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import auto_budget, budget_bytes, mixed_compute_dtype, stated_rates
+from fsdp_offload_cfg.layer_classes import transformers_model
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.ranks import agreed, every_rank, host_group, max_over_ranks, min_over_ranks
 
@@ -250,7 +251,7 @@ class BudgetPlanner:
     def measure(self, shape: tuple[int, int] | None) -> tuple[float, float]:
         from fsdp_offload_cfg.estimate.rates import measure_rates
 
-        pretrained = _transformers_model(self.model)
+        pretrained = transformers_model(self.model)
         text = pretrained.config.get_text_config() if pretrained is not None else None
         hidden = int(getattr(text, "hidden_size", 0) or 1024)
         tokens = shape[0] * shape[1] if shape is not None else 1024
@@ -369,7 +370,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     from fsdp_offload_cfg.estimate.model import ModelSource, build_on_meta, example_batch, layer_class_names
     from fsdp_offload_cfg.estimate.probe import measure_activations
 
-    pretrained = _transformers_model(model)
+    pretrained = transformers_model(model)
     if pretrained is None:
         raise ConfigError(f"{cfg.source}: activation_memory_budget plans transformers models; this model has no "
                           "PreTrainedModel inside it")
@@ -476,20 +477,11 @@ def _tightest_over_ranks(room: Room, group: Any) -> Room:
     return min(rooms, key=lambda r: r.budget_bytes)
 
 
-def _transformers_model(model: nn.Module) -> nn.Module | None:
-    """The transformers model inside `model` (itself, or under PEFT and wrappers)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
-    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-
-
 def _takes_use_cache(model: nn.Module) -> bool:
     """The transformers model inside `model` takes `use_cache` (decoders do; wrappers pass it on)."""
     import inspect
 
-    pretrained = _transformers_model(model)  # its class's forward: the instance's is the offload's wrapper
+    pretrained = transformers_model(model)  # its class's forward: the instance's is the offload's wrapper
     return pretrained is not None and "use_cache" in inspect.signature(type(pretrained).forward).parameters
 
 

@@ -24,6 +24,7 @@ still fails, as in accelerate, but with the key, where it was set, and the class
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,16 @@ class DefaultLayers:
     # composite such as Llava, Mistral3, InternVL: accelerate would wrap nothing but the root).
     # transformers 5 lists them on the model itself, so both wrap the same.
     inherited: bool
+
+
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model inside `model` (itself, or under PEFT's, accelerate's and FSDP's
+    wrappers); None for a model of other code. transformers is not imported for the question: a
+    process that never imported it holds no such model."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return None
+    return next((m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)), None)
 
 
 def default_layer_classes(model: nn.Module) -> DefaultLayers:

@@ -106,8 +106,3 @@ def _placed(model: nn.Module, config: Any, gathered_in: torch.dtype | None) -> n
                 p.data = p.data.to(gathered_in)
     return wrapped
 
-
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (the model itself without one)."""
-    get_base: Any = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model

@@ -18,7 +18,7 @@ from fsdp_offload_cfg._sizes import AutoBudget, show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
-from fsdp_offload_cfg.estimate.adapters import Lora, base_model, with_lora
+from fsdp_offload_cfg.estimate.adapters import Lora, with_lora
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
@@ -40,7 +40,7 @@ from fsdp_offload_cfg.estimate.plan import (
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
 from fsdp_offload_cfg.estimate.room import Room, offline_room
 from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
-from fsdp_offload_cfg.layer_classes import listed_but_absent
+from fsdp_offload_cfg.layer_classes import listed_but_absent, transformers_model
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
 
@@ -88,7 +88,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     report = {
         "ranks": ranks * replicas,  # `ranks` shard each tensor; `replicas` copies of each slice (HSDP)
         "replicas": replicas,
-        "model": {"path": model_path, "class": type(base_model(model)).__name__, "parameters": states.param_count,
+        "model": {"path": model_path, "class": type(transformers_model(model)).__name__, "parameters": states.param_count,
                   "groups": len(profile.groups), "layer_classes": layers, "lora": _lora(model, lora)},
         "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
                    "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),

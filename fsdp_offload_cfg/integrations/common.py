@@ -17,6 +17,7 @@ import torch
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig, env_values
+from fsdp_offload_cfg.layer_classes import transformers_model
 from fsdp_offload_cfg.offload.stats import summarize_offload_at_exit
 from fsdp_offload_cfg.registry import LaunchContext
 from fsdp_offload_cfg.shard_groups import swap_target
@@ -229,7 +230,7 @@ def _how_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig, size: str
     build it on meta, and prepare fills their shards from rank 0's (a model real on every rank
     keeps each rank's own shard, as without meta loading: `sharded.agree_sources`)."""
     name = type(model).__name__
-    if not _is_transformers_model(model):
+    if transformers_model(model) is None:
         return (f"{name} is not a transformers model, so no loader built it: each of those ranks held the whole "
                 f"model ({size}) besides rank 0, and prepare shards each rank's own copy, as without meta loading. To "
                 f'hold it on rank 0 alone, build it on meta on the other ranks: `with torch.device("meta") if not '
@@ -240,12 +241,6 @@ def _how_it_came_whole(model: torch.nn.Module, cfg: FSDPOffloadConfig, size: str
     return (f"it was loaded before the config was active, or built by its class ({name}(config)), which no loader "
             f"sees, so each of those ranks held the whole model ({size}) besides rank 0. Load it with from_pretrained "
             f"or from_config after {after}: a model loaded then stays on meta until prepare fills its shards.")
-
-
-def _is_transformers_model(model: torch.nn.Module) -> bool:
-    """A `PreTrainedModel` anywhere in `model` (PEFT and accelerate wrap one)."""
-    transformers = sys.modules.get("transformers")  # not imported: not a transformers model
-    return transformers is not None and any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())
 
 
 def built_by_loader(model: torch.nn.Module) -> bool:
