@@ -325,8 +325,8 @@ class BudgetPlanner:
         profile, twin = self.profile_at(self.known(shape))
         device_bytes, taken = device_in_use(self.model, self.handle.handler.device, self.auto.device_bytes, self.cfg)
         layers = layer_class_names(twin, self.cfg.transformer_layer_cls_to_wrap)
-        states = sharded_states(twin, layers, _world(), _storage_dtype(self.model), _compute_dtype(self.model, self.cfg),
-                                "adamw", profile.trained)
+        states = sharded_states(twin, layers, _world(), _storage_dtype(self.model, self.cfg),
+                                _compute_dtype(self.model, self.cfg), "adamw", profile.trained)
         resident = not self.cfg.offload_params
         return Room(device_bytes, taken, to_come(states, resident), self.auto.margin(device_bytes))
 
@@ -428,11 +428,16 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _storage_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the sharded parameters that train are kept in (float32 masters under mixed
-    precision; a LoRA's adapters, not its frozen base)."""
-    floats = [p for p in model.parameters() if p.is_floating_point()]
-    return next((p.dtype for p in floats if p.requires_grad), floats[0].dtype if floats else torch.float32)
+def _storage_dtype(model: nn.Module, cfg: FSDPOffloadConfig) -> torch.dtype:
+    """The dtype the sharded parameters that train are kept in, by the estimate's rule
+    (`estimate.inputs.resolve_dtypes`): float32 masters under mixed precision where the installed
+    accelerate upcasts, else the dtype the model was loaded in. Not read off the parameters alone:
+    under mixed precision a LoRA's first parameter is its frozen base, which stays in the load dtype."""
+    from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
+
+    if mixed_compute_dtype(cfg) is not None and accelerate_upcast() != "none":
+        return torch.float32
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def describe(plan: Plan, shape: tuple[int, int], rates_source: str, room: Room | None = None) -> str:

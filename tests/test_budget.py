@@ -37,7 +37,7 @@ SLOW_COPY_GB_PER_S = 0.5
 
 
 def _config(budget: int | str | None, loader: bool = False, rates: bool = True, slow_copies: bool = False,
-            device_memory: int | None = None) -> dict[str, Any]:
+            device_memory: int | None = None, mixed: str = "no") -> dict[str, Any]:
     fsdp: dict[str, Any] = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                             "fsdp_cpu_ram_efficient_loading": loader}
     if budget is not None:
@@ -46,11 +46,12 @@ def _config(budget: int | str | None, loader: bool = False, rates: bool = True, 
             fsdp["fsdp_activation_budget_copy_gb_per_s"] = SLOW_COPY_GB_PER_S
         if device_memory is not None:
             fsdp["fsdp_activation_budget_device_memory"] = device_memory
-    return {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": fsdp}
+    return {"distributed_type": "FSDP", "mixed_precision": mixed, "fsdp_config": fsdp}
 
 
 def _train(rank: int, world: int, path: str, budget: int | str | None, loader: bool, no_cache: bool = False,
-           slow_copies: bool = False, device_memory: int | None = None, lora: bool = False) -> dict[str, Any]:
+           slow_copies: bool = False, device_memory: int | None = None, lora: bool = False,
+           dtype: torch.dtype = torch.float32, mixed: str = "no") -> dict[str, Any]:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -58,10 +59,10 @@ def _train(rank: int, world: int, path: str, budget: int | str | None, loader: b
     from fsdp_offload_cfg.budget import planned, planned_choices
     from fsdp_offload_cfg.offload import offload_stats
 
-    fsdp_offload_cfg.patch(_config(budget, loader, slow_copies=slow_copies, device_memory=device_memory))
+    fsdp_offload_cfg.patch(_config(budget, loader, slow_copies=slow_copies, device_memory=device_memory, mixed=mixed))
     accelerator = Accelerator()
     torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -82,7 +83,8 @@ def _train(rank: int, world: int, path: str, budget: int | str | None, loader: b
     state = {k: _digest(v) for k, v in accelerator.get_state_dict(model).items()}
     planner = planned(model)
     return {"losses": losses, "norms": norms, "state": state, "before": before, "choices": planned_choices(model),
-            "moved": offload_stats()["offloaded_bytes"], "budget": planner.budget if planner else None}
+            "moved": offload_stats()["offloaded_bytes"], "budget": planner.budget if planner else None,
+            "room": planner.room if planner else None}
 
 
 def _plan_for(path: str, budget: int, seq: int = SEQ, rates: tuple[float, float] | None = None,
@@ -180,6 +182,7 @@ def lora_runs(model_dir: str) -> dict[str, Any]:
     mix that the full fine-tune's estimate does not (the LoRA saves less: here each adapter's
     frozen base saves no input for its weight's gradient), and the same run without a budget."""
     from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg._sizes import parse_auto
     from fsdp_offload_cfg.estimate import Lora, estimate_memory
 
     report = estimate_memory(load_config(_config(None) | {"num_processes": 2}), model_dir, seq_len=SEQ,
@@ -190,8 +193,21 @@ def lora_runs(model_dir: str) -> dict[str, Any]:
     candidates = [low + (high - low) * i // 24 for i in range(1, 24)]
     budget = next(b for b in candidates if _plan_for(model_dir, b, lora=True) != _plan_for(model_dir, b)
                   and {"offload", "keep"} <= set(_plan_for(model_dir, b, lora=True)))
-    return {"budget": budget, **{name: run_workers(_train, 2, model_dir, b, False, False, False, None, True, timeout=400)
-                                 for name, b in (("none", None), ("mix", budget))}}
+    runs = {name: run_workers(_train, 2, model_dir, b, False, False, False, None, True, timeout=400)
+            for name, b in (("none", None), ("mix", budget))}
+    # `auto` over a bf16 base, the adapters in float32 (PEFT's), without and with mixed precision:
+    # a device that leaves the plain peak
+    devices = {}
+    for mixed in ("no", "bf16"):
+        auto = estimate_memory(load_config(_config(None, mixed=mixed) | {"num_processes": 2}), model_dir, seq_len=SEQ,
+                               batch_size=BATCH, device="cpu", dtype="bfloat16", activation_budget=parse_auto(AUTO),
+                               device_memory=2**40, lora=Lora(LORA_RANK))
+        room = auto["plan"]["room"]
+        devices[mixed] = room["taken_bytes"] + room["to_come_bytes"] + AUTO_MARGIN + max(
+            u["device_peak_bytes"] for u in auto["plan"]["uniform"].values())
+        runs[f"auto_{mixed}"] = run_workers(_train, 2, model_dir, AUTO, False, False, False, devices[mixed], True,
+                                            torch.bfloat16, mixed, timeout=400)
+    return {"budget": budget, "auto_devices": devices, **runs}
 
 
 def test_a_lora_run_plans_what_its_adapters_save_and_trains_exactly(lora_runs: dict[str, Any], model_dir: str):
@@ -205,6 +221,26 @@ def test_a_lora_run_plans_what_its_adapters_save_and_trains_exactly(lora_runs: d
         plain, ours = lora_runs["none"][rank], lora_runs["mix"][rank]
         assert ours["losses"] == plain["losses"] and ours["norms"] == plain["norms"], rank
     assert lora_runs["mix"][0]["state"] == lora_runs["none"][0]["state"]
+
+
+@pytest.mark.parametrize("mixed", ["no", "bf16"])
+def test_auto_in_a_lora_run_counts_the_adapters_states_to_come_as_the_estimate_does(lora_runs: dict[str, Any],
+                                                                                   model_dir: str, mixed: str):
+    """`auto` in a LoRA run over a bf16 base: what is to come is the float32 adapters' gradients
+    and AdamW state (not a full fine-tune's, and not at the frozen base's dtype, which a LoRA's
+    first parameter has under mixed precision) and the gathered layers (the adapters gathered in
+    float32 without mixed precision), so the run's budget is the `--lora-rank` estimate's for the
+    same device, to the byte."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg._sizes import parse_auto
+    from fsdp_offload_cfg.estimate import Lora, estimate_memory
+
+    report = estimate_memory(load_config(_config(None, mixed=mixed) | {"num_processes": 2}), model_dir, seq_len=SEQ,
+                             batch_size=BATCH, device="cpu", dtype="bfloat16", activation_budget=parse_auto(AUTO),
+                             device_memory=lora_runs["auto_devices"][mixed], lora=Lora(LORA_RANK))
+    for rank in (0, 1):
+        run = lora_runs[f"auto_{mixed}"][rank]
+        assert run["budget"] == report["plan"]["budget_bytes"], (rank, run["room"], report["plan"]["room"])
 
 
 def test_auto_plans_the_room_a_stated_device_leaves_as_the_estimate_does(runs: dict[str, Any],
