@@ -21,6 +21,11 @@ For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two se
                   2 gloo ranks, `fully_shard` per layer and root with bf16 mixed precision over
                   fp32 weights, one AdamW step: rank 0's local storages of parameters, gradients
                   and optimizer state against `params_bytes`, `grads_bytes`, `optimizer_bytes`;
+  LoRA            `--lora-rank 8` (PEFT, every linear layer but the head) on the allocator's GQA Llama:
+                  saved bytes of PEFT on the real model (its float32 adapters in bf16, as FSDP2's
+                  mixed precision gathers them) and the C allocator after a forward against
+                  `activations_bytes`; 2 gloo ranks prepared by the installed accelerate (bf16
+                  mixed precision, AdamW over the adapters, one step) against the states;
   loading         `benchmarks/load_memory.py` (~320M Llama, peak RSS above baseline, broadcast
                   and sharded, fp32 and bf16->fp32 checkpoints) against the loading peaks.
 
@@ -169,6 +174,51 @@ def allocator_rows(work: Path, seq_lens: list[int]) -> list[str]:
     return rows
 
 
+LORA_RANK = 8
+
+
+def lora_rows(work: Path, seq_lens: list[int]) -> list[str]:
+    """`--lora-rank` against PEFT on the real model, the allocator and accelerate (module docstring)."""
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_offload_cfg.estimate import Lora, estimate_memory
+    from fsdp_offload_cfg.testing.dist import run_workers
+    from fsdp_offload_cfg.testing.models import save_llama
+    from fsdp_offload_cfg.testing.real_runs import (
+        MALLINFO2,
+        allocator_held_after_forward,
+        real_model,
+        saved_bytes,
+        states_after_accelerate_step,
+    )
+
+    name = "llama-h256-gqa LoRA"
+    model_dir = save_llama(str(work / "llama-lora"), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=2048)
+    rows = []
+    for seq in seq_lens:
+        report = estimate_memory(bench_config(), model_dir, seq_len=seq, batch_size=BATCH, num_processes=RANKS,
+                                 device="cpu", dtype="bfloat16", lora=Lora(LORA_RANK))
+        measured = {}
+        for figure, measure in (("saved-tensor hooks", saved_bytes), ("allocator", allocator_held_after_forward)):
+            if figure == "allocator" and MALLINFO2 is None:
+                continue
+            model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq)
+            model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear"))
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)  # as FSDP2's MixedPrecisionPolicy gathers them
+            measured[figure] = measure(model, batch)
+        rows += [row(name, seq, f"activations_bytes vs {figure}", report["per_rank"]["activations_bytes"], real, 0.10)
+                 for figure, real in measured.items()]
+    states = run_workers(states_after_accelerate_step, RANKS, model_dir, report["model"]["layer_classes"], 1,
+                         LORA_RANK, timeout=300)[0]
+    for figure in ("params", "grads", "optimizer"):
+        rows.append(row(name, "-", f"{figure}_bytes (accelerate-prepared)", report["per_rank"][f"{figure}_bytes"],
+                        states[figure], 0.10))
+    return rows
+
+
 def loading_rows(work: Path, ranks: list[int]) -> list[str]:
     import load_memory
 
@@ -221,7 +271,7 @@ def main() -> None:
             for line in model_rows(name, paths[name], args.seq_lens):
                 print(line, flush=True)
                 lines.append(line)
-        for line in allocator_rows(work, [512, 1024]):
+        for line in allocator_rows(work, [512, 1024]) + lora_rows(work, [512, 1024]):
             print(line, flush=True)
             lines.append(line)
         if not args.skip_loading:
