@@ -366,7 +366,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
                    shape: tuple[int, int]) -> tuple[ActivationProfile, nn.Module]:
     """What this model's layers save and compute at `shape`, measured on a `meta` twin as the
     estimate measures it, and the twin."""
-    from fsdp_offload_cfg.estimate.adapters import adapters_like
+    from fsdp_offload_cfg.estimate.adapters import adapters_like, gathered_in
     from fsdp_offload_cfg.estimate.model import ModelSource, build_on_meta, example_batch, layer_class_names
     from fsdp_offload_cfg.estimate.probe import measure_activations
 
@@ -377,15 +377,16 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     source = ModelSource("", pretrained.config, (), "")
     dtype = _compute_dtype(model, cfg)
     twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
-    twin = adapters_like(model, twin, dtype if mixed_compute_dtype(cfg) else None)  # a LoRA run: its adapters
+    twin = adapters_like(model, twin)  # a LoRA run: its adapters
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
     batch = example_batch(source, *shape, dtype)
     target = handle.handler.device.type
-    try:
-        profile = measure_activations(twin, batch, layers, target=target)
-    except Exception:  # noqa: BLE001 - a head whose labels are not token ids (a classifier, a reward model)
-        batch.pop("labels")  # its loss is a few bytes after the last layer; the layers are what is planned
-        profile = measure_activations(twin, batch, layers, target=target)
+    with gathered_in(twin, dtype if mixed_compute_dtype(cfg) else None):
+        try:
+            profile = measure_activations(twin, batch, layers, target=target)
+        except Exception:  # noqa: BLE001 - a head whose labels are not token ids (a classifier, a reward model)
+            batch.pop("labels")  # its loss is a few bytes after the last layer; the layers are what is planned
+            profile = measure_activations(twin, batch, layers, target=target)
     if len(profile.groups) != len(handle.groups):
         raise ConfigError(f"{cfg.source}: activation_memory_budget: the plan measured {len(profile.groups)} layers "
                           f"and the model has {len(handle.groups)}; set transformer_layer_cls_to_wrap to the decoder "

@@ -962,7 +962,7 @@ def test_a_budget_twin_takes_a_runs_lora_adapters_but_not_their_init_nor_dora(mo
         init = {"pissa": {"init_lora_weights": "pissa"}, "dora": {"use_dora": True}}.get(adapter, {})
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", **init))
     twin = build_on_meta(read_model(models["llama"]), torch.float32)
-    placed = adapters_like(model, twin, None)
+    placed = adapters_like(model, twin)
     shapes = sorted((n, tuple(p.shape)) for n, p in placed.named_parameters() if p.requires_grad)
     real = sorted((n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad)
     if adapter in ("lora", "pissa"):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,21 +62,19 @@ def check_lora(lora: Lora) -> None:
         raise EstimateError("--lora-rank places the adapters with PEFT, which is not installed here: pip install peft")
 
 
-def with_lora(model: nn.Module, lora: Lora, gathered_in: torch.dtype | None) -> nn.Module:
-    """`model` wrapped by PEFT with `lora`'s adapters (on meta, as the model is). `gathered_in`:
-    under mixed precision, the dtype FSDP2 gathers the adapters in for the forward (PEFT keeps
-    them in float32, and would otherwise cast each adapter's input to float32, which the run does
-    not do); the states still count them at the storage dtype (`states.sharded_states`)."""
+def with_lora(model: nn.Module, lora: Lora) -> nn.Module:
+    """`model` wrapped by PEFT with `lora`'s adapters (on meta, as the model is), in the dtype
+    PEFT keeps them in (float32): what the states count (`gathered_in` for the forward)."""
     from peft import LoraConfig
 
     config = LoraConfig(r=lora.rank, target_modules=lora.target_modules(), lora_dropout=lora.dropout)
     try:
-        return _placed(model, config, gathered_in)
+        return _placed(model, config)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         raise EstimateError(f"--lora-targets {lora.targets}: {error}") from None
 
 
-def adapters_like(trained: nn.Module, twin: nn.Module, gathered_in: torch.dtype | None) -> nn.Module:
+def adapters_like(trained: nn.Module, twin: nn.Module) -> nn.Module:
     """`twin` (the run's meta twin, which an activation budget plans from) with the LoRA adapters
     `trained` has, from its active adapter's config: a LoRA run then plans what it saves, not what
     a full fine-tune would. `twin` itself where `trained` has none, or has adapters the probe does
@@ -91,18 +91,31 @@ def adapters_like(trained: nn.Module, twin: nn.Module, gathered_in: torch.dtype 
     if getattr(config.peft_type, "value", config.peft_type) != "LORA" or getattr(config, "use_dora", False):
         return twin
     config.init_lora_weights = True
-    return _placed(twin, config, gathered_in)
+    return _placed(twin, config)
 
 
-def _placed(model: nn.Module, config: Any, gathered_in: torch.dtype | None) -> nn.Module:
+@contextmanager
+def gathered_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """A PEFT model's adapters in `dtype` for the probe's forward, and back in their own after.
+    Under mixed precision (`dtype`: its compute dtype) FSDP2 gathers the float32 adapters in that
+    dtype, and a forward over float32 adapters would cast each adapter's input to float32, which
+    the run does not do; what is stored stays float32 whatever accelerate upcasts (1.13 upcasts
+    nothing), so the states count them after, as they are. No-op without adapters or `dtype`."""
+    adapters = [] if dtype is None or not hasattr(model, "peft_config") else [
+        (p, p.data) for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != dtype]
+    for p, data in adapters:
+        p.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in adapters:
+            p.data = data
+
+
+def _placed(model: nn.Module, config: Any) -> nn.Module:
     from peft import get_peft_model
 
     with warnings.catch_warnings():  # PEFT reads transformers 5's deprecated `is_gradient_checkpointing`
         warnings.simplefilter("ignore", FutureWarning)
-        wrapped = get_peft_model(model, config)
-    if gathered_in is not None:
-        for p in wrapped.parameters():
-            if p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(gathered_in)
-    return wrapped
+        return get_peft_model(model, config)
 

@@ -18,7 +18,7 @@ from fsdp_offload_cfg._sizes import AutoBudget, show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
-from fsdp_offload_cfg.estimate.adapters import Lora, with_lora
+from fsdp_offload_cfg.estimate.adapters import Lora, gathered_in, with_lora
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
@@ -57,11 +57,12 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
     if lora is not None:
-        model = with_lora(model, lora, dtypes.compute if mixed_compute_dtype(config) else None)
+        model = with_lora(model, lora)
     _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()), config.source)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute)
-    profile = _measure(model, batch, layers, device)
+    with gathered_in(model, dtypes.compute if mixed_compute_dtype(config) else None):
+        profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
                             dtypes.frozen)
     step_transient = optimizer_step_transient(states, optimizer, device)
