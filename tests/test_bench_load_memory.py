@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from fsdp_offload_cfg.testing.host_memory import meminfo_bytes, run_guarded
@@ -81,3 +83,22 @@ def test_a_launch_past_its_time_is_stopped_and_one_that_ends_is_left_alone(tmp_p
     assert run_guarded([sys.executable, "-c", "print('done')"], dict(os.environ), tmp_path / "b", timeout=30,
                        min_available=0) is None  # fmt: skip
     assert (tmp_path / "b").read_text().strip() == "done"
+
+
+@pytest.mark.distributed
+@pytest.mark.own_code
+def test_the_benchmark_loads_the_checkpoint_it_writes_file_by_file(tmp_path: Path):
+    """`load_memory.py --model 8b` (the GPU machine's `load8b` part) writes its checkpoint with
+    `write_llama_checkpoint` and names each rank's model class from its `config.json`: a
+    checkpoint without `architectures` there left every row "no result" (KeyError on every rank).
+    The same script, end to end, at 100M on 2 ranks: a row with a loss and a weight sum."""
+    script = Path(__file__).parents[1] / "benchmarks" / "load_memory.py"
+    run = subprocess.run([sys.executable, str(script), "--model", "100m", "--ranks", "2", "--repeat", "1",
+                          "--methods", "sharded", "--model-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no result" not in run.stdout, run.stdout[-3000:]
+    header = next(line for line in run.stdout.splitlines() if line.startswith("| checkpoint | method | ranks | rank 0"))
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| bf16-files | sharded | 2 |"))
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
+    assert float(cells["loss"]) > 0 and float(cells["weight sum"]) != 0

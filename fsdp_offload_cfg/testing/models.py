@@ -326,6 +326,7 @@ def write_llama_checkpoint(path: str, shape: str, dtype: torch.dtype = torch.bfl
 
     config = LlamaConfig(**LLAMA_SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
     config.dtype = dtype
+    config.architectures = ["LlamaForCausalLM"]  # as a model's save_pretrained writes it: scripts read the class there
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
     order = {name: i for i, name in enumerate(shapes)}
