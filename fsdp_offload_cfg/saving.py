@@ -11,7 +11,9 @@ Two stock paths wrote nothing, or stopped, at the end of a run that had trained 
   nothing at all, silently (transformers #30491).
 
 Both now gather the model as accelerate's recipe does (`accelerator.get_state_dict`: each
-parameter gathered in turn, the whole model kept on rank 0's host) and write it on rank 0. The
+parameter gathered in turn, the whole model kept on rank 0's host) and write it on rank 0; a PEFT
+model gathers only what PEFT writes of it, its adapters (`gathered_peft_state_dict`), where the
+recipe gathered the frozen base too: a 70B base (140 GB on rank 0's host) for 100 MB of adapters. The
 gather is a collective where stock made none, so every such save first agrees through the store
 that all ranks are in the call (`ranks.every_rank_comes`): the DDP habit of saving on rank 0 only
 then says so on that rank instead of leaving it in the gather until the watchdog kills the job.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +65,7 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
         if given.get("distributed_checkpoint"):
             raise ValueError(_NO_DISTRIBUTED_CHECKPOINT.format(model=type(self).__name__))
         _every_rank_or_raise(f"{type(self).__name__}.save_pretrained({given['save_directory']!r})")
-        full = gathered_state_dict(self)
+        full = gathered_state_dict(self, **{k: given[k] for k in _PEFT_SELECTION if k in given})
         if by_name:
             given["state_dict"] = full
         else:
@@ -115,7 +118,9 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
                             "SHARDED_STATE_DICT, accelerate's default under FSDP2), where transformers writes no "
                             "model; gathering it on rank 0 and writing it as from_pretrained reads it (checkpoints "
                             "stay sharded)", target)  # fmt: skip
-            state_dict = self.accelerator.get_state_dict(self.model)  # every rank: a collective
+            state_dict = gathered_peft_state_dict(self.accelerator.unwrap_model(self.model))  # every rank: a collective
+            if state_dict is None:  # not a PEFT model sharded by fully_shard: the whole model, as stock gathers it
+                state_dict = self.accelerator.get_state_dict(self.model)
             if self.args.should_save or getattr(self, "is_distributed_loading_by_transformers", False):
                 self._save(target, state_dict=state_dict)  # as stock's FULL_STATE_DICT branch: the writer only
         return original(self, output_dir, _internal_call)  # writes nothing more; pushes to the Hub if asked
@@ -144,12 +149,68 @@ def build_checkpoint_folder(original: Callable[..., Any], cfg: Any) -> Callable[
     return save_model
 
 
-def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict on rank 0's host, empty elsewhere: what `accelerator.get_state_dict`
-    gives under FSDP2 (a collective: every rank calls it)."""
+def gathered_state_dict(model: torch.nn.Module, **peft_selection: Any) -> dict[str, torch.Tensor]:
+    """What a save writes from, on rank 0's host, empty elsewhere (a collective: every rank calls
+    it): a PEFT model's adapters (`gathered_peft_state_dict`), any other model whole, as
+    `accelerator.get_state_dict` gives it under FSDP2."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    adapters = gathered_peft_state_dict(model, **peft_selection)
+    if adapters is not None:
+        return adapters
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# The arguments of PEFT's `save_pretrained` that choose what it writes (its defaults: every
+# adapter, embedding layers when targeted or resized).
+_PEFT_SELECTION = ("selected_adapters", "save_embedding_layers")
+
+
+def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str] | None = None,
+                             save_embedding_layers: str | bool = "auto") -> dict[str, torch.Tensor] | None:  # fmt: skip
+    """The entries PEFT's `save_pretrained` writes of a PEFT model sharded by `fully_shard`,
+    gathered on rank 0's host (empty elsewhere); None for any other model.
+
+    Why: PEFT picks its adapters out of a whole state dict, so accelerate's recipe gathered the
+    frozen base as well, on rank 0's host, only for PEFT to drop it. Which entries PEFT writes is
+    asked of PEFT itself (`get_peft_model_state_dict`, with the save's own arguments) over this
+    rank's shards, which costs nothing; the entries it picks are then gathered, in the state
+    dict's order, the same on every rank (a collective each). A PEFT type whose saved values are
+    computed rather than picked (prompt learning, AdaLoRA's rank pattern) gathers the whole model,
+    as before."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, peft.PeftModel) or not isinstance(model, FSDPModule):
+        return None
+    from peft.utils import get_peft_model_state_dict
+
+    shards = get_model_state_dict(model, options=StateDictOptions())  # this rank's shards, named as when gathered
+    name_of = {id(value): name for name, value in shards.items()}
+    picked: set[str] = set()
+    for adapter in selected_adapters or list(model.peft_config):
+        written = get_peft_model_state_dict(model, state_dict=shards, adapter_name=adapter,
+                                            save_embedding_layers=save_embedding_layers)  # fmt: skip
+        tensors = [value for value in written.values() if isinstance(value, torch.Tensor)]
+        if any(id(value) not in name_of for value in tensors):
+            return None
+        picked.update(name_of[id(value)] for value in tensors)
+    gathered = {name: _gathered(value) for name, value in shards.items() if name in picked}
+    return gathered if dist.get_rank() == 0 else {}
+
+
+def _gathered(value: torch.Tensor) -> torch.Tensor:
+    """One entry whole, on the host (a collective for a sharded one): as `get_model_state_dict`'s
+    full state dict holds it. Shards offloaded to the host are gathered on their mesh's device,
+    where the process group can reach them."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        if value.device.type != value.device_mesh.device_type:
+            value = value.to(value.device_mesh.device_type)
+        value = value.full_tensor()
+    return value.detach().cpu()
 
 
 def _every_rank_or_raise(what: str) -> None:

@@ -333,3 +333,62 @@ def test_fsdp1_on_the_cpu_saves_the_trained_model(tmp_path: Any, state_dict_type
     assert all(torch.equal(saved[k], torch.from_numpy(trained[k])) for k in saved)
     checkpoint = os.listdir(out / "checkpoint-2")
     assert ("model.safetensors" in checkpoint) == (state_dict_type == "FULL_STATE_DICT"), checkpoint
+
+
+# A base whose weights dwarf its adapters: 2 x 65536 x 128 float32 embedding rows are 64 MiB, the
+# LoRA adapters (r=4 on q_proj, v_proj of 2 layers) 16 KiB.
+_BIG_BASE = dict(vocab_size=65536, hidden_size=128, intermediate_size=256)
+_BASE_BYTES = 2 * 65536 * 128 * 4
+
+
+def _rank0_growth(save: Any) -> int:
+    """How far this process's resident memory rose above where it stood, during `save()`: the
+    kernel's own high-water mark (VmHWM, reset through /proc/self/clear_refs)."""
+    import gc
+    from pathlib import Path
+
+    from fsdp_offload_cfg.testing.host_memory import status_bytes
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status_bytes("VmRSS")
+    save()
+    return status_bytes("VmHWM") - before
+
+
+def _lora_save_worker(rank: int, world_size: int, path: str, out: str, way: str) -> int:
+    """One LoRA step, then the final save `way` takes (PEFT's `save_pretrained`, or the Trainer's
+    `save_model` under a sharded state dict); then accelerate's recipe, which gathers the whole
+    model, into `recipe`. Returns this rank's memory growth during the first save."""
+    if way == "trainer":
+        trainer = _trainer(path, out, "sharded", "SHARDED_STATE_DICT", True, max_steps=1, save_strategy="no")
+        trainer.train()
+        accelerator, model = trainer.accelerator, trainer.model
+        grown = _rank0_growth(lambda: trainer.save_model(os.path.join(out, way)))
+    else:
+        accelerator, model = _accelerate_loop(path, "sharded", lora=True)
+        model = accelerator.unwrap_model(model)
+        grown = _rank0_growth(lambda: model.save_pretrained(os.path.join(out, way)))
+    model.save_pretrained(os.path.join(out, "recipe"), is_main_process=accelerator.is_main_process,
+                          state_dict=accelerator.get_state_dict(model))  # fmt: skip
+    return grown
+
+
+@pytest.mark.parametrize("way", ["save_pretrained", "trainer"])
+def test_a_lora_model_saves_its_adapters_without_gathering_its_base_on_rank_0(tmp_path: Any, way: str) -> None:
+    """PEFT writes a LoRA model's adapters only, but the save gathered the whole model on rank 0's
+    host first (as accelerate's `get_state_dict` does): a 70B base, 140 GB, to write 100 MB. Now
+    only what PEFT writes is gathered: rank 0 grows by far less than the base, and writes the
+    same adapters as the recipe that gathers everything."""
+    import torch
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path / "llama"), **_BIG_BASE)
+    out = tmp_path / "out"
+    rank0, _ = run_workers(_lora_save_worker, 2, path, str(out), way, timeout=240)
+    saved, recipe = _files(str(out / way)), _files(str(out / "recipe"))
+    name = "adapter_model.safetensors"
+    assert saved[name].keys() == recipe[name].keys() and saved[name], sorted(saved[name])
+    assert all(torch.equal(t, recipe[name][k]) for k, t in saved[name].items())
+    assert rank0 < _BASE_BYTES / 4, f"rank 0 grew by {rank0 / 2**20:.1f} MiB to save 16 KiB of adapters"
