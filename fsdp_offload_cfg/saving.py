@@ -24,11 +24,12 @@ before the Trainer names the best checkpoint (`build_checkpoint_folder`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -99,12 +100,21 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
     and leaves the plugin's type, so checkpoints stay sharded. The Trainer's own calls
     (checkpoints) are left as they are, and so is a final model the user asked to keep sharded
     (axolotl's `final_state_dict_type`). A call made on some ranks only writes nothing, as
-    before, and warns."""
+    before, and warns.
+
+    Any save of a PEFT model sharded by `fully_shard` (this one, and the Trainer's own under
+    `FULL_STATE_DICT`, checkpoints included) gathers only what PEFT writes of it
+    (`adapters_alone`)."""
 
     @functools.wraps(original)
     def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
-        if (_internal_call or not self.is_fsdp_enabled or not _state_dict_sharded(self) or not distributed_ready()
-                or _final_model_sharded_by_choice(self)):
+        if not self.is_fsdp_enabled or not distributed_ready():
+            return original(self, output_dir, _internal_call)
+        with adapters_alone(self.accelerator):
+            return _save_model(self, output_dir, _internal_call)
+
+    def _save_model(self: Any, output_dir: str | None, _internal_call: bool) -> Any:
+        if _internal_call or not _state_dict_sharded(self) or _final_model_sharded_by_choice(self):
             return original(self, output_dir, _internal_call)
         target = self.args.output_dir if output_dir is None else output_dir
         everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
@@ -118,14 +128,37 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
                             "SHARDED_STATE_DICT, accelerate's default under FSDP2), where transformers writes no "
                             "model; gathering it on rank 0 and writing it as from_pretrained reads it (checkpoints "
                             "stay sharded)", target)  # fmt: skip
-            state_dict = gathered_peft_state_dict(self.accelerator.unwrap_model(self.model))  # every rank: a collective
-            if state_dict is None:  # not a PEFT model sharded by fully_shard: the whole model, as stock gathers it
-                state_dict = self.accelerator.get_state_dict(self.model)
+            state_dict = self.accelerator.get_state_dict(self.model)  # every rank: a collective
             if self.args.should_save or getattr(self, "is_distributed_loading_by_transformers", False):
                 self._save(target, state_dict=state_dict)  # as stock's FULL_STATE_DICT branch: the writer only
         return original(self, output_dir, _internal_call)  # writes nothing more; pushes to the Hub if asked
 
     return save_model
+
+
+@contextlib.contextmanager
+def adapters_alone(accelerator: Any) -> Iterator[None]:
+    """Within a Trainer's save, `accelerator.get_state_dict` of a PEFT model sharded by
+    `fully_shard` gathers what PEFT writes of it (`gathered_peft_state_dict`), and any other
+    model whole, as before. The Trainer gathers through it under `FULL_STATE_DICT` at every
+    checkpoint and hands the whole state dict to PEFT's `save_pretrained`, which keeps the
+    adapters (LlamaFactory's FSDP configs ask for `FULL_STATE_DICT`). Scoped to this accelerator
+    and this call: anyone else asking for the state dict gets the whole model."""
+    stock = accelerator.get_state_dict
+    own = vars(accelerator).get("get_state_dict")  # an instance attribute someone set before, restored after
+
+    def get_state_dict(model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        adapters = gathered_peft_state_dict(accelerator.unwrap_model(model))
+        return stock(model, unwrap) if adapters is None else adapters
+
+    accelerator.get_state_dict = get_state_dict
+    try:
+        yield
+    finally:
+        if own is None:
+            del accelerator.get_state_dict
+        else:
+            accelerator.get_state_dict = own
 
 
 def build_checkpoint_folder(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:

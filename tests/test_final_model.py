@@ -360,8 +360,9 @@ def _lora_save_worker(rank: int, world_size: int, path: str, out: str, way: str)
     """One LoRA step, then the final save `way` takes (PEFT's `save_pretrained`, or the Trainer's
     `save_model` under a sharded state dict); then accelerate's recipe, which gathers the whole
     model, into `recipe`. Returns this rank's memory growth during the first save."""
-    if way == "trainer":
-        trainer = _trainer(path, out, "sharded", "SHARDED_STATE_DICT", True, max_steps=1, save_strategy="no")
+    if way.startswith("trainer"):  # the Trainer's final save under FSDP2's default, or under FULL_STATE_DICT
+        state_dict_type = "FULL_STATE_DICT" if way == "trainer_full" else "SHARDED_STATE_DICT"
+        trainer = _trainer(path, out, "sharded", state_dict_type, True, max_steps=1, save_strategy="no")
         trainer.train()
         accelerator, model = trainer.accelerator, trainer.model
         grown = _rank0_growth(lambda: trainer.save_model(os.path.join(out, way)))
@@ -374,12 +375,14 @@ def _lora_save_worker(rank: int, world_size: int, path: str, out: str, way: str)
     return grown
 
 
-@pytest.mark.parametrize("way", ["save_pretrained", "trainer"])
+@pytest.mark.parametrize("way", ["save_pretrained", "trainer", "trainer_full"])
 def test_a_lora_model_saves_its_adapters_without_gathering_its_base_on_rank_0(tmp_path: Any, way: str) -> None:
     """PEFT writes a LoRA model's adapters only, but the save gathered the whole model on rank 0's
     host first (as accelerate's `get_state_dict` does): a 70B base, 140 GB, to write 100 MB. Now
     only what PEFT writes is gathered: rank 0 grows by far less than the base, and writes the
-    same adapters as the recipe that gathers everything."""
+    same adapters as the recipe that gathers everything. `trainer_full`: the Trainer's own
+    gather under `FULL_STATE_DICT` (LlamaFactory's FSDP configs), which it makes at every
+    checkpoint too."""
     import torch
 
     from fsdp_offload_cfg.testing.models import save_llama

@@ -213,7 +213,7 @@ PATCHES = [
           "(sharded state dicts: the ranks named, and loaded, different ones)", lazy=True),
     Patch("trainer-final-model", "transformers.trainer", "Trainer.save_model", build_save_final_model, _fsdp,
           _REQUIRES, "trainer.save_model(dir) under a sharded state dict writes the model from_pretrained reads "
-          "(stock wrote nothing)", lazy=True),
+          "(stock wrote nothing); a PEFT model's saves gather its adapters alone", lazy=True),
     Patch("trainer-fsdp-config", "transformers.training_args", "TrainingArguments.__post_init__",
           build_training_args_post_init, _always, _REQUIRES,
           "validate the Trainer's fsdp_config and apply its plugin keys", config_free=True, lazy=True),
