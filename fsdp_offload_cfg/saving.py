@@ -221,15 +221,22 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
 
     shards = get_model_state_dict(model, options=StateDictOptions())  # this rank's shards, named as when gathered
     name_of = {id(value): name for name, value in shards.items()}
-    picked: set[str] = set()
+    picked: set[str] | None = set()
     for adapter in selected_adapters or list(model.peft_config):
         written = get_peft_model_state_dict(model, state_dict=shards, adapter_name=adapter,
                                             save_embedding_layers=save_embedding_layers)  # fmt: skip
         tensors = [value for value in written.values() if isinstance(value, torch.Tensor)]
         if any(id(value) not in name_of for value in tensors):
-            return None
+            picked = None
+            break
         picked.update(name_of[id(value)] for value in tensors)
-    gathered = {name: _gathered(value) for name, value in shards.items() if name in picked}
+    # rank 0's choice for all: PEFT's "auto" asks the Hub whether the embeddings were resized, and
+    # ranks that chose apart would wait in different gathers
+    choice = [sorted(picked) if picked is not None else None]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    gathered = {name: _gathered(value) for name, value in shards.items() if name in set(choice[0])}
     return gathered if dist.get_rank() == 0 else {}
 
 

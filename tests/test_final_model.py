@@ -395,3 +395,24 @@ def test_a_lora_model_saves_its_adapters_without_gathering_its_base_on_rank_0(tm
     assert saved[name].keys() == recipe[name].keys() and saved[name], sorted(saved[name])
     assert all(torch.equal(t, recipe[name][k]) for k, t in saved[name].items())
     assert rank0 < _BASE_BYTES / 4, f"rank 0 grew by {rank0 / 2**20:.1f} MiB to save 16 KiB of adapters"
+
+
+def _apart_worker(rank: int, world_size: int, path: str, out: str) -> list[str]:
+    """The ranks asking PEFT for different entries, as PEFT's "auto" may when its Hub check that
+    the embeddings were resized answers one rank and not another: here, rank 1 asks for the
+    embedding layers too."""
+    from safetensors import safe_open
+
+    accelerator, model = _accelerate_loop(path, "sharded", lora=True)
+    accelerator.unwrap_model(model).save_pretrained(out, save_embedding_layers=rank == 1)
+    accelerator.wait_for_everyone()
+    with safe_open(os.path.join(out, "adapter_model.safetensors"), framework="pt") as f:
+        return sorted(f.keys())
+
+
+def test_ranks_that_would_pick_apart_gather_what_rank_0_picked(tmp_path: Any) -> None:
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    rank0, rank1 = run_workers(_apart_worker, 2, save_llama(str(tmp_path / "llama")), str(tmp_path / "out"),
+                               pg_timeout=20, timeout=180)  # fmt: skip
+    assert rank0 == rank1 and rank0 and all("lora_" in k for k in rank0), rank0
