@@ -212,10 +212,9 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     computed rather than picked (prompt learning, AdaLoRA's rank pattern) gathers the whole model,
     as before."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
 
     peft = sys.modules.get("peft")
-    if peft is None or not isinstance(model, peft.PeftModel) or not isinstance(model, FSDPModule):
+    if peft is None or not isinstance(model, peft.PeftModel) or not _sharded_by_fully_shard(model):
         return None
     from peft.utils import get_peft_model_state_dict
 
@@ -236,7 +235,8 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return None
-    gathered = {name: _gathered(value) for name, value in shards.items() if name in set(choice[0])}
+    chosen = set(choice[0])
+    gathered = {name: _gathered(value) for name, value in shards.items() if name in chosen}
     return gathered if dist.get_rank() == 0 else {}
 
 
