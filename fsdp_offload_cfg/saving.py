@@ -36,7 +36,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger, is_rank0
+from fsdp_offload_cfg.compat.saving import writes_safetensors
 from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, named_ranks
+from fsdp_offload_cfg.streamed_save import sharded_by_fully_shard, streamed_save
 
 logger = get_logger("fsdp_offload_cfg.saving")
 
@@ -60,19 +62,22 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
         call = signature.bind(self, *args, **kwargs)
         given, extra = call.arguments, call.arguments.get(extras, {})
         if (given.get("state_dict", extra.get("state_dict")) is not None
-                or getattr(self, "_hf_peft_config_loaded", False) or not _sharded_by_fully_shard(self)
+                or getattr(self, "_hf_peft_config_loaded", False) or not sharded_by_fully_shard(self)
                 or not distributed_ready()):
             return original(self, *args, **kwargs)
         if given.get("distributed_checkpoint"):
             raise ValueError(_NO_DISTRIBUTED_CHECKPOINT.format(model=type(self).__name__))
         _every_rank_or_raise(f"{type(self).__name__}.save_pretrained({given['save_directory']!r})")
-        full = gathered_state_dict(self, **{k: given[k] for k in _PEFT_SELECTION if k in given})
-        if by_name:
-            given["state_dict"] = full
-        else:
-            given[extras] = {**extra, "state_dict": full}
         given["is_main_process"] = given.get("is_main_process", True) and dist.get_rank() == 0
-        return original(*call.args, **call.kwargs)
+        stream = streamed_save(self, writes_safetensors(given.get("safe_serialization")))
+        with stream or contextlib.nullcontext():
+            state_dict = stream.state_dict if stream is not None else gathered_state_dict(
+                self, **{k: given[k] for k in _PEFT_SELECTION if k in given})  # fmt: skip
+            if by_name:
+                given["state_dict"] = state_dict
+            else:
+                given[extras] = {**extra, "state_dict": state_dict}
+            return original(*call.args, **call.kwargs)
 
     return save_pretrained
 
@@ -102,20 +107,17 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
     (axolotl's `final_state_dict_type`). A call made on some ranks only writes nothing, as
     before, and warns.
 
-    Any save of a PEFT model sharded by `fully_shard` (this one, and the Trainer's own under
-    `FULL_STATE_DICT`, checkpoints included) gathers only what PEFT writes of it
-    (`adapters_alone`)."""
+    Every save of a model sharded by `fully_shard` (this one, and the Trainer's own under
+    `FULL_STATE_DICT`, checkpoints included) gathers no more than it writes at once
+    (`saved_lightly`): a PEFT model's adapters alone, a transformers model one weight at a time."""
 
     @functools.wraps(original)
     def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
         if not self.is_fsdp_enabled or not distributed_ready():
             return original(self, output_dir, _internal_call)
-        with adapters_alone(self.accelerator):
-            return _save_model(self, output_dir, _internal_call)
-
-    def _save_model(self: Any, output_dir: str | None, _internal_call: bool) -> Any:
         if _internal_call or not _state_dict_sharded(self) or _final_model_sharded_by_choice(self):
-            return original(self, output_dir, _internal_call)
+            with saved_lightly(self.accelerator, writes_safetensors(None, self.args)):
+                return original(self, output_dir, _internal_call)
         target = self.args.output_dir if output_dir is None else output_dir
         everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
         if not everyone:
@@ -126,39 +128,48 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
             if is_rank0():
                 logger.info("Trainer.save_model(%r): the state dict is sharded (fsdp_state_dict_type "
                             "SHARDED_STATE_DICT, accelerate's default under FSDP2), where transformers writes no "
-                            "model; gathering it on rank 0 and writing it as from_pretrained reads it (checkpoints "
-                            "stay sharded)", target)  # fmt: skip
-            state_dict = self.accelerator.get_state_dict(self.model)  # every rank: a collective
-            if self.args.should_save or getattr(self, "is_distributed_loading_by_transformers", False):
-                self._save(target, state_dict=state_dict)  # as stock's FULL_STATE_DICT branch: the writer only
+                            "model; writing it as from_pretrained reads it, gathered one weight at a time "
+                            "(checkpoints stay sharded)", target)  # fmt: skip
+            # the files are written as the scope closes, before the Hub push below
+            with saved_lightly(self.accelerator, writes_safetensors(None, self.args)):
+                state_dict = self.accelerator.get_state_dict(self.model)  # every rank: a collective
+                if self.args.should_save or getattr(self, "is_distributed_loading_by_transformers", False):
+                    self._save(target, state_dict=state_dict)  # as stock's FULL_STATE_DICT branch: the writer only
         return original(self, output_dir, _internal_call)  # writes nothing more; pushes to the Hub if asked
 
     return save_model
 
 
 @contextlib.contextmanager
-def adapters_alone(accelerator: Any) -> Iterator[None]:
-    """Within a Trainer's save, `accelerator.get_state_dict` of a PEFT model sharded by
-    `fully_shard` gathers what PEFT writes of it (`gathered_peft_state_dict`), and any other
-    model whole, as before. The Trainer gathers through it under `FULL_STATE_DICT` at every
-    checkpoint and hands the whole state dict to PEFT's `save_pretrained`, which keeps the
-    adapters (LlamaFactory's FSDP configs ask for `FULL_STATE_DICT`). Scoped to this accelerator
-    and this call: anyone else asking for the state dict gets the whole model."""
+def saved_lightly(accelerator: Any, safetensors: bool = True) -> Iterator[None]:
+    """Within a Trainer's save, `accelerator.get_state_dict` of a model sharded by `fully_shard`
+    gathers no more than the save writes at once: a PEFT model's adapters alone
+    (`gathered_peft_state_dict`), a transformers model one weight at a time as its files are
+    written when the save returns (`streamed_save`), any other model whole, as before. The
+    Trainer gathers through it under `FULL_STATE_DICT` at every checkpoint and for the final
+    model (LlamaFactory's FSDP configs ask for `FULL_STATE_DICT`). Scoped to this accelerator and
+    this call: anyone else asking for the state dict gets the whole model."""
     stock = accelerator.get_state_dict
     own = vars(accelerator).get("get_state_dict")  # an instance attribute someone set before, restored after
 
-    def get_state_dict(model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        adapters = gathered_peft_state_dict(accelerator.unwrap_model(model))
-        return stock(model, unwrap) if adapters is None else adapters
+    with contextlib.ExitStack() as streams:  # the streamed saves write their files as the save returns
 
-    accelerator.get_state_dict = get_state_dict
-    try:
-        yield
-    finally:
-        if own is None:
-            del accelerator.get_state_dict
-        else:
-            accelerator.get_state_dict = own
+        def get_state_dict(model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+            unwrapped = accelerator.unwrap_model(model)
+            adapters = gathered_peft_state_dict(unwrapped)
+            if adapters is not None:
+                return adapters
+            stream = streamed_save(unwrapped, safetensors)
+            return stock(model, unwrap) if stream is None else streams.enter_context(stream).state_dict
+
+        accelerator.get_state_dict = get_state_dict
+        try:
+            yield
+        finally:
+            if own is None:
+                del accelerator.get_state_dict
+            else:
+                accelerator.get_state_dict = own
 
 
 def build_checkpoint_folder(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
@@ -214,7 +225,7 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     peft = sys.modules.get("peft")
-    if peft is None or not isinstance(model, peft.PeftModel) or not _sharded_by_fully_shard(model):
+    if peft is None or not isinstance(model, peft.PeftModel) or not sharded_by_fully_shard(model):
         return None
     from peft.utils import get_peft_model_state_dict
 
@@ -268,15 +279,6 @@ def _who_did_not_come(absent: list[int]) -> str:
     if absent:
         return f"{named_ranks(absent)} did not within the process-group timeout"
     return "this rank came after the others had stopped waiting for it"
-
-
-def _sharded_by_fully_shard(model: torch.nn.Module) -> bool:
-    """Sharded by `fully_shard` (accelerate's FSDP2), not by transformers' own `distributed_config`,
-    for which transformers gathers itself."""
-    from torch.distributed.fsdp import FSDPModule
-
-    config = getattr(model, "config", None)
-    return isinstance(model, FSDPModule) and getattr(config, "distributed_config", None) is None
 
 
 def _state_dict_sharded(trainer: Any) -> bool:

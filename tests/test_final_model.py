@@ -219,10 +219,13 @@ def test_save_pretrained_of_a_sharded_model_writes_what_accelerates_recipe_write
     recipe = _files(str(tmp_path / "out" / "recipe"))
     name = "adapter_model.safetensors" if lora else "model.safetensors"
     assert name in recipe, sorted(recipe)
+    # the names a plain save writes: a tied weight once, where the recipe, whose gathered weights
+    # share no storage, also writes its tied copy (lm_head.weight)
+    names = recipe[name].keys() if lora else _files(path)[name].keys()
     for way in ("every_rank", "main"):
         saved = _files(str(tmp_path / "out" / way))
         assert saved.keys() == recipe.keys(), (way, sorted(saved), sorted(recipe))
-        assert saved[name].keys() == recipe[name].keys()
+        assert saved[name].keys() == names, (way, sorted(saved[name]), sorted(names))
         assert all(torch.equal(t, recipe[name][k]) for k, t in saved[name].items()), way
     if not lora:
         info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "every_rank"), output_loading_info=True)[1]
@@ -416,3 +419,61 @@ def test_ranks_that_would_pick_apart_gather_what_rank_0_picked(tmp_path: Any) ->
     rank0, rank1 = run_workers(_apart_worker, 2, save_llama(str(tmp_path / "llama")), str(tmp_path / "out"),
                                pg_timeout=20, timeout=180)  # fmt: skip
     assert rank0 == rank1 and rank0 and all("lora_" in k for k in rank0), rank0
+
+
+# Wide enough that gathering the model whole shows against gathering one weight at a time: 16
+# layers of 1 MiB weights, the largest two (the embeddings) 4 MiB each, 80 MiB in all.
+_WIDE = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=16)
+
+
+def _malloc_gives_back_what_is_freed() -> None:
+    """Every allocation of 64 KiB or more its own mapping, unmapped when freed: the resident
+    high-water mark then follows what the process holds, not what glibc kept of earlier frees
+    (the recipe's whole-model gather otherwise reuses the memory training freed, and shows as a
+    fraction of the model)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+
+
+def _full_save_worker(rank: int, world_size: int, path: str, out: str, way: str) -> int:
+    """One step of a full fine-tune, then the final save `way` takes (transformers'
+    `save_pretrained` in 20 MB files, the Trainer's `save_model` under a sharded state dict or
+    under `FULL_STATE_DICT`); then accelerate's recipe, which gathers the whole model, into
+    `recipe`, in the same files. Returns this rank's memory growth during the first save."""
+    _malloc_gives_back_what_is_freed()
+    if way.startswith("trainer"):
+        state_dict_type = "FULL_STATE_DICT" if way == "trainer_full" else "SHARDED_STATE_DICT"
+        trainer = _trainer(path, out, "sharded", state_dict_type, False, max_steps=1, save_strategy="no")
+        trainer.train()
+        accelerator, model, files = trainer.accelerator, trainer.model, {}
+        grown = _rank0_growth(lambda: trainer.save_model(os.path.join(out, way)))
+    else:
+        accelerator, model = _accelerate_loop(path, "sharded")
+        model, files = accelerator.unwrap_model(model), {"max_shard_size": "20MB"}
+        grown = _rank0_growth(lambda: model.save_pretrained(os.path.join(out, way), **files))
+    model.save_pretrained(os.path.join(out, "recipe"), is_main_process=accelerator.is_main_process,
+                          state_dict=accelerator.get_state_dict(model), **files)  # fmt: skip
+    return grown
+
+
+@pytest.mark.parametrize("way", ["save_pretrained", "trainer", "trainer_full"])
+def test_a_full_model_saves_with_rank_0_holding_one_weight_at_a_time(tmp_path: Any, way: str) -> None:
+    """accelerate's recipe and the Trainer's saves gathered the whole model on rank 0's host before
+    transformers wrote a byte (an 8B model: 15 GiB there, where training held 1/8 of it per rank).
+    Now each weight is gathered as its bytes are written: rank 0 grows by far less than the model,
+    and writes the recipe's files byte for byte (a tied weight aside, below)."""
+    import json
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path / "llama"), **_WIDE)
+    out = tmp_path / "out"
+    rank0, _ = run_workers(_full_save_worker, 2, path, str(out), way, timeout=300)
+    weights = sorted(p.name for p in (out / "recipe").iterdir() if p.suffix in (".safetensors", ".json"))
+    assert (len(weights) > 3) == (way == "save_pretrained"), weights  # 20 MB files and their index, or one file
+    for name in weights:
+        saved, recipe = (out / way / name).read_bytes(), (out / "recipe" / name).read_bytes()
+        assert (json.loads(saved) == json.loads(recipe)) if name.endswith(".json") else saved == recipe, name
+    model_bytes = sum((out / "recipe" / name).stat().st_size for name in weights if name.endswith(".safetensors"))
+    assert rank0 < model_bytes / 4, f"rank 0 grew by {rank0 / 2**20:.1f} MiB to save {model_bytes / 2**20:.0f} MiB"

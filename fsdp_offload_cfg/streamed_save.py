@@ -1,0 +1,203 @@
+"""A model sharded by `fully_shard`, saved as `save_pretrained` writes it, with rank 0 holding one
+gathered tensor at a time instead of the whole model.
+
+Why: accelerate's recipe (`state_dict=accelerator.get_state_dict(model)`), the Trainer's
+`FULL_STATE_DICT` saves and its final model under a sharded state dict all gather every weight
+onto rank 0's host before transformers writes a byte: an 8B model is 15 GiB there (30 GiB as
+float32 masters), where training held 1/8 of it per rank; users meet the OOM at the very end of
+a run (accelerate #3633). transformers 5 writes files of up to 50 GB, so gathering file by file
+would not bound it either.
+
+How: transformers still decides everything about the files (names, tied weights, shards, the
+index, the config), over meta stand-ins of the sharded weights (their shapes and dtypes, one per
+parameter, shared by tied names), and its weight writes are recorded instead of made
+(`compat.saving.weights_writer_module().safe_save_file`). When the save returns, every rank
+replays rank 0's record: for each file rank 0 writes the safetensors header, then each weight is
+gathered in turn (a collective on every rank) and rank 0 appends its bytes
+(`safetensors_writer.FileWriter`), byte for byte the file `save_file` would have written.
+Ranks differ in data (rank 0's record, which every rank receives), not in control flow.
+
+A failure on any rank (the save itself, a write on rank 0) is agreed before and after the
+gathers, so every rank raises, naming where it happened, and none waits in a gather. A model
+whose save builds new tensors (transformers 5's reverse MoE conversions), a `torch.save` write
+(4.57's `safe_serialization=False`) or a dtype safetensors' writer here does not know is saved as
+before, gathered whole.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_offload_cfg import safetensors_writer
+from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg.compat import saving as compat
+
+logger = get_logger("fsdp_offload_cfg.streamed_save")
+
+# One recorded file: its path, its metadata, and each tensor's saved name with either the
+# gathered weight's key (the name it has in `get_model_state_dict`, the same on every rank) or,
+# for a tensor rank 0 holds whole (a buffer), the tensor itself.
+_File = tuple[str, dict[str, str] | None, list[tuple[str, "str | torch.Tensor"]]]
+
+
+class StreamedSave:
+    """One save's stand-ins and record; a context around the save: on exit every rank writes the
+    record (rank 0) or takes part in its gathers (the others). Build it with `streamed_save`."""
+
+    def __init__(self, shards: dict[str, Any], stand_ins: dict[str, Any], key_of: dict[int, str]) -> None:
+        # this rank's shards by key, for the gathers; the stand-ins `save_pretrained` is given
+        # (rank 0; the others save nothing); which key a stand-in stands for, by its id
+        self._shards, self._key_of = shards, key_of
+        self.state_dict = stand_ins if dist.get_rank() == 0 else {}
+        self._files: list[_File] = []  # rank 0's record, in the order transformers wrote
+        self._writer_module = compat.weights_writer_module()
+        self._write = self._writer_module.safe_save_file  # the writer this save replaces, restored on exit
+
+    def __enter__(self) -> StreamedSave:
+        self._writer_module.safe_save_file = self._record
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._writer_module.safe_save_file = self._write
+        plan: list[Any] = [None]
+        if error is None and dist.get_rank() == 0:
+            try:
+                plan = [self._plan()]
+            except Exception as failed:  # noqa: BLE001 - said to every rank below
+                error = failed
+        _stop_if_any_failed("saving the model", error)
+        dist.broadcast_object_list(plan, src=0)
+        _stop_if_any_failed("writing the model's weights", self._replay(plan[0]))
+
+    def _record(self, tensors: dict[str, torch.Tensor], filename: Any, metadata: Any = None) -> None:
+        """`safe_save_file` within the save: a file with stand-ins in it is recorded; any other is
+        written as before."""
+        if not any(id(value) in self._key_of for value in tensors.values()):
+            return self._write(tensors, filename, metadata=metadata)
+        entries: list[tuple[str, str | torch.Tensor]] = []
+        for name, value in tensors.items():
+            key = self._key_of.get(id(value))
+            if key is None and value.device.type == "meta":
+                raise RuntimeError(f"{name}: transformers built a new tensor on meta for this save, which cannot be "
+                                   "streamed; please report it, with the model's class")  # fmt: skip
+            entries.append((name, key if key is not None else value))
+        self._files.append((os.fspath(filename), metadata, entries))
+        return None
+
+    def _plan(self) -> list[list[str]]:
+        """Each recorded file's gathered keys in the order its bytes are written: what every rank
+        gathers, in turn."""
+        return [[entry for _, entry in self._in_layout(entries) if isinstance(entry, str)]
+                for _, _, entries in self._files]  # fmt: skip
+
+    def _in_layout(self, entries: list[tuple[str, str | torch.Tensor]]) -> list[tuple[str, str | torch.Tensor]]:
+        by_name = dict(entries)
+        return [(name, by_name[name]) for name in safetensors_writer.layout(self._specs(entries))]
+
+    def _specs(self, entries: list[tuple[str, str | torch.Tensor]]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: (_spec(self._shards[entry]) if isinstance(entry, str) else (entry.dtype, tuple(entry.shape)))
+                for name, entry in entries}  # fmt: skip
+
+    def _replay(self, plan: list[list[str]]) -> Exception | None:
+        """Every rank makes the gathers of `plan`; rank 0 writes the files. A failed write on rank 0
+        (its file system) is returned once every gather has been made."""
+        if dist.get_rank() != 0:
+            for keys in plan:
+                for key in keys:
+                    _whole(self._shards[key])  # a collective; rank 0 writes it
+            return None
+        started, total, failure = time.monotonic(), 0, None
+        for i, (path, metadata, entries) in enumerate(self._files):
+            writer = None
+            try:
+                writer = safetensors_writer.FileWriter(path, self._specs(entries), metadata)
+            except Exception as error:  # noqa: BLE001 - the gathers go on; said to every rank after
+                failure = failure or error
+            for name, entry in self._in_layout(entries):
+                tensor = _whole(self._shards[entry]) if isinstance(entry, str) else entry
+                total += tensor.numel() * tensor.element_size()
+                try:
+                    if writer is not None and failure is None:
+                        writer.append(name, tensor)
+                except Exception as error:  # noqa: BLE001 - as above
+                    failure = error
+                del tensor
+            if writer is not None:
+                writer.close()
+            logger.info("wrote %s (%d/%d) as it was gathered: %.2f GiB so far, %.1fs",
+                        os.path.basename(path), i + 1, len(self._files), total / 2**30, time.monotonic() - started)  # fmt: skip
+        return failure
+
+
+def streamed_save(model: torch.nn.Module, safetensors: bool = True) -> StreamedSave | None:
+    """A `StreamedSave` of a transformers model sharded by `fully_shard`, or None where it is saved
+    as before (see the module's docstring). A collective: every rank calls it, and every rank gets
+    rank 0's answer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+    from transformers import PreTrainedModel
+
+    save: StreamedSave | None = None
+    if isinstance(model, PreTrainedModel) and sharded_by_fully_shard(model) and safetensors:
+        shards = get_model_state_dict(model, options=StateDictOptions())  # this rank's shards, the full names
+        stand_ins: dict[str, Any] = {}
+        key_of: dict[int, str] = {}
+        stand_in_of: dict[int, torch.Tensor] = {}  # one stand-in per shard object: tied names share it
+        for key, value in shards.items():
+            if isinstance(value, DTensor):
+                if id(value) not in stand_in_of:
+                    stand_in_of[id(value)] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+                    key_of[id(stand_in_of[id(value)])] = key
+                stand_ins[key] = stand_in_of[id(value)]
+            else:
+                stand_ins[key] = value
+        if (all(safetensors_writer.writable(value.dtype) for value in stand_ins.values())
+                and compat.saved_as_held(model, stand_ins)):
+            save = StreamedSave(shards, stand_ins, key_of)
+    agreed = [save is not None]
+    dist.broadcast_object_list(agreed, src=0)
+    return save if agreed[0] else None
+
+
+def sharded_by_fully_shard(model: torch.nn.Module) -> bool:
+    """Sharded by `fully_shard` (accelerate's FSDP2), not by transformers' own `distributed_config`,
+    for which transformers gathers itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = getattr(model, "config", None)
+    return isinstance(model, FSDPModule) and getattr(config, "distributed_config", None) is None
+
+
+def _spec(value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+    return value.dtype, tuple(value.shape)
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """One weight whole (a collective for a sharded one); shards offloaded to the host are gathered
+    on their mesh's device, where the process group reaches them."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        if value.device.type != value.device_mesh.device_type:
+            value = value.to(value.device_mesh.device_type)
+        return value.full_tensor()
+    return value
+
+
+def _stop_if_any_failed(step: str, failure: BaseException | None) -> None:
+    """Every rank says whether `step` failed on it; if it failed anywhere, every rank raises: a
+    failing rank its own error, the others one naming where and why."""
+    said: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = {rank: text for rank, text in enumerate(said) if text is not None}
+    if failure is not None:
+        raise failure
+    if failed:
+        named = "; ".join(f"rank {rank}: {text}" for rank, text in failed.items())
+        raise RuntimeError(f"{step} failed on another rank, so this rank stopped too ({named})")
