@@ -68,13 +68,19 @@ class FileWriter:
         self._stream: IO[bytes] = open(path, "wb")
         self._stream.write(header(entries, metadata))
 
-    def append(self, name: str, tensor: torch.Tensor) -> None:
+    def append(self, name: str, *parts: torch.Tensor) -> None:
+        """The next tensor's bytes: the tensor, or its row blocks in order (a weight gathered from
+        its row shards, written without joining them)."""
         expected = self.order[self._next]
         dtype, shape = self.entries[name]
-        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{name} {tensor.dtype} {tuple(tensor.shape)} written where the header has {expected} "
-                             f"{dtype} {tuple(shape)}")  # fmt: skip
-        self._stream.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        rows = sum(part.shape[0] if part.dim() else 1 for part in parts)
+        fits = all(part.dtype == dtype and tuple(part.shape[1:]) == tuple(shape[1:]) for part in parts) and (
+            rows == (shape[0] if shape else 1))
+        if name != expected or not fits:
+            got = ", ".join(f"{part.dtype} {tuple(part.shape)}" for part in parts)
+            raise ValueError(f"{name} ({got}) written where the header has {expected} {dtype} {tuple(shape)}")
+        for part in parts:
+            self._stream.write(memoryview(part.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
         self._next += 1
 
     def close(self) -> None:

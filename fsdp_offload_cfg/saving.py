@@ -10,13 +10,16 @@ Two stock paths wrote nothing, or stopped, at the end of a run that had trained 
 - `trainer.save_model(dir)` under `SHARDED_STATE_DICT`, accelerate's default for FSDP2: it wrote
   nothing at all, silently (transformers #30491).
 
-Both now gather the model as accelerate's recipe does (`accelerator.get_state_dict`: each
-parameter gathered in turn, the whole model kept on rank 0's host) and write it on rank 0; a PEFT
-model gathers only what PEFT writes of it, its adapters (`gathered_peft_state_dict`), where the
-recipe gathered the frozen base too: a 70B base (140 GB on rank 0's host) for 100 MB of adapters. The
-gather is a collective where stock made none, so every such save first agrees through the store
-that all ranks are in the call (`ranks.every_rank_comes`): the DDP habit of saving on rank 0 only
-then says so on that rank instead of leaving it in the gather until the watchdog kills the job.
+Both now write what accelerate's recipe (`state_dict=accelerator.get_state_dict(model)`) writes,
+on rank 0, without its cost: the recipe keeps the whole gathered model on rank 0's host (an 8B
+model, 15 GiB, where training held 1/8 of it per rank). A transformers model is written as each
+weight is gathered, one at a time (`streamed_save`); a PEFT model gathers only what PEFT writes of
+it, its adapters (`gathered_peft_state_dict`), where the recipe gathered the frozen base too: a
+70B base (140 GB on rank 0's host) for 100 MB of adapters. The Trainer's own saves under
+`FULL_STATE_DICT` (checkpoints included) take the same two paths (`saved_lightly`). The gathers
+are collectives where stock made none, so every such save first agrees through the store that
+all ranks are in the call (`ranks.every_rank_comes`): the DDP habit of saving on rank 0 only then
+says so on that rank instead of leaving it in the gather until the watchdog kills the job.
 
 The Trainer's own checkpoint saves under a sharded state dict get their folder on every rank
 before the Trainer names the best checkpoint (`build_checkpoint_folder`).

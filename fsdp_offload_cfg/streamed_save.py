@@ -110,7 +110,7 @@ class StreamedSave:
         if dist.get_rank() != 0:
             for keys in plan:
                 for key in keys:
-                    _whole(self._shards[key])  # a collective; rank 0 writes it
+                    _gathered(self._shards[key])  # a collective; rank 0 writes it
             return None
         started, total, failure = time.monotonic(), 0, None
         for i, (path, metadata, entries) in enumerate(self._files):
@@ -120,14 +120,14 @@ class StreamedSave:
             except Exception as error:  # noqa: BLE001 - the gathers go on; said to every rank after
                 failure = failure or error
             for name, entry in self._in_layout(entries):
-                tensor = _whole(self._shards[entry]) if isinstance(entry, str) else entry
-                total += tensor.numel() * tensor.element_size()
+                parts = _gathered(self._shards[entry]) if isinstance(entry, str) else [entry]
+                total += sum(part.numel() * part.element_size() for part in parts)
                 try:
                     if writer is not None and failure is None:
-                        writer.append(name, tensor)
+                        writer.append(name, *parts)
                 except Exception as error:  # noqa: BLE001 - as above
                     failure = error
-                del tensor
+                del parts
             if writer is not None:
                 writer.close()
             logger.info("wrote %s (%d/%d) as it was gathered: %.2f GiB so far, %.1fs",
@@ -178,16 +178,37 @@ def _spec(value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
     return value.dtype, tuple(value.shape)
 
 
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    """One weight whole (a collective for a sharded one); shards offloaded to the host are gathered
-    on their mesh's device, where the process group reaches them."""
-    from torch.distributed.tensor import DTensor
+def _gathered(value: torch.Tensor) -> list[torch.Tensor]:
+    """One weight's bytes in order, on rank 0 (empty elsewhere): a collective for a sharded one.
 
-    if isinstance(value, DTensor):
-        if value.device.type != value.device_mesh.device_type:
-            value = value.to(value.device_mesh.device_type)
-        return value.full_tensor()
-    return value
+    FSDP2 shards a weight by rows (`Shard(0)`, `torch.chunk`'s split), and the rows' bytes follow
+    each other in the file: rank 0 gathers every rank's block (`dist.gather`, each padded to the
+    first's rows) and writes them as they are, so it holds the weight once and the other ranks
+    only send their own block. `full_tensor()` (an all-gather: the whole weight on every rank, and
+    on rank 0 a second copy as it is unpadded) is left for other layouts (HSDP's 2-D mesh, a
+    shard on another dim). Shards offloaded to the host are gathered on their mesh's device,
+    where the process group reaches them."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(value, DTensor):
+        return [value] if dist.get_rank() == 0 else []
+    if value.device.type != value.device_mesh.device_type:
+        value = value.to(value.device_mesh.device_type)
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or mesh.size() != dist.get_world_size():
+        return [value.full_tensor()] if dist.get_rank() == 0 else []
+    local = value.to_local()
+    block = -(-value.shape[0] // mesh.size()) if value.shape[0] else 0  # torch.chunk's rows per rank
+    if local.shape[0] != block:
+        padded = local.new_zeros((block, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        local = padded
+    blocks = [torch.empty_like(local) for _ in range(mesh.size())] if dist.get_rank() == 0 else None
+    dist.gather(local.contiguous(), blocks, dst=0, group=mesh.get_group())
+    if blocks is None:
+        return []
+    rows = [max(0, min(block, value.shape[0] - r * block)) for r in range(mesh.size())]
+    return [part[:n] for part, n in zip(blocks, rows) if n]
 
 
 def _stop_if_any_failed(step: str, failure: BaseException | None) -> None:

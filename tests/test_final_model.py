@@ -205,10 +205,12 @@ def _save_pretrained_worker(rank: int, world_size: int, path: str, out: str, mod
 
 
 @pytest.mark.parametrize("model, mode, lora", [("llama", "sharded", False), ("qwen2_tied", "loader_off", False),
-                                               ("llama", "sharded", True)])  # fmt: skip
+                                               ("llama", "sharded", True), ("deepseek_v3", "loader_off", False)])  # fmt: skip
 def test_save_pretrained_of_a_sharded_model_writes_what_accelerates_recipe_writes(tmp_path: Any, model: str,
                                                                                    mode: str, lora: bool) -> None:  # fmt: skip
-    """transformers' `save_pretrained`, and PEFT's for a LoRA model (which stopped the same way)."""
+    """transformers' `save_pretrained`, and PEFT's for a LoRA model (which stopped the same way).
+    DeepSeek-V3: transformers 5 saves its fused experts as one tensor per expert, built anew in
+    the save, which no stand-in can take: gathered whole, as before."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -477,3 +479,39 @@ def test_a_full_model_saves_with_rank_0_holding_one_weight_at_a_time(tmp_path: A
         assert (json.loads(saved) == json.loads(recipe)) if name.endswith(".json") else saved == recipe, name
     model_bytes = sum((out / "recipe" / name).stat().st_size for name in weights if name.endswith(".safetensors"))
     assert rank0 < model_bytes / 4, f"rank 0 grew by {rank0 / 2**20:.1f} MiB to save {model_bytes / 2**20:.0f} MiB"
+
+
+def _failing_save_worker(rank: int, world_size: int, path: str, out: str, where: str) -> str:
+    """`save_pretrained` on every rank, failing on rank 0 alone: where it writes the weights
+    (`write`: a folder stands at the file's path) or in the save itself (`save`: writing the
+    config raises)."""
+    import contextlib
+    from unittest import mock
+
+    accelerator, model = _accelerate_loop(path, "loader_off")
+    model = accelerator.unwrap_model(model)
+    target = os.path.join(out, "model")
+    if rank == 0 and where == "write":
+        os.makedirs(os.path.join(target, "model.safetensors"))
+    failing = mock.patch.object(type(model.config), "save_pretrained", side_effect=OSError("no space left on device"))
+    with failing if rank == 0 and where == "save" else contextlib.nullcontext():
+        try:
+            model.save_pretrained(target)
+        except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+            return f"{type(error).__name__}: {error}"
+    return "saved"
+
+
+@pytest.mark.parametrize("where", ["write", "save"])
+def test_a_save_that_fails_on_rank_0_stops_every_rank_saying_where(tmp_path: Any, where: str) -> None:
+    """The weights are gathered after transformers' save returns, every rank in each gather: a
+    rank 0 that failed, in the save or in writing, would leave the others waiting in the next
+    gather until the process-group timeout. Every rank agrees first, and stops naming rank 0's
+    error."""
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    rank0, rank1 = run_workers(_failing_save_worker, 2, save_llama(str(tmp_path / "llama")), str(tmp_path / "out"),
+                               where, pg_timeout=60, timeout=120)  # fmt: skip
+    error = "IsADirectoryError" if where == "write" else "OSError: no space left on device"
+    assert rank0.startswith(error), rank0
+    assert rank1.startswith("RuntimeError") and f"rank 0: {error}" in rank1, rank1

@@ -3,7 +3,7 @@
 Floors, lowest first (a module may import its own floor and those below): the ground helpers;
 the config and the agreement rule every rank follows (`ranks.py`, which raises the config's
 error); the per-version compat code (and `layer_classes`, which reads both transformers' layer lists one way); the offload; loading; the estimate; what acts on a model
-at prepare, in training and when it is saved (ties, dtypes, the budget, the KV cache, the vision tower, saving); the integrations with accelerate,
+at prepare, in training and when it is saved (ties, dtypes, the budget, the KV cache, the vision tower, saving and its streamed writes); the integrations with accelerate,
 transformers, TRL and PEFT; then the entry points (patching, the CLI, the plugins frameworks
 load by name, the autopatch hook) with the package's lazy facade. Imports inside functions count
 as much as those at the top: a cycle hidden in a function still ties two modules together.
@@ -17,14 +17,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_offload_cfg"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("_sizes", "_logging", "_lazy", "_signatures", "safetensors_index", "model_state"),
+    ("_sizes", "_logging", "_lazy", "_signatures", "safetensors_index", "safetensors_writer", "model_state"),
     ("config", "ranks", "offload.options"),  # the offload's options are a leaf the config reads
     ("compat", "layer_classes"),  # layer_classes: what transformers 4 and 5 declare as layers, read one way
     ("offload",),
     ("loading",),
     ("estimate",),
-    ("tie_groups", "dtype_groups", "shard_groups", "budget", "training_cache", "vision_sync", "saving", "clean_exit",
-     "post_import"),
+    ("tie_groups", "dtype_groups", "shard_groups", "budget", "training_cache", "vision_sync", "saving", "streamed_save",
+     "clean_exit", "post_import"),
     ("integrations", "registry"),
     # entry points: what users and frameworks call or load by name (the frameworks' plugins, and
     # the documented path of axolotl's, `fsdp_offload_cfg.integrations.axolotl`, which re-exports

@@ -13,6 +13,9 @@ The rest of the package calls these functions and never compares versions itself
   precision (all, the trainable ones, or none in 1.13), for the estimate.
 - `ignored_modules`: whether accelerate's FSDP2 prepare keeps the modules `fsdp_ignored_modules`
   names whole (1.11 and later) or shards them like the rest (1.10), for a warning.
+- `saving`: where `save_pretrained` writes each weights file, whether it builds new tensors for
+  the save (transformers 5's reverse conversions), and whether it writes safetensors at all
+  (4.57's `safe_serialization`), for a save that streams the weights (`streamed_save`).
 
 (accelerate's patched entry points kept their names and signatures from 1.10 to 1.15;
 `docs/compatibility.md` lists the behaviours that differ.)
