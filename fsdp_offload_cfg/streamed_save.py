@@ -196,7 +196,8 @@ def _gathered(value: torch.Tensor) -> list[torch.Tensor]:
         value = value.to(value.device_mesh.device_type)
     mesh = value.device_mesh
     if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or mesh.size() != dist.get_world_size():
-        return [value.full_tensor()] if dist.get_rank() == 0 else []
+        whole = value.full_tensor()  # on every rank: a collective
+        return [whole] if dist.get_rank() == 0 else []
     local = value.to_local()
     block = -(-value.shape[0] // mesh.size()) if value.shape[0] else 0  # torch.chunk's rows per rank
     if local.shape[0] != block:

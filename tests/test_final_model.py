@@ -515,3 +515,35 @@ def test_a_save_that_fails_on_rank_0_stops_every_rank_saying_where(tmp_path: Any
     error = "IsADirectoryError" if where == "write" else "OSError: no space left on device"
     assert rank0.startswith(error), rank0
     assert rank1.startswith("RuntimeError") and f"rank 0: {error}" in rank1, rank1
+
+
+def _hsdp_save_worker(rank: int, world_size: int, path: str, out: str) -> None:
+    """A Llama sharded by FSDP2 on a 2-D mesh, as accelerate shards for `dp_replicate_size=2,
+    dp_shard_size=2`, saved untrained on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(loader_config("loader_off"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh).save_pretrained(out)
+
+
+def test_a_model_sharded_on_a_2d_mesh_saves_what_it_loaded(tmp_path: Any) -> None:
+    """Under HSDP a weight is sharded on one mesh dimension and replicated on the other, which a
+    gather of row blocks to rank 0 does not cover: each weight is gathered whole on every rank
+    (`full_tensor`), still one at a time."""
+    import torch
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    path = save_llama(str(tmp_path / "llama"))
+    run_workers(_hsdp_save_worker, 4, path, str(tmp_path / "out"), timeout=180)
+    saved, loaded = _files(str(tmp_path / "out"))["model.safetensors"], _files(path)["model.safetensors"]
+    assert saved.keys() == loaded.keys() and all(torch.equal(t, loaded[k]) for k, t in saved.items())
