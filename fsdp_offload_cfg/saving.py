@@ -119,7 +119,7 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
         if not self.is_fsdp_enabled or not distributed_ready():
             return original(self, output_dir, _internal_call)
         if _internal_call or not _state_dict_sharded(self) or _final_model_sharded_by_choice(self):
-            with saved_lightly(self.accelerator, writes_safetensors(None, self.args)):
+            with saved_lightly(self.accelerator, _streams(self)):
                 return original(self, output_dir, _internal_call)
         target = self.args.output_dir if output_dir is None else output_dir
         everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
@@ -134,7 +134,7 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
                             "model; writing it as from_pretrained reads it, gathered one weight at a time "
                             "(checkpoints stay sharded)", target)  # fmt: skip
             # the files are written as the scope closes, before the Hub push below
-            with saved_lightly(self.accelerator, writes_safetensors(None, self.args)):
+            with saved_lightly(self.accelerator, _streams(self)):
                 state_dict = self.accelerator.get_state_dict(self.model)  # every rank: a collective
                 if self.args.should_save or getattr(self, "is_distributed_loading_by_transformers", False):
                     self._save(target, state_dict=state_dict)  # as stock's FULL_STATE_DICT branch: the writer only
@@ -144,7 +144,7 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
 
 
 @contextlib.contextmanager
-def saved_lightly(accelerator: Any, safetensors: bool = True) -> Iterator[None]:
+def saved_lightly(accelerator: Any, stream: bool = True) -> Iterator[None]:
     """Within a Trainer's save, `accelerator.get_state_dict` of a model sharded by `fully_shard`
     gathers no more than the save writes at once: a PEFT model's adapters alone
     (`gathered_peft_state_dict`), a transformers model one weight at a time as its files are
@@ -162,8 +162,8 @@ def saved_lightly(accelerator: Any, safetensors: bool = True) -> Iterator[None]:
             adapters = gathered_peft_state_dict(unwrapped)
             if adapters is not None:
                 return adapters
-            stream = streamed_save(unwrapped, safetensors)
-            return stock(model, unwrap) if stream is None else streams.enter_context(stream).state_dict
+            save = streamed_save(unwrapped, stream)
+            return stock(model, unwrap) if save is None else streams.enter_context(save).state_dict
 
         accelerator.get_state_dict = get_state_dict
         try:
@@ -282,6 +282,16 @@ def _who_did_not_come(absent: list[int]) -> str:
     if absent:
         return f"{named_ranks(absent)} did not within the process-group timeout"
     return "this rank came after the others had stopped waiting for it"
+
+
+def _streams(trainer: Any) -> bool:
+    """Whether the Trainer's gather may hand stand-ins to its writer: the Trainer's own `_save`
+    hands them to `save_pretrained` as they are, in safetensors. A framework's own `_save`
+    (ms-swift's) may do anything with the state dict, and 4.57's `save_safetensors=False` writes
+    with `torch.save`: those gather the whole model, as before."""
+    from transformers import Trainer
+
+    return type(trainer)._save is Trainer._save and writes_safetensors(None, trainer.args)
 
 
 def _state_dict_sharded(trainer: Any) -> bool:

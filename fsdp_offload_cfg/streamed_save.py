@@ -112,27 +112,59 @@ class StreamedSave:
                 for key in keys:
                     _gathered(self._shards[key])  # a collective; rank 0 writes it
             return None
-        started, total, failure = time.monotonic(), 0, None
-        for i, (path, metadata, entries) in enumerate(self._files):
+        specs = [self._specs(entries) for _, _, entries in self._files]
+        progress = _Progress(sum(_nbytes(spec) for file in specs for spec in file.values()), len(self._files))
+        failure: Exception | None = None
+        for (path, metadata, entries), spec in zip(self._files, specs):
             writer = None
             try:
-                writer = safetensors_writer.FileWriter(path, self._specs(entries), metadata)
+                writer = safetensors_writer.FileWriter(path, spec, metadata)
             except Exception as error:  # noqa: BLE001 - the gathers go on; said to every rank after
                 failure = failure or error
             for name, entry in self._in_layout(entries):
                 parts = _gathered(self._shards[entry]) if isinstance(entry, str) else [entry]
-                total += sum(part.numel() * part.element_size() for part in parts)
                 try:
                     if writer is not None and failure is None:
                         writer.append(name, *parts)
                 except Exception as error:  # noqa: BLE001 - as above
                     failure = error
+                progress.wrote(_nbytes(spec[name]))
                 del parts
-            if writer is not None:
-                writer.close()
-            logger.info("wrote %s (%d/%d) as it was gathered: %.2f GiB so far, %.1fs",
-                        os.path.basename(path), i + 1, len(self._files), total / 2**30, time.monotonic() - started)  # fmt: skip
+            try:
+                if writer is not None:
+                    writer.close()
+            except Exception as error:  # noqa: BLE001 - as above
+                failure = failure or error
+            progress.closed(path)
         return failure
+
+
+class _Progress:
+    """Rank 0's log of a long write: where it starts, each file, and every tenth of the bytes."""
+
+    def __init__(self, total: int, files: int) -> None:
+        self._total, self._files, self._done, self._closed = total, files, 0, 0
+        self._started = time.monotonic()
+        self._next_tenth = 1
+        logger.info("writing %d file(s), %.2f GiB, each weight gathered to rank 0 as it is written (one at a time)",
+                    files, total / 2**30)  # fmt: skip
+
+    def wrote(self, nbytes: int) -> None:
+        self._done += nbytes
+        if self._total and self._done * 10 >= self._next_tenth * self._total and self._next_tenth < 10:
+            logger.info("written %.2f of %.2f GiB, %.1fs", self._done / 2**30, self._total / 2**30, self._seconds())
+            self._next_tenth = self._done * 10 // self._total + 1
+
+    def closed(self, path: str) -> None:
+        self._closed += 1
+        logger.info("wrote %s (%d/%d), %.1fs", os.path.basename(path), self._closed, self._files, self._seconds())
+
+    def _seconds(self) -> float:
+        return time.monotonic() - self._started
+
+
+def _nbytes(spec: tuple[torch.dtype, tuple[int, ...]]) -> int:
+    return torch.Size(spec[1]).numel() * spec[0].itemsize
 
 
 def streamed_save(model: torch.nn.Module, safetensors: bool = True) -> StreamedSave | None:

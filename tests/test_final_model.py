@@ -547,3 +547,38 @@ def test_a_model_sharded_on_a_2d_mesh_saves_what_it_loaded(tmp_path: Any) -> Non
     run_workers(_hsdp_save_worker, 4, path, str(tmp_path / "out"), timeout=180)
     saved, loaded = _files(str(tmp_path / "out"))["model.safetensors"], _files(path)["model.safetensors"]
     assert saved.keys() == loaded.keys() and all(torch.equal(t, loaded[k]) for k, t in saved.items())
+
+
+def _own_writer_worker(rank: int, world_size: int, path: str, out: str) -> None:
+    """The final save of a Trainer whose own `_save` computes on the state dict (halves every
+    weight), as a framework's writer may."""
+    import torch
+
+    trainer = _trainer(path, out, "sharded", "SHARDED_STATE_DICT", False, max_steps=1, save_strategy="no")
+
+    class HalvingTrainer(type(trainer)):  # type: ignore[misc]
+        def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+            halves = {name: value.to(torch.float16) for name, value in (state_dict or {}).items()}
+            super()._save(output_dir, state_dict=halves)
+
+    trainer.__class__ = HalvingTrainer
+    trainer.train()
+    trainer.save_model(os.path.join(out, "halved"))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.save_pretrained(os.path.join(out, "recipe"), is_main_process=trainer.accelerator.is_main_process,
+                          state_dict=trainer.accelerator.get_state_dict(model))  # fmt: skip
+
+
+def test_a_trainer_whose_own_writer_computes_on_the_state_dict_gets_it_whole(tmp_path: Any) -> None:
+    """Stand-ins of the weights go only to the Trainer's own `_save`, which hands them to
+    `save_pretrained` as they are; a subclass's `_save` (ms-swift has its own) gets the gathered
+    weights, as before, and may compute on them."""
+    import torch
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    run_workers(_own_writer_worker, 2, save_llama(str(tmp_path / "llama")), str(tmp_path / "out"), timeout=240)
+    halved = _files(str(tmp_path / "out" / "halved"))["model.safetensors"]
+    recipe = _files(str(tmp_path / "out" / "recipe"))["model.safetensors"]
+    assert halved.keys() == recipe.keys()
+    assert all(torch.equal(t, recipe[k].to(torch.float16)) for k, t in halved.items())
