@@ -517,36 +517,57 @@ def test_a_save_that_fails_on_rank_0_stops_every_rank_saying_where(tmp_path: Any
     assert rank1.startswith("RuntimeError") and f"rank 0: {error}" in rank1, rank1
 
 
-def _hsdp_save_worker(rank: int, world_size: int, path: str, out: str) -> None:
-    """A Llama sharded by FSDP2 on a 2-D mesh, as accelerate shards for `dp_replicate_size=2,
-    dp_shard_size=2`, saved untrained on every rank."""
+def _fully_sharded_save_worker(rank: int, world_size: int, cls: str, path: str, out: str,
+                               mesh_shape: tuple[int, ...]) -> None:  # fmt: skip
+    """The model (transformers' class `cls`) at `path` sharded by FSDP2 (every decoder and encoder layer, then the root) on a
+    mesh of `mesh_shape` (`(2, 2)`: as accelerate shards for `dp_replicate_size=2,
+    dp_shard_size=2`), saved untrained on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_offload_cfg
 
     fsdp_offload_cfg.patch(loader_config("loader_off"))
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(path)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+    model = getattr(transformers, cls).from_pretrained(path)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard")[-len(mesh_shape):])
+    for module in model.modules():
+        if type(module).__name__.endswith(("DecoderLayer", "EncoderLayer")):
+            fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh).save_pretrained(out)
+
+
+def _saved_as_loaded(path: str, out: str) -> None:
+    import torch
+
+    saved, loaded = _files(out)["model.safetensors"], _files(path)["model.safetensors"]
+    assert saved.keys() == loaded.keys(), sorted(set(saved) ^ set(loaded))
+    assert all(torch.equal(t, loaded[k]) for k, t in saved.items())
+
+
+@pytest.mark.parametrize("model, cls", [("llava", "LlavaForConditionalGeneration"),
+                                        ("qwen2_vl", "Qwen2VLForConditionalGeneration")])  # fmt: skip
+def test_a_vision_language_model_saves_what_it_loaded(tmp_path: Any, model: str, cls: str) -> None:
+    """transformers renames a VLM's keys on save (4.57: `_checkpoint_conversion_mapping`, before
+    its tied-weight check, which stopped on the renamed stand-ins; 5: reverting its load-time
+    renames)."""
+    from fsdp_offload_cfg.testing import models
+
+    path = getattr(models, f"save_{model}")(str(tmp_path / model))
+    run_workers(_fully_sharded_save_worker, 2, cls, path, str(tmp_path / "out"), (2,), timeout=180)
+    _saved_as_loaded(path, str(tmp_path / "out"))
 
 
 def test_a_model_sharded_on_a_2d_mesh_saves_what_it_loaded(tmp_path: Any) -> None:
     """Under HSDP a weight is sharded on one mesh dimension and replicated on the other, which a
     gather of row blocks to rank 0 does not cover: each weight is gathered whole on every rank
     (`full_tensor`), still one at a time."""
-    import torch
-
     from fsdp_offload_cfg.testing.models import save_llama
 
     path = save_llama(str(tmp_path / "llama"))
-    run_workers(_hsdp_save_worker, 4, path, str(tmp_path / "out"), timeout=180)
-    saved, loaded = _files(str(tmp_path / "out"))["model.safetensors"], _files(path)["model.safetensors"]
-    assert saved.keys() == loaded.keys() and all(torch.equal(t, loaded[k]) for k, t in saved.items())
+    run_workers(_fully_sharded_save_worker, 4, "LlamaForCausalLM", path, str(tmp_path / "out"), (2, 2), timeout=180)
+    _saved_as_loaded(path, str(tmp_path / "out"))
 
 
 def _own_writer_worker(rank: int, world_size: int, path: str, out: str) -> None:
