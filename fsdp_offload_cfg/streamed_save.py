@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from fsdp_offload_cfg import safetensors_writer
 from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.compat import saving as compat
 
 logger = get_logger("fsdp_offload_cfg.streamed_save")
@@ -139,20 +140,24 @@ class StreamedSave:
         return failure
 
 
+_TENTHS_FROM = 2**30  # a write this large also logs every tenth of its bytes
+
+
 class _Progress:
-    """Rank 0's log of a long write: where it starts, each file, and every tenth of the bytes."""
+    """Rank 0's log of a write: where it starts, each file, and every tenth of the bytes of one
+    of a GiB or more."""
 
     def __init__(self, total: int, files: int) -> None:
         self._total, self._files, self._done, self._closed = total, files, 0, 0
         self._started = time.monotonic()
         self._next_tenth = 1
-        logger.info("writing %d file(s), %.2f GiB, each weight gathered to rank 0 as it is written (one at a time)",
-                    files, total / 2**30)  # fmt: skip
+        logger.info("writing %d file(s), %s, each weight gathered to rank 0 as it is written (one at a time)",
+                    files, show_size(total))  # fmt: skip
 
     def wrote(self, nbytes: int) -> None:
         self._done += nbytes
-        if self._total and self._done * 10 >= self._next_tenth * self._total and self._next_tenth < 10:
-            logger.info("written %.2f of %.2f GiB, %.1fs", self._done / 2**30, self._total / 2**30, self._seconds())
+        if self._total >= _TENTHS_FROM and self._done * 10 >= self._next_tenth * self._total and self._next_tenth < 10:
+            logger.info("written %s of %s, %.1fs", show_size(self._done), show_size(self._total), self._seconds())
             self._next_tenth = self._done * 10 // self._total + 1
 
     def closed(self, path: str) -> None:

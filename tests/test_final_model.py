@@ -438,12 +438,19 @@ def _malloc_gives_back_what_is_freed() -> None:
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
 
 
-def _full_save_worker(rank: int, world_size: int, path: str, out: str, way: str) -> int:
+def _full_save_worker(rank: int, world_size: int, path: str, out: str, way: str) -> tuple[int, list[str]]:
     """One step of a full fine-tune, then the final save `way` takes (transformers'
     `save_pretrained` in 20 MB files, the Trainer's `save_model` under a sharded state dict or
     under `FULL_STATE_DICT`); then accelerate's recipe, which gathers the whole model, into
-    `recipe`, in the same files. Returns this rank's memory growth during the first save."""
+    `recipe`, in the same files. Returns this rank's memory growth during the first save, and
+    what the plugin logged of the write."""
+    from fsdp_offload_cfg._logging import get_logger
+
     _malloc_gives_back_what_is_freed()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    get_logger("fsdp_offload_cfg.streamed_save").addHandler(handler)
     if way.startswith("trainer"):
         state_dict_type = "FULL_STATE_DICT" if way == "trainer_full" else "SHARDED_STATE_DICT"
         trainer = _trainer(path, out, "sharded", state_dict_type, False, max_steps=1, save_strategy="no")
@@ -456,7 +463,7 @@ def _full_save_worker(rank: int, world_size: int, path: str, out: str, way: str)
         grown = _rank0_growth(lambda: model.save_pretrained(os.path.join(out, way), **files))
     model.save_pretrained(os.path.join(out, "recipe"), is_main_process=accelerator.is_main_process,
                           state_dict=accelerator.get_state_dict(model), **files)  # fmt: skip
-    return grown
+    return grown, said
 
 
 @pytest.mark.parametrize("way", ["save_pretrained", "trainer", "trainer_full"])
@@ -471,7 +478,7 @@ def test_a_full_model_saves_with_rank_0_holding_one_weight_at_a_time(tmp_path: A
 
     path = save_llama(str(tmp_path / "llama"), **_WIDE)
     out = tmp_path / "out"
-    rank0, _ = run_workers(_full_save_worker, 2, path, str(out), way, timeout=300)
+    (rank0, said), (_, rank1_said) = run_workers(_full_save_worker, 2, path, str(out), way, timeout=300)
     weights = sorted(p.name for p in (out / "recipe").iterdir() if p.suffix in (".safetensors", ".json"))
     assert (len(weights) > 3) == (way == "save_pretrained"), weights  # 20 MB files and their index, or one file
     for name in weights:
@@ -479,6 +486,9 @@ def test_a_full_model_saves_with_rank_0_holding_one_weight_at_a_time(tmp_path: A
         assert (json.loads(saved) == json.loads(recipe)) if name.endswith(".json") else saved == recipe, name
     model_bytes = sum((out / "recipe" / name).stat().st_size for name in weights if name.endswith(".safetensors"))
     assert rank0 < model_bytes / 4, f"rank 0 grew by {rank0 / 2**20:.1f} MiB to save {model_bytes / 2**20:.0f} MiB"
+    files = sum(name.endswith(".safetensors") for name in weights)
+    assert said[0].startswith(f"writing {files} file(s), ") and "gathered to rank 0 as it is written" in said[0], said
+    assert sum(line.startswith("wrote model") for line in said) == files and not rank1_said, (said, rank1_said)
 
 
 def _failing_save_worker(rank: int, world_size: int, path: str, out: str, where: str) -> str:
