@@ -18,10 +18,11 @@ gathered in turn (a collective on every rank) and rank 0 appends its bytes
 Ranks differ in data (rank 0's record, which every rank receives), not in control flow.
 
 A failure on any rank (the save itself, a write on rank 0) is agreed before and after the
-gathers, so every rank raises, naming where it happened, and none waits in a gather. A model
-whose save builds new tensors (transformers 5's reverse MoE conversions), a `torch.save` write
-(4.57's `safe_serialization=False`) or a dtype safetensors' writer here does not know is saved as
-before, gathered whole.
+gathers, so every rank raises, naming where it happened, and none waits in a gather. Saved as
+before, gathered whole: a model whose save builds new tensors (transformers 5's reverse MoE
+conversions) or renames keys where 4.57 then looks them up on the model (VLMs), a `torch.save`
+write (4.57's `safe_serialization=False`), a dtype the writer here does not know
+(`compat.saving`), and a framework's own Trainer `_save` (`saving._streams`).
 """
 
 from __future__ import annotations
@@ -221,9 +222,8 @@ def _gathered(value: torch.Tensor) -> list[torch.Tensor]:
     FSDP2 shards a weight by rows (`Shard(0)`, `torch.chunk`'s split), and the rows' bytes follow
     each other in the file: rank 0 gathers every rank's block (`dist.gather`, each padded to the
     first's rows) and writes them as they are, so it holds the weight once and the other ranks
-    only send their own block. `full_tensor()` (an all-gather: the whole weight on every rank, and
-    on rank 0 a second copy as it is unpadded) is left for other layouts (HSDP's 2-D mesh, a
-    shard on another dim). Shards offloaded to the host are gathered on their mesh's device,
+    only send their own block. `full_tensor()` (an all-gather: the whole weight on every rank) is
+    left for other layouts (HSDP's 2-D mesh, a shard on another dim). Shards offloaded to the host are gathered on their mesh's device,
     where the process group reaches them."""
     from torch.distributed.tensor import DTensor, Shard
 
