@@ -41,7 +41,7 @@ import torch.distributed as dist
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.compat.saving import writes_safetensors
 from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, named_ranks
-from fsdp_offload_cfg.streamed_save import sharded_by_fully_shard, streamed_save
+from fsdp_offload_cfg.streamed_save import gathered_whole, sharded_by_fully_shard, streamed_save
 
 logger = get_logger("fsdp_offload_cfg.saving")
 
@@ -250,21 +250,8 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     if choice[0] is None:
         return None
     chosen = set(choice[0])
-    gathered = {name: _gathered(value) for name, value in shards.items() if name in chosen}
+    gathered = {name: gathered_whole(value) for name, value in shards.items() if name in chosen}
     return gathered if dist.get_rank() == 0 else {}
-
-
-def _gathered(value: torch.Tensor) -> torch.Tensor:
-    """One entry whole, on the host (a collective for a sharded one): as `get_model_state_dict`'s
-    full state dict holds it. Shards offloaded to the host are gathered on their mesh's device,
-    where the process group can reach them."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        if value.device.type != value.device_mesh.device_type:
-            value = value.to(value.device_mesh.device_type)
-        value = value.full_tensor()
-    return value.detach().cpu()
 
 
 def _every_rank_or_raise(what: str) -> None:

@@ -216,6 +216,17 @@ def _spec(value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
     return value.dtype, tuple(value.shape)
 
 
+def gathered_whole(value: torch.Tensor) -> torch.Tensor | None:
+    """One weight whole on rank 0's host, None elsewhere (a collective for a sharded one): for a
+    save that keeps a few weights at once (a PEFT model's adapters) rather than streaming them."""
+    parts = _gathered(value)
+    if dist.get_rank() != 0:
+        return None
+    if not parts:  # no rows at all
+        return torch.empty(value.shape, dtype=value.dtype)
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).detach().cpu()
+
+
 def _gathered(value: torch.Tensor) -> list[torch.Tensor]:
     """One weight's bytes in order, on rank 0 (empty elsewhere): a collective for a sharded one.
 
