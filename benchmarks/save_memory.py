@@ -1,5 +1,5 @@
-"""Host memory and wall time of saving a Llama sharded by FSDP2, per rank: what a full fine-tune's
-final `save_pretrained` costs rank 0's host.
+"""Host memory and wall time of saving a model sharded by FSDP2 (a Llama or a Qwen3-MoE), per
+rank: what a full fine-tune's final `save_pretrained` costs rank 0's host.
 
 Methods (each in its own `torchrun` launch, CPU + gloo; the model loaded by the plugin's sharded
 loader, as saved, bf16, before the baseline is taken):
@@ -7,7 +7,11 @@ loader, as saved, bf16, before the baseline is taken):
             its bytes are written, rank 0 holding one at a time (`fsdp_offload_cfg.streamed_save`);
   recipe    accelerate's documented way, `save_pretrained(dir, is_main_process=...,
             state_dict=accelerator.get_state_dict(model))`: the whole model gathered on rank 0's
-            host first (what the Trainer's `FULL_STATE_DICT` save does too).
+            host first (what the Trainer's `FULL_STATE_DICT` save does too);
+  save_model        `accelerator.save_model(model, dir)` on every rank with the plugin: streamed
+                    the same way, in accelerate's own files;
+  save_model_stock  accelerate's own `save_model` in the same launch setup (the function the
+                    plugin wraps): the whole state dict gathered on rank 0's host first.
 
 Per rank: peak RSS and peak anonymous RSS above the rank's baseline (after loading), from the
 save's start to its end (`load_memory.PeakMemory`), and the save's wall time (slowest rank).
@@ -16,6 +20,7 @@ is not trained, so a save must give back its bytes). A launch that drives the ho
 memory under `--min-available-gib` is stopped whole and says "does not fit".
 
     python benchmarks/save_memory.py                                   # 100M model, 2 ranks (~1 min)
+    python benchmarks/save_memory.py --model moe300m --ranks 2 4       # a Qwen3-MoE, 32 experts a layer
     OMP_NUM_THREADS=1 python benchmarks/save_memory.py --model 8b --ranks 4 --model-dir /tmp/bench_models
 """
 
@@ -34,7 +39,7 @@ from load_memory import MODELS, PeakMemory, build_model, model_class, warm_page_
 
 from fsdp_offload_cfg.testing.host_memory import GIB, run_guarded, status_bytes
 
-METHODS = ("streamed", "recipe")
+METHODS = ("streamed", "recipe", "save_model", "save_model_stock")
 
 
 def worker(method: str, model_dir: str, out_dir: str, result_path: str) -> None:
@@ -51,8 +56,9 @@ def worker(method: str, model_dir: str, out_dir: str, result_path: str) -> None:
     rank, result = dist.get_rank(), {"method": method}
     try:
         accelerator = Accelerator(cpu=True)
-        model = accelerator.prepare(model_class(model_dir).from_pretrained(model_dir, dtype=torch.bfloat16))
-        model = accelerator.unwrap_model(model)
+        prepared = accelerator.prepare(model_class(model_dir).from_pretrained(model_dir, dtype=torch.bfloat16))
+        model = accelerator.unwrap_model(prepared)
+        stock_save_model = getattr(type(accelerator).save_model, "__wrapped__", None)
         dist.barrier()
         baseline_rss, baseline_anon = status_bytes("VmRSS"), status_bytes("RssAnon")
         peak = PeakMemory()
@@ -60,6 +66,10 @@ def worker(method: str, model_dir: str, out_dir: str, result_path: str) -> None:
         start = time.perf_counter()
         if method == "streamed":
             model.save_pretrained(out_dir)
+        elif method == "save_model":
+            accelerator.save_model(prepared, out_dir)
+        elif method == "save_model_stock":
+            stock_save_model(accelerator, prepared, out_dir)
         else:
             model.save_pretrained(out_dir, is_main_process=accelerator.is_main_process,
                                   state_dict=accelerator.get_state_dict(model))  # fmt: skip
@@ -134,7 +144,9 @@ def row(method: str, ranks: int, results: list[dict], model_bytes: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="100m", choices=MODELS)
+    parser.add_argument("--model", default="100m", choices=(*MODELS, "moe300m"),
+                        help="a Llama of that size, or moe300m: a ~290M Qwen3-MoE (32 experts a layer, bf16), "
+                             "whose save transformers 5 builds one tensor per expert in")  # fmt: skip
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--model-dir", help="reuse (or create) the checkpoint under here instead of a temp dir")
@@ -151,10 +163,17 @@ def main() -> None:
     model_dir = root / f"{args.model}_bf16-files"
     if not (model_dir / "config.json").exists():
         print(f"writing the {args.model} checkpoint to {model_dir} ...", file=sys.stderr)
-        build_model(model_dir, "bf16-files", args.model)
+        if args.model == "moe300m":
+            import torch
+
+            from fsdp_offload_cfg.testing.models import save_qwen3_moe_300m
+
+            save_qwen3_moe_300m(str(model_dir), torch.bfloat16)
+        else:
+            build_model(model_dir, "bf16-files", args.model)
     model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     work = Path(tempfile.mkdtemp(prefix="save_memory_out_", dir=root))
-    print(f"Saving a {args.model} Llama ({model_bytes / GIB:.2f} GiB of bf16 safetensors) sharded by FSDP2, "
+    print(f"Saving a {args.model} model ({model_bytes / GIB:.2f} GiB of bf16 safetensors) sharded by FSDP2, "
           f"CPU + gloo; GiB above each rank's baseline (x the model's bytes)\n")  # fmt: skip
     print("| method | ranks | rank 0 peak RSS / anon | other ranks' anon | largest weight GiB | save s | GiB/s "
           "| equal to the checkpoint |")  # fmt: skip

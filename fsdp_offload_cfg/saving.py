@@ -16,7 +16,8 @@ model, 15 GiB, where training held 1/8 of it per rank). A transformers model is 
 weight is gathered, one at a time (`streamed_save`); a PEFT model gathers only what PEFT writes of
 it, its adapters (`gathered_peft_state_dict`), where the recipe gathered the frozen base too: a
 70B base (140 GB on rank 0's host) for 100 MB of adapters. The Trainer's own saves under
-`FULL_STATE_DICT` (checkpoints included) take the same two paths (`saved_lightly`). The gathers
+`FULL_STATE_DICT` (checkpoints included) take the same two paths (`saved_lightly`), and
+`accelerator.save_model(model, dir)` the first (`build_accelerator_save_model`). The gathers
 are collectives where stock made none, so every such save first agrees through the store that
 all ranks are in the call (`ranks.every_rank_comes`): the DDP habit of saving on rank 0 only then
 says so on that rank instead of leaving it in the gather until the watchdog kills the job.
@@ -39,9 +40,14 @@ import torch
 import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger, is_rank0
-from fsdp_offload_cfg.compat.saving import writes_safetensors
+from fsdp_offload_cfg.compat.saving import save_model_keeps, writes_safetensors
 from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, named_ranks
-from fsdp_offload_cfg.streamed_save import gathered_whole, sharded_by_fully_shard, streamed_save
+from fsdp_offload_cfg.streamed_save import (
+    gathered_whole,
+    sharded_by_fully_shard,
+    streamed_save,
+    streamed_state_dict_save,
+)
 
 logger = get_logger("fsdp_offload_cfg.saving")
 
@@ -70,7 +76,9 @@ def build_save_pretrained(original: Callable[..., Any], cfg: Any) -> Callable[..
             return original(self, *args, **kwargs)
         if given.get("distributed_checkpoint"):
             raise ValueError(_NO_DISTRIBUTED_CHECKPOINT.format(model=type(self).__name__))
-        _every_rank_or_raise(f"{type(self).__name__}.save_pretrained({given['save_directory']!r})")
+        _every_rank_or_raise(f"{type(self).__name__}.save_pretrained({given['save_directory']!r})",
+                             "is_main_process=accelerator.is_main_process (only rank 0 writes), or use "
+                             "accelerator.save_model(model, dir)")  # fmt: skip
         given["is_main_process"] = given.get("is_main_process", True) and dist.get_rank() == 0
         stream = streamed_save(self, writes_safetensors(given.get("safe_serialization")))
         with stream or contextlib.nullcontext():
@@ -97,6 +105,51 @@ _NO_DISTRIBUTED_CHECKPOINT = (
     "model of it later); for a model from_pretrained reads, call save_pretrained(dir) on every rank without "
     "distributed_checkpoint (the weights are gathered and rank 0 writes them). Nothing was written."
 )
+
+
+def build_accelerator_save_model(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
+    """`accelerator.save_model(model, dir)` of a model sharded by `fully_shard` writes the files
+    stock writes, byte for byte, with rank 0 holding one gathered weight at a time.
+
+    Stock gathers the whole state dict onto rank 0's host first (`get_state_dict`), then splits
+    it into files of `max_shard_size`: the end of a run that trained in 1/8 of the model per rank
+    needed all of it on one host. Here accelerate still decides the files (the split, the names,
+    the index, the folder's cleaning) over stand-ins of the sharded weights (`streamed_save`),
+    and each weight is gathered as its bytes are written, when accelerate's save returns. A call
+    some ranks never make (stock: they wait in the gather until the watchdog kills the job)
+    raises on the ranks that made it, naming the others, after the process-group timeout.
+    `safe_serialization=False` (`torch.save`) and any other model are saved as before."""
+
+    @functools.wraps(original)
+    def save_model(self: Any, model: torch.nn.Module, save_directory: Any, max_shard_size: Any = "10GB",
+                   safe_serialization: bool = True) -> Any:  # fmt: skip
+        unwrapped = self.unwrap_model(model)
+        if not safe_serialization or not sharded_by_fully_shard(unwrapped) or not distributed_ready():
+            return original(self, model, save_directory, max_shard_size, safe_serialization)
+        _every_rank_or_raise(f"accelerator.save_model(model, {os.fspath(save_directory)!r})",
+                             "the same arguments (only rank 0 writes)")  # fmt: skip
+        stream = streamed_state_dict_save(unwrapped)
+        if stream is None:
+            return original(self, model, save_directory, max_shard_size, safe_serialization)
+        answer = lambda model, unwrap=True: stream.state_dict  # noqa: E731 - what stock's save_model asks for
+        with _get_state_dict_answered(self, answer), stream, save_model_keeps(stream.stand_ins):
+            return original(self, model, save_directory, max_shard_size, safe_serialization)
+
+    return save_model
+
+
+@contextlib.contextmanager
+def _get_state_dict_answered(accelerator: Any, get_state_dict: Callable[..., Any]) -> Iterator[None]:
+    """Within, `accelerator.get_state_dict` is `get_state_dict`: this accelerator only, this call only."""
+    own = vars(accelerator).get("get_state_dict")  # an instance attribute someone set before, restored after
+    accelerator.get_state_dict = get_state_dict
+    try:
+        yield
+    finally:
+        if own is None:
+            del accelerator.get_state_dict
+        else:
+            accelerator.get_state_dict = own
 
 
 def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
@@ -153,7 +206,6 @@ def saved_lightly(accelerator: Any, stream: bool = True) -> Iterator[None]:
     model (LlamaFactory's FSDP configs ask for `FULL_STATE_DICT`). Scoped to this accelerator and
     this call: anyone else asking for the state dict gets the whole model."""
     stock = accelerator.get_state_dict
-    own = vars(accelerator).get("get_state_dict")  # an instance attribute someone set before, restored after
 
     with contextlib.ExitStack() as streams:  # the streamed saves write their files as the save returns
 
@@ -165,14 +217,8 @@ def saved_lightly(accelerator: Any, stream: bool = True) -> Iterator[None]:
             save = streamed_save(unwrapped, stream)
             return stock(model, unwrap) if save is None else streams.enter_context(save).state_dict
 
-        accelerator.get_state_dict = get_state_dict
-        try:
+        with _get_state_dict_answered(accelerator, get_state_dict):
             yield
-        finally:
-            if own is None:
-                del accelerator.get_state_dict
-            else:
-                accelerator.get_state_dict = own
 
 
 def build_checkpoint_folder(original: Callable[..., Any], cfg: Any) -> Callable[..., Any]:
@@ -254,14 +300,12 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     return gathered if dist.get_rank() == 0 else {}
 
 
-def _every_rank_or_raise(what: str) -> None:
+def _every_rank_or_raise(what: str, how: str) -> None:
     everyone, absent = every_rank_comes("save-pretrained", f"call {what}")
     if not everyone:
         raise RuntimeError(
             f"{what} on rank {dist.get_rank()}: the model is sharded (FSDP2), so every rank must call it to gather "
-            f"its weights, and {_who_did_not_come(absent)}. Call it on every rank with "
-            "is_main_process=accelerator.is_main_process (only rank 0 writes), "
-            "or use accelerator.save_model(model, dir)."
+            f"its weights, and {_who_did_not_come(absent)}. Call it on every rank with {how}."
         )
 
 

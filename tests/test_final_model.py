@@ -210,7 +210,7 @@ def test_save_pretrained_of_a_sharded_model_writes_what_accelerates_recipe_write
                                                                                    mode: str, lora: bool) -> None:  # fmt: skip
     """transformers' `save_pretrained`, and PEFT's for a LoRA model (which stopped the same way).
     DeepSeek-V3: transformers 5 saves its fused experts as one tensor per expert, built anew in
-    the save, which no stand-in can take: gathered whole, as before."""
+    the save from a layer's gathered experts."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -234,7 +234,7 @@ def test_save_pretrained_of_a_sharded_model_writes_what_accelerates_recipe_write
         assert not any(info.values()), info
 
 
-def _save_pretrained_alone_worker(rank: int, world_size: int, path: str, out: str) -> str:
+def _save_alone_worker(rank: int, world_size: int, path: str, out: str, way: str) -> str:
     import torch.distributed as dist
 
     accelerator, model = _accelerate_loop(path, "loader_off")
@@ -242,7 +242,10 @@ def _save_pretrained_alone_worker(rank: int, world_size: int, path: str, out: st
     message = ""
     if accelerator.is_main_process:  # the habit of scripts written for DDP
         try:
-            accelerator.unwrap_model(model).save_pretrained(out)
+            if way == "save_pretrained":
+                accelerator.unwrap_model(model).save_pretrained(out)
+            else:
+                accelerator.save_model(model, out)
         except RuntimeError as exc:
             message = str(exc)
         store.set("rank 0 tried", "1")
@@ -251,13 +254,17 @@ def _save_pretrained_alone_worker(rank: int, world_size: int, path: str, out: st
     return message
 
 
-def test_save_pretrained_on_rank_0_alone_raises_saying_to_call_it_on_every_rank(tmp_path: Any) -> None:
+@pytest.mark.parametrize("way", ["save_pretrained", "save_model"])
+def test_a_save_on_rank_0_alone_raises_saying_to_call_it_on_every_rank(tmp_path: Any, way: str) -> None:
+    """The weights are gathered, a collective: stock `accelerator.save_model` on rank 0 alone
+    waited in the gather until the watchdog killed the job."""
     from fsdp_offload_cfg.testing.models import save_llama
 
-    message, _ = run_workers(_save_pretrained_alone_worker, 2, save_llama(str(tmp_path / "llama")),
-                             str(tmp_path / "out"), pg_timeout=3, timeout=180)  # fmt: skip
-    assert "save_pretrained" in message and "rank 1 did not" in message, message
-    assert "every rank with is_main_process=accelerator.is_main_process" in message, message
+    message, _ = run_workers(_save_alone_worker, 2, save_llama(str(tmp_path / "llama")),
+                             str(tmp_path / "out"), way, pg_timeout=3, timeout=180)  # fmt: skip
+    assert way in message and "rank 1 did not" in message, message
+    how = "is_main_process=accelerator.is_main_process" if way == "save_pretrained" else "the same arguments"
+    assert f"every rank with {how}" in message, message
 
 
 def _distributed_checkpoint_worker(rank: int, world_size: int, path: str, out: str) -> str:
@@ -466,17 +473,39 @@ def _full_save_worker(rank: int, world_size: int, path: str, out: str, way: str)
     return grown, said
 
 
-@pytest.mark.parametrize("way", ["save_pretrained", "trainer", "trainer_full"])
-def test_a_full_model_saves_with_rank_0_holding_one_weight_at_a_time(tmp_path: Any, way: str) -> None:
+def _save_wide_moe(path: str) -> str:
+    """A Qwen3-MoE whose experts are most of its 103 MiB: 16 layers of 16 experts, each layer's
+    6 MiB (transformers 5 holds them fused, two tensors a layer, and writes one per expert).
+    Saving a layer at a time holds 11-16 MiB on rank 0 (the layer gathered, its experts built,
+    gloo's staging; the spread is the torch and transformers versions'): 16 layers keep that
+    well under a quarter of the model."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(7)
+    config = Qwen3MoeConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=16,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                            num_experts_per_tok=2, moe_intermediate_size=256, max_position_embeddings=64,
+                            tie_word_embeddings=False)  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model, way", [("llama", "save_pretrained"), ("llama", "trainer"), ("llama", "trainer_full"),
+                                        ("moe", "save_pretrained")])  # fmt: skip
+def test_a_full_model_saves_with_rank_0_holding_one_weight_at_a_time(tmp_path: Any, model: str, way: str) -> None:
     """accelerate's recipe and the Trainer's saves gathered the whole model on rank 0's host before
     transformers wrote a byte (an 8B model: 15 GiB there, where training held 1/8 of it per rank).
     Now each weight is gathered as its bytes are written: rank 0 grows by far less than the model,
-    and writes the recipe's files byte for byte (a tied weight aside, below)."""
+    and writes the recipe's files byte for byte (a tied weight aside, below). A MoE: transformers 5
+    writes each expert's weights, which it builds from a layer's fused experts in the save; those
+    are built on rank 0 from the layer's gathered tensor as they are written, one layer at a time
+    (before, such a model was gathered whole)."""
     import json
 
     from fsdp_offload_cfg.testing.models import save_llama
 
-    path = save_llama(str(tmp_path / "llama"), **_WIDE)
+    path = save_llama(str(tmp_path / "llama"), **_WIDE) if model == "llama" else _save_wide_moe(str(tmp_path / model))
     out = tmp_path / "out"
     (rank0, said), (_, rank1_said) = run_workers(_full_save_worker, 2, path, str(out), way, timeout=300)
     weights = sorted(p.name for p in (out / "recipe").iterdir() if p.suffix in (".safetensors", ".json"))
@@ -489,6 +518,53 @@ def test_a_full_model_saves_with_rank_0_holding_one_weight_at_a_time(tmp_path: A
     files = sum(name.endswith(".safetensors") for name in weights)
     assert said[0].startswith(f"writing {files} file(s), ") and "gathered to rank 0 as it is written" in said[0], said
     assert sum(line.startswith("wrote model") for line in said) == files and not rank1_said, (said, rank1_said)
+
+
+def _save_model_worker(rank: int, world_size: int, path: str, out: str, mode: str, lora: bool) -> tuple[int, list[str]]:
+    """One training step, then `accelerator.save_model` in 20 MB files into `ours`; then stock's
+    `save_model` (the function the patch wraps), which gathers the whole model, into `stock`.
+    Returns rank 0's memory growth during the first save, and what the plugin logged of it."""
+    from fsdp_offload_cfg._logging import get_logger
+
+    _malloc_gives_back_what_is_freed()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    get_logger("fsdp_offload_cfg.streamed_save").addHandler(handler)
+    accelerator, model = _accelerate_loop(path, mode, lora)
+    grown = _rank0_growth(lambda: accelerator.save_model(model, os.path.join(out, "ours"), max_shard_size="20MB"))
+    patched = type(accelerator).save_model
+    stock = getattr(patched, "__wrapped__", patched)  # the function itself where nothing patched it
+    stock(accelerator, model, os.path.join(out, "stock"), max_shard_size="20MB")
+    return grown, said
+
+
+@pytest.mark.parametrize("model, mode, lora", [("wide", "sharded", False), ("qwen2_tied", "loader_off", True)])
+def test_accelerators_save_model_writes_stocks_files_with_rank_0_holding_one_weight_at_a_time(
+        tmp_path: Any, model: str, mode: str, lora: bool) -> None:  # fmt: skip
+    """`accelerator.save_model(model, dir)` gathered the whole model onto rank 0's host before
+    writing, as the recipe does. Now each weight is gathered as its bytes are written: every file
+    is stock's byte for byte (the split and index of a 20 MB `max_shard_size`; a tied weight under
+    both its names, which accelerate writes; a LoRA model's base and adapters, all of it), and
+    rank 0 grows by far less than the model."""
+    from fsdp_offload_cfg.testing.models import save_llama, save_qwen2_tied
+
+    path = save_llama(str(tmp_path / "llama"), **_WIDE) if model == "wide" else save_qwen2_tied(str(tmp_path / model))
+    out = tmp_path / "out"
+    (rank0, said), _ = run_workers(_save_model_worker, 2, path, str(out), mode, lora, timeout=300)
+    names = sorted(p.name for p in (out / "stock").iterdir())
+    assert names == sorted(p.name for p in (out / "ours").iterdir()), names
+    assert (len(names) > 3) == (model == "wide"), names  # 20 MB files and their index, or one file
+    for name in names:
+        assert (out / "ours" / name).read_bytes() == (out / "stock" / name).read_bytes(), name
+    written = _files(str(out / "ours"))
+    keys = {key for tensors in written.values() if tensors for key in tensors}
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= {key.removeprefix("base_model.model.") for key in keys}
+    assert any("lora_A" in key for key in keys) == lora, sorted(keys)
+    if model == "wide":
+        model_bytes = sum((out / "stock" / name).stat().st_size for name in names if name.endswith(".safetensors"))
+        assert rank0 < model_bytes / 4, f"rank 0 grew by {rank0 / 2**20:.1f} MiB to save {model_bytes / 2**20:.0f} MiB"
+    assert said and "gathered to rank 0 as it is written" in said[0], said
 
 
 def _failing_save_worker(rank: int, world_size: int, path: str, out: str, where: str) -> str:

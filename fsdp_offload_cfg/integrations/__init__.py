@@ -31,7 +31,7 @@ _ORDER = [
     "default-layer-classes", "trl-prepare-fsdp", "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
     "peft-save-pretrained-sharded",
     "prepare-model-eval-copy", "fsdp1-prepare-model",
-    "save-pretrained-sharded", "trainer-checkpoint-folder", "trainer-final-model", "trainer-fsdp-config",
+    "save-pretrained-sharded", "accelerator-save-model", "trainer-checkpoint-folder", "trainer-final-model", "trainer-fsdp-config",
 ]  # fmt: skip
 _BY_NAME = {p.name: p for module in (accelerate, transformers, trl, peft) for p in module.PATCHES}
 PATCHES = [_BY_NAME[name] for name in _ORDER]

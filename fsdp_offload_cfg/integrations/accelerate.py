@@ -37,6 +37,7 @@ from fsdp_offload_cfg.integrations.common import (
 )
 from fsdp_offload_cfg.layer_classes import defaults_per_model, present_classes_only
 from fsdp_offload_cfg.registry import LaunchContext, Patch
+from fsdp_offload_cfg.saving import build_accelerator_save_model
 from fsdp_offload_cfg.shard_groups import fsdp2_groups
 
 
@@ -515,6 +516,10 @@ PATCHES = [
     Patch("fsdp2-prepare-model-utils-export", "accelerate.utils", "fsdp2_prepare_model",
           build_fsdp2_prepare_model, fsdp2_prepare_needed, _REQUIRES, "the same, for `accelerate.utils.` calls",
           swaps=fully_shard_swap),
+    Patch("accelerator-save-model", "accelerate.accelerator", "Accelerator.save_model", build_accelerator_save_model,
+          fsdp2_prepare_needed, _REQUIRES, "accelerator.save_model(model, dir) of a model sharded by fully_shard "
+          "writes stock's files with rank 0 holding one gathered weight at a time (stock gathered the whole model "
+          "there first)"),
     Patch("default-layer-classes", "accelerate.utils.dataclasses", "FullyShardedDataParallelPlugin.set_auto_wrap_policy",
           build_set_auto_wrap_policy, _fsdp, _REQUIRES, "TRANSFORMER_BASED_WRAP without layer classes wraps the "
           "_no_split_modules classes the model has (transformers 5 also lists sub-model classes it does not build)"),
