@@ -657,8 +657,11 @@ def test_compiled_llama_grads_are_bit_identical(scope: str, monkeypatch: pytest.
     accelerate's regional compilation does; a hook of ours inside the wrapper split its graph and
     moved the gradients by 7e-8). Whole model, a graph saves everything when it ends (no layer
     boundary to offload at) and hooks would split it: offload steps aside, says so once, changes
-    nothing. In every scope, no graph break: our hooks run outside the layers' graphs (a compiled
-    layer's) or trace as nothing (a model compiled whole; `groups.GroupHooks`)."""
+    nothing. In every scope, no graph break of ours (the same breaks as the model without
+    offload): our hooks run outside the layers' graphs (a compiled layer's) or trace as nothing
+    (a model compiled whole; `groups.GroupHooks`). The model's own may break: transformers 5.25's
+    kernels wrapper (`use_kernelized_func`, kernels 0.19) mutates a global in each attention's
+    forward, which dynamo refuses inside a checkpoint ("HOP: Unsafe side effect"), stock alike."""
     from torch._dynamo.utils import counters
 
     from fsdp_offload_cfg.offload import api
@@ -666,7 +669,7 @@ def test_compiled_llama_grads_are_bit_identical(scope: str, monkeypatch: pytest.
 
     monkeypatch.setattr(api, "_noticed_whole_model_compile", False)
 
-    def compiled(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, int]]:
         torch._dynamo.reset()
         counters.clear()
         model = tiny_llama(2)
@@ -681,15 +684,15 @@ def test_compiled_llama_grads_are_bit_identical(scope: str, monkeypatch: pytest.
         else:
             model.compile()
         loss = llama_step(model, batch())
-        return loss, grads(model)
+        return loss, grads(model), dict(counters["graph_break"])
 
-    loss_ref, grads_ref = compiled(offload=False)
+    loss_ref, grads_ref, breaks_ref = compiled(offload=False)
     reset_offload_stats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loss, got = compiled(offload=True)
+        loss, got, breaks = compiled(offload=True)
     notices = [w for w in caught if "activation offload is inactive for a model compiled whole" in str(w.message)]
-    assert dict(counters["graph_break"]) == {}
+    assert breaks == breaks_ref
     if scope != "whole_model":
         assert offload_stats()["offloaded_bytes"] > 0 and COUNTS["groups_entered"] > 0 and not notices
     else:
@@ -720,7 +723,7 @@ def test_layers_compiled_with_fullgraph_offload_exactly(style: str) -> None:
         if layer_class.__call__ is not nn.Module.__call__:
             pytest.skip(f"{layer_class.__name__} has its own __call__: a torch.compile wrapper inlines its hooks")
 
-    def compiled(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled(offload: bool) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, int]]:
         torch._dynamo.reset()
         counters.clear()
         model = tiny_llama(2)

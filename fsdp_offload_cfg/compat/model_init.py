@@ -14,10 +14,12 @@ import inspect
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+T = TypeVar("T")
 
 
 def config_base_class() -> type:
@@ -77,6 +79,43 @@ def meta_safe_creation() -> Iterator[None]:
         else:
             with meta_device_safe_creation_ops():
                 yield
+
+
+def kernelized_for_the_run_device(load: Callable[[], T]) -> T:
+    """`load()` (a `from_pretrained` / `_from_config`) with its kernels chosen for the device the
+    run computes on. transformers 5.25 kernelizes every model in `from_pretrained` where the
+    kernels library is installed, for `model._kernels_device` or else `model.device`, and again
+    whenever `train()`/`eval()` changes the kernels' mode. A model the loader builds on meta got
+    "meta", which the kernels library refuses ("Unsupported device type 'meta'"), on every
+    strategy: in the call, and in the user's `model.train()` before `prepare`. As transformers
+    itself does for a model offloaded to meta (`_kernels_device` from its device map), the run's
+    device is given for the call (on the class: the model does not exist yet) and kept on every
+    model the call returns, for the kernelizations after it. Older transformers never read it."""
+    from transformers import PreTrainedModel
+
+    device = _run_device_type()
+    own = vars(PreTrainedModel).get("_kernels_device")
+    PreTrainedModel._kernels_device = device
+    try:
+        model = load()
+    finally:
+        if own is None:
+            del PreTrainedModel._kernels_device
+        else:
+            PreTrainedModel._kernels_device = own
+    for module in model.modules() if isinstance(model, nn.Module) else ():
+        if isinstance(module, PreTrainedModel):
+            module._kernels_device = device
+    return model
+
+
+def _run_device_type() -> str:
+    """The device type this process computes on: accelerate's, once its state exists."""
+    from accelerate.state import PartialState
+
+    if PartialState._shared_state:
+        return PartialState().device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kept_in_float32(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:

@@ -375,7 +375,10 @@ def _model_init_kwargs(original: Callable[..., Any], kwargs: dict[str, Any], con
 
 
 def _call(original: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
-    return getattr(original, "__func__", original)(cls, *args, **kwargs)
+    """The original `from_pretrained` / `_from_config`, its kernels chosen for the run's device
+    (the model may be on meta: `model_init.kernelized_for_the_run_device`)."""
+    return model_init.kernelized_for_the_run_device(
+        lambda: getattr(original, "__func__", original)(cls, *args, **kwargs))
 
 
 def _inside() -> bool:
