@@ -109,6 +109,17 @@ def _deep_copy(path: str) -> nn.Module:
     return copy.deepcopy(_causal(path))
 
 
+def _mode_changes(path: str) -> nn.Module:
+    """`eval()` then `train()` before prepare, as TRL's `create_reference_model` (`.eval()`) and a
+    script's generation before training do. transformers 5.25 kernelizes again at a change of
+    mode, for the model's device: a loader-built model is on meta there, which the kernels
+    library refuses ("Unsupported device type 'meta'") unless the load kept the run's device."""
+    model = _causal(path)
+    model.eval()
+    model.train()
+    return model
+
+
 def _upcast_trainable(path: str) -> nn.Module:
     """LlamaFactory's full fine-tune of a bf16 model upcasts each trainable parameter through
     `.data`: `param.data = param.data.to(torch.float32)` (from a float32 checkpoint: the values
@@ -132,7 +143,17 @@ CASES: dict[str, Callable[[str], nn.Module]] = {
     "modules_to_save": _modules_to_save,
     "deep_copy": _deep_copy,
     "upcast_trainable": _upcast_trainable,
+    "mode_changes": _mode_changes,
 }
+
+
+def _kernels(model: nn.Module) -> tuple[bool, str]:
+    """Whether transformers kernelized the model and for which mode (5.25 with `kernels`; False
+    and None elsewhere), read on the first `PreTrainedModel` inside any wrapper."""
+    from transformers import PreTrainedModel
+
+    top = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    return bool(getattr(top, "use_kernels", False)), str(getattr(top, "kernels_mode", None))
 
 
 def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
@@ -148,6 +169,7 @@ def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
         model = build(path)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         named = list(model.named_parameters())  # what the op and the optimizer left unread
+        kernels = _kernels(model)
         meta = (sum(p.is_meta for _, p in named), sum("lora_" not in n and "score" not in n for n, _ in named))
         try:
             model, optimizer = accelerator.prepare(model, optimizer)
@@ -159,7 +181,7 @@ def _worker(rank: int, world_size: int, mode: str, path: str) -> dict[str, Any]:
         model.train()
         labels = (lambda ids: ids[:, 0] % 3) if case == "classifier_head" else None
         losses = train_steps(accelerator, model, optimizer, rank, labels=labels)
-        out[case] = {"state": state, "rng": rng, "losses": losses, "meta_before_prepare": meta}
+        out[case] = {"state": state, "rng": rng, "losses": losses, "meta_before_prepare": meta, "kernels": kernels}
     return out
 
 
@@ -183,6 +205,18 @@ def test_the_op_gives_what_the_run_without_the_loader_gives(runs: dict[str, Any]
         plain, ours = runs["loader_off"][rank][case], runs[mode][rank][case]
         assert ours["rng"] == plain["rng"], f"rank {rank}: the RNG stream differs"
         assert ours["losses"] == plain["losses"], (rank, ours["losses"], plain["losses"])
+
+
+@pytest.mark.parametrize(("case", "mode"), EQUAL)
+def test_every_rank_is_kernelized_as_a_plain_load_kernelizes_it(runs: dict[str, Any], case: str, mode: str):
+    """transformers 5.25 kernelizes a model in `from_pretrained` (layers swapped for hub kernels
+    where the device has them) and again at each change of mode. A rank that builds the model
+    from rank 0's description calls no `from_pretrained`: before, it kept torch's layers while
+    rank 0 ran the kernels, and the ranks computed differently where a plain load on each agrees.
+    On transformers without kernelization both runs read (False, 'None')."""
+    for rank in (0, 1):
+        plain, ours = runs["loader_off"][rank][case], runs[mode][rank][case]
+        assert ours["kernels"] == plain["kernels"], (rank, ours["kernels"], plain["kernels"])
 
 
 @pytest.mark.parametrize(("case", "mode"), EQUAL)

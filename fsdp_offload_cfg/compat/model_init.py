@@ -44,12 +44,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextmanager
-def meta_init(cls: type, dtype: torch.dtype, allow_all_kernels: bool = False) -> Iterator[None]:
-    """The contexts `cls.from_pretrained` constructs its model under (no weight init, meta)."""
+def meta_init(cls: type, dtype: torch.dtype, allow_all_kernels: bool = False, config: Any = None) -> Iterator[None]:
+    """The contexts `cls.from_pretrained` constructs its model under (no weight init, meta).
+    `config`: the model's, where transformers takes it (5.25: a `fusion_config` in it swaps
+    module classes during `__init__`)."""
     from transformers.utils import ContextManagers
 
     if _new_init_context_signature(cls):
-        contexts = cls.get_init_context(dtype, False, False, allow_all_kernels)
+        takes_config = "config" in inspect.signature(cls.get_init_context).parameters
+        contexts = cls.get_init_context(dtype, False, False, allow_all_kernels, *([config] if takes_config else []))
     else:
         contexts = [_default_dtype(dtype), *cls.get_init_context(False, False)]
     with ContextManagers(contexts):
@@ -103,10 +106,42 @@ def kernelized_for_the_run_device(load: Callable[[], T]) -> T:
             del PreTrainedModel._kernels_device
         else:
             PreTrainedModel._kernels_device = own
-    for module in model.modules() if isinstance(model, nn.Module) else ():
+    if isinstance(model, nn.Module):
+        _keep_kernels_device(model, device)
+    return model
+
+
+def _keep_kernels_device(model: nn.Module, device: str) -> None:
+    """The device every later kernelization of `model` and its sub-models (a VLM's) is for."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
         if isinstance(module, PreTrainedModel):
             module._kernels_device = device
-    return model
+
+
+def kernels_chosen(model: nn.Module) -> tuple[Any, Any] | None:
+    """How `from_pretrained` kernelized `model` (transformers 5.25: its kernel config and mode), or
+    None where it did not (older transformers, no `kernels` library, `use_kernels=False`,
+    `USE_HUB_KERNELS=0`). Small and picklable: rank 0 sends it with its description."""
+    if not getattr(model, "use_kernels", False):
+        return None
+    return getattr(model, "kernel_config", None), getattr(model, "kernels_mode", None)
+
+
+def kernelize_as_chosen(model: nn.Module, chosen: tuple[Any, Any] | None) -> None:
+    """Kernelize a model built from rank 0's description as `from_pretrained` kernelized rank 0's
+    (`kernels_chosen`), for the run's device: without it the ranks that did not load ran other
+    layer implementations than rank 0 (hub kernels there, torch's here) and were never
+    re-kernelized at `train()`/`eval()`, where a plain load on every rank runs the same."""
+    if chosen is None:
+        return
+    _keep_kernels_device(model, _run_device_type())
+    kernel_config, mode = chosen
+    if hasattr(model, "set_use_kernels"):
+        model.set_use_kernels(True, kernel_config, mode)
+    else:  # transformers 4.x: `use_kernels=True` is opt-in and kernelizes for the model's mode
+        model.use_kernels = True
 
 
 def _run_device_type() -> str:

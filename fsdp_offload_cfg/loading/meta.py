@@ -95,6 +95,7 @@ class _Rank0Built:
     loading_info: dict | None
     rng_state: torch.Tensor  # rank 0's CPU RNG state afterwards: all ranks continue alike
     rng_before: torch.Tensor  # rank 0's CPU RNG state before: did its load draw, and from this rank's state?
+    kernels: Any = None  # how from_pretrained kernelized rank 0's model (transformers 5.25), replayed on the others
 
 
 def is_rank0_source(model: nn.Module) -> bool:
@@ -334,6 +335,7 @@ def _summarize(result: Any, rng_before: torch.Tensor) -> _Rank0Built:
         loading_info=loading_info,
         rng_state=torch.get_rng_state(),
         rng_before=rng_before,
+        kernels=model_init.kernels_chosen(model),
     )
 
 
@@ -343,11 +345,12 @@ def _build_on_meta(
     """Construct `cls` on meta the way `from_pretrained` does (same init contexts: meta device,
     default dtype, no tying during `__init__`), from rank 0's final config."""
     dtype = built.config.dtype if isinstance(built.config.dtype, torch.dtype) else torch.float32
-    with model_init.meta_init(cls, dtype, allow_all_kernels):
+    with model_init.meta_init(cls, dtype, allow_all_kernels, built.config):
         model = cls(copy.deepcopy(built.config), *model_args, **init_kwargs)
         model_init.after_init(model)
     model = _conform(model, built)
     model.eval()  # from_pretrained returns the model in eval mode
+    model_init.kernelize_as_chosen(model, built.kernels)
     return model
 
 
