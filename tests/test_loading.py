@@ -935,3 +935,44 @@ def test_two_nodes(checkpoints: dict[str, Any]) -> None:
     for strategy in STRATEGIES:
         for rank, r in enumerate(r[strategy] for r in results):
             assert r["wrong"] == [] and r["meta_left"] == [], f"{strategy}, rank {rank}: {r}"
+
+
+# --------------------------------------------------------------------------------------------
+# transformers 5.25's fusion_config: module classes swapped during __init__
+# --------------------------------------------------------------------------------------------
+
+FUSION = {"patch_embeddings": True}  # Qwen2-VL's Conv3d patch embedding as one Linear
+
+
+def _fusion_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import PreTrainedModel, Qwen2VLForConditionalGeneration
+
+    from fsdp_offload_cfg.loading import auto_from_pretrained, load_into_sharded, rank0_from_pretrained
+
+    out = {}
+    for strategy, load in {"broadcast": rank0_from_pretrained, "auto": auto_from_pretrained}.items():
+        model = load(PreTrainedModel.from_pretrained, Qwen2VLForConditionalGeneration, path, fusion_config=FUSION)
+        loaded = load_into_sharded(model, fully_shard, strategy=strategy).model
+        out[strategy] = {name: _digest(t) for name, t in _all_tensors(loaded).items()}
+    return out
+
+
+def test_a_fusion_config_loads_what_a_plain_load_with_it_gives(tmp_path) -> None:
+    """`from_pretrained(fusion_config=...)` (transformers 5.25) swaps module classes while the model
+    is constructed, from the config: a rank that builds from rank 0's description built the
+    unfused classes (`proj`, a Conv3d, where rank 0 had `linear_proj`) and stopped on the names,
+    while rank 0 went on to prepare. Now that build is given the config, as `from_pretrained`
+    gives it."""
+    pytest.importorskip("transformers.fusion_mapping", reason="transformers before 5.25 has no fusion_config")
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from fsdp_offload_cfg.testing.models import save_qwen2_vl
+
+    path = save_qwen2_vl(str(tmp_path / "qwen2_vl"))
+    plain = {name: _digest(t) for name, t in
+             _all_tensors(Qwen2VLForConditionalGeneration.from_pretrained(path, fusion_config=FUSION)).items()}
+    assert any(name.endswith("patch_embed.linear_proj.weight") for name in plain)  # the fusion took effect
+    for rank, result in enumerate(run_workers(_fusion_worker, 2, path, timeout=120)):
+        for strategy, got in result.items():
+            assert got == plain, (rank, strategy, sorted(set(got) ^ set(plain)))
