@@ -77,9 +77,9 @@ def wrap_layers(model: nn.Module, cfg: FSDPOffloadConfig) -> None:
 
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ConfigError(f"{cfg.source}: activation_memory_budget decides which layers to checkpoint, and this "
-                          "model already checkpoints every layer (transformers' gradient checkpointing: the "
-                          "Trainer's gradient_checkpointing, ms-swift's --gradient_checkpointing); turn that off, "
-                          "or drop the budget")
+                          "model already checkpoints its layers (transformers' own checkpointing: the Trainer's "
+                          "activation_checkpointing, gradient_checkpointing before transformers 5.23, ms-swift's "
+                          "--gradient_checkpointing); turn that off, or drop the budget")
     names = {id(m): n for n, m in model.named_modules()}
     for group in offload_groups(model, list(cfg.transformer_layer_cls_to_wrap or ()) or None):
         if isinstance(group, CheckpointWrapper):  # wrapped by hand before prepare: the plan takes it over

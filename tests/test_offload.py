@@ -6,6 +6,7 @@ behaviour would change (restored storage identity, exact strides, counters, grad
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from collections.abc import Callable
@@ -249,6 +250,16 @@ def _hf_ckpt(m: nn.Module) -> nn.Module:
     return m
 
 
+def _hf_ckpt_every_2(m: nn.Module) -> nn.Module:
+    """HF checkpointing of every other layer (`every_n_layers`, transformers 5.23 on): the offload
+    moves the others' saved tensors, beside layers that recompute."""
+    if "every_n_layers" not in inspect.signature(getattr(m, "activation_checkpointing_enable", lambda: None)).parameters:
+        pytest.skip("this transformers checkpoints every layer or none")
+    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in m.model.layers] == [True, False, True]
+    return m
+
+
 def _wrap_ckpt(m: nn.Module) -> nn.Module:
     for i, layer in enumerate(m.model.layers):
         m.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
@@ -274,7 +285,8 @@ def test_the_estimate_replays_the_handler_the_run_builds(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("ac", [None, _wrap_ckpt, _hf_ckpt], ids=["no_ac", "checkpoint_wrapper", "hf_gc"])
+@pytest.mark.parametrize("ac", [None, _wrap_ckpt, _hf_ckpt, _hf_ckpt_every_2],
+                         ids=["no_ac", "checkpoint_wrapper", "hf_gc", "hf_gc_every_2"])
 def test_llama_bit_identical_with_and_without_checkpointing(mode: str, ac) -> None:
     ids = batch()
     prep = ac or (lambda m: m)

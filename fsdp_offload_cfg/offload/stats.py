@@ -94,7 +94,8 @@ def describe_moved(stats: dict[str, Any]) -> tuple[int, str] | None:
     return logging.WARNING, (
         f"activation offload was on for {stats['groups_entered']} layer forwards but moved nothing (tensors kept: "
         f"{kept}). Layers whose forward runs whole under gradient checkpointing (ms-swift's default "
-        "gradient_checkpointing, reentrant checkpointing) save nothing it could move: turn gradient checkpointing off "
+        "gradient_checkpointing, the Trainer's activation_checkpointing, reentrant checkpointing) save nothing it "
+        "could move: turn that checkpointing off "
         "to offload instead (`--gradient_checkpointing false` in ms-swift), or checkpoint with "
         "fsdp_activation_checkpointing, with which the offload composes; tensors below min_tensor_bytes stay too.")
 
