@@ -379,7 +379,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
     twin = adapters_like(model, twin)  # a LoRA run: its adapters
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
-    batch = example_batch(source, *shape, dtype)
+    batch = example_batch(source, *shape, dtype, twin)
     target = handle.handler.device.type
     with gathered_in(twin, dtype if mixed_compute_dtype(cfg) else None):
         try:

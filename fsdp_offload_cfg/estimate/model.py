@@ -133,15 +133,70 @@ def _image_token_id(config: Any) -> int | None:
     return None
 
 
-def example_batch(source: ModelSource, batch_size: int, seq_len: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class ExampleImage:
+    """The image each sample of the estimate's batch carries."""
+
+    tokens: int  # placeholder tokens it takes in the prompt
+    pixels: tuple[int, ...]  # one sample's `pixel_values` shape
+    sizes: tuple[int, int] | None = None  # its (height, width), for models that take `image_sizes`
+
+
+def example_image(config: Any, model: nn.Module | None = None) -> ExampleImage | None:
+    """The image of the estimate's batch; None where this model's image inputs are not modelled
+    (then the batch is text only). An 'anyres' model's image needs the model: its tokens are
+    counted by the model's own code (`_anyres_image`)."""
+    if getattr(config, "image_grid_pinpoints", None):
+        return _anyres_image(config, model) if model is not None else None
+    per_image = image_tokens_per_image(config)
+    if per_image is None:
+        return None
+    return ExampleImage(per_image, (3, *_pair(config.vision_config.image_size)))
+
+
+def _anyres_image(config: Any, model: nn.Module) -> ExampleImage | None:
+    """LLaVA-NeXT and LLaVA-OneVision ('anyres'): the processor tiles an image over
+    `image_grid_pinpoints` by its size, and the model packs the tiles' features with a newline
+    feature per row, so an image's token count depends on its size and on the model's packing
+    (OneVision's differs from NeXT's). The example image is a square of the vision tower's own
+    size; its tiles are counted by the model module's own `image_size_to_num_patches` and its
+    tokens by one `get_image_features` call (on `meta`: no memory), so the count follows the model
+    code of the installed transformers instead of a copy of it here."""
+    import sys
+
+    from fsdp_offload_cfg.layer_classes import transformers_model
+
+    pretrained = transformers_model(model)
+    count_tiles = getattr(sys.modules.get(type(pretrained).__module__), "image_size_to_num_patches", None)
+    if count_tiles is None or not hasattr(pretrained, "get_image_features"):
+        return None
+    side = config.vision_config.image_size
+    size = _pair(side)
+    tiles = count_tiles(image_size=size, grid_pinpoints=config.image_grid_pinpoints, patch_size=side)
+    parameter = next(pretrained.parameters())
+    pixels = torch.zeros(1, tiles, 3, *size, dtype=parameter.dtype, device=parameter.device)
+    with torch.no_grad():
+        out = pretrained.get_image_features(pixel_values=pixels, image_sizes=torch.tensor([size]),
+                                            vision_feature_layer=config.vision_feature_layer,
+                                            vision_feature_select_strategy=config.vision_feature_select_strategy)
+    features = getattr(out, "pooler_output", out)  # transformers 5.2x: a model output; before: the features
+    if isinstance(features, torch.Tensor):
+        features = [features.reshape(-1, features.shape[-1])]
+    return ExampleImage(sum(f.shape[0] for f in features), (tiles, 3, *size), size)
+
+
+def example_batch(source: ModelSource, batch_size: int, seq_len: int, dtype: torch.dtype,
+                  model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """One training batch per rank: token ids on the CPU (real values, so masks and routing
     bookkeeping that reads them work), images on `meta`. A Llava-family model gets one image per
-    sample at the start of the sequence, which needs `seq_len` to hold its placeholder tokens."""
+    sample at the start of the sequence, which needs `seq_len` to hold its placeholder tokens;
+    an 'anyres' one (LLaVA-NeXT, LLaVA-OneVision) only when `model` is given to count them."""
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
-    per_image = image_tokens_per_image(source.config)
-    if per_image is not None and per_image <= seq_len:
-        ids[:, :per_image] = _image_token_id(source.config)
-        height, width = _pair(source.config.vision_config.image_size)
-        batch["pixel_values"] = torch.empty(batch_size, 3, height, width, dtype=dtype, device="meta")
+    image = example_image(source.config, model)
+    if image is not None and image.tokens <= seq_len:
+        ids[:, :image.tokens] = _image_token_id(source.config)
+        batch["pixel_values"] = torch.empty(batch_size, *image.pixels, dtype=dtype, device="meta")
+        if image.sizes is not None:
+            batch["image_sizes"] = torch.tensor([image.sizes] * batch_size)
     return batch

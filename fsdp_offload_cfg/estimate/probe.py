@@ -32,6 +32,8 @@ offload's device/host split can be replayed on the record (`offload_model.py`).
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -213,6 +215,12 @@ def _cache_tensors(cache: Any) -> Iterator[torch.Tensor]:
     yield from _tensors([getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)])
 
 
+class _Token:
+    """Carried by every packed save of one storage; `__weakref__` for `_Recorder.tokens`."""
+
+    __slots__ = ("__weakref__",)
+
+
 class _Recorder:
     """The pack hook and the group hooks of one probe forward."""
 
@@ -227,6 +235,10 @@ class _Recorder:
         self.current = 0  # offload frame of what is saved now
         self.inside = False
         self._hold: list[torch.Tensor] = []  # keeps every recorded storage alive, so keys stay unique
+        # per saved storage, the token its packed saves carry: autograd's graph holds it while it
+        # holds any save of that storage, so at the end of the forward a token gone means the
+        # graph has let go of them (`release`)
+        self.tokens: weakref.WeakValueDictionary[int, _Token] = weakref.WeakValueDictionary()
         # where backward stops: the gradient edges of the groups' inputs, held as edges, not
         # tensors, so that each input is freed when backward is done with it, as in a real step
         self.entries: dict[tuple[int, int], Any] = {}
@@ -237,21 +249,37 @@ class _Recorder:
         return not _is_param_like(t) and _storage_key(t) not in self.param_keys
 
     def record(self, t: torch.Tensor) -> SavedStorage:
-        self._hold.append(t)
+        self._hold.append(t.detach())  # the storage, not its graph: a branch the model drops is freed
         return SavedStorage(_storage_key(t), t.untyped_storage().nbytes(), self.current, t.is_floating_point(),
                             self.inside)
 
-    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
-        if self.is_activation(t) and _storage_key(t) not in self.seen:
-            self.seen.add(_storage_key(t))
-            self.profile.saved.append(self.record(t))
+    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor, _Token | None]:
+        token = None
+        if self.is_activation(t):
+            key = _storage_key(t)
+            if key not in self.seen:
+                self.seen.add(key)
+                self.profile.saved.append(self.record(t))
+            token = self.tokens.get(key)
+            if token is None:
+                token = self.tokens[key] = _Token()
         # the frame of the op that saves it, not of the storage: one storage (RoPE's cos and
-        # sin) is saved by every layer, and its unpack in layer 3's backward is layer 3's
-        return self.current, t
+        # sin) is saved by every layer, and its unpack in layer 3's backward is layer 3's.
+        # Detached, as autograd saves an op's own output: `t` itself would hold its `grad_fn`,
+        # the node holding this, a cycle through C++ that kept every dropped branch alive
+        return self.current, t.detach(), token
 
-    def unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
-        self.in_backward, t = packed
+    def unpack(self, packed: tuple[int, torch.Tensor, _Token | None]) -> torch.Tensor:
+        self.in_backward, t, _ = packed
         return t
+
+    def release(self) -> None:
+        """At the end of the forward: forget the saves autograd's graph no longer holds. A layer
+        whose output the model never uses (a vision tower's last layer under
+        `vision_feature_layer: -2`) has its graph freed within the forward where the model code
+        drops that output, as transformers 5.16's LLaVA-NeXT does, and kept where it returns it
+        (5.25's): its saves then take no memory when backward starts."""
+        self.profile.saved = [s for s in self.profile.saved if s.key in self.tokens]
 
     def add_flops(self, flops: int) -> None:
         if self.inside:
@@ -390,6 +418,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
         with meta_forward(), _attention_as_on(target, recorder.add_flops), recorder.counter, \
                 saved_tensors_hooks(recorder.pack, recorder.unpack), torch.enable_grad():
             output = model(**batch)
+        recorder.release()
         recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
         for t in _cache_tensors(output_cache(output)):
             if recorder.is_activation(t):

@@ -22,10 +22,11 @@ from fsdp_offload_cfg.estimate.adapters import Lora, gathered_in, with_lora
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
+    ExampleImage,
     ModelSource,
     build_on_meta,
     example_batch,
-    image_tokens_per_image,
+    example_image,
     layer_class_names,
     read_model,
 )
@@ -60,7 +61,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         model = with_lora(model, lora)
     _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()), config.source)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
-    batch = example_batch(source, batch_size, seq_len, dtypes.compute)
+    batch = example_batch(source, batch_size, seq_len, dtypes.compute, model)
     with gathered_in(model, dtypes.compute if mixed_compute_dtype(config) else None):
         profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
@@ -98,7 +99,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
-        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora)
+        "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
+                                    example_image(source.config, model))
         + _head_advice(profile, by_setting),
     }
     if plan is not None:
@@ -305,7 +307,7 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
                  batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile,
-                 lora: Lora | None) -> list[str]:
+                 lora: Lora | None, image: ExampleImage | None) -> list[str]:
     batch_size = batch["input_ids"].shape[0]
     trained = ("full fine-tuning: every parameter the loss reaches gets a gradient" if lora is None else
                f"{lora.describe()} (PEFT's get_peft_model): only the adapters get gradients and optimizer state; the "
@@ -340,11 +342,11 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
     ]
     if not source.checkpoint_files:
         out.append(f"no safetensors next to {source.path}: checkpoint assumed stored in {_name(dtypes.load)}")
-    per_image = image_tokens_per_image(source.config)
     if "pixel_values" in batch:
-        out.append("one image per sample, its placeholder tokens at the start of the sequence")
-    elif per_image is not None:
-        out.append(f"text-only batch: one image takes {per_image} tokens, more than --seq-len, so the vision "
+        out.append("one image per sample, its placeholder tokens at the start of the sequence"
+                   + (f": {image.sizes[0]} x {image.sizes[1]} pixels, {image.tokens} tokens" if image.sizes else ""))
+    elif image is not None:
+        out.append(f"text-only batch: one image takes {image.tokens} tokens, more than --seq-len, so the vision "
                    "tower's activations are not included")
     elif hasattr(source.config, "vision_config"):
         out.append("text-only batch: this model's image inputs are not modelled, so the vision tower's activations "

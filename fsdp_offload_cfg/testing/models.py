@@ -153,6 +153,25 @@ def save_llava(path: str) -> str:
     return _save(LlavaForConditionalGeneration(config), path)
 
 
+def save_llava_anyres(path: str, family: str = "llava_next") -> str:
+    """Tiny LLaVA-NeXT or LLaVA-OneVision ('anyres': an image tiled over `image_grid_pinpoints`
+    by its size), with the vision tower each ships with (CLIP; SigLIP, whose features have no CLS
+    to drop), 4x4 patches a 16-pixel tile, three pinpoints."""
+    from transformers import (LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaOnevisionConfig,
+                              LlavaOnevisionForConditionalGeneration)
+
+    torch.manual_seed(3)
+    tower = {"llava_next": "clip_vision_model", "llava_onevision": "siglip_vision_model"}[family]
+    vision = {"model_type": tower, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 16, "patch_size": 4}
+    config_cls, model_cls = {"llava_next": (LlavaNextConfig, LlavaNextForConditionalGeneration),
+                             "llava_onevision": (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration)}[family]
+    config = config_cls(vision_config=vision,
+                        text_config=llama_config(), image_token_index=96,
+                        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+    return _save(model_cls(config), path)
+
+
 def save_qwen2_vl(path: str) -> str:
     """Tiny Qwen2-VL: patches flattened with an `image_grid_thw` (4x4 patches of 4 pixels, merged
     2x2: 4 image tokens, id 120), M-RoPE text model."""
@@ -365,6 +384,8 @@ BUILDERS = {
     "qwen2_tied": save_qwen2_tied,
     "deepseek_v3": save_deepseek_v3,
     "llava": save_llava,
+    "llava_next": save_llava_anyres,
+    "llava_onevision": lambda p: save_llava_anyres(p, "llava_onevision"),
     "tiny_buffers": save_tiny_buffers,
     "llama_bf16": lambda p: save_llama(p, dtype=torch.bfloat16),
 }
