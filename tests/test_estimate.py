@@ -26,7 +26,7 @@ from fsdp_offload_cfg.estimate.model import model_class, read_model
 from fsdp_offload_cfg.estimate.plan import layer_runs
 from fsdp_offload_cfg.estimate.states import shard_numel
 from fsdp_offload_cfg.testing.dist import run_workers
-from fsdp_offload_cfg.testing.models import build_all, save_llama
+from fsdp_offload_cfg.testing.models import build_all, save_llama, save_llava_anyres
 from fsdp_offload_cfg.testing.real_runs import (
     MALLINFO2,
     allocator_held_after_forward,
@@ -134,7 +134,7 @@ def test_an_anyres_vlm_is_estimated_with_an_image_like_its_real_forward(tmp_path
     each sample gets an image of the vision tower's size, its tokens counted by the model's own
     code; the real forward (which checks that the placeholders match the features) saves what
     the estimate says, vision tower included."""
-    path = build_all(str(tmp_path), [name])[name]
+    path = save_llava_anyres(str(tmp_path / name), name)
     report = estimate(path)
     assert any("16 x 16 pixels" in a for a in report["assumptions"]), report["assumptions"]
     assert any("vision_tower" in g["name"] for g in report["activations"]["per_group"])

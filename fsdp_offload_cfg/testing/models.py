@@ -384,8 +384,6 @@ BUILDERS = {
     "qwen2_tied": save_qwen2_tied,
     "deepseek_v3": save_deepseek_v3,
     "llava": save_llava,
-    "llava_next": save_llava_anyres,
-    "llava_onevision": lambda p: save_llava_anyres(p, "llava_onevision"),
     "tiny_buffers": save_tiny_buffers,
     "llama_bf16": lambda p: save_llama(p, dtype=torch.bfloat16),
 }
