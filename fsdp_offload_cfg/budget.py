@@ -367,7 +367,13 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     """What this model's layers save and compute at `shape`, measured on a `meta` twin as the
     estimate measures it, and the twin."""
     from fsdp_offload_cfg.estimate.adapters import adapters_like, gathered_in
-    from fsdp_offload_cfg.estimate.model import ModelSource, build_on_meta, example_batch, layer_class_names
+    from fsdp_offload_cfg.estimate.model import (
+        ModelSource,
+        build_on_meta,
+        example_batch,
+        example_image,
+        layer_class_names,
+    )
     from fsdp_offload_cfg.estimate.probe import measure_activations
 
     pretrained = transformers_model(model)
@@ -379,7 +385,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
     twin = adapters_like(model, twin)  # a LoRA run: its adapters
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
-    batch = example_batch(source, *shape, dtype, twin)
+    batch = example_batch(source, *shape, dtype, example_image(source.config, twin))
     target = handle.handler.device.type
     with gathered_in(twin, dtype if mixed_compute_dtype(cfg) else None):
         try:

@@ -19,7 +19,7 @@ from fsdp_offload_cfg import cli, load_config
 from fsdp_offload_cfg._sizes import UNITS
 from fsdp_offload_cfg.estimate import EstimateError, estimate_memory
 from fsdp_offload_cfg.estimate.activations import settings
-from fsdp_offload_cfg.estimate.model import build_on_meta, example_batch, layer_class_names, read_model
+from fsdp_offload_cfg.estimate.model import build_on_meta, example_batch, example_image, layer_class_names, read_model
 from fsdp_offload_cfg.estimate.plan import TimeModel, plan_to_budget, uniform_plans
 from fsdp_offload_cfg.estimate.probe import measure_activations
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
@@ -47,7 +47,8 @@ def config():
 def profile_of(path: str, target: str = "cuda"):
     source = read_model(path)
     model = build_on_meta(source, torch.bfloat16, torch.bfloat16)
-    return measure_activations(model, example_batch(source, BATCH, SEQ, torch.bfloat16),
+    batch = example_batch(source, BATCH, SEQ, torch.bfloat16, example_image(source.config, model))
+    return measure_activations(model, batch,
                                layer_class_names(model, None), target=target)
 
 

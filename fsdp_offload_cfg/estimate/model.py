@@ -11,6 +11,7 @@ when that model is in the local Hugging Face cache (the snapshot `from_pretraine
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,8 +163,6 @@ def _anyres_image(config: Any, model: nn.Module) -> ExampleImage | None:
     size; its tiles are counted by the model module's own `image_size_to_num_patches` and its
     tokens by one `get_image_features` call (on `meta`: no memory), so the count follows the model
     code of the installed transformers instead of a copy of it here."""
-    import sys
-
     from fsdp_offload_cfg.layer_classes import transformers_model
 
     pretrained = transformers_model(model)
@@ -186,14 +185,13 @@ def _anyres_image(config: Any, model: nn.Module) -> ExampleImage | None:
 
 
 def example_batch(source: ModelSource, batch_size: int, seq_len: int, dtype: torch.dtype,
-                  model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+                  image: ExampleImage | None) -> dict[str, torch.Tensor]:
     """One training batch per rank: token ids on the CPU (real values, so masks and routing
-    bookkeeping that reads them work), images on `meta`. A Llava-family model gets one image per
-    sample at the start of the sequence, which needs `seq_len` to hold its placeholder tokens;
-    an 'anyres' one (LLaVA-NeXT, LLaVA-OneVision) only when `model` is given to count them."""
+    bookkeeping that reads them work), images on `meta`. A model with an `image`
+    (`example_image`) gets one per sample at the start of the sequence, which needs `seq_len` to
+    hold its placeholder tokens."""
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
-    image = example_image(source.config, model)
     if image is not None and image.tokens <= seq_len:
         ids[:, :image.tokens] = _image_token_id(source.config)
         batch["pixel_values"] = torch.empty(batch_size, *image.pixels, dtype=dtype, device="meta")

@@ -61,7 +61,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         model = with_lora(model, lora)
     _check_layer_classes(model, list(config.transformer_layer_cls_to_wrap or ()), config.source)
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
-    batch = example_batch(source, batch_size, seq_len, dtypes.compute, model)
+    image = example_image(source.config, model)
+    batch = example_batch(source, batch_size, seq_len, dtypes.compute, image)
     with gathered_in(model, dtypes.compute if mixed_compute_dtype(config) else None):
         profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
@@ -100,7 +101,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "activations": _activations(profile, by_setting),
         "loading": _loading(config, source, states, dtypes, ranks, device),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
-                                    example_image(source.config, model))
+                                    image)
         + _head_advice(profile, by_setting),
     }
     if plan is not None:

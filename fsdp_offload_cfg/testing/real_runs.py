@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_offload_cfg.estimate.model import example_batch, model_class, read_model
+from fsdp_offload_cfg.estimate.model import example_batch, example_image, model_class, read_model
 from fsdp_offload_cfg.estimate.probe import offload_groups
 from fsdp_offload_cfg.offload import enable_activation_offload
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
@@ -31,7 +31,7 @@ def real_model(path: str, dtype: torch.dtype, batch_size: int, seq_len: int) -> 
     real images (the estimate puts them on meta)."""
     source = read_model(path)
     model = model_class(source.config).from_pretrained(path, dtype=dtype)
-    batch = example_batch(source, batch_size, seq_len, dtype, model)
+    batch = example_batch(source, batch_size, seq_len, dtype, example_image(source.config, model))
     if "pixel_values" in batch:
         batch["pixel_values"] = torch.randn(batch["pixel_values"].shape, dtype=dtype)
     return model.train(), batch
@@ -136,7 +136,8 @@ def estimated_saves_only(path: str, report: dict[str, Any], offload: ActivationO
     source = read_model(path)
     compute, load = (getattr(torch, inputs[key]) for key in ("compute_dtype", "load_dtype"))
     model = build_on_meta(source, compute, load)
-    batch = example_batch(source, inputs["batch_size"], inputs["seq_len"], compute, model)
+    image = example_image(source.config, model)
+    batch = example_batch(source, inputs["batch_size"], inputs["seq_len"], compute, image)
     profile = measure_activations(model, batch, report["model"]["layer_classes"], target=inputs["device"])
     profile.backward_extra = [0] * (len(profile.groups) + 1)  # measured as nothing: the head adds none either
     return settings(profile, offload, offload.resolved_mode(inputs["device"]) == "async")
