@@ -100,3 +100,25 @@ def test_the_collective_timeout_still_bounds_the_collectives():
     delay = 10.0
     status, waited = run_workers(_allreduce_late_on_rank0, 2, delay, pg_timeout=2.0, timeout=60)[1]
     assert status == "failed" and waited < delay / 2, (status, waited)
+
+
+def _heap_walked(rank, world_size):
+    import gc
+
+    walked = gc.get_objects()  # what a full collection walks
+    return gc.get_freeze_count(), len(walked), any(o is torch.__dict__ for o in walked)
+
+
+def test_a_rank_leaves_the_heap_it_inherits_out_of_its_collections():
+    """The warm server's imports (torch, transformers: hundreds of thousands of objects) are
+    never garbage; a rank's full collections walk only what the rank made since."""
+    for frozen, walked, walks_torch in run_workers(_heap_walked, 2):
+        assert frozen > 100_000 and walked < frozen and not walks_torch, (frozen, walked)
+
+
+def test_the_suites_own_process_leaves_what_collection_imported_out_of_its_collections():
+    """As its ranks do: torch (imported by this module at collection) is never walked again."""
+    import gc
+
+    assert gc.get_freeze_count() > 50_000
+    assert all(o is not torch.__dict__ for o in gc.get_objects())
