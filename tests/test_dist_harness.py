@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -103,8 +104,6 @@ def test_the_collective_timeout_still_bounds_the_collectives():
 
 
 def _heap_walked(rank, world_size):
-    import gc
-
     walked = gc.get_objects()  # what a full collection walks
     return gc.get_freeze_count(), len(walked), any(o is torch.__dict__ for o in walked)
 
@@ -118,7 +117,5 @@ def test_a_rank_leaves_the_heap_it_inherits_out_of_its_collections():
 
 def test_the_suites_own_process_leaves_what_collection_imported_out_of_its_collections():
     """As its ranks do: torch (imported by this module at collection) is never walked again."""
-    import gc
-
     assert gc.get_freeze_count() > 50_000
     assert all(o is not torch.__dict__ for o in gc.get_objects())

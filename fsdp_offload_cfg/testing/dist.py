@@ -15,7 +15,7 @@ tests of exit behaviour start real launchers (`test_launch.py`, `_real_runs.py`)
 
 A rank leaves the heap it inherits out of its garbage collections (`gc.freeze()`, first thing):
 the forkserver's imports are about 380,000 objects, and every full collection in a rank walked
-them all, 0.3 s each on CI's machine, a tenth of the ranks' time (79 full collections, 25 s of
+them all, 0.3 s each on this project's 2-core machine, a tenth of the ranks' time (79 full collections, 25 s of
 242 s, in tests/test_final_model.py and tests/test_loading.py; 2.6 s frozen). Nothing a rank
 makes is frozen: its own garbage is collected as before.
 
