@@ -58,17 +58,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def table(rows: list[tuple[str, float, float]], top: int) -> str:
     """Per file, most CPU first, then the `top` tests that took the most."""
-    files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    files: dict[str, list[tuple[float, float]]] = defaultdict(list)  # file -> its tests' (CPU-s, wall s)
     for node, cpu, wall in rows:
-        total = files[node.split("::")[0]]
-        total[0], total[1], total[2] = total[0] + cpu, total[1] + wall, total[2] + 1
+        files[node.split("::")[0]].append((cpu, wall))
+    totals = {name: (sum(c for c, _ in tests), sum(w for _, w in tests), len(tests)) for name, tests in files.items()}
     cpu_all, wall_all = sum(r[1] for r in rows), sum(r[2] for r in rows)
     lines = [f"{len(rows)} tests: {cpu_all:.1f} busy CPU-s in {wall_all:.1f} s of wall time", "",
              "| file | busy CPU-s | share | wall s | CPU / wall | tests |", "|---|---|---|---|---|---|"]
-    for name, (cpu, wall, count) in sorted(files.items(), key=lambda kv: -kv[1][0]):
+    for name, (cpu, wall, count) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
         share = f"{cpu / cpu_all:.0%}" if cpu_all else "-"
         ratio = f"{cpu / wall:.2f}" if wall else "-"
-        lines.append(f"| {name} | {cpu:.1f} | {share} | {wall:.1f} | {ratio} | {count:.0f} |")
+        lines.append(f"| {name} | {cpu:.1f} | {share} | {wall:.1f} | {ratio} | {count} |")
     lines += ["", "| test | busy CPU-s | wall s |", "|---|---|---|"]
     lines += [f"| {node} | {cpu:.1f} | {wall:.1f} |" for node, cpu, wall in sorted(rows, key=lambda r: -r[1])[:top]]
     return "\n".join(lines)

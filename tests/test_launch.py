@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +52,6 @@ fsdp_config:
 @dataclass
 class Launch:
     proc: subprocess.CompletedProcess[str]
-    elapsed: float
     out_dir: Path
 
     @property
@@ -68,9 +66,8 @@ def _run(cmd: list[str], timeout: float = 240, **extra_env: str) -> Launch:
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PROBE_DIR=str(out_dir),
                CUDA_VISIBLE_DEVICES="")
     env.update(extra_env)
-    start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE.parent)
-    return Launch(proc, time.monotonic() - start, out_dir)
+    return Launch(proc, out_dir)
 
 
 def _reports(launch: Launch) -> list[dict]:
