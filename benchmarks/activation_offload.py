@@ -58,6 +58,7 @@ import gc
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -238,6 +239,9 @@ def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
             if cuda:
                 peak, reserved = max(peak, torch.cuda.max_memory_allocated()), max(reserved, torch.cuda.max_memory_reserved())
         loss = out.loss.item()
+        # the step's output goes before the next step, as a loop's `outputs = model(...)` lets it go:
+        # held across it, a 3B Llama's 7.8 GiB of logits at 32k tokens sat beside the next step's
+        del ctx, out
     stats = offload_stats()
     if cuda:
         retries = torch.cuda.memory_stats()["num_alloc_retries"] - retries
@@ -328,6 +332,17 @@ def run_row(args: argparse.Namespace, method: str, ac: bool) -> Row:
             return pool.apply(run, (args, method, ac))
         except Exception as error:  # noqa: BLE001 - the table reports it in the row
             return Row(method, ac, 0, 0, {}, 0, 0, float("nan"), error=f"{type(error).__name__}: {error}")
+
+
+def row_done(row: Row, seconds: float) -> str:
+    """A row's figures the moment it ends, on stderr: the table comes once every row has run, and a
+    run stopped by a time limit (a 3B model at 32k tokens outran a GPU call's 330 s with five rows)
+    would otherwise leave nothing of the rows it finished."""
+    head = f"[row done in {seconds:.0f} s] {row.method}, AC {'yes' if row.ac else 'no'}:"
+    if row.error:
+        return f"{head} not run: {row.error[:200]}"
+    return (f"{head} peak {row.peak / MIB:.1f} MiB, reserved {row.reserved / MIB:.1f} MiB, {row.retries} retries, "
+            f"step {row.step_s * 1e3:.0f} ms, loss {row.loss:.4f}")
 
 
 def copy_bandwidth(args: argparse.Namespace) -> float:
@@ -427,7 +442,12 @@ def main(argv: list[str] | None = None) -> None:
         except EstimateError as error:
             p.error(str(error))
     bandwidth = copy_bandwidth(args)
-    rows = [run_row(args, m, ac == "yes") for ac in args.ac for m in methods(args, ac == "yes")]
+    rows = []
+    for ac in args.ac:
+        for method in methods(args, ac == "yes"):
+            start = time.perf_counter()
+            rows.append(run_row(args, method, ac == "yes"))
+            print(row_done(rows[-1], time.perf_counter() - start), file=sys.stderr, flush=True)
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
           f"{args.steps} steps, device {_device_name(args.device)}, torch {torch.__version__}"
           f"{', FSDP2 (one rank)' if args.fsdp2 else ''}"

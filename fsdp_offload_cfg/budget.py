@@ -328,7 +328,8 @@ class BudgetPlanner:
         states = sharded_states(twin, layers, _world(), _storage_dtype(self.model, self.cfg),
                                 _compute_dtype(self.model, self.cfg), "adamw", profile.trained)
         resident = not self.cfg.offload_params
-        return Room(device_bytes, taken, to_come(states, resident), self.auto.margin(device_bytes))
+        return Room(device_bytes, taken, to_come(states, resident, profile.output_bytes),
+                    self.auto.margin(device_bytes))
 
     def rates_source(self) -> str:
         """Where the rates came from, for the log line: the config, the device, or one from each."""

@@ -174,12 +174,13 @@ scale3b() {
 
 # `auto` where it matters: the 3B shape at sequences where `none` may run out of memory, beside
 # checkpointing (the best single setting that usually fits) and `auto`'s plan; each row's reserved
-# peak and allocator retries are in its table. AUTO_SEQS picks the sequences.
+# peak and allocator retries are in its table. AUTO_SEQS picks the sequences, AUTO_METHODS the
+# fixed rows (default none; "none ours-async" adds the offload; empty: `auto` alone), AUTO_AC "no yes".
 auto() {
   local seq
   for seq in ${AUTO_SEQS:-16384 32768}; do
-    timeout 280 python3 benchmarks/activation_offload.py --device cuda "${SHAPE_3B[@]}" --seq "$seq" --steps 2 \
-      --methods none --ac no yes --budget auto 2>&1 | tee -a "$OUT/auto.md"
+    timeout "${AUTO_TIMEOUT_S:-280}" python3 benchmarks/activation_offload.py --device cuda "${SHAPE_3B[@]}" \
+      --seq "$seq" --steps 2 --methods ${AUTO_METHODS-none} --ac ${AUTO_AC:-no yes} --budget auto 2>&1 | tee -a "$OUT/auto.md"
   done
 }
 

@@ -96,3 +96,24 @@ def test_the_meter_reads_at_each_layer_and_takes_off_exactly_the_gradients():
 def test_under_fsdp2_the_meter_counts_each_gradient_storage_once():
     for rank_results in run_workers(_readings, 2, True):
         _check(rank_results)
+
+
+@pytest.mark.own_code
+def test_each_row_is_reported_on_stderr_as_it_ends():
+    """The table comes once every row has run; a GPU call's time limit stopped a 3B run at 32k
+    tokens with three rows done and none of them printed. Each row now says its figures (or why it
+    did not run) on stderr when it ends, before the next row starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "activation_offload.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "2", "--hidden", "64",
+                           "--seq", "32", "--steps", "1", "--methods", "none", "--ac", "no", "--budget", "1KiB"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    done = [line for line in proc.stderr.splitlines() if line.startswith("[row done in ")]
+    assert len(done) == 2, proc.stderr
+    assert " none, AC no: peak " in done[0] and " step " in done[0] and " loss " in done[0], done[0]
+    assert " budget=1KiB, AC no: not run: ConfigError: " in done[1], done[1]
+    assert "| none | no |" in proc.stdout  # the table still follows

@@ -123,10 +123,14 @@ def budgets(model_dir: str) -> dict[str, int]:
     peaks = [u["device_peak_bytes"] for u in report["plan"]["uniform"].values()]
     low, high = min(peaks), max(peaks)
     mix = (low + high) // 2
-    # `auto`: a device that leaves the mix budget once the states, the gathered layers and the
-    # margin are counted, by the estimate's per-rank figures (the run measures its own)
+    # `auto`: a device that leaves the mix budget once the states, the gathered layers, the
+    # float32 logits a loop may hold through backward and the margin are counted, by the
+    # estimate's per-rank figures (the run measures its own)
+    from transformers import AutoConfig
+
+    logits = BATCH * SEQ * AutoConfig.from_pretrained(model_dir).vocab_size * 4
     states = sum(report["per_rank"][f"{kind}_bytes"] for kind in ("params", "grads", "optimizer", "buffers",
-                                                                 "gathered_params"))
+                                                                 "gathered_params")) + logits
     return {"mix": mix, "tight": low + 3 * (high - low) // 100, "plain": high,
             "auto_device": mix + states + AUTO_MARGIN, "auto_short_device": low // 2 + states + AUTO_MARGIN}
 
@@ -410,7 +414,7 @@ def test_auto_says_on_rank_0_how_the_budget_was_worked_out(failures: dict[str, A
         assert failures["auto_logged"][rank]["budget"] == budgets["mix"]
     (line,) = [r for r in failures["auto_logged"][0]["records"] if "tokens per rank:" in r]
     assert line.startswith("activation_memory_budget auto (device "), line
-    assert "(gradients, AdamW state, gathered layers), margin 1.0 MiB; the tightest rank's): " in line, line
+    assert "(gradients, AdamW state, gathered layers, the output), margin 1.0 MiB; the tightest rank's): " in line, line
     assert ": layers 0-" in line and "layer time +" in line, line  # the plan and its expected cost
     assert not failures["auto_logged"][1]["records"]
 

@@ -84,6 +84,11 @@ class ActivationProfile:
     # intermediates; the logits' gradient in the head); empty where the meta backward failed
     backward_extra: list[int] = field(default_factory=list)
     backward_error: str | None = None  # why the backward was not measured, for the assumptions
+    # the forward's outputs beside the loss that nothing saves (the logits): a loop that keeps
+    # `outputs = model(...)` through `backward(outputs.loss)`, as accelerate's examples do, holds
+    # them at backward's peak; the Trainer drops them. Only `auto`'s room counts them (a 3B
+    # Llama at 32k tokens: 7.8 GiB of bf16 logits that a plan without them ran out of memory by)
+    output_bytes: int = 0
 
     def bytes_per_group(self) -> list[int]:
         """Saved bytes by offload frame: one entry per group, then the part after the last group."""
@@ -368,6 +373,16 @@ def _measure_backward(recorder: _Recorder, root: torch.Tensor | None, trainable:
     profile.backward_extra = watch.extra
 
 
+def _output_bytes(output: Any, recorder: _Recorder) -> int:
+    """The bytes of the output's activations (the logits) that no save and no cache already counts."""
+    counted = {s.key for s in recorder.profile.saved} | set(recorder.profile.held)
+    loss = getattr(output, "loss", None)
+    values = list(output.values()) if hasattr(output, "values") else output  # a ModelOutput, or plain tensors
+    storages = {_storage_key(t): t.untyped_storage().nbytes() for t in _tensors(values)
+                if t is not loss and t.is_floating_point() and recorder.is_activation(t)}
+    return sum(n for key, n in storages.items() if key not in counted)
+
+
 def _backward_root(output: Any) -> torch.Tensor | None:
     """The loss, else (a head run without labels) the sum of the first output that has a graph."""
     loss = getattr(output, "loss", None)
@@ -423,6 +438,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
         for t in _cache_tensors(output_cache(output)):
             if recorder.is_activation(t):
                 recorder.profile.held.setdefault(_storage_key(t), recorder.record(t))
+        recorder.profile.output_bytes = _output_bytes(output, recorder)
         root = _backward_root(output)
         del output  # the logits and the cache go, as a training step drops them before backward
         _measure_backward(recorder, root, [p for p in model.parameters() if p.requires_grad])

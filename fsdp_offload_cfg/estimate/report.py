@@ -76,7 +76,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     chosen = "plan" if the_run_plans_it else _setting_name(config)
     plan = room = None
     if isinstance(activation_budget, AutoBudget):
-        room = _room(config, states, activation_budget, device_memory)
+        room = _room(config, states, activation_budget, device_memory, profile.output_bytes)
         activation_budget = room.budget_bytes
     if activation_budget is not None:
         given = (r if r is not None else c for r, c in zip(rates, stated_rates(config)))  # command line over file
@@ -144,10 +144,11 @@ def _lora(model: torch.nn.Module, lora: Lora | None) -> dict[str, Any] | None:
             "trainable_parameters": trainable}
 
 
-def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int) -> Room:
+def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int,
+          output_bytes: int) -> Room:
     """`auto`'s room on a device of `device_bytes`."""
     try:
-        return offline_room(states, auto, device_bytes, resident=not config.offload_params)
+        return offline_room(states, auto, device_bytes, resident=not config.offload_params, output_bytes=output_bytes)
     except EstimateError as error:
         raise EstimateError(f"activation budget {error}") from None
 
@@ -425,7 +426,7 @@ def _plan_table(plan: dict[str, Any]) -> list[str]:
     lines = [] if room is None else [
         "", f"Activation budget auto: the device's {show_size(room['device_bytes'])}, less "
         f"{show_size(room['taken_bytes'])} of parameters and buffers, {show_size(room['to_come_bytes'])} of gradients, "
-        f"optimizer state and gathered layers, and a margin of {show_size(room['margin_bytes'])}"]
+        f"optimizer state, gathered layers and the output a loop holds through backward, and a margin of {show_size(room['margin_bytes'])}"]
     lines += ["", f"Plan for an activation budget of {show_size(plan['budget_bytes'])}: activations peak at "
              f"{show_size(plan['device_peak_bytes'])} on the device, {show_size(plan['host_bytes'])} pinned on the host, "
              f"step time of the layers +{plan['extra_time_fraction']:.0%} (estimated)",

@@ -10,7 +10,12 @@ At the first training forward part of that exists and part does not yet:
   every gradient (they appear in backward, group by group; counting all of them holds under
   gradient accumulation too), AdamW's two moments (they appear at the first `step()`), and the
   gathered units (the tail and root for the whole step, a layer, its prefetched neighbour and
-  one unit's gradients in backward).
+  one unit's gradients in backward); and the forward's output beside the loss (the logits),
+  which a loop that keeps `outputs` through `backward(outputs.loss)` holds at backward's peak
+  (accelerate's examples do; the Trainer does not). The estimate's peaks leave it out, as the
+  Trainer runs; a budget that the device must hold whatever loop runs counts it (a 3B Llama at
+  32k tokens on an H200 ran out of memory by its 7.8 GiB of bf16 logits, held twice by the
+  benchmark's loop, before it did).
 
 Offline (`fsdp-offload-cfg estimate --activation-budget auto --device-memory 80GiB`) nothing is
 measured: taken is the estimate's parameters and buffers. Both ends take the same `to_come`, so
@@ -34,7 +39,7 @@ from fsdp_offload_cfg.estimate.states import ShardedStates
 class Room:
     device_bytes: int  # what the plan may fill: the stated size, else the device's total
     taken_bytes: int  # there already (measured at run time; offline, the resident states)
-    to_come_bytes: int  # gradients, optimizer state, gathered units: not allocated yet
+    to_come_bytes: int  # gradients, optimizer state, gathered units, the output held: not allocated yet
     margin_bytes: int
 
     @property
@@ -43,7 +48,7 @@ class Room:
 
     def describe(self) -> str:
         return (f"device {show_size(self.device_bytes)}, taken {show_size(self.taken_bytes)}, to come "
-                f"{show_size(self.to_come_bytes)} (gradients, AdamW state, gathered layers), margin "
+                f"{show_size(self.to_come_bytes)} (gradients, AdamW state, gathered layers, the output), margin "
                 f"{show_size(self.margin_bytes)}")
 
     def unreachable(self, smallest_bytes: int) -> str:
@@ -63,13 +68,16 @@ class Room:
         return self
 
 
-def to_come(states: ShardedStates, resident: bool) -> int:
+def to_come(states: ShardedStates, resident: bool, output_bytes: int) -> int:
     """What backward's worst moment holds that the first forward has not allocated yet; with the
-    parameters offloaded (`resident` false) their gradients and optimizer state live on the host."""
-    return (states.grads + states.optimizer if resident else 0) + states.always_gathered + 3 * states.unit_max
+    parameters offloaded (`resident` false) their gradients and optimizer state live on the host.
+    `output_bytes`: the forward's output a loop may hold through backward (`ActivationProfile`)."""
+    return ((states.grads + states.optimizer if resident else 0) + states.always_gathered + 3 * states.unit_max
+            + output_bytes)
 
 
-def offline_room(states: ShardedStates, auto: AutoBudget, device_bytes: int, resident: bool) -> Room:
+def offline_room(states: ShardedStates, auto: AutoBudget, device_bytes: int, resident: bool,
+                 output_bytes: int) -> Room:
     """The estimate's room on a device of `device_bytes`: nothing measured."""
     taken = (states.params if resident else 0) + states.buffers
-    return Room(device_bytes, taken, to_come(states, resident), auto.margin(device_bytes)).checked()
+    return Room(device_bytes, taken, to_come(states, resident, output_bytes), auto.margin(device_bytes)).checked()
