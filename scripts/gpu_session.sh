@@ -33,6 +33,9 @@
 # (2026-11-27, `5d2516c`): `gate leftover` 526 s (gate's 8 rows 311 s; leftover 202 s). On an H200 (2026-11-27, `464f015`):
 # `tight` 226 s (first call: 265 s of device time with the start), `ac` 193 s. On an H100
 # (2026-11-27): `SCALE_SEQS=16384 ... reserved scale3b` 455 s (reserved 228 s, scale3b 214 s).
+# On an H200 (2026-12-04, `0d5e7c4`): `faults auto capped` 454 s (faults 19 s; `auto` at 32768 tokens
+# with five rows hit AUTO_TIMEOUT_S=330; capped 95 s); `AUTO_SEQS=32768 AUTO_METHODS= AUTO_AC=no ... auto`
+# 41 s (the `auto` row alone, 36 s). A 3B row at 32k tokens takes 21-36 s.
 # The benchmarks' shape is the issues' (Llama 16 x 2048, seq 8192, batch 1); BENCH_ARGS replaces it,
 # e.g. BENCH_ARGS="--layers 4 --seq 2048".
 set -uo pipefail
