@@ -231,6 +231,8 @@ def test_cli_auto_plans_what_the_device_leaves(llama: str, tmp_path: Path, capsy
     plan fits it."""
     import json
 
+    from fsdp_offload_cfg._sizes import show_size
+
     assert _cli(tmp_path, llama, "--activation-budget", "auto-5%", "--device-memory", "8GiB", "--format", "json") == 0
     report = json.loads(capsys.readouterr().out)
     per_rank, room = report["per_rank"], report["plan"]["room"]
@@ -240,6 +242,9 @@ def test_cli_auto_plans_what_the_device_leaves(llama: str, tmp_path: Path, capsy
                     "to_come_bytes": states - per_rank["params_bytes"] - per_rank["buffers_bytes"] + logits,
                     "margin_bytes": int(8 * 2**30 * 0.05)}
     assert report["plan"]["budget_bytes"] == 8 * 2**30 - states - logits - int(8 * 2**30 * 0.05)
+    # what the estimate's own peaks leave out, said with its size
+    assert f"the forward's output ({show_size(logits)}: the logits) is dropped before backward" in " ".join(
+        report["assumptions"]), report["assumptions"]
     assert _cli(tmp_path, llama, "--activation-budget", "auto", "--device-memory", "8GiB") == 0
     assert "Activation budget auto: the device's 8.00 GiB, less " in capsys.readouterr().out
     assert _cli(tmp_path, llama, "--activation-budget", "auto", "--device-memory", "1MiB") == 1

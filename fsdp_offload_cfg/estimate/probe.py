@@ -373,12 +373,17 @@ def _measure_backward(recorder: _Recorder, root: torch.Tensor | None, trainable:
     profile.backward_extra = watch.extra
 
 
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output: a ModelOutput's values, or plain tensors in tuples,
+    lists and dicts (an object of another kind has none)."""
+    return list(_tensors(list(output.values()) if hasattr(output, "values") else output))
+
+
 def _output_bytes(output: Any, recorder: _Recorder) -> int:
     """The bytes of the output's activations (the logits) that no save and no cache already counts."""
     counted = {s.key for s in recorder.profile.saved} | set(recorder.profile.held)
     loss = getattr(output, "loss", None)
-    values = list(output.values()) if hasattr(output, "values") else output  # a ModelOutput, or plain tensors
-    storages = {_storage_key(t): t.untyped_storage().nbytes() for t in _tensors(values)
+    storages = {_storage_key(t): t.untyped_storage().nbytes() for t in _output_tensors(output)
                 if t is not loss and t.is_floating_point() and recorder.is_activation(t)}
     return sum(n for key, n in storages.items() if key not in counted)
 
@@ -388,8 +393,7 @@ def _backward_root(output: Any) -> torch.Tensor | None:
     loss = getattr(output, "loss", None)
     if loss is not None:
         return loss
-    values = output.values() if hasattr(output, "values") else output
-    graphed = [t for t in _tensors(list(values)) if t.requires_grad and t.is_floating_point()]
+    graphed = [t for t in _output_tensors(output) if t.requires_grad and t.is_floating_point()]
     return graphed[0].sum() if graphed else None
 
 

@@ -339,6 +339,9 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
            if profile.backward_error else ""),
         "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
         "and temporaries that live inside one op",
+        f"the forward's output ({show_size(profile.output_bytes)}: the logits) is dropped before backward, as the "
+        "Trainer drops it; a loop that keeps `outputs` through `backward(outputs.loss)` holds it at the peak too "
+        "(activation budget auto counts it)",
         "loading figures are host RSS above each rank's baseline after imports; on a GPU run the shards and "
         "the broadcast buckets live on the device unless offload_params",
     ]
