@@ -265,10 +265,15 @@ def _not_fsdp(config: Any) -> list[str]:
 
 
 # FSDP1 keys FSDP2 has no use for, and why; accelerate accepts them (a warning at most) and drops
-# them, so an FSDP1 file moved to `fsdp_version: 2` keeps them without a word (`sharding_strategy`
-# and a true `forward_prefetch`, which change or stop the run, are errors: config/rules.py)
+# them, so an FSDP1 file moved to `fsdp_version: 2` by hand keeps them without a word (accelerate's
+# own `accelerate to-fsdp2` removes these three; `sharding_strategy` and a true `forward_prefetch`,
+# which change or stop the run, are errors: config/rules.py). A false `sync_module_states` beside
+# `cpu_ram_efficient_loading` is an error too (the launch refuses it, whatever the version).
 _FSDP1_ONLY = {"backward_prefetch": "FSDP2 prefetches the next layer's all-gather itself",
-               "use_orig_params": "FSDP2 always trains the original parameters"}
+               "use_orig_params": "FSDP2 always trains the original parameters",
+               "sync_module_states": "FSDP2 broadcasts no module states: with cpu_ram_efficient_loading "
+                                     "every rank gets its shard from the loader, else each rank loads the "
+                                     "checkpoint itself"}
 
 
 def _ignored_by_fsdp2(fsdp: dict[str, Any], config: Any) -> list[str]:

@@ -275,19 +275,30 @@ def test_validate_and_explain_warn_on_a_spelling_another_framework_reads(tmp_pat
 def test_validate_and_explain_warn_on_fsdp1_keys_a_file_for_fsdp2_keeps(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]):
     """An FSDP1 file moved to `fsdp_version: 2` keeps keys FSDP2 drops: validate said OK and
-    nothing else; accelerate drops them at launch, with a warning among each rank's logs at most."""
+    nothing else; accelerate drops them at launch, with a warning among each rank's logs at most.
+    `sync_module_states` said nothing either (`accelerate to-fsdp2` removes it with the other two)."""
     moved = tmp_path / "moved_to_fsdp2.yaml"
     moved.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_backward_prefetch: BACKWARD_PRE\n"
-                     "  fsdp_use_orig_params: true\n  fsdp_cpu_ram_efficient_loading: false\n")
+                     "  fsdp_use_orig_params: true\n  fsdp_sync_module_states: true\n"
+                     "  fsdp_cpu_ram_efficient_loading: false\n")
     assert cli.main(["validate", str(moved)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [f"{moved}: OK",
                    f"{moved}: warning: fsdp_config.fsdp_backward_prefetch does nothing under FSDP2 (FSDP2 prefetches "
                    "the next layer's all-gather itself; accelerate drops it): remove it",
                    f"{moved}: warning: fsdp_config.fsdp_use_orig_params does nothing under FSDP2 (FSDP2 always trains "
-                   "the original parameters; accelerate drops it): remove it"], out
+                   "the original parameters; accelerate drops it): remove it",
+                   f"{moved}: warning: fsdp_config.fsdp_sync_module_states does nothing under FSDP2 (FSDP2 broadcasts "
+                   "no module states: with cpu_ram_efficient_loading every rank gets its shard from the loader, else "
+                   "each rank loads the checkpoint itself; accelerate drops it): remove it"], out
     assert cli.main(["explain", "--format", "json", str(moved)]) == 0
-    assert len(json.loads(capsys.readouterr().out)["warnings"]) == 2
+    assert len(json.loads(capsys.readouterr().out)["warnings"]) == 3
+    # removing it is what the warning says to do: the file stays valid with meta loading on (the
+    # launch's --fsdp_sync_module_states defaults to true), and says nothing more
+    removed = tmp_path / "removed.yaml"
+    removed.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_cpu_ram_efficient_loading: true\n")
+    assert cli.main(["validate", str(removed)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{removed}: OK"]
     # the same keys under FSDP1, and NO_PREFETCH (accelerate's "none") under FSDP2, say nothing
     fsdp1 = tmp_path / "fsdp1.yaml"
     fsdp1.write_text(moved.read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
