@@ -364,8 +364,12 @@ def build_model(model_dir: Path, checkpoint: str, model: str = "300m") -> None:
     layout: files of at most 5 GB, and at least 4 of them (Llama-3-8B ships as 4)."""
     import torch
 
-    from fsdp_offload_cfg.testing.models import (save_llama_300m, save_qwen3_moe_300m, save_qwen3_vl_moe_300m,
-                                                 write_llama_checkpoint)
+    from fsdp_offload_cfg.testing.models import (
+        save_llama_300m,
+        save_qwen3_moe_300m,
+        save_qwen3_vl_moe_300m,
+        write_llama_checkpoint,
+    )
 
     if checkpoint == "bf16-files":
         write_llama_checkpoint(str(model_dir), model, torch.bfloat16, min_files=4)

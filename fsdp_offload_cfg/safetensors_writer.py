@@ -65,7 +65,7 @@ class FileWriter:
         self.entries = entries
         self.order = layout(entries)
         self._next = 0  # index into `order` of the tensor the file takes next
-        self._stream: IO[bytes] = open(path, "wb")
+        self._stream: IO[bytes] = open(path, "wb")  # noqa: SIM115 - held across append() calls; close() closes it
         self._stream.write(header(entries, metadata))
 
     def append(self, name: str, *parts: torch.Tensor) -> None:

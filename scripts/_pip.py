@@ -138,10 +138,8 @@ def main(argv: list[str]) -> int:
         reason = found if isinstance(found, str) else "uv could not be installed"
         print(f"[setup] {reason}: installing with pip (slower, the same packages)", file=sys.stderr)
         return subprocess.run([sys.executable, "-m", "pip", command, *args]).returncode
-    if command == "uninstall":  # uv asks nothing, and takes no index flags
-        line = [a for a in args if a not in ("-y", "--yes")]
-    else:
-        line = command_line(found, args)
+    # uninstall: uv asks nothing, and takes no index flags
+    line = [a for a in args if a not in ("-y", "--yes")] if command == "uninstall" else command_line(found, args)
     return subprocess.run([uv, "pip", command, "--python", sys.executable, *line],
                           env={**os.environ, **found.env}).returncode
 

@@ -409,9 +409,9 @@ def test_a_parallelism_config_key_of_a_later_accelerate_names_the_version(tmp_pa
 
 def test_parallelism_config_keys_are_the_installed_accelerates() -> None:
     """Read from the installed accelerate's launch parser: its HSDP sizes on every supported version."""
-    from fsdp_offload_cfg.config.keys import PARALLELISM_CONFIG_KEYS_1_15, parallelism_config_keys
-
     from importlib.metadata import version
+
+    from fsdp_offload_cfg.config.keys import PARALLELISM_CONFIG_KEYS_1_15, parallelism_config_keys
 
     keys = parallelism_config_keys()
     assert {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size"} <= keys

@@ -304,7 +304,7 @@ def _fsdp1_worker(rank: int, world_size: int, path: str, out: str, state_dict_ty
     the trained weights as `summon_full_params` gathers them, without any offload."""
     import numpy as np
     from datasets import Dataset
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 - the name its docs use
 
     import fsdp_offload_cfg
 

@@ -244,7 +244,7 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    _no_split_modules = ["Block", "TextEmbeddings"]  # as a class attribute, as transformers 4.x keeps it
+    _no_split_modules = ["Block", "TextEmbeddings"]  # noqa: RUF012 - a class attribute, as transformers 4.x keeps it
 
     def __init__(self) -> None:
         super().__init__()
@@ -306,7 +306,7 @@ def test_the_estimate_models_the_classes_the_run_wraps(tmp_path: Any) -> None:
     assert layer_class_names(net, None) == ["Block"]
     assert layer_class_names(net, ("TextEmbeddings",)) == ["TextEmbeddings"]
     net._no_split_modules = ["TextEmbeddings"]
-    with pytest.raises(EstimateError, match="fsdp_transformer_layer_cls_to_wrap in cfg.yaml .*it repeats Block"):
+    with pytest.raises(EstimateError, match=r"fsdp_transformer_layer_cls_to_wrap in cfg.yaml .*it repeats Block"):
         layer_class_names(net, None, "cfg.yaml")
 
     path = str(tmp_path / "llava")
@@ -321,7 +321,7 @@ def test_the_estimate_models_the_classes_the_run_wraps(tmp_path: Any) -> None:
 
 
 class SubModel(nn.Module):
-    _no_split_modules = ["Block", "VisionLayer"]
+    _no_split_modules = ["Block", "VisionLayer"]  # noqa: RUF012 - as transformers declares it
 
     def __init__(self) -> None:
         super().__init__()
@@ -329,7 +329,7 @@ class SubModel(nn.Module):
 
 
 class Composite(nn.Module):
-    _no_split_modules: list[str] = []  # transformers 4.x: Llava, Mistral3, InternVL declare none of their own
+    _no_split_modules: list[str] = []  # noqa: RUF012 - transformers 4.x: Llava, Mistral3, InternVL declare none of their own
 
     def __init__(self) -> None:
         super().__init__()
@@ -371,9 +371,9 @@ def test_a_listed_class_the_model_lacks_is_refused_naming_the_key_and_where_it_w
     assert str(caught.value) == ("fsdp2.yaml: fsdp_transformer_layer_cls_to_wrap names LlamaDecoderLayer, which is not "
                                  "a module class of Net; its layer classes are Block (fix the list, or remove it to "
                                  "wrap those)")
-    with pytest.raises(ValueError, match=r"^transformer_cls_names_to_wrap on accelerate's FSDP plugin \(set in code"):
-        with present_classes_only(_plugin(transformer_cls_names_to_wrap=["Gone"]), net, "fsdp2.yaml", None):
-            pass
+    with (pytest.raises(ValueError, match=r"^transformer_cls_names_to_wrap on accelerate's FSDP plugin \(set in code"),
+          present_classes_only(_plugin(transformer_cls_names_to_wrap=["Gone"]), net, "fsdp2.yaml", None)):
+        pass
 
 
 class OtherBlock(nn.Module):
@@ -383,7 +383,7 @@ class OtherBlock(nn.Module):
 
 
 class OtherNet(nn.Module):
-    _no_split_modules = ["OtherBlock"]
+    _no_split_modules = ["OtherBlock"]  # noqa: RUF012 - as transformers declares it
 
     def __init__(self) -> None:
         super().__init__()

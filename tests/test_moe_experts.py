@@ -84,8 +84,12 @@ def _worker(rank: int, world_size: int, paths: dict[str, str]) -> dict[str, Any]
     import transformers
     from transformers import PreTrainedModel
 
-    from fsdp_offload_cfg.loading import (auto_from_pretrained, load_into_sharded, rank0_from_pretrained,
-                                          sharded_from_pretrained)
+    from fsdp_offload_cfg.loading import (
+        auto_from_pretrained,
+        load_into_sharded,
+        rank0_from_pretrained,
+        sharded_from_pretrained,
+    )
 
     loads = {"broadcast": rank0_from_pretrained, "sharded": sharded_from_pretrained, "auto": auto_from_pretrained}
     out: dict[str, Any] = {}
@@ -155,7 +159,7 @@ def test_the_transposed_checkpoint_is_in_the_hubs_layout(checkpoints: dict[str, 
     for name in os.listdir(path):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(path, name), "pt") as f:
-                shapes.update({k: f.get_slice(k).get_shape() for k in f.keys() if "layers.0.mlp.experts" in k})
+                shapes.update({k: f.get_slice(k).get_shape() for k in f.keys() if "layers.0.mlp.experts" in k})  # noqa: SIM118 - not a dict
     assert sorted(shapes.values()) == [[4, 24, 32], [4, 32, 48]], shapes
 
 

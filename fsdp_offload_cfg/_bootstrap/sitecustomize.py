@@ -5,7 +5,6 @@ import importlib.util
 import os
 import sys
 
-
 # `autopatch.SWITCH` and `OFF_VALUES`, for a Python that cannot import the package
 # (`tests/test_zero_code.py` checks they agree)
 SWITCH = "FSDP_OFFLOAD_CFG_AUTOPATCH"
@@ -47,7 +46,7 @@ def _stop_without_the_package(error: ModuleNotFoundError) -> None:
 _run_shadowed()
 
 try:
-    from fsdp_offload_cfg.autopatch import activate  # noqa: E402 - after the shadowed one, which may set paths
+    from fsdp_offload_cfg.autopatch import activate  # after the shadowed one, which may set paths
 except ModuleNotFoundError as missing:
     _stop_without_the_package(missing)
 else:

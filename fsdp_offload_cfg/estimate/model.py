@@ -41,7 +41,7 @@ def read_model(path: str) -> ModelSource:
 
     try:  # as the script's from_pretrained reads it (transformers 5 writes an infinite float as {"__float__": ...})
         config = AutoConfig.from_pretrained(config_file)
-    except Exception as exc:  # noqa: BLE001 - any refusal of the file, said with its path, never a traceback
+    except Exception as exc:  # any refusal of the file, said with its path, never a traceback
         raise ModelSourceError(f"{config_file}: transformers cannot build this config "
                                f"({type(exc).__name__}: {exc})") from exc
     folder = os.path.dirname(os.path.abspath(config_file))
@@ -76,7 +76,7 @@ def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dty
     try:
         with meta_init(cls, dtype):
             model = cls(source.config)
-    except Exception as exc:  # noqa: BLE001 - the user's model code (a backend it needs, a key it lacks), said
+    except Exception as exc:  # the user's model code (a backend it needs, a key it lacks), said
         raise ModelSourceError(f"{source.path}: transformers cannot build {cls.__name__} from its config "
                                f"({type(exc).__name__}: {str(exc).strip()})") from exc
     after_init(model)

@@ -33,7 +33,6 @@ offload's device/host split can be replayed on the record (`offload_model.py`).
 from __future__ import annotations
 
 import weakref
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -45,8 +45,8 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten
 
 from fsdp_offload_cfg._logging import get_logger
-from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
 from fsdp_offload_cfg.loading.file_reads import read_whole
+from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
 from fsdp_offload_cfg.safetensors_index import converted
 
 logger = get_logger("fsdp_offload_cfg.loading")

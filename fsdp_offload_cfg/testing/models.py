@@ -157,8 +157,12 @@ def save_llava_anyres(path: str, family: str = "llava_next") -> str:
     """Tiny LLaVA-NeXT or LLaVA-OneVision ('anyres': an image tiled over `image_grid_pinpoints`
     by its size), with the vision tower each ships with (CLIP; SigLIP, whose features have no CLS
     to drop), 4x4 patches a 16-pixel tile, three pinpoints."""
-    from transformers import (LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaOnevisionConfig,
-                              LlavaOnevisionForConditionalGeneration)
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+    )
 
     torch.manual_seed(3)
     tower = {"llava_next": "clip_vision_model", "llava_onevision": "siglip_vision_model"}[family]
@@ -298,8 +302,8 @@ def in_qwen3_vl_moe_hub_layout(path: str, hidden_size: int) -> str:
     from safetensors.torch import load_file, save_file
 
     def hub(key: str, t: torch.Tensor) -> torch.Tensor:
-        turned = (key.endswith("mlp.experts.gate_up_proj") and t.shape[1] != hidden_size
-                  or key.endswith("mlp.experts.down_proj") and t.shape[2] != hidden_size)
+        turned = ((key.endswith("mlp.experts.gate_up_proj") and t.shape[1] != hidden_size)
+                  or (key.endswith("mlp.experts.down_proj") and t.shape[2] != hidden_size))
         return t.transpose(1, 2).contiguous() if turned else t
 
     for name in sorted(os.listdir(path)):
