@@ -19,6 +19,7 @@
 #                 bash scripts/gpu_session.sh load8b      # an 8B checkpoint loaded by 8 CPU ranks (the host), every method
 #                 bash scripts/gpu_session.sh load8b4     # the same checkpoint on 4 ranks: sharded against broadcast
 #                 bash scripts/gpu_session.sh faults      # what filling fresh host memory costs there (page_faults.py, ~30 s)
+#                 bash scripts/gpu_session.sh cudaload    # meta loading into CUDA shards (tests/test_loading_cuda.py alone)
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -73,7 +74,7 @@ versions() {
 accelerate.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 }
 
-GPU_FIRST=(tests/test_offload_cuda.py tests/test_gpu_visible.py)  # what only a GPU machine checks
+GPU_FIRST=(tests/test_offload_cuda.py tests/test_loading_cuda.py tests/test_gpu_visible.py)  # what only a GPU machine checks
 
 suite() {  # every test, the GPU visible: CPU tests must pin themselves, CUDA tests must run
   # SUITE_LIMIT_S stops pytest with SIGINT (it still prints its summary) so the call's other parts
@@ -220,6 +221,12 @@ load8b4() {
 # 1.9 GiB/s and copies a mapped file's page on its first write at 0.5-0.7 GiB/s, which decides how
 # the loader compares with transformers' native load there (docs/benchmarks.md). A 1 GiB file of
 # zeros is enough: what is measured is the destination's pages, not the bytes.
+cudaload() {  # the loader into CUDA shards, never run on a GPU before (4 torchrun launches of 2 ranks
+  # sharing the GPU; `suite` runs the same file first): each shard against a plain load's slice
+  python3 -m pytest -q -rfEs -p no:cacheprovider --timeout 300 tests/test_loading_cuda.py 2>&1 \
+    | tee "$OUT/cudaload.log" | tail -40
+}
+
 faults() {
   head -c $((1024 * 2**20)) /dev/zero > /tmp/faults.bin
   python3 benchmarks/page_faults.py --file /tmp/faults.bin --mib 1000 --repeat 5 2>&1 | tee "$OUT/faults.md"
@@ -250,15 +257,15 @@ estimate() {
   python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --budget 6GiB 9GiB 2>&1 | tee "$OUT/estimate.md"
 }
 
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4|faults) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4, faults)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4|faults|cudaload) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4, faults, cudaload)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
