@@ -8,8 +8,8 @@ Two ranks share one GPU, on gloo (NCCL takes one rank per GPU; at one rank the l
 aside, since there is nothing to split): the loader's agreements are object collectives and each
 rank reads its own slices, so no tensor crosses between ranks. The broadcast strategy's buckets
 (CUDA tensors sent point to point) need NCCL and so two GPUs: not run here. Skipped without a
-GPU (CI has none); `scripts/gpu_session.sh suite` runs this file first. The probe's `--device cpu`
-runs the same checks on CPU shards (how it was checked on a machine without a GPU).
+GPU (CI has none); `scripts/gpu_session.sh suite` runs this file first. One case runs the same
+probe on CPU shards everywhere, so that the probe a GPU session relies on keeps working.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from fsdp_offload_cfg.testing.dist import free_port
 from fsdp_offload_cfg.testing.models import save_llama
 
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="loads into CUDA shards: needs a GPU")]
+pytestmark = pytest.mark.distributed
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="loads into CUDA shards: needs a GPU")
 
 HERE = Path(__file__).parent
 PROBE = HERE / "scripts" / "device_load_probe.py"
@@ -41,20 +41,24 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"float32": save_llama(str(root / "fp32")), "bfloat16": save_llama(str(root / "bf16"), torch.bfloat16)}
 
 
-@pytest.mark.parametrize(("strategy", "saved", "load_dtype", "offload_params"), [
-    ("auto", "float32", None, False),  # host staging, then a copy into each CUDA shard
-    ("sharded", "float32", None, False),
-    ("auto", "bfloat16", "float32", False),  # float32 masters from a bf16 checkpoint: converted by the copy
-    ("auto", "float32", None, True),  # pinned host shards (CPUOffloadPolicy): read straight into them
+@pytest.mark.parametrize(("device", "strategy", "saved", "load_dtype", "offload_params"), [
+    pytest.param("cuda", "auto", "float32", None, False, marks=NEEDS_GPU),  # host staging, then a copy into the shard
+    pytest.param("cuda", "sharded", "float32", None, False, marks=NEEDS_GPU),
+    # float32 masters from a bf16 checkpoint: converted by the copy
+    pytest.param("cuda", "auto", "bfloat16", "float32", False, marks=NEEDS_GPU),
+    # pinned host shards (CPUOffloadPolicy): read straight into them
+    pytest.param("cuda", "auto", "float32", None, True, marks=NEEDS_GPU),
+    # the probe itself, on CPU shards (the loader's CPU cases are test_loading.py's)
+    pytest.param("cpu", "auto", "float32", None, False, marks=pytest.mark.own_code),
 ])
-def test_a_load_into_cuda_shards_gives_what_a_plain_load_gives(
-    checkpoints: dict[str, str], strategy: str, saved: str, load_dtype: str | None, offload_params: bool,
+def test_a_load_into_device_shards_gives_what_a_plain_load_gives(
+    checkpoints: dict[str, str], device: str, strategy: str, saved: str, load_dtype: str | None, offload_params: bool,
 ) -> None:
     out_dir = Path(tempfile.mkdtemp(prefix="probe_", dir=os.environ["TMPDIR"]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(PROBE),
-           checkpoints[saved], "--device", "cuda", "--strategy", strategy, "--out", str(out_dir),
+           checkpoints[saved], "--device", device, "--strategy", strategy, "--out", str(out_dir),
            *(["--dtype", load_dtype] if load_dtype else []), *(["--offload-params"] if offload_params else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -62,5 +66,5 @@ def test_a_load_into_cuda_shards_gives_what_a_plain_load_gives(
     for r in reports:
         assert r["meta_after_load"] and r["names_match"], r  # built on meta: the loader, not a plain load
         assert r["wrong"] == [], f"rank {r['rank']}: not the plain load's slice: {r['wrong']}"
-        assert r["param_devices"] == (["cpu"] if offload_params else ["cuda:0"]), r
-        assert r["params_pinned"] == [offload_params], r
+        assert r["param_devices"] == (["cpu"] if offload_params or device == "cpu" else ["cuda:0"]), r
+        assert r["params_pinned"] == [offload_params], r  # pinned: only the offloaded shards of a GPU run
