@@ -70,3 +70,43 @@ def test_evaluate_before_train_is_the_run_that_evaluates_at_its_start(llama: str
         assert got["checkpointed"] == expected["checkpointed"] > 0, "checkpointed as once (2 layers; accelerate 1.13 wraps more)"
         assert got["optimizer"] == expected["optimizer"] and got["optimized"] == expected["optimized"] == 21
         assert {kind for kind, _ in got["optimizer"]} == {"DTensor"}, "the sharded parameters, each once"
+
+
+def _loop_worker(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    import torch
+    from accelerate import Accelerator
+    from torch.distributed.tensor import DTensor
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(loader_config("loader_off"))
+    from transformers import AutoModelForCausalLM
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(AutoModelForCausalLM.from_pretrained(path))  # to evaluate it first
+    tokens = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        model(input_ids=tokens, labels=tokens)  # FSDP2 leaves the root's parameters gathered after it
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)  # accelerate refuses an optimizer alone
+
+    def full() -> dict[str, torch.Tensor]:
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+    before = full()
+    accelerator.backward(model(input_ids=tokens, labels=tokens, use_cache=False).loss)
+    optimizer.step()
+    after = full()
+    return {"kinds": sorted({type(p).__name__ for g in optimizer.param_groups for p in g["params"]}),
+            "untrained": sorted(n for n in before if torch.equal(before[n], after[n]))}
+
+
+def test_an_optimizer_built_after_an_evaluation_trains_every_weight(llama: str) -> None:
+    """A forward without backward leaves FSDP2's root unit gathered (its `reshard_after_forward`
+    is off, since backward would gather it again at once), so an optimizer built after it took
+    the root's gathered copies: the final norm and the output head of a Llama, whose updates the
+    next all-gather overwrote; those weights never trained. Under accelerate 1.14 and later (1.13
+    left the root resharded) the Trainer's evaluate() before train() did this on transformers
+    5.20.2 (5.24 reshards before it builds the optimizer), and so does a loop, on any version."""
+    for rank, got in enumerate(run_workers(_loop_worker, 2, llama)):
+        assert got == {"kinds": ["DTensor"], "untrained": []}, (rank, got)

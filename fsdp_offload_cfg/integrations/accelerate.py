@@ -269,6 +269,8 @@ def build_prepare(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Calla
             _say_fsdp_is_not_running(self, cfg)
             return original(self, *args, device_placement=device_placement)
         again = any(_prepared_before(obj) for obj in args)
+        if again:
+            _optimizers_on_sharded_parameters(args)
         with _checkpointing_done(self.state.fsdp_plugin) if again else contextlib.nullcontext():
             if _model_alone(self, args):
                 (model,) = self._prepare_fsdp2(args[0])  # what prepare does, less the optimizer check
@@ -330,6 +332,37 @@ def _prepared_before(obj: Any) -> bool:
 
     return isinstance(obj, torch.nn.Module) and getattr(obj, "_is_accelerate_prepared", False) \
         and isinstance(getattr(obj, "_orig_mod", obj), FSDPModule)
+
+
+def _optimizers_on_sharded_parameters(args: tuple[Any, ...]) -> None:
+    """An optimizer built on a prepared model after a forward without backward (an evaluation
+    first: the Trainer's `evaluate()` before `train()`, or a loop's) holds the parameters FSDP2
+    left gathered there: the root unit does not reshard after its forward (`reshard_after_forward`
+    is off at the root, since backward would gather it again at once), so the root's registered
+    parameters are its gathered copies then, a Llama's final norm and output head. Each optimizer
+    step updated those copies and the next all-gather overwrote them: those weights never trained
+    (accelerate 1.14 and later; 1.13 left the root resharded). transformers 5.24's Trainer
+    reshards before it builds its optimizer; earlier 5.x Trainers (5.20.2 measured) and loops do
+    not. Here every unit is resharded and each optimizer's gathered copies are
+    replaced by the sharded parameters registered under the same names (the optimizer holds no
+    state yet: it has not stepped before `prepare`)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    models = [m for m in args if isinstance(m, torch.nn.Module) and isinstance(getattr(m, "_orig_mod", m), FSDPModule)]
+    optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)]
+    for model in models:
+        gathered = {id(p): name for name, p in model.named_parameters() if not isinstance(p, DTensor)}
+        if not gathered or not optimizers:
+            continue
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        registered = dict(model.named_parameters())
+        sharded = {pid: registered[name] for pid, name in gathered.items() if isinstance(registered.get(name), DTensor)}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [sharded.get(id(p), p) for p in group["params"]]
 
 
 @contextmanager
