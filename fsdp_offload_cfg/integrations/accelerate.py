@@ -343,17 +343,17 @@ def _optimizers_on_sharded_parameters(args: tuple[Any, ...]) -> None:
     step updated those copies and the next all-gather overwrote them: those weights never trained
     (accelerate 1.14 and later; 1.13 left the root resharded). transformers 5.24's Trainer
     reshards before it builds its optimizer; earlier 5.x Trainers (5.20.2 measured) and loops do
-    not. Here every unit is resharded and each optimizer's gathered copies are
-    replaced by the sharded parameters registered under the same names (the optimizer holds no
-    state yet: it has not stepped before `prepare`)."""
+    not. Here every unit is resharded and each optimizer's gathered copies are replaced by the
+    sharded parameters registered under the same names (the optimizer holds no state yet: it has
+    not stepped before `prepare`)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    models = [m for m in args if isinstance(m, torch.nn.Module) and isinstance(getattr(m, "_orig_mod", m), FSDPModule)]
     optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)]
-    for model in models:
+    models = [m for m in args if isinstance(m, torch.nn.Module) and isinstance(getattr(m, "_orig_mod", m), FSDPModule)]
+    for model in models if optimizers else []:
         gathered = {id(p): name for name, p in model.named_parameters() if not isinstance(p, DTensor)}
-        if not gathered or not optimizers:
+        if not gathered:
             continue
         for module in model.modules():
             if isinstance(module, FSDPModule):
