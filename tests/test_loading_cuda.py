@@ -32,7 +32,6 @@ NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="loads into
 
 HERE = Path(__file__).parent
 PROBE = HERE / "scripts" / "device_load_probe.py"
-BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +56,9 @@ def test_a_load_into_device_shards_gives_what_a_plain_load_gives(
     out_dir = Path(tempfile.mkdtemp(prefix="probe_", dir=os.environ["TMPDIR"]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(PROBE),
-           checkpoints[saved], "--device", device, "--strategy", strategy, "--out", str(out_dir),
+    # torchrun as a module: its script need not sit beside this Python on a GPU machine
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(PROBE), checkpoints[saved], "--device", device, "--strategy", strategy, "--out", str(out_dir),
            *(["--dtype", load_dtype] if load_dtype else []), *(["--offload-params"] if offload_params else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE.parent)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
