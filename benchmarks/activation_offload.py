@@ -204,6 +204,10 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, 
 
 
 def run(args: argparse.Namespace, method: str, ac: bool) -> Row:
+    if args.expandable_segments:  # before the row's first CUDA allocation, as patch() sets it
+        from fsdp_offload_cfg.compat.allocator import set_expandable
+
+        set_expandable(True)
     if args.fsdp2:
         _one_rank_group(args.device)
     cuda = args.device.startswith("cuda")
@@ -432,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", metavar="DIR", help="profile one more step per row into DIR (op table, Chrome trace)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="CUDA: cap the allocator at SIZE (such as 9GiB), as a smaller GPU would")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="CUDA: each row's allocator makes expandable segments, set in-process as patch() sets it "
+                        "with the offload on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True sets it per variable)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.device_memory:  # parsed as `fsdp-offload-cfg estimate --device-memory` parses it
@@ -451,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.dtype}, "
           f"{args.steps} steps, device {_device_name(args.device)}, torch {torch.__version__}"
           f"{', FSDP2 (one rank)' if args.fsdp2 else ''}"
-          f"{f', allocator capped at {show_size(args.device_memory)}' if args.device_memory else ''}; "
+          f"{f', allocator capped at {show_size(args.device_memory)}' if args.device_memory else ''}"
+          f"{', expandable segments' if args.expandable_segments else ''}; "
           f"copies measured at {bandwidth / 1e9:.1f} GB/s (the slower direction)\n")
     print(table(rows, args.device.startswith("cuda"), bandwidth, args.batch * args.seq))
     for r in rows:

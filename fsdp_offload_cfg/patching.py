@@ -52,7 +52,10 @@ def active_config() -> FSDPOffloadConfig | None:
 def describe_patches(config: FSDPOffloadConfig, ctx: LaunchContext | None = None) -> list[str]:
     """Human-readable list of the patches `patch(config)` would apply in `ctx` (default: this process)."""
     ctx = ctx or LaunchContext.from_environ()
-    return [f"{p.name}: {p.description}" for p in integrations.PATCHES if p.enabled(config, ctx)]
+    lines = [f"{p.name}: {p.description}" for p in integrations.PATCHES if p.enabled(config, ctx)]
+    if integrations.expandable_segments_wanted(config, ctx):
+        lines.append(f"{registry.EXPANDABLE_SEGMENTS}: {integrations.EXPANDABLE_SEGMENTS_TEXT}")
+    return lines
 
 
 def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = None, **overrides: Any) -> PatchSession:

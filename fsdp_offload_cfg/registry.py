@@ -11,7 +11,8 @@ module; it imports neither, so there is no cycle to hide behind function-local i
   `WORLD_SIZE` into its own environment.
 - `Plan` -> `install` / `switch` / `uninstall`: every target is resolved and guarded before
   anything changes; a failure never leaves a half-patched process; uninstall puts back the
-  exact original objects and environment values.
+  exact original objects and environment values, and the CUDA allocator's expandable segments
+  where the plan turned them on (`compat.allocator`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from fsdp_offload_cfg.compat import allocator
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 
 # Tested ranges (inclusive lower bound, exclusive upper bound). Upper bounds are the next major
@@ -48,6 +50,7 @@ class LaunchContext:
     world_size: int = 1
     launcher: bool = False  # started by a launcher (LOCAL_RANK set), even as a single process
     accelerator: bool = False  # a device accelerate would pick over the CPU (CUDA, XPU, NPU)
+    cuda_allocator: bool = False  # torch's CUDA caching allocator is this machine's (compat.allocator)
 
     @property
     def distributed(self) -> bool:
@@ -60,13 +63,13 @@ class LaunchContext:
             world_size = int(environ.get("WORLD_SIZE", "1"))
         except ValueError:
             world_size = 1
-        return cls(world_size, environ.get("LOCAL_RANK") is not None, has_accelerator_device())
+        return cls(world_size, environ.get("LOCAL_RANK") is not None, has_accelerator_device(), allocator.cuda_allocator_here())
 
     @classmethod
     def for_processes(cls, num_processes: int | None) -> LaunchContext:
         """The context a launch of `num_processes` would give on this machine (for `explain`)."""
         count = max(num_processes or 1, 1)
-        return cls(count, count > 1, has_accelerator_device())
+        return cls(count, count > 1, has_accelerator_device(), allocator.cuda_allocator_here())
 
 
 def has_accelerator_device() -> bool:
@@ -117,6 +120,9 @@ class Plan:
     # how this plan was made, for a config that arrives later (the Trainer's `fsdp_config`): the
     # patch that receives it plans it the same way without importing the planner (a cycle)
     replan: Callable[[FSDPOffloadConfig, str], Plan] | None = None
+    # turn the CUDA allocator's expandable segments on while this plan is in force (decided by
+    # `integrations.common.expandable_segments_wanted`)
+    expandable_segments: bool = False
 
 
 @dataclass
@@ -142,11 +148,14 @@ class PatchSession:
     undo: list[Callable[[], None]] = field(default_factory=list)
     # lazy patches whose module nobody has imported yet, with the callback that installs each
     pending: list[tuple[Patch, Callable[[Any], None]]] = field(default_factory=list)
+    # this session turned the CUDA allocator's expandable segments on: `uninstall` turns them off
+    expandable_segments: bool = False
 
     @property
     def patch_names(self) -> list[str]:
         """The patches in force, and those that go in when their framework is imported."""
-        return [a.patch.name for a in self.applied] + [p.name for p, _ in self.pending]
+        allocator = [EXPANDABLE_SEGMENTS] if self.expandable_segments else []
+        return [a.patch.name for a in self.applied] + [p.name for p, _ in self.pending] + allocator
 
     def __enter__(self) -> PatchSession:
         return self
@@ -156,6 +165,8 @@ class PatchSession:
 
 
 _ACTIVE: PatchSession | None = None  # the installed session; replacements read its config live
+# how the allocator setting is listed among the patches (`explain`, rank 0's line)
+EXPANDABLE_SEGMENTS = "cuda-expandable-segments"
 
 
 def active() -> PatchSession | None:
@@ -229,7 +240,8 @@ def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
 
 
 def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchContext,
-         env: dict[str, str], replan: Callable[[FSDPOffloadConfig, str], Plan] | None = None) -> Plan:
+         env: dict[str, str], replan: Callable[[FSDPOffloadConfig, str], Plan] | None = None,
+         expandable_segments: bool = False) -> Plan:
     """The patches `cfg` needs in `ctx`, with versions in range and every target present."""
     wanted = [p for p in patches if p.enabled(cfg, ctx)]
     check_versions({dist for p in wanted for dist in p.requires})
@@ -239,7 +251,7 @@ def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchC
         resolve(p)
         for module, attribute in p.swaps(cfg):
             _resolve_swap(p, module, attribute)
-    return Plan(cfg, source, wanted, env, replan)
+    return Plan(cfg, source, wanted, env, replan, expandable_segments)
 
 
 # -------------------------------------------------------------------------------------------
@@ -255,10 +267,12 @@ def install(new: Plan) -> PatchSession:
     applied: list[_Applied] = []
     try:
         _install_all(new, new.patches, applied)
+        _set_expandable_segments(False, new.expandable_segments)
     except BaseException:
         _revert(applied, env_before)
         raise
-    _ACTIVE = PatchSession(new.config, new.source, applied, env_before, new.replan)
+    _ACTIVE = PatchSession(new.config, new.source, applied, env_before, new.replan,
+                           expandable_segments=new.expandable_segments)
     _install_later(_ACTIVE, new.patches)
     return _ACTIVE
 
@@ -285,6 +299,8 @@ def switch(new: Plan) -> PatchSession:
     except BaseException:
         _revert([a for a in applied if a not in kept], {})
         raise
+    _set_expandable_segments(session.expandable_segments, new.expandable_segments)
+    session.expandable_segments = new.expandable_segments
     order = {p.name: i for i, p in enumerate(new.patches)}
     session.applied = sorted(applied, key=lambda a: order[a.patch.name])
     session.config, session.source = new.config, new.source
@@ -301,6 +317,7 @@ def uninstall() -> None:
             _ACTIVE.undo.pop()()
         _cancel_pending(_ACTIVE)
         _revert(_ACTIVE.applied, _ACTIVE.env_before)
+        _set_expandable_segments(_ACTIVE.expandable_segments, False)
         _ACTIVE = None
 
 
@@ -327,6 +344,14 @@ def _apply(p: Patch, owner: Any, attr: str, raw: Any, config: FSDPOffloadConfig,
         replacement = p.build(raw, config)
     setattr(owner, attr, replacement)
     applied.append(_Applied(p, owner, attr, raw, replacement))
+
+
+def _set_expandable_segments(now: bool, wanted: bool) -> None:
+    """Turn the allocator's expandable segments on or back off where that changes. Off is torch's
+    default, which the allocator had before: a plan only turns them on where the user's
+    allocator variable is unset or silent about them."""
+    if now != wanted:
+        allocator.set_expandable(wanted)
 
 
 def _install_later(session: PatchSession, patches: list[Patch]) -> None:

@@ -20,6 +20,7 @@
 #                 bash scripts/gpu_session.sh load8b4     # the same checkpoint on 4 ranks: sharded against broadcast
 #                 bash scripts/gpu_session.sh faults      # what filling fresh host memory costs there (page_faults.py, ~30 s)
 #                 bash scripts/gpu_session.sh cudaload    # meta loading into CUDA shards (tests/test_loading_cuda.py alone)
+#                 bash scripts/gpu_session.sh expandable  # patch() turns expandable segments on: reserved vs allocated
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -74,7 +75,7 @@ versions() {
 accelerate.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 }
 
-GPU_FIRST=(tests/test_offload_cuda.py tests/test_loading_cuda.py tests/test_gpu_visible.py)  # what only a GPU machine checks
+GPU_FIRST=(tests/test_offload_cuda.py tests/test_loading_cuda.py tests/test_allocator.py tests/test_gpu_visible.py)  # what only a GPU machine checks
 
 suite() {  # every test, the GPU visible: CPU tests must pin themselves, CUDA tests must run
   # SUITE_LIMIT_S stops pytest with SIGINT (it still prints its summary) so the call's other parts
@@ -227,6 +228,23 @@ cudaload() {  # the loader into CUDA shards, never run on a GPU before (4 torchr
     | tee "$OUT/cudaload.log" | tail -40
 }
 
+# Expandable segments as patch() sets them with the offload on (torch's allocator settings, in the
+# process; not the variable): the CUDA probe of tests/test_allocator.py, then `reserved`'s rows set
+# so, uncapped and capped at their peak + 10%. Targets: reserved <= 1.15x the allocated
+# peak uncapped, 0 retries capped. The variable's rows (H100, 2026-11-27): 1.02x / 1.12x FSDP2.
+expandable() {
+  python3 -m pytest -q -rfEs -p no:cacheprovider --timeout 300 tests/test_allocator.py 2>&1 \
+    | tee "$OUT/expandable_tests.log" | tail -8
+  local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4 --ac no --expandable-segments)
+  local layout cap
+  for layout in "" --fsdp2; do
+    "${row[@]}" --methods none ours-async $layout 2>&1 | tee -a "$OUT/expandable.md"
+    cap=$(_capped_at_peak "$OUT/expandable.md" ours-async)
+    [ -n "$cap" ] && "${row[@]}" --methods ours-async $layout --device-memory "$cap" 2>&1 | tee -a "$OUT/expandable.md"
+    mv "$OUT/expandable.md" "$OUT/expandable${layout:+_fsdp2}.md"
+  done
+}
+
 faults() {
   head -c $((1024 * 2**20)) /dev/zero > /tmp/faults.bin
   python3 benchmarks/page_faults.py --file /tmp/faults.bin --mib 1000 --repeat 5 2>&1 | tee "$OUT/faults.md"
@@ -264,8 +282,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH 
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4|faults|cudaload) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4, faults, cudaload)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4|faults|cudaload|expandable) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4, faults, cudaload, expandable)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate

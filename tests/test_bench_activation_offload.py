@@ -17,12 +17,14 @@ Only the allocator's peak, which a CPU has not got, is left out (`read` is repla
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from fsdp_offload_cfg.compat import allocator
 from fsdp_offload_cfg.testing.dist import run_workers
 from fsdp_offload_cfg.testing.models import shard_by_layer
 from fsdp_offload_cfg.testing.peaks import NonGradientPeak
@@ -117,3 +119,26 @@ def test_each_row_is_reported_on_stderr_as_it_ends():
     assert " none, AC no: peak " in done[0] and " step " in done[0] and " loss " in done[0], done[0]
     assert " budget=1KiB, AC no: not run: ConfigError: " in done[1], done[1]
     assert "| none | no |" in proc.stdout  # the table still follows
+
+
+@pytest.mark.own_code
+def test_expandable_segments_reach_the_rows_allocator_settings():
+    """`--expandable-segments` (scripts/gpu_session.sh's part `expandable`) sets the allocator in
+    the row's process as `patch()` does: the rows measure what a patched run gets."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        pytest.skip(f"torch {torch.__version__} does not report its allocator settings (2.13 does)")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import activation_offload as b; "
+            "b.main(['--device', 'cpu', '--layers', '1', '--hidden', '64', '--seq', '16', '--steps', '1', "
+            "'--methods', 'none', '--ac', 'no', '--same-process'] + sys.argv[2:]); "
+            "print('settings', torch._C._accelerator_getAllocatorSettings())")
+    env = {k: v for k, v in os.environ.items() if k not in allocator.USER_VARIABLES}  # the default allocator
+    for flag, settings in (([], "settings \n"), (["--expandable-segments"], "settings expandable_segments:True\n")):
+        proc = subprocess.run([sys.executable, "-c", code, str(bench), *flag], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.endswith(settings), proc.stdout[-300:]

@@ -121,6 +121,8 @@ GOOD = [
     ({"activation_memory_budget": "8GiB", "activation_budget_copy_gb_per_s": "5e1"}, "activation_budget_copy_gb_per_s",
      50.0),
     ({"cpu_ram_efficient_loading": True, "load_strategy": "BROADCAST"}, "load_strategy", "broadcast"),
+    ({"expandable_segments": "false"}, "expandable_segments", False),
+    ({"activation_cpu_offload": True, "expandable_segments": None}, "expandable_segments", None),  # unset: auto
     ({"cpu_offload": True}, "offload_params", True),  # transformers' spelling
     ({"xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": "false", "limit_all_gathers": True,
       "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}, "version", 2),  # Trainer keys: accepted, not used
@@ -167,6 +169,7 @@ BAD = [
     ({"activation_cpu_offload": {"enabeld": True}}, "activation_cpu_offload.enabeld", "did you mean 'enabled'?"),
     ({"cpu_ram_efficient_loading": True, "load_strategy": "scatter"}, "load_strategy", "one of auto, broadcast, sharded"),
     ({"xla_fsdp_settings": "fast"}, "xla_fsdp_settings", "expected a mapping"),
+    ({"expandable_segments": "auto"}, "expandable_segments", 'expected true or false (a boolean, or the string "true"/"false"); got "auto"'),
     ({"activation_memory_budget": "lots"}, "activation_memory_budget", "a size such as 12GiB, or auto, auto-2GiB"),
     ({"activation_memory_budget": "auto-100%"}, "activation_memory_budget", "auto with an optional margin below"),
     ({"activation_memory_budget": "auto-2 gigs"}, "activation_memory_budget", 'got "auto-2 gigs"'),

@@ -44,6 +44,7 @@ def _clean(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(registry, "has_accelerator_device", lambda: False)
+    monkeypatch.setattr(registry.allocator, "cuda_allocator_here", lambda: False)  # no allocator change either
     for key in list(os.environ):
         if key.startswith("FSDP_") or key.startswith("ACCELERATE_"):
             monkeypatch.delenv(key)

@@ -127,6 +127,12 @@ KEYS: tuple[Key, ...] = (
         "Unset: measured on the device at the first training forward (a copy to the host and back; the "
         "slowest rank's).",
         owner="plugin", annotation="float | None", env="FSDP_ACTIVATION_BUDGET_COPY_GB_PER_S"),
+    Key("expandable_segments", "boolish",
+        "fsdp_offload_cfg: the CUDA caching allocator's expandable segments in each process (what "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True sets), so that reserved memory stays near allocated. "
+        "Unset: on where activation_cpu_offload or activation_memory_budget is on and neither PYTORCH_ALLOC_CONF "
+        "nor PYTORCH_CUDA_ALLOC_CONF is set (a variable you set leaves the allocator to you). false: torch's default.",
+        owner="plugin", annotation="bool | None", env="FSDP_EXPANDABLE_SEGMENTS"),
     _trainer_only("limit_all_gathers", "boolish",
                   "transformers Trainer, FSDP1 only: rate-limit all-gathers. Accepted and not used by this plugin."),
     _trainer_only("xla", "boolish", "transformers Trainer: use PyTorch/XLA FSDP instead of accelerate's FSDP. "

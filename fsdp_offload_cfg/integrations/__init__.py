@@ -13,11 +13,13 @@ from fsdp_offload_cfg import registry
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.integrations import accelerate, peft, transformers, trl
 from fsdp_offload_cfg.integrations.common import (
+    EXPANDABLE_SEGMENTS_TEXT,
     accelerate_env,
     accelerator_state_exists,
     cpu_fsdp_needed,
     enable_offload,
     environment_problems,
+    expandable_segments_wanted,
     fsdp_requested,
     loader_enabled,
     log_active,
@@ -44,10 +46,11 @@ def plan_for(cfg: FSDPOffloadConfig, source: str, ctx: LaunchContext) -> registr
     if problems:
         raise ConfigError("\n".join(problems))
     return registry.plan(cfg, source, PATCHES, ctx, accelerate_env(cfg, ctx),
-                         replan=lambda later, where: plan_for(later, where, LaunchContext.from_environ()))
+                         replan=lambda later, where: plan_for(later, where, LaunchContext.from_environ()),
+                         expandable_segments=expandable_segments_wanted(cfg, ctx))
 
 
 __all__ = [
-    "PATCHES", "accelerate_env", "accelerator_state_exists", "cpu_fsdp_needed", "enable_offload",
-    "environment_problems", "fsdp_requested", "loader_enabled", "log_active", "plan_for",
+    "EXPANDABLE_SEGMENTS_TEXT", "PATCHES", "accelerate_env", "accelerator_state_exists", "cpu_fsdp_needed", "enable_offload",
+    "environment_problems", "expandable_segments_wanted", "fsdp_requested", "loader_enabled", "log_active", "plan_for",
 ]  # fmt: skip

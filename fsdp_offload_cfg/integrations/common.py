@@ -16,6 +16,7 @@ import torch
 
 from fsdp_offload_cfg import registry
 from fsdp_offload_cfg._logging import get_logger, is_rank0
+from fsdp_offload_cfg.compat import allocator
 from fsdp_offload_cfg.config import FSDPOffloadConfig, env_values
 from fsdp_offload_cfg.layer_classes import transformers_model
 from fsdp_offload_cfg.offload.stats import summarize_offload_at_exit
@@ -67,6 +68,29 @@ def environment_problems(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> list[str
 
 def loader_enabled(cfg: FSDPOffloadConfig, ctx: LaunchContext | None = None) -> bool:
     return fsdp_requested(cfg) and cfg.cpu_ram_efficient_loading and cfg.version == 2
+
+
+EXPANDABLE_SEGMENTS_TEXT = ("the CUDA allocator makes expandable segments in each process, so that reserved memory "
+                            "stays near allocated (fsdp_expandable_segments: false keeps torch's default)")
+
+
+def offload_requested(cfg: FSDPOffloadConfig) -> bool:
+    """The activation offload, or a budget's plan, runs under this config (prepare enables them)."""
+    budget = cfg.activation_memory_budget is not None and cfg.version == 2
+    return fsdp_requested(cfg) and (cfg.activation_cpu_offload.enabled or budget)
+
+
+def expandable_segments_wanted(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    """Turn the CUDA allocator's expandable segments on in this process (`compat.allocator` says
+    why): by default where the offload runs, on a CUDA device, and the user has set no allocator
+    variable; `expandable_segments: true` also without the offload, unless the user's variable
+    says otherwise (the launch's environment wins over the file)."""
+    if not ctx.cuda_allocator or cfg.use_cpu or cfg.expandable_segments is False:
+        return False
+    user = allocator.user_variable(registry.environ_before_patching())
+    if cfg.expandable_segments is None:
+        return user is None and offload_requested(cfg)
+    return user is None or allocator.stated_expandable(user[1]) is None
 
 
 def accelerate_env(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> dict[str, str]:
@@ -173,6 +197,10 @@ def log_active(session: registry.PatchSession) -> None:
         offload = f"planned per layer to activation_memory_budget {cfg.activation_memory_budget} at the first forward"
     logger.info("config from %s (FSDP%d%s, meta loading: %s, activation offload: %s); patches: %s", session.source,
                 cfg.version, _parallelism_text(session), loading, offload, ", ".join(session.patch_names) or "none")  # fmt: skip
+    user = allocator.user_variable(registry.environ_before_patching())
+    if cfg.expandable_segments and user is not None and allocator.stated_expandable(user[1]) is False:
+        logger.warning("fsdp_config.expandable_segments is true and %s=%s says otherwise: the variable wins, as a "
+                       "launch's environment wins over the file", *user)  # fmt: skip
 
 
 def _parallelism_text(session: registry.PatchSession) -> str:
