@@ -127,6 +127,7 @@ def test_what_an_allocator_setting_says(text, stated):
 _CUDA_PROBE = """
 import json, sys, torch, fsdp_offload_cfg
 fsdp_offload_cfg.patch({"distributed_type": "FSDP", "fsdp_config": json.loads(sys.argv[1])})
+assert not torch.cuda.is_initialized(), "patch() started CUDA: a DataLoader's forked workers could not"
 x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
 print(json.dumps(sorted({segment["is_expandable"] for segment in torch.cuda.memory_snapshot()})))
 """
@@ -140,7 +141,8 @@ print(json.dumps(sorted({segment["is_expandable"] for segment in torch.cuda.memo
     ({"fsdp_version": 2}, None, [False]),
 ])
 def test_on_cuda_the_segments_allocated_after_patch_are_expandable(fsdp_config, variable, expandable):
-    """In a fresh process: what `patch()` sets reaches the CUDA allocator (its segments say so)."""
+    """In a fresh process: what `patch()` sets reaches the CUDA allocator (its segments say so),
+    and setting it does not start CUDA."""
     import json
     import subprocess
     import sys
