@@ -236,12 +236,12 @@ expandable() {
   python3 -m pytest -q -rfEs -p no:cacheprovider --timeout 300 tests/test_allocator.py 2>&1 \
     | tee "$OUT/expandable_tests.log" | tail -8
   local row=(python3 benchmarks/activation_offload.py --device cuda "${SHAPE[@]}" --steps 4 --ac no --expandable-segments)
-  local layout cap
+  local layout cap file
   for layout in "" --fsdp2; do
-    "${row[@]}" --methods none ours-async $layout 2>&1 | tee -a "$OUT/expandable.md"
-    cap=$(_capped_at_peak "$OUT/expandable.md" ours-async)
-    [ -n "$cap" ] && "${row[@]}" --methods ours-async $layout --device-memory "$cap" 2>&1 | tee -a "$OUT/expandable.md"
-    mv "$OUT/expandable.md" "$OUT/expandable${layout:+_fsdp2}.md"
+    file="$OUT/expandable${layout:+_fsdp2}.md"
+    "${row[@]}" --methods none ours-async $layout 2>&1 | tee "$file"
+    cap=$(_capped_at_peak "$file" ours-async)
+    [ -n "$cap" ] && "${row[@]}" --methods ours-async $layout --device-memory "$cap" 2>&1 | tee -a "$file"
   done
 }
 
