@@ -52,10 +52,7 @@ def set_expandable(on: bool) -> None:
     """Make the segments the allocator creates from now on expandable (or not)."""
     import torch
 
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # before torch 2.9 (below the supported range; kept for a patched build)
-        setter = torch.cuda.memory._set_allocator_settings
-    setter(f"expandable_segments:{on}")
+    torch._C._accelerator_setAllocatorSettings(f"expandable_segments:{on}")  # torch 2.11 (the oldest supported) has it
 
 
 def settings_now() -> str | None:
