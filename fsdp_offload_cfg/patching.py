@@ -18,6 +18,7 @@ from fsdp_offload_cfg import clean_exit, integrations, registry
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.discovery import discover_config
+from fsdp_offload_cfg.ranks import say_this_rank_is_gone
 from fsdp_offload_cfg.registry import (
     SUPPORTED_VERSIONS,
     LaunchContext,
@@ -75,8 +76,7 @@ def patch(config: str | Path | Mapping[str, Any] | FSDPOffloadConfig | None = No
     (`clean_exit`: otherwise a finished run can abort at exit); `unpatch()` leaves that in place.
     """
     ctx = LaunchContext.from_environ()
-    if ctx.distributed:
-        _report_uncaught_config_errors()
+    _install_excepthook(launched=ctx.distributed)
     cfg, source = discover_config(config, overrides)
     previous = registry.active()
     if previous is not None and previous.config == cfg:
@@ -116,20 +116,24 @@ def _log(session: PatchSession) -> None:
     integrations.log_active(session)
 
 
-def _report_uncaught_config_errors() -> None:
-    """Under a launcher, print an uncaught `ConfigError` as its problems instead of a traceback.
+def _install_excepthook(launched: bool) -> None:
+    """What an exception nobody catches does besides its traceback, once per process:
 
-    Every rank prints its own, prefixed with its rank: the launcher kills the other ranks as soon
-    as one exits, so a rank that stays silent and exits first would take the only message with
-    it. The exception still propagates (a
-    script may catch it); the process exits 1.
+    - with a process group up, it leaves a note in the store (`ranks.say_this_rank_is_gone`):
+      the other ranks' next meeting (`prepare` opens with one) names this rank and its error at
+      once instead of waiting for it in a collective until the process-group timeout;
+    - under a launcher (`launched`), a `ConfigError` prints as its problems instead of a
+      traceback. Every rank prints its own, prefixed with its rank: the launcher kills the other
+      ranks as soon as one exits, so a rank that stays silent and exits first would take the only
+      message with it. The exception still propagates (a script may catch it); the process exits 1.
     """
     if getattr(sys.excepthook, "_fsdp_offload_cfg", False):
         return
     previous = sys.excepthook
 
     def excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if not isinstance(error, ConfigError):
+        say_this_rank_is_gone(error)
+        if not (launched and isinstance(error, ConfigError)):
             previous(kind, error, tb)
             return
         rank = os.environ.get("RANK", "?")

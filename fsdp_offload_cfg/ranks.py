@@ -6,7 +6,10 @@ raises together, naming the cause, instead of the healthy ranks waiting in the n
 until the process-group timeout. Decisions that choose between two collective paths are taken
 from every rank's data (`any_rank`, `max_over_ranks`, `min_over_ranks`), so every rank takes the
 same path. Loading, the budget's planner and the integrations all follow it; without a process
-group of several ranks each helper is the plain local step.
+group of several ranks each helper is the plain local step. A step that has no collective by
+design (a load, which some ranks may make alone) can still fail on one rank: the error that ends
+that rank's process leaves a note in the store (`say_this_rank_is_gone`), and the meeting the
+others come to next (`every_rank_comes`) stops on it instead of waiting out the timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ T = TypeVar("T")
 logger = get_logger("fsdp_offload_cfg")
 _meetings: dict[str, itertools.count] = {}  # per meeting name: how often this rank has come to it
 MEETING_LOG_EVERY_S = 60.0
+_GONE = "fsdp_offload_cfg/gone"  # store keys: `{_GONE}/count`, and `{_GONE}/rank{r}` = why rank r left
+# the last step this rank failed at alone (`remember_failed_step`): kept until the process ends,
+# since the note that names it is written only when the error ends the process
+_failed_step: tuple[str, BaseException] | None = None
 
 
 def distributed_ready() -> bool:
@@ -172,6 +179,57 @@ def _reduced(values: Sequence[Any], dtype: torch.dtype, op: Any, group: Any) -> 
     return tensor.tolist()
 
 
+def remember_failed_step(what: str, error: BaseException) -> None:
+    """Before this rank raises out of a step its peers pass without it (a model built from rank
+    0's description, or its own meta build: no collective there, by design): what it was doing,
+    so that the note it leaves if the error ends the process (`say_this_rank_is_gone`) names the
+    step, not only the exception."""
+    global _failed_step
+    _failed_step = (what, error)
+
+
+def say_this_rank_is_gone(error: BaseException) -> None:
+    """Called for an exception nobody caught (the process ends with it; `patch()` installs the
+    excepthook that calls this): leave a note in the store, so that the peers' next meeting
+    (`every_rank_comes`, which `prepare` opens with) stops at once and names this rank and why,
+    instead of waiting out the process-group timeout in a collective for a rank that is gone.
+    torchrun stops the job when a rank exits with an error; a launcher that starts each rank
+    itself (`srun python train.py`, `mpirun`) does not, and on NCCL the peers waited for the whole
+    timeout (10 minutes by default; on gloo the dead peer's socket failed them, with a message
+    about connections). Only an uncaught exception counts: a script that catches a failed load
+    and loads again is not gone. Never raises: the process is ending anyway."""
+    try:
+        if not distributed_ready():
+            return
+        what, step_error = _failed_step or ("", None)  # `error` or one it was raised from: the step's
+        chain, link = [], error
+        while link is not None and len(chain) < 32:  # bounded: a chain set by hand may loop
+            chain.append(link)
+            link = link.__cause__ or link.__context__
+        note = f"failed to {what}: {describe_error(step_error)}" if any(e is step_error for e in chain) else \
+            f"exited on an uncaught {describe_error(error)}"
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_GONE}/rank{dist.get_rank()}", note)
+        store.add(f"{_GONE}/count", 1)
+    except Exception:  # noqa: BLE001 - the store gone with rank 0: the peers fail on it themselves
+        pass
+
+
+def gone_ranks(ranks: Sequence[int]) -> dict[int, str]:
+    """Of `ranks`, those that left a note (`say_this_rank_is_gone`), with why."""
+    store = dist.distributed_c10d._get_default_store()
+    return _notes(store, ranks) if _any_gone(store) else {}
+
+
+def _any_gone(store: Any) -> bool:
+    """One round trip, where no rank has left (the usual case) the only one."""
+    return store.add(f"{_GONE}/count", 0) > 0
+
+
+def _notes(store: Any, ranks: Sequence[int]) -> dict[int, str]:
+    return {r: store.get(f"{_GONE}/rank{r}").decode() for r in ranks if store.check([f"{_GONE}/rank{r}"])}
+
+
 def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
     """Whether every rank makes this call, agreed through the store, not a collective.
 
@@ -181,7 +239,8 @@ def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
     collective here, where stock code made none (`if trainer.is_world_process_zero():
     trainer.save_model()`), would leave the calling ranks in it until the watchdog kills the job;
     here they wait as long and go on. One decision per meeting, taken once (`compare_set`): the
-    last rank to come says "go", a rank whose wait ran out says "stop", whichever is first.
+    last rank to come says "go", a rank whose wait ran out says "stop", whichever is first. A rank
+    that is gone (`say_this_rank_is_gone`) is not waited for: the first to see its note says "stop".
     """
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,15 +253,18 @@ def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
     deadline, next_log, pause = start + process_group_timeout(), start + MEETING_LOG_EVERY_S, 0.001
     while not store.check([decision]):
         now = time.monotonic()
-        if now >= deadline:
+        if now >= deadline or (_any_gone(store) and _notes(store, _absent(store, slot, world))):
             store.compare_set(decision, "", "stop")
         elif now >= next_log:
             next_log += MEETING_LOG_EVERY_S
-            absent = [r for r in range(world) if not store.check([f"{slot}/rank{r}"])]
             logger.warning("rank %d has waited %.0fs for %s to %s as well", rank, now - start,
-                           named_ranks(absent), what)  # fmt: skip
+                           named_ranks(_absent(store, slot, world)), what)  # fmt: skip
         time.sleep(pause)
         pause = min(2 * pause, 0.5)
     if store.get(decision) == b"go":
         return True, []
-    return False, [r for r in range(world) if not store.check([f"{slot}/rank{r}"])]
+    return False, _absent(store, slot, world)
+
+
+def _absent(store: Any, slot: str, world: int) -> list[int]:
+    return [r for r in range(world) if not store.check([f"{slot}/rank{r}"])]

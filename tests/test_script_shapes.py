@@ -209,6 +209,79 @@ def test_a_load_that_rank_0_skips_is_a_load_of_its_own_under_auto(llama: str) ->
     assert run_workers(_other_rank_only_worker, 2, llama, None, pg_timeout=30, timeout=90) == ["no error"] * 2
 
 
+# A script as `srun python train.py` starts it on each rank (no torchrun agent to stop the job when
+# a rank exits), where rank 1 fails alone: its node lacks a package the model's `__init__` needs
+# ("build"), or its data ("script", after the load).
+_ONE_RANK_FAILS = """
+import json, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+import fsdp_offload_cfg
+from fsdp_offload_cfg.loading import load_into_sharded
+
+path, config, pg_timeout, fails_in = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+fsdp_offload_cfg.patch(config)
+dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout))
+if dist.get_rank() == 1 and fails_in == "build":
+    def needs_a_package(*args, **kwargs):
+        raise ImportError("flash_attn is not installed on this node")
+    LlamaForCausalLM.__init__ = needs_a_package
+model = AutoModelForCausalLM.from_pretrained(path)
+if dist.get_rank() == 1 and fails_in == "script":
+    raise FileNotFoundError("no dataset at /data/train.jsonl on this node")
+start = time.monotonic()
+try:
+    load_into_sharded(model, fully_shard, strategy=config["fsdp_config"].get("load_strategy", "auto"))
+except Exception as exc:
+    print(f"stopped after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}", flush=True)
+    raise
+"""
+
+
+@pytest.mark.parametrize(("strategy", "fails_in"), [(None, "build"), ("sharded", "build"), (None, "script")],
+                         ids=["auto-build", "sharded-build", "auto-script"])  # fmt: skip
+def test_a_rank_that_fails_alone_before_prepare_stops_the_others_there_naming_it(
+        llama: str, strategy: str | None, fails_in: str, tmp_path: Any) -> None:
+    """A load has no collective (a rank may load alone), so a rank whose build fails raises
+    alone. Under a launcher that starts each rank itself, rank 0 then waited in prepare's first
+    collective: on NCCL until the process-group timeout, on gloo until the dead peer's socket
+    failed it with a message about connections. Now the failing rank's uncaught error leaves a
+    note in the store, and prepare, which opens with a meeting there, names it at once. Under
+    auto rank 1 tries the files itself, then rank 0's description; under sharded only the files.
+    Any error that ends a rank before prepare is named the same way (its script's own: "script")."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fsdp_offload_cfg.testing.dist import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(_ONE_RANK_FAILS)
+    pg_timeout = 60.0
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "CUDA_VISIBLE_DEVICES": ""}
+    args = [llama, json.dumps(_config(strategy)), str(pg_timeout), fails_in]
+    procs = [subprocess.Popen([sys.executable, str(script), *args],
+                              env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]  # fmt: skip
+    try:
+        (out0, err0), (_, err1) = (p.communicate(timeout=150) for p in procs)
+    finally:  # a rank left waiting (before: on NCCL, until the timeout) must not outlive the test
+        for p in procs:
+            p.kill()
+    error = {"build": "ImportError: flash_attn is not installed on this node",
+             "script": "FileNotFoundError: no dataset at /data/train.jsonl on this node"}[fails_in]
+    assert procs[1].returncode == 1 and error in err1, err1[-2000:]
+    assert procs[0].returncode == 1, err0[-2000:]
+    seconds, message = out0.removeprefix("stopped after ").split("s: ", 1)
+    assert message.startswith("RuntimeError: rank 1 will not prepare the model the loader built"), out0 + err0[-2000:]
+    assert f"rank 1 {'failed to load ' if fails_in == 'build' else 'exited on an uncaught '}" in message, message
+    assert error in message and float(seconds) < pg_timeout / 2, out0
+
+
 # --------------------------------------------------------------------------------------------
 # a model loaded on every rank but never prepared; local_loading()
 # --------------------------------------------------------------------------------------------

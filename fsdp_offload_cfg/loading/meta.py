@@ -63,7 +63,7 @@ from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT, transformers_fsdp
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.pairing import LoadCall, load_call
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
-from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready
+from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready, remember_failed_step
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -174,7 +174,8 @@ def sharded_from_pretrained(original_from_pretrained: Callable[..., Any], cls: t
                            source, error.reason)  # fmt: skip
         torch.set_rng_state(rng)
         return rank0_from_pretrained(original_from_pretrained, cls, *args, **kwargs)
-    if error is not None:
+    if error is not None:  # maybe on this rank alone: if it ends the process, prepare tells the others
+        remember_failed_step(f"load {source} (load_strategy sharded)", error)
         raise error
     model = result[0] if isinstance(result, tuple) else result
     _mark(model, f"load {source}")
@@ -285,7 +286,8 @@ def _post_description(mailbox: Rank0Mailbox, result: Any, error: BaseException |
     if error is None:
         built, error = attempt(lambda: _summarize(result, rng_before))
     error = mailbox.post((describe_error(error), None) if error is not None else (None, built)) or error
-    if error is not None:
+    if error is not None:  # under auto the ranks that built the model themselves go on to prepare
+        remember_failed_step(mailbox.what, error)
         raise error
     return built
 
@@ -294,12 +296,22 @@ def _build_from_description(mailbox: Rank0Mailbox, what: str, build: Callable[[_
                             rng_before: torch.Tensor, cause: BaseException | None = None) -> Any:
     """Any other rank: wait for rank 0's description, build the model from it, and continue the
     RNG as after rank 0's load; returns what the load returns (the model, with its loading info
-    where the call asked for it). `cause`: why this rank did not build from the files itself."""
-    message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
-    if message is not None:
-        raise RuntimeError(f"rank 0 failed to {what}: {message}") from cause
-    with _nested():  # sub-models built inside `__init__` (e.g. a vision tower) stay plain
-        model = build(built)
+    where the call asked for it). `cause`: why this rank did not build from the files itself.
+    A failure here is this rank's alone where rank 0 succeeded: if it ends the process, the ranks
+    that go on hear of it when they prepare (`ranks.say_this_rank_is_gone`), not at the
+    process-group timeout."""
+    def received_and_built() -> tuple[_Rank0Built, nn.Module]:
+        message, built = mailbox.receive(f"Otherwise make the same call on every rank. {LOCAL_LOADING_HINT}")
+        if message is not None:
+            raise RuntimeError(f"rank 0 failed to {what}: {message}") from cause
+        with _nested():  # sub-models built inside `__init__` (e.g. a vision tower) stay plain
+            return built, build(built)
+
+    result, error = attempt(received_and_built)
+    if error is not None:
+        remember_failed_step(f"{what} from rank 0's description", error)
+        raise error
+    built, model = result
     _continue_rng(built, rng_before)
     return (model, copy.deepcopy(built.loading_info)) if built.loading_info is not None else model
 

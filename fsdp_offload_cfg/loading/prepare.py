@@ -57,7 +57,17 @@ from fsdp_offload_cfg.loading.spec import (
     rebuild_on_meta,
     retie,
 )
-from fsdp_offload_cfg.ranks import agreed, attempt, broadcast_from_rank0, describe_error, distributed_ready, named_ranks
+from fsdp_offload_cfg.ranks import (
+    agreed,
+    attempt,
+    broadcast_from_rank0,
+    describe_error,
+    distributed_ready,
+    every_rank_comes,
+    gone_ranks,
+    named_ranks,
+    process_group_timeout,
+)
 
 logger = get_logger("fsdp_offload_cfg.loading")
 
@@ -134,6 +144,9 @@ def load_into_sharded(
     rank, world = dist.get_rank(), dist.get_world_size()
 
     clock = _Clock()
+    # 0. every rank is here: a rank whose load failed on it alone (no collective in a load) is
+    #    named now, before the first collective, instead of at the process-group timeout
+    _every_rank_prepares()
     # 1. rank 0's description; every rank checks its model against it (same call, names, shapes)
     spec, rank0_call, computed = _share_rank0_spec(model)
     agreed("matching this rank's model with rank 0's", lambda: _match_rank0(model, spec, rank0_call, rank))
@@ -176,6 +189,24 @@ def load_into_sharded(
     agreed("checking the loaded model", lambda: _check_loaded(sharded_model, spec))
     clock.lap("check")
     return LoadReport(sharded_model, stats, read_stats, loads, clock.seconds)
+
+
+def _every_rank_prepares() -> None:
+    """Meet every rank in the store before prepare's first collective; raise, naming the ranks
+    missing and why, on every rank that came where one is gone (`ranks.say_this_rank_is_gone`) or
+    did not come within the process-group timeout."""
+    everyone, absent = every_rank_comes("prepare", "prepare the model the loader built")
+    if everyone:
+        return
+    gone = gone_ranks(absent)
+    why = "; ".join(f"rank {r} {note}" for r, note in gone.items())
+    silent = [r for r in absent if r not in gone]
+    if silent:
+        why += ("; " if why else "") + (f"{named_ranks(silent)} did not come within the process-group timeout "
+                                        f"({process_group_timeout():.0f}s)")
+    raise RuntimeError(f"{named_ranks(absent)} will not prepare the model the loader built, so rank "
+                       f"{dist.get_rank()} stops here instead of waiting for {'it' if len(absent) == 1 else 'them'} "
+                       f"in a collective: {why}")
 
 
 def _read_own(targets: list[Target], sources: sharded.Sources, rank: int, device: torch.device,
