@@ -20,6 +20,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -32,6 +33,7 @@ T = TypeVar("T")
 logger = get_logger("fsdp_offload_cfg")
 _meetings: dict[str, itertools.count] = {}  # per meeting name: how often this rank has come to it
 MEETING_LOG_EVERY_S = 60.0
+NOTE_TIMEOUT_S = 10.0  # the most a rank's exit waits to leave its note (`say_this_rank_is_gone`)
 _GONE = "fsdp_offload_cfg/gone"  # store keys: `{_GONE}/count`, and `{_GONE}/rank{r}` = why rank r left
 # the last step this rank failed at alone (`remember_failed_step`): kept until the process ends,
 # since the note that names it is written only when the error ends the process
@@ -209,6 +211,7 @@ def say_this_rank_is_gone(error: BaseException) -> None:
         note = f"failed to {what}: {describe_error(step_error)}" if any(e is step_error for e in chain) else \
             f"exited on an uncaught {describe_error(error)}"
         store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=NOTE_TIMEOUT_S))  # a store whose host is down must not hold the exit
         store.set(f"{_GONE}/rank{dist.get_rank()}", note)
         store.add(f"{_GONE}/count", 1)
     except Exception:  # noqa: BLE001 - the store gone with rank 0: the peers fail on it themselves
