@@ -224,6 +224,17 @@ def gone_ranks(ranks: Sequence[int]) -> dict[int, str]:
     return _notes(store, ranks) if _any_gone(store) else {}
 
 
+def why_absent(absent: Sequence[int]) -> str:
+    """Why `absent` did not come to a meeting: each gone rank's note, and the timeout for the rest."""
+    gone = gone_ranks(absent)
+    silent = [r for r in absent if r not in gone]
+    reasons = [f"rank {r} {note}" for r, note in gone.items()]
+    if silent:
+        reasons.append(f"{named_ranks(silent)} did not come within the process-group timeout "
+                       f"({process_group_timeout():.0f}s)")  # fmt: skip
+    return "; ".join(reasons)
+
+
 def _any_gone(store: Any) -> bool:
     """One round trip, where no rank has left (the usual case) the only one."""
     return store.add(f"{_GONE}/count", 0) > 0

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.compat.saving import save_model_keeps, writes_safetensors
-from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, named_ranks
+from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, why_absent
 from fsdp_offload_cfg.streamed_save import (
     gathered_whole,
     sharded_by_fully_shard,
@@ -311,7 +311,7 @@ def _every_rank_or_raise(what: str, how: str) -> None:
 
 def _who_did_not_come(absent: list[int]) -> str:
     if absent:
-        return f"{named_ranks(absent)} did not within the process-group timeout"
+        return why_absent(absent)
     return "this rank came after the others had stopped waiting for it"
 
 

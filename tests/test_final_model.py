@@ -146,7 +146,8 @@ def test_save_model_on_rank_0_alone_writes_nothing_and_warns_instead_of_waiting_
     rank0, rank1 = run_workers(_rank0_alone_worker, 2, save_llama(str(tmp_path / "llama")), str(out), pg_timeout=3,
                                timeout=180)  # fmt: skip
     warning = [m for m in rank0 if "wrote no model" in m]
-    assert len(warning) == 1 and "rank 1 did not" in warning[0] and "on every rank" in warning[0], rank0
+    assert len(warning) == 1 and "on every rank" in warning[0], rank0
+    assert "rank 1 did not come within the process-group timeout (3s)" in warning[0], warning
     assert not (out / "final").exists() and rank1 == []
 
 
@@ -169,6 +170,31 @@ def _meeting_worker(rank: int, world_size: int) -> list[tuple[bool, list[int]]]:
 def test_every_rank_comes_agrees_on_go_and_a_late_rank_skips_with_the_others() -> None:
     rank0, rank1 = run_workers(_meeting_worker, 2, pg_timeout=2, timeout=120)
     assert rank0 == [(True, []), (False, [1])] and rank1 == [(True, []), (False, [])], (rank0, rank1)
+
+
+def _gone_worker(rank: int, world_size: int) -> Any:
+    import time
+
+    from fsdp_offload_cfg.ranks import every_rank_comes, say_this_rank_is_gone, why_absent
+
+    met = every_rank_comes("test", "meet")  # all come
+    if rank == 1:  # what patch()'s excepthook does with an error nobody caught, as the process ends
+        try:
+            raise OSError("no space left on device")
+        except OSError as error:
+            say_this_rank_is_gone(error)
+        return met
+    start = time.monotonic()
+    return met, every_rank_comes("test", "meet"), time.monotonic() - start, why_absent([1])
+
+
+def test_a_meeting_does_not_wait_for_a_rank_that_is_gone() -> None:
+    """A rank whose process an uncaught error ends leaves a note: the meeting stops on it at once
+    (a save on every rank, the start of prepare), naming it, instead of after the timeout."""
+    rank0, rank1 = run_workers(_gone_worker, 2, pg_timeout=60, timeout=120)
+    met, second, seconds, why = rank0
+    assert met == rank1 == (True, []) and second == (False, [1]) and seconds < 30, rank0
+    assert why.startswith("rank 1 exited on an uncaught OSError: no space left on device (at "), why
 
 
 def _accelerate_loop(path: str, mode: str, lora: bool = False) -> tuple[Any, Any]:

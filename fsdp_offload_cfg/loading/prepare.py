@@ -64,9 +64,8 @@ from fsdp_offload_cfg.ranks import (
     describe_error,
     distributed_ready,
     every_rank_comes,
-    gone_ranks,
     named_ranks,
-    process_group_timeout,
+    why_absent,
 )
 
 logger = get_logger("fsdp_offload_cfg.loading")
@@ -198,15 +197,9 @@ def _every_rank_prepares() -> None:
     everyone, absent = every_rank_comes("prepare", "prepare the model the loader built")
     if everyone:
         return
-    gone = gone_ranks(absent)
-    why = "; ".join(f"rank {r} {note}" for r, note in gone.items())
-    silent = [r for r in absent if r not in gone]
-    if silent:
-        why += ("; " if why else "") + (f"{named_ranks(silent)} did not come within the process-group timeout "
-                                        f"({process_group_timeout():.0f}s)")
     raise RuntimeError(f"{named_ranks(absent)} will not prepare the model the loader built, so rank "
                        f"{dist.get_rank()} stops here instead of waiting for {'it' if len(absent) == 1 else 'them'} "
-                       f"in a collective: {why}")
+                       f"in a collective: {why_absent(absent)}")
 
 
 def _read_own(targets: list[Target], sources: sharded.Sources, rank: int, device: torch.device,
