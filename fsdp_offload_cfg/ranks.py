@@ -35,9 +35,7 @@ _meetings: dict[str, itertools.count] = {}  # per meeting name: how often this r
 MEETING_LOG_EVERY_S = 60.0
 NOTE_TIMEOUT_S = 10.0  # the most a rank's exit waits to leave its note (`say_this_rank_is_gone`)
 _GONE = "fsdp_offload_cfg/gone"  # store keys: `{_GONE}/count`, and `{_GONE}/rank{r}` = why rank r left
-# the last step this rank failed at alone (`remember_failed_step`): kept until the process ends,
-# since the note that names it is written only when the error ends the process
-_failed_step: tuple[str, BaseException] | None = None
+_STEP_NOTE = "_fsdp_offload_cfg_failed_step"  # on an error: the step it failed (`remember_failed_step`)
 
 
 def distributed_ready() -> bool:
@@ -183,11 +181,10 @@ def _reduced(values: Sequence[Any], dtype: torch.dtype, op: Any, group: Any) -> 
 
 def remember_failed_step(what: str, error: BaseException) -> None:
     """Before this rank raises out of a step its peers pass without it (a model built from rank
-    0's description, or its own meta build: no collective there, by design): what it was doing,
-    so that the note it leaves if the error ends the process (`say_this_rank_is_gone`) names the
-    step, not only the exception."""
-    global _failed_step
-    _failed_step = (what, error)
+    0's description, or its own meta build: no collective there, by design): mark `error` with
+    what it was doing, so that the note it leaves if the error ends the process, itself or as
+    the cause of another (`say_this_rank_is_gone`), names the step, not only the exception."""
+    setattr(error, _STEP_NOTE, f"failed to {what}: {describe_error(error)}")  # on the error: it goes where it goes
 
 
 def say_this_rank_is_gone(error: BaseException) -> None:
@@ -203,13 +200,12 @@ def say_this_rank_is_gone(error: BaseException) -> None:
     try:
         if not distributed_ready():
             return
-        what, step_error = _failed_step or ("", None)  # `error` or one it was raised from: the step's
-        chain, link = [], error
-        while link is not None and len(chain) < 32:  # bounded: a chain set by hand may loop
-            chain.append(link)
+        note, link = f"exited on an uncaught {describe_error(error)}", error
+        for _ in range(32):  # `error` and those it was raised from (bounded: a chain set by hand may loop)
+            if link is None or hasattr(link, _STEP_NOTE):
+                note = getattr(link, _STEP_NOTE, note)
+                break
             link = link.__cause__ or link.__context__
-        note = f"failed to {what}: {describe_error(step_error)}" if any(e is step_error for e in chain) else \
-            f"exited on an uncaught {describe_error(error)}"
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=NOTE_TIMEOUT_S))  # a store whose host is down must not hold the exit
         store.set(f"{_GONE}/rank{dist.get_rank()}", note)

@@ -175,13 +175,17 @@ def test_every_rank_comes_agrees_on_go_and_a_late_rank_skips_with_the_others() -
 def _gone_worker(rank: int, world_size: int) -> Any:
     import time
 
-    from fsdp_offload_cfg.ranks import every_rank_comes, say_this_rank_is_gone, why_absent
+    from fsdp_offload_cfg.ranks import every_rank_comes, remember_failed_step, say_this_rank_is_gone, why_absent
 
     met = every_rank_comes("test", "meet")  # all come
     if rank == 1:  # what patch()'s excepthook does with an error nobody caught, as the process ends
         try:
-            raise OSError("no space left on device")
-        except OSError as error:
+            try:
+                raise ImportError("flash_attn is not installed on this node")
+            except ImportError as failed:
+                remember_failed_step("load /ckpt", failed)
+                raise RuntimeError("the framework's own wrapper") from failed
+        except RuntimeError as error:
             say_this_rank_is_gone(error)
         return met
     start = time.monotonic()
@@ -190,11 +194,12 @@ def _gone_worker(rank: int, world_size: int) -> Any:
 
 def test_a_meeting_does_not_wait_for_a_rank_that_is_gone() -> None:
     """A rank whose process an uncaught error ends leaves a note: the meeting stops on it at once
-    (a save on every rank, the start of prepare), naming it, instead of after the timeout."""
+    (a save on every rank, the start of prepare), naming it, instead of after the timeout. The
+    note names the step the loader marked on the error, also where a framework wrapped it."""
     rank0, rank1 = run_workers(_gone_worker, 2, pg_timeout=60, timeout=120)
     met, second, seconds, why = rank0
     assert met == rank1 == (True, []) and second == (False, [1]) and seconds < 30, rank0
-    assert why.startswith("rank 1 exited on an uncaught OSError: no space left on device (at "), why
+    assert why.startswith("rank 1 failed to load /ckpt: ImportError: flash_attn is not installed on this node"), why
 
 
 def _accelerate_loop(path: str, mode: str, lora: bool = False) -> tuple[Any, Any]:
