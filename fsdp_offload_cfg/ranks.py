@@ -214,15 +214,10 @@ def say_this_rank_is_gone(error: BaseException) -> None:
         pass
 
 
-def gone_ranks(ranks: Sequence[int]) -> dict[int, str]:
-    """Of `ranks`, those that left a note (`say_this_rank_is_gone`), with why."""
-    store = dist.distributed_c10d._get_default_store()
-    return _notes(store, ranks) if _any_gone(store) else {}
-
-
 def why_absent(absent: Sequence[int]) -> str:
     """Why `absent` did not come to a meeting: each gone rank's note, and the timeout for the rest."""
-    gone = gone_ranks(absent)
+    store = dist.distributed_c10d._get_default_store()
+    gone = _notes(store, absent) if _any_gone(store) else {}
     silent = [r for r in absent if r not in gone]
     reasons = [f"rank {r} {note}" for r, note in gone.items()]
     if silent:
@@ -237,6 +232,7 @@ def _any_gone(store: Any) -> bool:
 
 
 def _notes(store: Any, ranks: Sequence[int]) -> dict[int, str]:
+    """Of `ranks`, those that left a note (`say_this_rank_is_gone`), with why."""
     return {r: store.get(f"{_GONE}/rank{r}").decode() for r in ranks if store.check([f"{_GONE}/rank{r}"])}
 
 
