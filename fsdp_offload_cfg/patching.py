@@ -18,7 +18,7 @@ from fsdp_offload_cfg import clean_exit, integrations, registry
 from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg.config import ConfigError, FSDPOffloadConfig
 from fsdp_offload_cfg.discovery import discover_config
-from fsdp_offload_cfg.ranks import say_this_rank_is_gone
+from fsdp_offload_cfg.ranks import say_this_rank_is_gone, stay_while_the_note_is_unread
 from fsdp_offload_cfg.registry import (
     SUPPORTED_VERSIONS,
     LaunchContext,
@@ -121,7 +121,9 @@ def _install_excepthook(launched: bool) -> None:
 
     - with a process group up, it leaves a note in the store (`ranks.say_this_rank_is_gone`):
       the other ranks' next meeting (`prepare` opens with one) names this rank and its error at
-      once instead of waiting for it in a collective until the process-group timeout;
+      once instead of waiting for it in a collective until the process-group timeout; after
+      the traceback, a rank 0 that hosts the store and failed its load stays until the others
+      have read that note (`ranks.stay_while_the_note_is_unread`);
     - under a launcher (`launched`), a `ConfigError` prints as its problems instead of a
       traceback. Every rank prints its own, prefixed with its rank: the launcher kills the other
       ranks as soon as one exits, so a rank that stays silent and exits first would take the only
@@ -133,12 +135,13 @@ def _install_excepthook(launched: bool) -> None:
 
     def excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         say_this_rank_is_gone(error)
-        if not (launched and isinstance(error, ConfigError)):
+        if launched and isinstance(error, ConfigError):
+            rank = os.environ.get("RANK", "?")
+            when = "stopping" if registry.active() is not None else "nothing was patched"  # a run-time check, or patch()
+            print(f"[fsdp_offload_cfg rank {rank}] invalid config, {when}:\n{error}", file=sys.stderr)
+        else:
             previous(kind, error, tb)
-            return
-        rank = os.environ.get("RANK", "?")
-        when = "stopping" if registry.active() is not None else "nothing was patched"  # a run-time check, or patch()
-        print(f"[fsdp_offload_cfg rank {rank}] invalid config, {when}:\n{error}", file=sys.stderr)
+        stay_while_the_note_is_unread(error)  # printed first: the user reads why while the peers come
 
     excepthook._fsdp_offload_cfg = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook

@@ -20,7 +20,6 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -33,8 +32,10 @@ T = TypeVar("T")
 logger = get_logger("fsdp_offload_cfg")
 _meetings: dict[str, itertools.count] = {}  # per meeting name: how often this rank has come to it
 MEETING_LOG_EVERY_S = 60.0
-NOTE_TIMEOUT_S = 10.0  # the most a rank's exit waits to leave its note (`say_this_rank_is_gone`)
-_GONE = "fsdp_offload_cfg/gone"  # store keys: `{_GONE}/count`, and `{_GONE}/rank{r}` = why rank r left
+NOTE_READ_WAIT_S = 60.0  # the most the store's host, gone at a load, stays for its peers to read why
+# store keys: `{_GONE}/rank{r}` = why rank r left; `{_GONE}/ranks`, `{_GONE}/readers` = "r,r," (those that
+# left a note; those that read one, for which the store's host may stay: `stay_while_the_note_is_unread`)
+_GONE = "fsdp_offload_cfg/gone"
 _STEP_NOTE = "_fsdp_offload_cfg_failed_step"  # on an error: the step it failed (`remember_failed_step`)
 
 
@@ -196,28 +197,67 @@ def say_this_rank_is_gone(error: BaseException) -> None:
     itself (`srun python train.py`, `mpirun`) does not, and on NCCL the peers waited for the whole
     timeout (10 minutes by default; on gloo the dead peer's socket failed them, with a message
     about connections). Only an uncaught exception counts: a script that catches a failed load
-    and loads again is not gone. Never raises: the process is ending anyway."""
+    and loads again is not gone. Never raises, and never waits: the process is ending anyway, and
+    its store's host may no longer answer (a hung node; rank 0 stopped). So the note is written
+    with the store's two requests that await no reply, `set` and `append` (an `add` waited for
+    the host, however long, whatever `set_timeout` said): the kernel delivers them as the process
+    exits, or when the host answers again."""
     try:
         if not distributed_ready():
             return
-        note, link = f"exited on an uncaught {describe_error(error)}", error
-        for _ in range(32):  # `error` and those it was raised from (bounded: a chain set by hand may loop)
-            if link is None or hasattr(link, _STEP_NOTE):
-                note = getattr(link, _STEP_NOTE, note)
-                break
-            link = link.__cause__ or link.__context__
+        note = _failed_step(error) or f"exited on an uncaught {describe_error(error)}"
         store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=NOTE_TIMEOUT_S))  # a store whose host is down must not hold the exit
         store.set(f"{_GONE}/rank{dist.get_rank()}", note)
-        store.add(f"{_GONE}/count", 1)
+        store.append(f"{_GONE}/ranks", f"{dist.get_rank()},")  # after the note: a rank listed has one
     except Exception:  # noqa: BLE001 - the store gone with rank 0: the peers fail on it themselves
         pass
+
+
+def stay_while_the_note_is_unread(error: BaseException) -> None:
+    """Called after `say_this_rank_is_gone`, the error printed: where this rank hosts the store
+    (rank 0 started without torchrun, whose agent hosts it instead) and failed a step its peers go
+    on from (`remember_failed_step`: a load, which they follow with prepare's meeting), keep the
+    process, and with it the store and the note, until every other rank has read the note or
+    left one itself, at most NOTE_READ_WAIT_S. Otherwise a peer that comes to prepare after this
+    process ended finds no store and can only say so (`StoreLost`), not why this rank stopped."""
+    try:
+        if not (distributed_ready() and _hosts_the_store() and _failed_step(error) is not None):
+            return
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+        logger.warning("rank 0 hosts the process group's store: it stays up to %.0fs for the other ranks to read "
+                       "why it stopped when they come to prepare", NOTE_READ_WAIT_S)  # fmt: skip
+        deadline = time.monotonic() + NOTE_READ_WAIT_S
+        while (_listed(store, "readers") | _listed(store, "ranks")) < set(range(world)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the process is ending anyway
+        pass
+
+
+def _hosts_the_store() -> bool:
+    """Whether this process hosts the default store: rank 0, unless torchrun's agent hosts it."""
+    return dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _failed_step(error: BaseException) -> str | None:
+    """The step note (`remember_failed_step`) on `error` or on one of the errors it was raised from."""
+    link: BaseException | None = error
+    for _ in range(32):  # bounded: a chain set by hand may loop
+        if link is None or hasattr(link, _STEP_NOTE):
+            break
+        link = link.__cause__ or link.__context__
+    return getattr(link, _STEP_NOTE, None)
+
+
+class StoreLost(RuntimeError):
+    """The store a meeting is held in is gone: the process that hosted it has exited."""
 
 
 def why_absent(absent: Sequence[int]) -> str:
     """Why `absent` did not come to a meeting: each gone rank's note, and the timeout for the rest."""
     store = dist.distributed_c10d._get_default_store()
     gone = _notes(store, absent) if _any_gone(store) else {}
+    if gone:  # the store's host may be staying for this (`stay_while_the_note_is_unread`)
+        store.append(f"{_GONE}/readers", f"{dist.get_rank()},")
     silent = [r for r in absent if r not in gone]
     reasons = [f"rank {r} {note}" for r, note in gone.items()]
     if silent:
@@ -228,7 +268,13 @@ def why_absent(absent: Sequence[int]) -> str:
 
 def _any_gone(store: Any) -> bool:
     """One round trip, where no rank has left (the usual case) the only one."""
-    return store.add(f"{_GONE}/count", 0) > 0
+    return store.check([f"{_GONE}/ranks"])
+
+
+def _listed(store: Any, which: str) -> set[int]:
+    """The ranks in `{_GONE}/{which}`: "ranks", those that left a note; "readers", those that read one."""
+    key = f"{_GONE}/{which}"
+    return {int(r) for r in store.get(key).decode().split(",") if r} if store.check([key]) else set()
 
 
 def _notes(store: Any, ranks: Sequence[int]) -> dict[int, str]:
@@ -247,7 +293,26 @@ def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
     here they wait as long and go on. One decision per meeting, taken once (`compare_set`): the
     last rank to come says "go", a rank whose wait ran out says "stop", whichever is first. A rank
     that is gone (`say_this_rank_is_gone`) is not waited for: the first to see its note says "stop".
+    A store that is gone raises `StoreLost` (its host exited: where no agent hosts it, rank 0).
     """
+    try:
+        return _meet(name, what)
+    except dist.DistNetworkError as exc:
+        raise StoreLost(f"rank {dist.get_rank()} lost the process group's store{_store_address()} while it waited "
+                        f"for every rank to {what}: the process that hosts it has exited. Started without "
+                        f"torchrun (srun, mpirun, plain python), that is rank 0, whose own output says why it "
+                        f"stopped") from exc  # fmt: skip
+
+
+def _store_address() -> str:
+    """" (host:port)" of the default store where it is a TCPStore, else ""."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return f" ({store.host}:{store.port})" if isinstance(store, dist.TCPStore) else ""
+
+
+def _meet(name: str, what: str) -> tuple[bool, list[int]]:
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     slot = f"fsdp_offload_cfg/meet/{name}/{next(_meetings.setdefault(name, itertools.count()))}"

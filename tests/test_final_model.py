@@ -202,6 +202,44 @@ def test_a_meeting_does_not_wait_for_a_rank_that_is_gone() -> None:
     assert why.startswith("rank 1 failed to load /ckpt: ImportError: flash_attn is not installed on this node"), why
 
 
+def _frozen_store_worker(rank: int, world_size: int) -> Any:
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from fsdp_offload_cfg import ranks
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:  # hosts the store; rank 1 stops this process, with it the store, then resumes it
+        store.set("rank 0's pid", str(os.getpid()))
+        while not store.check(["fsdp_offload_cfg/gone/rank1"]):  # resumed: rank 1's note arrived
+            time.sleep(0.05)
+        return None
+    pid = int(store.get("rank 0's pid"))
+    os.kill(pid, signal.SIGSTOP)  # a store host that no longer answers (a hung node, a network cut)
+    resume = threading.Timer(30.0, os.kill, (pid, signal.SIGCONT))  # without the bound: the note waits for this
+    resume.start()
+    start = time.monotonic()
+    try:
+        ranks.say_this_rank_is_gone(RuntimeError("the script's own error"))
+        return time.monotonic() - start
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_the_note_of_a_rank_that_is_gone_does_not_hold_its_exit_when_the_store_does_not_answer() -> None:
+    """Leaving the note awaits no reply from the store: a process that is ending anyway must not
+    stay for a store host that no longer answers (before: its `add` waited until the host
+    answered again, here the 30 s until rank 0 resumes, despite the store timeout of 10 s then
+    set for it), and the note still arrives when the host resumes."""
+    rank0, seconds = run_workers(_frozen_store_worker, 2, timeout=120)
+    assert rank0 is None and seconds < 15, seconds
+
+
 def _accelerate_loop(path: str, mode: str, lora: bool = False) -> tuple[Any, Any]:
     """A model prepared by accelerate (FSDP2) and trained one step."""
     import torch

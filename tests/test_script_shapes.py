@@ -221,16 +221,28 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 import fsdp_offload_cfg
 from fsdp_offload_cfg.loading import load_into_sharded
 
-path, config, pg_timeout, fails_in = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+path, config, pg_timeout = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+failing, fails_in = int(sys.argv[4]), sys.argv[5]
 fsdp_offload_cfg.patch(config)
 dist.init_process_group("gloo", timeout=timedelta(seconds=pg_timeout))
-if dist.get_rank() == 1 and fails_in == "build":
+rank = dist.get_rank()
+if rank == failing and fails_in == "build":
     def needs_a_package(*args, **kwargs):
         raise ImportError("flash_attn is not installed on this node")
     LlamaForCausalLM.__init__ = needs_a_package
 model = AutoModelForCausalLM.from_pretrained(path)
-if dist.get_rank() == 1 and fails_in == "script":
+if rank == failing and fails_in == "script":
     raise FileNotFoundError("no dataset at /data/train.jsonl on this node")
+if failing == 0:  # rank 1 comes to prepare late, as after a long dataset step
+    store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:  # until rank 0's note is there ("build"), its store gone ("script")
+            if store.check(["fsdp_offload_cfg/gone/rank0"]) and fails_in == "build":
+                time.sleep(3)  # long after rank 0's process would have ended, taking its store
+                break
+            time.sleep(0.05)
+    except dist.DistNetworkError:
+        pass
 start = time.monotonic()
 try:
     load_into_sharded(model, fully_shard, strategy=config["fsdp_config"].get("load_strategy", "auto"))
@@ -240,21 +252,27 @@ except Exception as exc:
 """
 
 
-@pytest.mark.parametrize(("strategy", "fails_in"), [(None, "build"), ("sharded", "build"), (None, "script")],
-                         ids=["auto-build", "sharded-build", "auto-script"])  # fmt: skip
+@pytest.mark.parametrize(("strategy", "failing", "fails_in"),
+                         [(None, 1, "build"), ("sharded", 1, "build"), (None, 1, "script"), (None, 0, "build"),
+                          (None, 0, "script")],
+                         ids=["auto-build", "sharded-build", "auto-script", "rank0-auto-build", "rank0-auto-script"])  # fmt: skip
 def test_a_rank_that_fails_alone_before_prepare_stops_the_others_there_naming_it(
-        llama: str, strategy: str | None, fails_in: str, tmp_path: Any) -> None:
+        llama: str, strategy: str | None, failing: int, fails_in: str, tmp_path: Any) -> None:
     """A load has no collective (a rank may load alone), so a rank whose build fails raises
-    alone. Under a launcher that starts each rank itself, rank 0 then waited in prepare's first
-    collective: on NCCL until the process-group timeout, on gloo until the dead peer's socket
-    failed it with a message about connections. Now the failing rank's uncaught error leaves a
-    note in the store, and prepare, which opens with a meeting there, names it at once. Under
-    auto rank 1 tries the files itself, then rank 0's description; under sharded only the files.
-    Any error that ends a rank before prepare is named the same way (its script's own: "script")."""
+    alone. Under a launcher that starts each rank itself, the others then waited in prepare's
+    first collective: on NCCL until the process-group timeout, on gloo until the dead peer's
+    socket failed them with a message about connections. Now the failing rank's uncaught error
+    leaves a note in the store, and prepare, which opens with a meeting there, names it at once.
+    Under auto rank 1 tries the files itself, then rank 0's description; under sharded only the
+    files. Any error that ends a rank before prepare is named the same way (its script's own:
+    "script"). Rank 0 hosts the store: failed at its load, it stays until rank 1, come late, has
+    read why; failed in its script, it does not, and rank 1 says the store is gone with rank 0
+    (before: `DistNetworkError: Broken pipe`, both)."""
     import json
     import os
     import subprocess
     import sys
+    import time
 
     from fsdp_offload_cfg.testing.dist import free_port
 
@@ -263,23 +281,34 @@ def test_a_rank_that_fails_alone_before_prepare_stops_the_others_there_naming_it
     pg_timeout = 60.0
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "CUDA_VISIBLE_DEVICES": ""}
-    args = [llama, json.dumps(_config(strategy)), str(pg_timeout), fails_in]
+    args = [llama, json.dumps(_config(strategy)), str(pg_timeout), str(failing), fails_in]
+    start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, str(script), *args],
                               env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]  # fmt: skip
     try:
-        (out0, err0), (_, err1) = (p.communicate(timeout=150) for p in procs)
+        outputs = [p.communicate(timeout=150) for p in procs]
     finally:  # a rank left waiting (before: on NCCL, until the timeout) must not outlive the test
         for p in procs:
             p.kill()
+    seconds = time.monotonic() - start
+    peer = 1 - failing
+    (out, err), failed_err = outputs[peer], outputs[failing][1]
     error = {"build": "ImportError: flash_attn is not installed on this node",
              "script": "FileNotFoundError: no dataset at /data/train.jsonl on this node"}[fails_in]
-    assert procs[1].returncode == 1 and error in err1, err1[-2000:]
-    assert procs[0].returncode == 1, err0[-2000:]
-    seconds, message = out0.removeprefix("stopped after ").split("s: ", 1)
-    assert message.startswith("RuntimeError: rank 1 will not prepare the model the loader built"), out0 + err0[-2000:]
-    assert f"rank 1 {'failed to load ' if fails_in == 'build' else 'exited on an uncaught '}" in message, message
-    assert error in message and float(seconds) < pg_timeout / 2, out0
+    assert procs[failing].returncode == 1 and error in failed_err, failed_err[-2000:]
+    assert procs[peer].returncode == 1, err[-2000:]
+    waited, message = out.removeprefix("stopped after ").split("s: ", 1)
+    if failing == 0 and fails_in == "script":  # nothing to read: gone with rank 0
+        assert message.startswith(f"StoreLost: rank 1 lost the process group's store (127.0.0.1:{env['MASTER_PORT']}) "
+                                  "while it waited for every rank to prepare the model the loader built"), message
+        assert "that is rank 0, whose own output says why it stopped" in message, message
+        return
+    assert message.startswith(f"RuntimeError: rank {failing} will not prepare the model the loader built"), out + err
+    step = {(1, "build"): "failed to load ", (0, "build"): "failed to describe "}.get((failing, fails_in))
+    assert f"rank {failing} {step or 'exited on an uncaught '}" in message, message
+    assert error in message and float(waited) < pg_timeout / 2, out
+    assert seconds < 45, seconds  # rank 0, staying, left when rank 1 had read its note (at most it stays 60s)
 
 
 # --------------------------------------------------------------------------------------------
