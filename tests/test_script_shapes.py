@@ -311,6 +311,31 @@ def test_a_rank_that_fails_alone_before_prepare_stops_the_others_there_naming_it
     assert seconds < 45, seconds  # rank 0, staying, left when rank 1 had read its note (at most it stays 60s)
 
 
+def test_under_torchrun_rank_0_failed_at_its_load_does_not_stay(llama: str, tmp_path: Any) -> None:
+    """Under torchrun (and `accelerate launch`, which runs it) the agent hosts the store, not rank 0
+    (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0, failed at its load, exits with its error at
+    once, and the agent stops rank 1. Staying there would hold the whole job's exit for nothing:
+    the store outlives rank 0 anyway, and the agent stops the others as soon as rank 0 exits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fsdp_offload_cfg.testing.dist import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(_ONE_RANK_FAILS)
+    args = [llama, json.dumps(_config(None)), "60", "0", "build"]
+    launch = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(free_port()), str(script), *args],
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                            timeout=150)  # fmt: skip
+    output = launch.stdout + launch.stderr
+    assert launch.returncode != 0, output[-3000:]
+    assert "ImportError: flash_attn is not installed on this node" in output, output[-3000:]
+    assert "it stays up to" not in output, output[-3000:]  # the warning of a rank 0 that hosts the store
+
+
 # --------------------------------------------------------------------------------------------
 # a model loaded on every rank but never prepared; local_loading()
 # --------------------------------------------------------------------------------------------
