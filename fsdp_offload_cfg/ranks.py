@@ -20,7 +20,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -252,8 +252,10 @@ class StoreLost(RuntimeError):
     """The store a meeting is held in is gone: the process that hosted it has exited."""
 
 
-def why_absent(absent: Sequence[int]) -> str:
+def _why_absent(absent: Sequence[int]) -> str:
     """Why `absent` did not come to a meeting: each gone rank's note, and the timeout for the rest."""
+    if not absent:
+        return "this rank came after the others had stopped waiting for it"
     store = dist.distributed_c10d._get_default_store()
     gone = _notes(store, absent) if _any_gone(store) else {}
     if gone:  # the store's host may be staying for this (`stay_while_the_note_is_unread`)
@@ -282,12 +284,21 @@ def _notes(store: Any, ranks: Sequence[int]) -> dict[int, str]:
     return {r: store.get(f"{_GONE}/rank{r}").decode() for r in ranks if store.check([f"{_GONE}/rank{r}"])}
 
 
-def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
+class Meeting(NamedTuple):
+    """How a meeting ended (`every_rank_comes`)."""
+
+    everyone: bool  # every rank came: they go on together into the collectives that follow
+    absent: list[int]  # the ranks that never came ([] on a rank that came after the others stopped)
+    why: str  # why not ("" where everyone came): each gone rank's note, the timeout, or this rank late
+
+
+def every_rank_comes(name: str, what: str) -> Meeting:
     """Whether every rank makes this call, agreed through the store, not a collective.
 
-    Returns (True, []) on every rank when all came: they go on together into the collectives that
-    follow. Otherwise, after the process-group timeout, (False, the ranks that never came) on
-    every rank that came, a late one included: all skip. Why not a barrier: a step that became
+    Returns Meeting(True, [], "") on every rank when all came: they go on together into the
+    collectives that follow. Otherwise, after the process-group timeout, Meeting(False, the ranks
+    that never came, why) on every rank that came, a late one included: all skip. Why is read
+    here, with the decision, so that a store lost at either read raises the same `StoreLost`. Why not a barrier: a step that became
     collective here, where stock code made none (`if trainer.is_world_process_zero():
     trainer.save_model()`), would leave the calling ranks in it until the watchdog kills the job;
     here they wait as long and go on. One decision per meeting, taken once (`compare_set`): the
@@ -296,7 +307,8 @@ def every_rank_comes(name: str, what: str) -> tuple[bool, list[int]]:
     A store that is gone raises `StoreLost` (its host exited: where no agent hosts it, rank 0).
     """
     try:
-        return _meet(name, what)
+        everyone, absent = _meet(name, what)
+        return Meeting(everyone, absent, "" if everyone else _why_absent(absent))
     except dist.DistNetworkError as exc:
         raise StoreLost(f"rank {dist.get_rank()} lost the process group's store{_store_address()} while it waited "
                         f"for every rank to {what}: the process that hosts it has exited. Started without "

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.compat.saving import save_model_keeps, writes_safetensors
-from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes, why_absent
+from fsdp_offload_cfg.ranks import distributed_ready, every_rank_comes
 from fsdp_offload_cfg.streamed_save import (
     gathered_whole,
     sharded_by_fully_shard,
@@ -175,11 +175,11 @@ def build_save_final_model(original: Callable[..., Any], cfg: Any) -> Callable[.
             with saved_lightly(self.accelerator, _streams(self)):
                 return original(self, output_dir, _internal_call)
         target = self.args.output_dir if output_dir is None else output_dir
-        everyone, absent = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
-        if not everyone:
+        meeting = every_rank_comes("trainer-save-model", f"call Trainer.save_model({target!r})")
+        if not meeting.everyone:
             logger.warning("Trainer.save_model(%r) wrote no model: with fsdp_state_dict_type SHARDED_STATE_DICT every "
                            "rank must call it, to gather the model, and %s. Call trainer.save_model() on every rank.",
-                           target, _who_did_not_come(absent))  # fmt: skip
+                           target, meeting.why)  # fmt: skip
         else:
             if is_rank0():
                 logger.info("Trainer.save_model(%r): the state dict is sharded (fsdp_state_dict_type "
@@ -301,18 +301,12 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
 
 
 def _every_rank_or_raise(what: str, how: str) -> None:
-    everyone, absent = every_rank_comes("save-pretrained", f"call {what}")
-    if not everyone:
+    meeting = every_rank_comes("save-pretrained", f"call {what}")
+    if not meeting.everyone:
         raise RuntimeError(
             f"{what} on rank {dist.get_rank()}: the model is sharded (FSDP2), so every rank must call it to gather "
-            f"its weights, and {_who_did_not_come(absent)}. Call it on every rank with {how}."
+            f"its weights, and {meeting.why}. Call it on every rank with {how}."
         )
-
-
-def _who_did_not_come(absent: list[int]) -> str:
-    if absent:
-        return why_absent(absent)
-    return "this rank came after the others had stopped waiting for it"
 
 
 def _streams(trainer: Any) -> bool:

@@ -65,7 +65,6 @@ from fsdp_offload_cfg.ranks import (
     distributed_ready,
     every_rank_comes,
     named_ranks,
-    why_absent,
 )
 
 logger = get_logger("fsdp_offload_cfg.loading")
@@ -194,12 +193,12 @@ def _every_rank_prepares() -> None:
     """Meet every rank in the store before prepare's first collective; raise, naming the ranks
     missing and why, on every rank that came where one is gone (`ranks.say_this_rank_is_gone`) or
     did not come within the process-group timeout."""
-    everyone, absent = every_rank_comes("prepare", "prepare the model the loader built")
-    if everyone:
+    meeting = every_rank_comes("prepare", "prepare the model the loader built")
+    if meeting.everyone:
         return
-    raise RuntimeError(f"{named_ranks(absent)} will not prepare the model the loader built, so rank "
-                       f"{dist.get_rank()} stops here instead of waiting for {'it' if len(absent) == 1 else 'them'} "
-                       f"in a collective: {why_absent(absent)}")
+    raise RuntimeError(f"{named_ranks(meeting.absent)} will not prepare the model the loader built, so rank "
+                       f"{dist.get_rank()} stops here instead of waiting for "
+                       f"{'it' if len(meeting.absent) == 1 else 'them'} in a collective: {meeting.why}")
 
 
 def _read_own(targets: list[Target], sources: sharded.Sources, rank: int, device: torch.device,
