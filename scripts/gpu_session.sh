@@ -71,8 +71,9 @@ install() {  # into /tmp/site, beside the device's own packages, which stay as t
 
 versions() {
   nvidia-smi -L
-  python3 -c "import torch, accelerate, transformers; print('torch', torch.__version__, 'accelerate', \
-accelerate.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  python3 -c "import platform, torch, accelerate, transformers; print('Python', platform.python_version(), 'torch', \
+torch.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__, 'cuda', \
+torch.cuda.is_available())"
 }
 
 GPU_FIRST=(tests/test_offload_cuda.py tests/test_loading_cuda.py tests/test_allocator.py tests/test_gpu_visible.py)  # what only a GPU machine checks
