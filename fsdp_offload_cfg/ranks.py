@@ -297,9 +297,9 @@ def every_rank_comes(name: str, what: str) -> Meeting:
 
     Returns Meeting(True, [], "") on every rank when all came: they go on together into the
     collectives that follow. Otherwise, after the process-group timeout, Meeting(False, the ranks
-    that never came, why) on every rank that came, a late one included: all skip. Why is read
-    here, with the decision, so that a store lost at either read raises the same `StoreLost`. Why not a barrier: a step that became
-    collective here, where stock code made none (`if trainer.is_world_process_zero():
+    that never came, why) on every rank that came, a late one included: all skip. `why` is read
+    here, with the decision, so that a store lost at either read raises the same `StoreLost`.
+    Why not a barrier: a step that became collective here, where stock code made none (`if trainer.is_world_process_zero():
     trainer.save_model()`), would leave the calling ranks in it until the watchdog kills the job;
     here they wait as long and go on. One decision per meeting, taken once (`compare_set`): the
     last rank to come says "go", a rank whose wait ran out says "stop", whichever is first. A rank

@@ -41,8 +41,8 @@ in_turn() {  # COMMAND...: run it holding that lock where one is named (a shell 
   ( flock 9 && "$@" ) 9>"$FSDP_OFFLOAD_CFG_INSTALL_LOCK"
 }
 VENV="${FSDP_OFFLOAD_CFG_VENV:-$DEFAULT_VENV}"
-# FSDP_OFFLOAD_CFG_PYTHON: the interpreter the venv is made with (default python3; .ci/run's newest
-# leg names the newest CPython the machine has)
+# FSDP_OFFLOAD_CFG_PYTHON: the interpreter the venv is made with (default python3; .ci/run names
+# CPython 3.13 for the newest leg, 3.12 for the oldest)
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV (leg $LEG) with $("${FSDP_OFFLOAD_CFG_PYTHON:-python3}" --version 2>&1)"
   "${FSDP_OFFLOAD_CFG_PYTHON:-python3}" -m venv "$VENV"

@@ -311,6 +311,36 @@ def test_a_rank_that_fails_alone_before_prepare_stops_the_others_there_naming_it
     assert seconds < 45, seconds  # rank 0, staying, left when rank 1 had read its note (at most it stays 60s)
 
 
+def _late_to_prepare_worker(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from fsdp_offload_cfg.loading.prepare import _every_rank_prepares
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # a long step of its own: rank 0 has given up on it by the time it comes
+        store.wait(["rank 0 gave up"])
+    try:
+        _every_rank_prepares()
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    if rank == 0:
+        store.set("rank 0 gave up", "1")
+    return message
+
+
+def test_a_rank_that_comes_to_prepare_after_the_others_gave_up_stops_saying_so() -> None:
+    """Rank 0 waits out the process-group timeout at prepare's meeting and stops naming rank 1;
+    rank 1, come later, stops too (alone it would wait in rank 0's collectives), and says that it
+    came late. Before, its message named no rank: "ranks  will not prepare the model ..."."""
+    rank0, rank1 = run_workers(_late_to_prepare_worker, 2, pg_timeout=2, timeout=120)
+    assert rank0 == ("rank 1 will not prepare the model the loader built, so rank 0 stops here instead of waiting "
+                     "for it in a collective: rank 1 did not come within the process-group timeout (2s)"), rank0
+    assert rank1 == ("the other ranks stopped waiting before rank 1 came to prepare the model the loader built, so "
+                     "it stops here too instead of going into a collective alone: this rank came after the others "
+                     "had stopped waiting for it"), rank1
+
+
 def test_under_torchrun_rank_0_failed_at_its_load_does_not_stay(llama: str, tmp_path: Any) -> None:
     """Under torchrun (and `accelerate launch`, which runs it) the agent hosts the store, not rank 0
     (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0, failed at its load, exits with its error at

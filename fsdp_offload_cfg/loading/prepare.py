@@ -193,12 +193,16 @@ def _every_rank_prepares() -> None:
     """Meet every rank in the store before prepare's first collective; raise, naming the ranks
     missing and why, on every rank that came where one is gone (`ranks.say_this_rank_is_gone`) or
     did not come within the process-group timeout."""
-    meeting = every_rank_comes("prepare", "prepare the model the loader built")
+    meeting, rank = every_rank_comes("prepare", "prepare the model the loader built"), dist.get_rank()
     if meeting.everyone:
         return
-    raise RuntimeError(f"{named_ranks(meeting.absent)} will not prepare the model the loader built, so rank "
-                       f"{dist.get_rank()} stops here instead of waiting for "
-                       f"{'it' if len(meeting.absent) == 1 else 'them'} in a collective: {meeting.why}")
+    if meeting.absent:
+        who = (f"{named_ranks(meeting.absent)} will not prepare the model the loader built, so rank {rank} stops "
+               f"here instead of waiting for {'it' if len(meeting.absent) == 1 else 'them'} in a collective")
+    else:  # this rank came after the others gave up on it: alone, it would wait in their collective
+        who = (f"the other ranks stopped waiting before rank {rank} came to prepare the model the loader built, "
+               f"so it stops here too instead of going into a collective alone")
+    raise RuntimeError(f"{who}: {meeting.why}")
 
 
 def _read_own(targets: list[Target], sources: sharded.Sources, rank: int, device: torch.device,
