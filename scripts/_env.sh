@@ -1,5 +1,7 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: create (once) and activate a project venv.
 # torch is pinned to the CPU build first: an unpinned `torch` would pull a multi-GB CUDA build.
+# Where pip's sources have no CPU build of the pin (PyPI on Linux has the CUDA one alone), it comes
+# from PyTorch's CPU index (scripts/_pip.py torch-args).
 # Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" TORCH_PIP_ARGS="--index-url ...");
 # CI's newest leg floats it (TORCH_SPEC=torch: the newest release, PyPI's CUDA build, which runs
 # on the CPU too).
@@ -21,10 +23,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LEG="${LEG:-newest}"
-TORCH_DEFAULT="torch==2.13.0"  # the CPU build this machine keeps on disk
+TORCH_DEFAULT="torch==2.13.0"  # the CPU build (this machine keeps it on disk)
+TORCH_CPU=yes  # whether the set-up asks for the CPU build of TORCH_DEFAULT wherever it installs
 case "$LEG" in
   newest)  PAIR=() ;;
-  oldest)  PAIR=("transformers==4.57.6" "accelerate==1.10.1"); TORCH_DEFAULT="torch==2.11.0" ;;
+  oldest)  PAIR=("transformers==4.57.6" "accelerate==1.10.1"); TORCH_DEFAULT="torch==2.11.0"; TORCH_CPU=no ;;
   axolotl) PAIR=("transformers==5.16.1" "accelerate==1.13.0") ;;
   clients) PAIR=("transformers==5.6.0" "accelerate==1.11.0" "trl==0.24.0" "peft==0.18.1") ;;
   swift)   PAIR=("transformers==5.19.0" "accelerate==1.15.0" "trl==0.29.1" "peft==0.20.0") ;;
@@ -51,6 +54,17 @@ fi
 source "$VENV/bin/activate"
 # pip's install and uninstall, done by uv with pip's settings (scripts/_pip.py: 2-3x faster)
 pip_() { python "$ROOT/scripts/_pip.py" "$@"; }
+# TORCH_ARGS: the install arguments for the leg's torch. TORCH_PIP_ARGS and TORCH_SPEC as given,
+# else its pin as the CPU build (pip's sources asked first: a dry run, 0.4 s here)
+torch_args() {
+  local line
+  if [ -n "${TORCH_SPEC:-}${TORCH_PIP_ARGS:-}" ] || [ "$TORCH_CPU" = no ]; then
+    line="${TORCH_PIP_ARGS:-} ${TORCH_SPEC:-$TORCH_DEFAULT}"
+  else
+    line=$(python "$ROOT/scripts/_pip.py" torch-args "$TORCH_DEFAULT")
+  fi
+  read -ra TORCH_ARGS <<< "$line"
+}
 # Whether the venv has these top-level modules: found, not imported (importing the frameworks to
 # check for them took 9-15 s of CPU a leg, twice: at set-up and again in scripts/test.sh)
 venv_has() {
@@ -60,7 +74,8 @@ if [ "$LEG" = clients ]; then
   if ! venv_has fsdp_offload_cfg pytest llamafactory; then
     echo "[setup] installing llamafactory==0.9.5 with torch (CPU build), then fsdp-offload-cfg"
     # one command: alone, llamafactory's torchvision pin would replace the CPU torch with a CUDA build
-    pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "llamafactory==0.9.5"
+    torch_args
+    pip_ install -q "${TORCH_ARGS[@]}" "llamafactory==0.9.5"
     # PyPI's torchvision/torchaudio are CUDA builds that cannot load beside the CPU torch:
     # transformers imports torchvision when present; llamafactory imports torchaudio, which loads
     # in pure-Python mode without its compiled libraries
@@ -71,13 +86,15 @@ if [ "$LEG" = clients ]; then
 elif [ "$LEG" = swift ]; then
   if ! venv_has fsdp_offload_cfg pytest swift; then
     echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
-    pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "ms-swift==4.6.0"
+    torch_args
+    pip_ install -q "${TORCH_ARGS[@]}" "ms-swift==4.6.0"
     in_turn pip_ install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = axolotl-plugin ]; then
   if ! venv_has fsdp_offload_cfg pytest axolotl; then
     echo "[setup] installing axolotl==0.19.0 with torch (CPU build), then fsdp-offload-cfg"
-    pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" "axolotl==0.19.0"
+    torch_args
+    pip_ install -q "${TORCH_ARGS[@]}" "axolotl==0.19.0"
     in_turn pip_ install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif ! venv_has fsdp_offload_cfg pytest hypothesis peft trl matplotlib; then
@@ -86,7 +103,8 @@ elif ! venv_has fsdp_offload_cfg pytest hypothesis peft trl matplotlib; then
     pip_ install -q --no-index --find-links "$TORCH_WHEELS" "${TORCH_SPEC:-$TORCH_DEFAULT}" \
       || echo "[setup] installing torch from $TORCH_WHEELS failed: fetching it"
   fi
-  pip_ install -q ${TORCH_PIP_ARGS:-} "${TORCH_SPEC:-$TORCH_DEFAULT}" ${PAIR[@]+"${PAIR[@]}"}
+  torch_args
+  pip_ install -q "${TORCH_ARGS[@]}" ${PAIR[@]+"${PAIR[@]}"}
   # The package installs into an environment holding any supported pair without changing it; the
   # pins go along so that the test extras (trl, datasets) resolve around them, not over them.
   in_turn pip_ install -q -e "$ROOT[test]" ${PAIR[@]+"${PAIR[@]}"}

@@ -23,20 +23,31 @@ Where pip and uv choose differently, and what is done about it:
 - A pip setting with no uv flag here, or a venv where uv cannot be had, installs with pip,
   saying why: slower, the same packages.
 
+The CPU build of torch: on Linux, PyPI's torch is the CUDA build, about 3 GB with the nvidia-*
+wheels it pulls, for a set-up that runs on the CPU. PyTorch publishes the CPU build of each release
+(`X+cpu`) on its own index. `torch-args torch==X` says how to ask for it: as given where the
+sources pip is set to use already have `X+cpu` (this project's machines keep it on disk) or off
+Linux (PyPI's torch is the CPU build there), else `X+cpu` with PyTorch's CPU index added.
+
 Usage (in the venv's Python): `python scripts/_pip.py install|uninstall ARGS...`, ARGS as pip takes
-them (the set-up passes -q, -e, --no-index, --find-links, --upgrade and TORCH_PIP_ARGS).
+them (the set-up passes -q, -e, --no-index, --find-links, --upgrade, --extra-index-url and
+TORCH_PIP_ARGS); `python scripts/_pip.py torch-args torch==X` prints those for torch.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PYPI = "https://pypi.org/simple"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of its CPU builds
 # pip setting -> the environment variable uv reads for it
 _AS_ENV = {"cert": "SSL_CERT_FILE", "default-timeout": "UV_HTTP_TIMEOUT", "timeout": "UV_HTTP_TIMEOUT"}
 # settings that change how pip runs, not what it installs, or that uv already does its own way
@@ -97,19 +108,22 @@ def sources(settings: dict[str, str]) -> Sources | str:
 
 def command_line(found: Sources, args: list[str]) -> list[str]:
     """uv's flags, then the command's own arguments. An index the command gives (`-i`,
-    `--index-url`: TORCH_PIP_ARGS) replaces pip's index-url, as on pip's command line."""
-    index, rest, i = found.index, [], 0
+    `--index-url`: TORCH_PIP_ARGS) replaces pip's index-url, as on pip's command line; an
+    `--extra-index-url` it gives goes after the configured ones, as pip appends it to them."""
+    index, extra, rest, i = found.index, list(found.extra_indexes), [], 0
     while i < len(args):
-        if args[i] in ("-i", "--index-url"):
-            index, i = args[i + 1], i + 2
-            continue
-        if args[i].startswith("--index-url="):
-            index = args[i].partition("=")[2]
+        name, eq, value = args[i].partition("=")
+        if name in ("-i", "--index-url", "--extra-index-url") and not eq:
+            value, i = args[i + 1], i + 1
+        if name in ("-i", "--index-url"):
+            index = value
+        elif name == "--extra-index-url":
+            extra.append(value)
         else:
             rest.append(args[i])
         i += 1
     flags = ["--index-strategy", "unsafe-best-match"]
-    for url in (index, *found.extra_indexes):  # earlier first: pip's own index before the extra ones
+    for url in (index, *extra):  # earlier first: pip's own index before the extra ones
         flags += ["--index", url]
     flags += ["--default-index", index]  # or uv would add PyPI behind them, which pip would not ask
     for path in found.find_links:
@@ -118,6 +132,17 @@ def command_line(found: Sources, args: list[str]) -> list[str]:
         flags += ["--constraint", path]
     flags += ["--no-index"] * (found.no_index and "--no-index" not in rest) + ["--no-cache"] * found.no_cache
     return flags + rest
+
+
+def torch_request(spec: str, system: str, no_index: bool, sources_have: Callable[[str], bool]) -> list[str]:
+    """The install arguments that ask for `spec` (the set-up's `torch==X`) as the CPU build: see the
+    module's docstring. `no_index`: pip is set to read no index (then no index is added);
+    `sources_have(requirement)`: whether pip's sources can install it."""
+    name, _, release = spec.partition("==")
+    if system != "Linux" or no_index or name != "torch" or not release or "+" in release:
+        return [spec]
+    cpu = f"torch=={release}+cpu"
+    return [spec] if sources_have(cpu) else ["--extra-index-url", CPU_INDEX, cpu]
 
 
 def _uv() -> str | None:
@@ -129,19 +154,48 @@ def _uv() -> str | None:
     return found
 
 
-def main(argv: list[str]) -> int:
-    command, args = argv[0], argv[1:]
+def _settings() -> dict[str, str] | None:
+    """pip's settings for `install` in this venv (None where `pip config list` fails)."""
     config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
-    found = sources(pip_settings(config.stdout)) if config.returncode == 0 else "`pip config list` failed"
+    return pip_settings(config.stdout) if config.returncode == 0 else None
+
+
+def _installer(command: str, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command line (and environment) that runs pip's `command` with `args`: uv's where pip's
+    settings allow, else pip's, saying why."""
+    settings = _settings()
+    found = sources(settings) if settings is not None else "`pip config list` failed"
     uv = None if isinstance(found, str) else _uv()
     if isinstance(found, str) or uv is None:
         reason = found if isinstance(found, str) else "uv could not be installed"
         print(f"[setup] {reason}: installing with pip (slower, the same packages)", file=sys.stderr)
-        return subprocess.run([sys.executable, "-m", "pip", command, *args]).returncode
+        return [sys.executable, "-m", "pip", command, *args], dict(os.environ)
     # uninstall: uv asks nothing, and takes no index flags
     line = [a for a in args if a not in ("-y", "--yes")] if command == "uninstall" else command_line(found, args)
-    return subprocess.run([uv, "pip", command, "--python", sys.executable, *line],
-                          env={**os.environ, **found.env}).returncode
+    return [uv, "pip", command, "--python", sys.executable, *line], {**os.environ, **found.env}
+
+
+def _sources_have(requirement: str) -> bool:
+    """Whether pip's sources can install `requirement`: a dry run into an empty folder (what the
+    venv has already is not a source), its output kept back."""
+    with tempfile.TemporaryDirectory() as empty:
+        line, env = _installer("install", ["--dry-run", "--no-deps", "-q", "--target", empty, requirement])
+        return subprocess.run(line, env=env, capture_output=True).returncode == 0
+
+
+def main(argv: list[str]) -> int:
+    command, args = argv[0], argv[1:]
+    if command == "torch-args":
+        no_index = (_settings() or {}).get("no-index", "").lower() in _TRUE
+        request = torch_request(args[0], platform.system(), no_index, _sources_have)
+        if CPU_INDEX in request:
+            print(f"[setup] no CPU build of {args[0]} in pip's sources (PyPI's is the CUDA build on Linux, about "
+                  f"3 GB): {request[-1]} from {CPU_INDEX} (TORCH_SPEC and TORCH_PIP_ARGS choose otherwise)",
+                  file=sys.stderr)
+        print(" ".join(request))
+        return 0
+    line, env = _installer(command, args)
+    return subprocess.run(line, env=env).returncode
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -71,28 +72,30 @@ def test_a_setting_uv_would_not_follow_means_pip_installs(key: str):
     assert reason == f"pip's setting `{key}` has no uv counterpart here"
 
 
-def _wheel(folder: Path, tag: str = "py3", text: str = "") -> Path:
+def _wheel(folder: Path, tag: str = "py3", text: str = "", name: str = "tinypkg_for_setup", version: str = "1.0") -> Path:
     """A one-module wheel, built by hand (tagged `TAG-none-any`, its module holding `text`):
     something to install with no network."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"tinypkg_for_setup-1.0-{tag}-none-any.whl"
-    files = {"tinypkg_for_setup.py": text,
-             "tinypkg_for_setup-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg-for-setup\nVersion: 1.0\n",
-             "tinypkg_for_setup-1.0.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: {tag}-none-any\n"}
+    path = folder / f"{name}-{version}-{tag}-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": text,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: {tag}-none-any\n"}
     with zipfile.ZipFile(path, "w") as zf:
-        for name, content in files.items():
-            zf.writestr(name, content)
-        zf.writestr("tinypkg_for_setup-1.0.dist-info/RECORD", "".join(f"{n},,\n" for n in files)
-                    + "tinypkg_for_setup-1.0.dist-info/RECORD,,\n")
+        for member, content in files.items():
+            zf.writestr(member, content)
+        zf.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
     return path
 
 
-def _index(root: Path, *wheels: tuple[str, str]) -> str:
-    """A simple-API index on disk (as this machine's /opt/pypi) serving wheels (tag, module text)."""
-    page = root / "simple" / "tinypkg-for-setup" / "index.html"
+def _index(root: Path, *wheels: tuple[str, str], name: str = "tinypkg_for_setup", versions: tuple[str, ...] = ()) -> str:
+    """A simple-API index on disk (as this machine's /opt/pypi) serving wheels (tag, module text),
+    of `versions` where given (one a wheel), else 1.0."""
+    page = root / "simple" / name.replace("_", "-") / "index.html"
     page.parent.mkdir(parents=True)
-    links = [_wheel(root / "files", tag, text).name for tag, text in wheels]
-    page.write_text("".join(f'<a href="../../files/{name}">{name}</a>\n' for name in links))
+    links = [_wheel(root / "files", tag, text, name, version).name
+             for (tag, text), version in zip(wheels, versions or ("1.0",) * len(wheels))]
+    page.write_text("".join(f'<a href="../../files/{link}">{link}</a>\n' for link in links))
     return (root / "simple").as_uri()
 
 
@@ -130,3 +133,68 @@ def test_with_a_setting_uv_would_not_follow_pip_installs_and_says_why(tmp_path: 
     assert proc.returncode == 0, proc.stderr
     assert "[setup] pip's setting `trusted-host` has no uv counterpart here: installing with pip" in proc.stderr
     assert "Would install tinypkg-for-setup-1.0" in proc.stdout, proc.stdout  # pip's own words
+
+
+# The CPU build of torch. PyPI's torch for Linux is the CUDA build (about 3 GB with its nvidia-*
+# wheels); PyTorch's own index has `X+cpu`. These tests stand in for both with indexes on disk.
+
+def _asked(sources_have_cpu: bool, spec: str = "torch==2.13.0", system: str = "Linux", no_index: bool = False):
+    asked: list[str] = []
+    request = setup_pip.torch_request(spec, system, no_index, lambda req: asked.append(req) or sources_have_cpu)
+    return request, asked
+
+
+def test_without_a_cpu_build_in_pips_sources_torch_comes_from_pytorchs_cpu_index():
+    request, asked = _asked(sources_have_cpu=False)
+    assert asked == ["torch==2.13.0+cpu"]
+    assert request == ["--extra-index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0+cpu"]
+
+
+def test_where_pips_sources_have_the_cpu_build_torch_is_asked_for_as_pinned():
+    assert _asked(sources_have_cpu=True) == (["torch==2.13.0"], ["torch==2.13.0+cpu"])
+
+
+@pytest.mark.parametrize("spec, system, no_index", [
+    ("torch==2.13.0", "Darwin", False),  # PyPI's torch is the CPU build there
+    ("torch==2.13.0", "Windows", False),
+    ("torch==2.13.0", "Linux", True),  # pip is set to read no index: none is added
+    ("torch==2.13.0+cu128", "Linux", False),  # a build named: that one
+    ("torch>=2.13", "Linux", False),  # not one release: as given
+])
+def test_off_linux_or_with_a_build_or_no_index_torch_is_asked_for_as_given(spec: str, system: str, no_index: bool):
+    assert _asked(False, spec, system, no_index) == ([spec], [])
+
+
+def test_an_extra_index_on_the_command_line_goes_after_the_configured_ones():
+    """pip appends a command line's --extra-index-url to the configured ones; uv ranks the order given."""
+    found = setup_pip.sources({"extra-index-url": "https://extra"})
+    for given in (["--extra-index-url", "https://cpu"], ["--extra-index-url=https://cpu"]):
+        line = setup_pip.command_line(found, [*given, "torch==2.13.0+cpu"])
+        assert line[2:10] == ["--index", "https://pypi.org/simple", "--index", "https://extra", "--index", "https://cpu",
+                              "--default-index", "https://pypi.org/simple"], line
+        assert "--extra-index-url" not in " ".join(line) and line[-1] == "torch==2.13.0+cpu", line
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the CPU index is asked for on Linux alone")
+def test_the_set_up_asks_pips_sources_for_the_cpu_build_first(tmp_path: Path):
+    """Against real sources: an index with the CUDA-like `2.13.0` alone means PyTorch's CPU index;
+    a find-links folder holding `2.13.0+cpu` (as this project's machines keep it) means the pin."""
+    _has_uv()
+    pypi = {"PIP_INDEX_URL": _index(tmp_path / "pypi", ("py3", "BUILD = 'cuda'"), name="torch", versions=("2.13.0",))}
+    proc = _run(str(SCRIPT), "torch-args", "torch==2.13.0", **pypi)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["--extra-index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0+cpu"]
+    assert "no CPU build of torch==2.13.0 in pip's sources" in proc.stderr, proc.stderr
+    _wheel(tmp_path / "disk", text="BUILD = 'cpu'", name="torch", version="2.13.0+cpu")
+    proc = _run(str(SCRIPT), "torch-args", "torch==2.13.0", PIP_FIND_LINKS=str(tmp_path / "disk"), **pypi)
+    assert (proc.returncode, proc.stdout.split(), proc.stderr) == (0, ["torch==2.13.0"], ""), proc.stderr
+
+
+def test_with_the_cpu_index_added_the_cpu_build_is_installed_beside_an_index_with_the_other(tmp_path: Path):
+    _has_uv()
+    pypi = _index(tmp_path / "pypi", ("py3", "BUILD = 'cuda'"), name="torch", versions=("2.13.0",))
+    cpu = _index(tmp_path / "cpu", ("py3", "BUILD = 'cpu'"), name="torch", versions=("2.13.0+cpu",))
+    proc = _run(str(SCRIPT), "install", "-q", "--target", str(tmp_path / "venv"), "--extra-index-url", cpu,
+                "torch==2.13.0+cpu", PIP_INDEX_URL=pypi)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "venv" / "torch.py").read_text() == "BUILD = 'cpu'"
