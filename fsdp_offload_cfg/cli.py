@@ -91,17 +91,20 @@ def _parser() -> argparse.ArgumentParser:
 
     estimate = verbs.add_parser("estimate", help="per-rank device and host memory of a run of this config")
     estimate.add_argument("file", nargs="?", metavar="CONFIG", help=_DEFAULT_FILE_HELP)
-    estimate.add_argument("--model", required=True, metavar="MODEL",
+    estimate.add_argument("--model", metavar="MODEL",
                           help="a local model directory, its config.json, or a Hub id already in the local "
-                               "Hugging Face cache, as from_pretrained takes it (nothing is downloaded)")
-    estimate.add_argument("--seq-len", type=int, required=True, metavar="N")
-    estimate.add_argument("--batch-size", type=int, required=True, metavar="B", help="micro-batch per rank")
+                               "Hugging Face cache, as from_pretrained takes it (nothing is downloaded). Required, "
+                               "as are --seq-len and --batch-size, unless CONFIG is a Trainer's file that says it "
+                               "(TrainingArguments, LlamaFactory, axolotl, TRL: the flags win over its keys)")
+    estimate.add_argument("--seq-len", type=int, metavar="N")
+    estimate.add_argument("--batch-size", type=int, metavar="B", help="micro-batch per rank")
     estimate.add_argument("--num-processes", type=_count, metavar="P", help="ranks (default: the config's num_processes)")
     estimate.add_argument("--optimizer", choices=("adamw", "adamw_fused", "sgd"), default="adamw",
                           help="adamw: torch.optim.AdamW's defaults (foreach on CUDA); adamw_fused: fused=True, "
                           "the Trainer's adamw_torch_fused")
-    estimate.add_argument("--gradient-accumulation-steps", type=int, default=1, metavar="N",
-                          help="micro-batches per optimizer step: above 1, every gradient is on the device in backward")
+    estimate.add_argument("--gradient-accumulation-steps", type=int, metavar="N",
+                          help="micro-batches per optimizer step (default 1): above 1, every gradient is on the "
+                               "device in backward")
     estimate.add_argument("--device", choices=("cuda", "cpu"), help="where it runs (default: cpu if use_cpu, else cuda)")
     estimate.add_argument("--dtype", help="load dtype (default: the model config's dtype, else float32)")
     estimate.add_argument("--format", choices=("table", "json"), default="table")
@@ -362,11 +365,19 @@ def _estimate(args: argparse.Namespace) -> int:
 
     try:
         capacity = _plot_inputs(args)
-        report = estimate_memory(load_config(args.file, args.overrides), args.model, seq_len=args.seq_len,
+        config, taken = _with_the_files_run(args, load_config(args.file, args.overrides))
+        if missing := [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len),
+                                                ("--batch-size", args.batch_size)) if value is None]:
+            _print(f"fsdp-offload-cfg estimate: the following arguments are required: {', '.join(missing)} "
+                   f"({_unsaid(args.file, missing)})", file=sys.stderr)
+            return EXIT_UNREADABLE
+        report = estimate_memory(config, args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
                                  lora=_lora_input(args), **_plan_inputs(args))
+        if taken:
+            report["assumptions"].insert(0, f"from the training arguments in {args.file}: {'; '.join(taken)}")
         if "plan" not in report and (args.compute_tflops is not None or args.copy_gb_per_s is not None):
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",
@@ -393,6 +404,61 @@ def _estimate(args: argparse.Namespace) -> int:
     from fsdp_offload_cfg.estimate.report import format_table
 
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
+
+
+def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> tuple[FSDPOffloadConfig, list[str]]:
+    """Where CONFIG is a Trainer's file (`config/trainer_file.py`): the flags it leaves out taken
+    from its training arguments (a flag given wins), and the config with the run's precision and
+    layer checkpointing. Returns the config and what was taken, in words."""
+    import dataclasses
+
+    from fsdp_offload_cfg.config.trainer_file import run_arguments
+    from fsdp_offload_cfg.estimate import EstimateError
+
+    run, taken = run_arguments(args.file), []
+    for flag, name in (("--model", "model"), ("--seq-len", "seq_len"), ("--batch-size", "batch_size"),
+                       ("--gradient-accumulation-steps", "gradient_accumulation_steps")):
+        if run is not None and getattr(args, name) is None and getattr(run, name) is not None:
+            setattr(args, name, getattr(run, name))
+            taken.append(f"{flag} {getattr(run, name)} ({run.taken[name]})")
+    if args.gradient_accumulation_steps is None:
+        args.gradient_accumulation_steps = 1
+    if run is None:
+        return config, taken
+    if run.mixed_precision is not None and config.mixed_precision is None:
+        config = dataclasses.replace(config, mixed_precision=run.mixed_precision)
+        taken.append(f"mixed precision {run.mixed_precision} ({run.taken['mixed_precision']})")
+    elif config.mixed_precision is None:
+        taken.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the launch's "
+                     "--mixed_precision or TRL's default turns bf16 on, write bf16: true in the file)")
+    if run.gradient_checkpointing and not config.activation_checkpointing and config.activation_memory_budget is None:
+        config = dataclasses.replace(config, activation_checkpointing=True)
+        taken.append("every layer checkpointed (gradient_checkpointing: true)")
+    if run.quantized is not None:
+        if args.lora_rank is None:
+            raise EstimateError(f"{args.file}: {run.quantized}: the estimate counts no 4- or 8-bit weights; pass "
+                                "--lora-rank R to estimate LoRA over the base in its load dtype (an upper bound)")
+        taken.append(f"the base in its load dtype, not quantized ({run.quantized})")
+    if run.lora_rank is not None and args.lora_rank is None:  # the flags that describe it still win
+        args.lora_rank, from_file = run.lora_rank, [f"rank {run.lora_rank}"]
+        if args.lora_targets is None:
+            args.lora_targets = run.lora_targets
+            from_file.append(f"on {run.lora_targets}")
+        if args.lora_dropout is None:
+            args.lora_dropout = run.lora_dropout
+            from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
+        taken.append(f"LoRA {' '.join(from_file)} ({run.taken['lora']})")
+    return config, taken
+
+
+def _unsaid(file: str, missing: list[str]) -> str:
+    """Where each missing flag could have come from, for the usage error."""
+    from fsdp_offload_cfg.config.trainer_file import BATCH_KEYS, MODEL_KEYS, SEQ_LEN_KEYS, is_trainer_layout
+
+    keys = {"--model": MODEL_KEYS, "--seq-len": SEQ_LEN_KEYS, "--batch-size": BATCH_KEYS}
+    if not is_trainer_layout(read_config_file(file)):
+        return f"{file} is not a Trainer's file, whose training arguments could give them"
+    return f"{file} has none of " + "; none of ".join(", ".join(keys[flag]) for flag in missing)
 
 
 def _lora_input(args: argparse.Namespace) -> Any:

@@ -1033,3 +1033,87 @@ def test_a_budget_twin_takes_a_runs_lora_adapters_but_not_their_init_nor_dora(mo
         assert placed is not twin and shapes == real
     else:
         assert placed is twin
+
+
+# ------------------------------------------------------------------------------ a Trainer's file
+
+
+def _trainer_file(tmp_path: Path, model: str, extra: str = "") -> str:
+    """A LlamaFactory-style file (the Trainer's layout: its fsdp_config beside the run's arguments)."""
+    path = tmp_path / "sft.yaml"
+    path.write_text(f"model_name_or_path: {model}\nstage: sft\ncutoff_len: 48\nper_device_train_batch_size: 2\n"
+                    "fsdp: full_shard auto_wrap\nfsdp_config:\n  version: 2\n  fsdp_activation_cpu_offload: true\n"
+                    + extra)
+    return str(path)
+
+
+def _json_estimate(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert cli.main(["estimate", *argv, "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0, \
+        capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_trainer_files_bf16_counts_the_float32_masters_accelerate_keeps(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]):
+    """The Trainer's `bf16: true` is accelerate's mixed precision, and under it accelerate keeps
+    float32 masters (`compat.master_weights`). A Trainer's file has no `mixed_precision` key and
+    `--set mixed_precision=bf16` is refused there: the estimate counted a bf16 model's states in
+    bf16, half what the run holds, and nothing could correct it. Now as the accelerate file that
+    says `mixed_precision: bf16`."""
+    model = save_llama(str(tmp_path / "llama_bf16"), dtype=torch.bfloat16)
+    accelerate_file = tmp_path / "accelerate.yaml"
+    accelerate_file.write_text("distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n"
+                               "  fsdp_activation_cpu_offload: true\n")
+    flags = ["--model", model, "--seq-len", "48", "--batch-size", "2"]
+    as_accelerate = _json_estimate(capsys, str(accelerate_file), *flags)
+    trainer = _json_estimate(capsys, _trainer_file(tmp_path, model, "bf16: true\n"))
+    assert trainer["inputs"] == as_accelerate["inputs"]
+    assert trainer["per_rank"] == as_accelerate["per_rank"]
+    without = _json_estimate(capsys, _trainer_file(tmp_path, model))
+    assert without["inputs"]["storage_dtype"] == "bfloat16"
+    if accelerate_upcast() != "none":  # accelerate 1.13 keeps bf16 masters
+        assert trainer["inputs"]["storage_dtype"] == "float32"
+        assert trainer["per_rank"]["params_bytes"] == 2 * without["per_rank"]["params_bytes"]
+    assert trainer["assumptions"][0].startswith(f"from the training arguments in {tmp_path / 'sft.yaml'}: ")
+    assert "mixed precision bf16 (bf16: true)" in trainer["assumptions"][0]
+    assert "no mixed precision: the file turns on neither bf16 nor fp16" in without["assumptions"][0]
+
+
+def test_a_trainer_files_run_arguments_stand_for_the_flags_and_the_flags_win(models: dict[str, str], tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]):
+    file = _trainer_file(tmp_path, models["llama"], "gradient_accumulation_steps: 4\ngradient_checkpointing: true\n"
+                                                    "finetuning_type: lora\nlora_rank: 4\nlora_target: q_proj,v_proj\n")
+    from_file = _json_estimate(capsys, file)
+    typed = _json_estimate(capsys, file, "--model", models["llama"], "--seq-len", "48", "--batch-size", "2",
+                           "--gradient-accumulation-steps", "4", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
+                           "--set", "activation_checkpointing=true")
+    assert from_file["per_rank"] == typed["per_rank"] and from_file["inputs"] == typed["inputs"]
+    assert from_file["inputs"]["activation_setting"] == "checkpointing_and_offload"
+    assert from_file["model"]["lora"]["targets"] == ["q_proj", "v_proj"]
+    said = from_file["assumptions"][0]
+    for words in ("--seq-len 48 (cutoff_len)", "--batch-size 2 (per_device_train_batch_size)",
+                  "--gradient-accumulation-steps 4", "every layer checkpointed (gradient_checkpointing: true)",
+                  "LoRA rank 4 on q_proj,v_proj (finetuning_type: lora)"):
+        assert words in said, said
+    flags_win = _json_estimate(capsys, file, "--seq-len", "32", "--lora-targets", "q_proj")
+    assert (flags_win["inputs"]["seq_len"], flags_win["model"]["lora"]["targets"]) == (32, ["q_proj"])
+    assert "cutoff_len" not in flags_win["assumptions"][0] and "LoRA rank 4 (finetuning_type: lora)" in \
+        flags_win["assumptions"][0]
+
+
+def test_what_neither_the_flags_nor_the_file_say_is_asked_for_by_name(models: dict[str, str], tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("fsdp: full_shard\nfsdp_config:\n  version: 2\n")
+    assert cli.main(["estimate", str(bare), "--model", models["llama"], "--num-processes", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fsdp-offload-cfg estimate: the following arguments are required: --seq-len, --batch-size "
+        f"({bare} has none of cutoff_len, sequence_len, max_length, max_seq_length; none of "
+        "per_device_train_batch_size, micro_batch_size)")
+    accelerate_file = _yaml(tmp_path, CONFIG_YAML)
+    assert cli.main(["estimate", accelerate_file]) == 2
+    assert "required: --model, --seq-len, --batch-size (" in capsys.readouterr().err
+    quantized = _trainer_file(tmp_path, models["llama"], "quantization_bit: 4\nfinetuning_type: lora\n")
+    assert cli.main(["estimate", quantized, "--num-processes", "2"]) == 1
+    assert "quantization_bit: 4: the estimate counts no 4- or 8-bit weights; pass --lora-rank R" in \
+        capsys.readouterr().err

@@ -7,9 +7,12 @@ Modules, by what a reader looks for:
 - `schema`: the JSON Schema built from `keys`, value coercion and validation messages;
 - `reading`: files and mappings -> plain data, within depth and size limits;
 - `sources`: `load_config` (files, mappings, overrides), `config_from_env`, `env_values`;
-- `rules`: the rules between keys (`RULES`).
+- `rules`: the rules between keys (`RULES`);
+- `trainer_file`: a Trainer's file as the run it describes (its training arguments beside its
+  `fsdp_config`), which `estimate` takes where its flags are left out.
 
-Every other module consumes only `FSDPOffloadConfig`; nothing downstream reads raw dicts.
+Every other module consumes only `FSDPOffloadConfig` (and `estimate`, `RunArguments`); nothing downstream
+reads raw dicts.
 """
 
 from fsdp_offload_cfg.config.keys import (

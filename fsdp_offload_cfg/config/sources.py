@@ -225,6 +225,11 @@ def with_the_files_other_keys(written: dict[str, Any], top: Mapping[Any, Any]) -
 # -------------------------------------------------------------------------------------------
 
 
+def layout_of(top: Mapping[Any, Any]) -> Layout:
+    """A file's layout, as `load_config` reads it (`config/trainer_file.py` reads a Trainer's)."""
+    return _detect_layout(top)
+
+
 def _detect_layout(top: Mapping[Any, Any]) -> Layout:
     """accelerate config file, TrainingArguments JSON, or a bare fsdp_config mapping."""
     if "compute_environment" in top or "distributed_type" in top:

@@ -1,0 +1,177 @@
+"""A Trainer's file as the run it describes: the training arguments beside its `fsdp_config`.
+
+A TrainingArguments JSON or YAML, a LlamaFactory or axolotl YAML, a TRL config: each holds the
+run, not only its FSDP settings. `fsdp-offload-cfg estimate FILE` takes from it what the
+command line leaves out (the command line wins, as in accelerate), so that the figures are those
+of the run the file launches.
+
+Why, above all, the precision. The Trainer's `bf16: true` (or `fp16`) becomes accelerate's mixed
+precision (TrainingArguments sets `ACCELERATE_MIXED_PRECISION`), under which accelerate keeps
+float32 master weights: parameters, gradients and optimizer state twice the bytes of a bf16 model
+without it. Such a file has no `mixed_precision` key, and `--set mixed_precision=` is refused
+there (not an fsdp_config key), so the estimate counted those states in the load dtype and nothing
+could correct it.
+
+Each figure's key, as each framework spells it (the first the file has wins):
+- model: `model_name_or_path` (TRL, LlamaFactory), `base_model` (axolotl);
+- sequence length: `cutoff_len` (LlamaFactory), `sequence_len` (axolotl), `max_length` (TRL),
+  `max_seq_length` (TRL before 0.20);
+- micro-batch: `per_device_train_batch_size` (the Trainer), `micro_batch_size` (axolotl);
+- `gradient_accumulation_steps`;
+- precision: `bf16` (`true`, or axolotl's `auto`: bf16 on a GPU that has it), `fp16`. False or
+  unset leaves the launch's (`accelerate launch --mixed_precision`, its config file), which the
+  Trainer reads first; TRL's configs turn bf16 on where the file says nothing, so write it there;
+- layer checkpointing: `gradient_checkpointing`;
+- LoRA: LlamaFactory's `finetuning_type: lora` with `lora_rank` (default 8), `lora_target`
+  (default `all`: every linear layer) and `lora_dropout`; axolotl's `adapter: lora` with `lora_r`,
+  `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
+- a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
+  `quantization_bit`): the estimate counts no 4- or 8-bit weights, so it stops, saying so, unless
+  `--lora-rank` asks for LoRA over the base as loaded.
+
+Only files in the Trainer's layout are read so (`fsdp` or `fsdp_config` at the top, no accelerate
+launch key): an accelerate file says its own precision and names no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_offload_cfg.config.model import ConfigError, Problem
+from fsdp_offload_cfg.config.reading import read_config_file
+from fsdp_offload_cfg.config.sources import layout_of
+
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
+MODEL_KEYS = ("model_name_or_path", "base_model")
+SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
+BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
+# a base quantized to 4 or 8 bits: axolotl's qlora and load_in_*bit, LlamaFactory's quantization_bit
+QUANTIZED_KEYS = ("load_in_4bit", "load_in_8bit", "quantization_bit")
+
+
+@dataclass(frozen=True)
+class RunArguments:
+    """What a Trainer's file says of its run; None where it says nothing. `taken`: where each
+    value came from (`cutoff_len`; `bf16: true`; `finetuning_type: lora`),
+    for the estimate to say."""
+
+    file: str
+    model: str | None = None
+    seq_len: int | None = None
+    batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    mixed_precision: str | None = None  # accelerate's name, bf16 or fp16; None: the file turns none on
+    gradient_checkpointing: bool = False
+    lora_rank: int | None = None
+    lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
+    lora_dropout: float | None = None
+    quantized: str | None = None  # the key that quantizes the base (`adapter: qlora`), which no estimate counts
+    taken: dict[str, str] = field(default_factory=dict)
+
+
+def is_trainer_layout(top: dict[Any, Any]) -> bool:
+    return layout_of(top) == "trainer"
+
+
+def run_arguments(path: str) -> RunArguments | None:
+    """The run `path` describes, where it is a Trainer's file; None for any other config."""
+    top = read_config_file(path)
+    if not is_trainer_layout(top):
+        return None
+    reader = _Reader(top, path)
+    values: dict[str, Any] = {
+        "model": reader.first(MODEL_KEYS, str, "model"),
+        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len"),
+        "batch_size": reader.first(BATCH_KEYS, int, "batch_size"),
+        "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
+                                                    "gradient_accumulation_steps"),
+        "mixed_precision": reader.precision(),
+        "gradient_checkpointing": reader.first(("gradient_checkpointing",), bool, "gradient_checkpointing") is True,
+        **reader.lora(),
+        "quantized": "adapter: qlora" if top.get("adapter") == "qlora" else next(
+            (f"{k}: {_show(top[k])}" for k in QUANTIZED_KEYS if top.get(k) not in (None, False)), None),
+    }
+    reader.raise_problems()
+    return RunArguments(path, **values, taken=reader.taken)
+
+
+class _Reader:
+    """The file's keys, type-checked; every wrong one is collected and said together, the file and
+    key named, as `load_config` says its problems."""
+
+    def __init__(self, top: dict[Any, Any], path: str):
+        self.top, self.path = top, path
+        self.taken: dict[str, str] = {}
+        self.problems: list[Problem] = []
+
+    def first(self, keys: tuple[str, ...], kind: type, name: str) -> Any:
+        key = next((k for k in keys if self.top.get(k) is not None), None)
+        if key is None:
+            return None
+        value = self._typed(key, kind)
+        if value is not None:
+            self.taken[name] = key
+        return value
+
+    def precision(self) -> str | None:
+        bf16, fp16 = self.top.get("bf16"), self.top.get("fp16")
+        for key, value in (("bf16", bf16), ("fp16", fp16)):
+            if value is not None and not isinstance(value, bool) and not (key == "bf16" and value == "auto"):
+                self.problems.append(Problem(self.path, key, f"expected true or false, got {_show(value)}"))
+                return None
+        if bf16 is True or bf16 == "auto" or fp16 is True:
+            key = "fp16" if fp16 is True else "bf16"  # the Trainer's order: fp16 is checked first
+            self.taken["mixed_precision"] = f"{key}: {_show(self.top[key])}"
+            return key
+        return None  # false or unset: the launch's own mixed precision, which the Trainer reads first
+
+    def lora(self) -> dict[str, Any]:
+        """LlamaFactory's `finetuning_type: lora` or axolotl's `adapter: lora`, as PEFT's three
+        numbers; nothing for a full fine-tune."""
+        if self.top.get("finetuning_type") == "lora":
+            rank = self._typed("lora_rank", int) if "lora_rank" in self.top else 8
+            target = self.top.get("lora_target", "all")
+            targets = ALL_LINEAR if target == "all" else self._names("lora_target")
+            how = "finetuning_type: lora"
+        elif self.top.get("adapter") == "lora":
+            rank = self._typed("lora_r", int) if "lora_r" in self.top else 8
+            targets = ALL_LINEAR if self.top.get("lora_target_linear") is True else self._names("lora_target_modules")
+            how = "adapter: lora"
+        else:
+            return {}
+        dropout = self._typed("lora_dropout", float) if self.top.get("lora_dropout") is not None else 0.0
+        if rank is None or targets is None or dropout is None:
+            return {}
+        self.taken["lora"] = how
+        return {"lora_rank": rank, "lora_targets": targets, "lora_dropout": dropout}
+
+    def _names(self, key: str) -> str | None:
+        value = self.top.get(key)
+        if isinstance(value, str) and value.strip():
+            return value
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return ",".join(value)
+        self.problems.append(Problem(self.path, key, f"expected module names (a list, or names joined by commas), "
+                                     f"got {_show(value)}"))
+        return None
+
+    def _typed(self, key: str, kind: type) -> Any:
+        value = self.top[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+            return value
+        self.problems.append(Problem(self.path, key, f"expected {_KIND_WORDS[kind]}, got {_show(value)}"))
+        return None
+
+    def raise_problems(self) -> None:
+        if self.problems:
+            raise ConfigError(self.problems)
+
+
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _show(value: Any) -> str:
+    return "true" if value is True else "false" if value is False else str(value)

@@ -1,0 +1,92 @@
+"""A Trainer's file as the run it describes (`config/trainer_file.py`): the training arguments
+`fsdp-offload-cfg estimate` takes where its flags are left out, in each framework's spelling.
+Pure reading: the estimate's figures from them are tested in tests/test_estimate.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_offload_cfg.config import ConfigError
+from fsdp_offload_cfg.config.trainer_file import RunArguments, run_arguments
+
+FSDP = "fsdp: full_shard auto_wrap\nfsdp_config:\n  version: 2\n"
+
+
+def _read(tmp_path: Path, text: str, name: str = "run.yaml") -> RunArguments | None:
+    path = tmp_path / name
+    path.write_text(text)
+    return run_arguments(str(path))
+
+
+def test_a_llamafactory_file_gives_its_model_length_batch_precision_and_lora(tmp_path: Path):
+    run = _read(tmp_path, "model_name_or_path: meta-llama/Llama-3.1-8B\nstage: sft\nfinetuning_type: lora\n"
+                          "cutoff_len: 4096\nper_device_train_batch_size: 2\ngradient_accumulation_steps: 8\n"
+                          "bf16: true\n" + FSDP)
+    assert run is not None
+    assert (run.model, run.seq_len, run.batch_size, run.gradient_accumulation_steps, run.mixed_precision) == \
+        ("meta-llama/Llama-3.1-8B", 4096, 2, 8, "bf16")
+    assert (run.lora_rank, run.lora_targets, run.lora_dropout) == (8, "all-linear", 0.0)  # LlamaFactory's defaults
+    assert run.taken == {"model": "model_name_or_path", "seq_len": "cutoff_len", "batch_size": "per_device_train_batch_size",
+                         "gradient_accumulation_steps": "gradient_accumulation_steps", "mixed_precision": "bf16: true",
+                         "lora": "finetuning_type: lora"}
+    named = _read(tmp_path, "finetuning_type: lora\nlora_rank: 16\nlora_target: q_proj,v_proj\nlora_dropout: 0.05\n" + FSDP)
+    assert (named.lora_rank, named.lora_targets, named.lora_dropout) == (16, "q_proj,v_proj", 0.05)
+    assert _read(tmp_path, "finetuning_type: full\n" + FSDP).lora_rank is None
+
+
+def test_an_axolotl_file_gives_the_same_in_its_own_names(tmp_path: Path):
+    run = _read(tmp_path, "base_model: ./llama\nsequence_len: 2048\nmicro_batch_size: 1\nbf16: auto\nadapter: lora\n"
+                          "lora_r: 32\nlora_dropout: 0\nlora_target_modules:\n  - q_proj\n  - v_proj\n"
+                          "gradient_checkpointing: true\nfsdp_version: 2\nfsdp_config:\n  offload_params: false\n")
+    assert (run.model, run.seq_len, run.batch_size, run.mixed_precision, run.gradient_checkpointing) == \
+        ("./llama", 2048, 1, "bf16", True)
+    assert (run.lora_rank, run.lora_targets, run.lora_dropout, run.taken["lora"]) == \
+        (32, "q_proj,v_proj", 0.0, "adapter: lora")
+    linear = _read(tmp_path, "adapter: lora\nlora_r: 8\nlora_target_linear: true\nfsdp_config: {}\n")
+    assert linear.lora_targets == "all-linear"
+
+
+def test_a_training_arguments_json_gives_fp16_and_trls_max_length(tmp_path: Path):
+    args = {"per_device_train_batch_size": 4, "max_length": 1024, "fp16": True, "bf16": False,
+            "fsdp": "full_shard", "fsdp_config": {"version": 2}}
+    run = _read(tmp_path, json.dumps(args), "args.json")
+    assert (run.seq_len, run.batch_size, run.mixed_precision, run.model, run.lora_rank) == (1024, 4, "fp16", None, None)
+
+
+@pytest.mark.parametrize("text", ["bf16: false\n", "fp16: false\n", ""])
+def test_precision_left_off_in_the_file_is_the_launchs(tmp_path: Path, text: str):
+    """The Trainer reads ACCELERATE_MIXED_PRECISION first and only `true` overrides it: `false`
+    in the file does not mean no mixed precision."""
+    assert _read(tmp_path, text + FSDP).mixed_precision is None
+
+
+def test_the_first_spelling_the_file_has_wins(tmp_path: Path):
+    run = _read(tmp_path, "max_length: 512\ncutoff_len: 2048\nmodel_name_or_path: a\nbase_model: b\n" + FSDP)
+    assert (run.seq_len, run.model) == (2048, "a")
+
+
+@pytest.mark.parametrize("text", ["adapter: qlora\n", "load_in_4bit: true\n", "quantization_bit: 4\n"])
+def test_a_quantized_base_is_named_with_its_key(tmp_path: Path, text: str):
+    assert _read(tmp_path, text + FSDP).quantized == text.strip()
+    assert _read(tmp_path, "load_in_4bit: false\n" + FSDP).quantized is None
+
+
+def test_values_of_the_wrong_type_are_said_together_with_the_file_and_key(tmp_path: Path):
+    with pytest.raises(ConfigError) as caught:
+        _read(tmp_path, "cutoff_len: 4k\nper_device_train_batch_size: true\nbf16: yes please\nadapter: lora\n"
+                        "lora_target_modules: 5\n" + FSDP)
+    path = tmp_path / "run.yaml"
+    assert str(caught.value).splitlines() == [
+        f"{path}: cutoff_len: expected an integer, got 4k",
+        f"{path}: per_device_train_batch_size: expected an integer, got true",
+        f"{path}: bf16: expected true or false, got yes please",
+        f"{path}: lora_target_modules: expected module names (a list, or names joined by commas), got 5",
+    ]
+
+
+def test_an_accelerate_file_or_a_bare_fsdp_config_is_no_trainers_file(tmp_path: Path):
+    assert _read(tmp_path, "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n") is None
+    assert _read(tmp_path, "version: 2\ncpu_ram_efficient_loading: true\n") is None
