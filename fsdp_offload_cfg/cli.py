@@ -433,7 +433,7 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> 
                      "--mixed_precision or TRL's default turns bf16 on, write bf16: true in the file)")
     if run.gradient_checkpointing and not config.activation_checkpointing and config.activation_memory_budget is None:
         config = dataclasses.replace(config, activation_checkpointing=True)
-        taken.append("every layer checkpointed (gradient_checkpointing: true)")
+        taken.append(f"every layer checkpointed ({run.taken['gradient_checkpointing']})")
     if run.quantized is not None:
         if args.lora_rank is None:
             raise EstimateError(f"{args.file}: {run.quantized}: the estimate counts no 4- or 8-bit weights; pass "

@@ -1066,10 +1066,11 @@ def test_a_trainer_files_bf16_counts_the_float32_masters_accelerate_keeps(tmp_pa
                                "  fsdp_activation_cpu_offload: true\n")
     flags = ["--model", model, "--seq-len", "48", "--batch-size", "2"]
     as_accelerate = _json_estimate(capsys, str(accelerate_file), *flags)
-    trainer = _json_estimate(capsys, _trainer_file(tmp_path, model, "bf16: true\n"))
+    full = "finetuning_type: full\ndisable_gradient_checkpointing: true\n"  # as the accelerate file runs
+    trainer = _json_estimate(capsys, _trainer_file(tmp_path, model, full + "bf16: true\n"))
     assert trainer["inputs"] == as_accelerate["inputs"]
     assert trainer["per_rank"] == as_accelerate["per_rank"]
-    without = _json_estimate(capsys, _trainer_file(tmp_path, model))
+    without = _json_estimate(capsys, _trainer_file(tmp_path, model, full))
     assert without["inputs"]["storage_dtype"] == "bfloat16"
     if accelerate_upcast() != "none":  # accelerate 1.13 keeps bf16 masters
         assert trainer["inputs"]["storage_dtype"] == "float32"
@@ -1081,7 +1082,7 @@ def test_a_trainer_files_bf16_counts_the_float32_masters_accelerate_keeps(tmp_pa
 
 def test_a_trainer_files_run_arguments_stand_for_the_flags_and_the_flags_win(models: dict[str, str], tmp_path: Path,
                                                                             capsys: pytest.CaptureFixture[str]):
-    file = _trainer_file(tmp_path, models["llama"], "gradient_accumulation_steps: 4\ngradient_checkpointing: true\n"
+    file = _trainer_file(tmp_path, models["llama"], "gradient_accumulation_steps: 4\n"
                                                     "finetuning_type: lora\nlora_rank: 4\nlora_target: q_proj,v_proj\n")
     from_file = _json_estimate(capsys, file)
     typed = _json_estimate(capsys, file, "--model", models["llama"], "--seq-len", "48", "--batch-size", "2",
@@ -1092,7 +1093,8 @@ def test_a_trainer_files_run_arguments_stand_for_the_flags_and_the_flags_win(mod
     assert from_file["model"]["lora"]["targets"] == ["q_proj", "v_proj"]
     said = from_file["assumptions"][0]
     for words in ("--seq-len 48 (cutoff_len)", "--batch-size 2 (per_device_train_batch_size)",
-                  "--gradient-accumulation-steps 4", "every layer checkpointed (gradient_checkpointing: true)",
+                  "--gradient-accumulation-steps 4",
+                  "every layer checkpointed (LlamaFactory's default: disable_gradient_checkpointing unset)",
                   "LoRA rank 4 on q_proj,v_proj (finetuning_type: lora)"):
         assert words in said, said
     flags_win = _json_estimate(capsys, file, "--seq-len", "32", "--lora-targets", "q_proj")

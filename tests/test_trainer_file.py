@@ -31,10 +31,25 @@ def test_a_llamafactory_file_gives_its_model_length_batch_precision_and_lora(tmp
     assert (run.lora_rank, run.lora_targets, run.lora_dropout) == (8, "all-linear", 0.0)  # LlamaFactory's defaults
     assert run.taken == {"model": "model_name_or_path", "seq_len": "cutoff_len", "batch_size": "per_device_train_batch_size",
                          "gradient_accumulation_steps": "gradient_accumulation_steps", "mixed_precision": "bf16: true",
+                         "gradient_checkpointing": "LlamaFactory's default: disable_gradient_checkpointing unset",
                          "lora": "finetuning_type: lora"}
-    named = _read(tmp_path, "finetuning_type: lora\nlora_rank: 16\nlora_target: q_proj,v_proj\nlora_dropout: 0.05\n" + FSDP)
+    assert run.gradient_checkpointing
+    named = _read(tmp_path, "finetuning_type: lora\nlora_rank: 16\nlora_target: q_proj,v_proj\nlora_dropout: 0.05\n"
+                            "disable_gradient_checkpointing: true\n" + FSDP)
     assert (named.lora_rank, named.lora_targets, named.lora_dropout) == (16, "q_proj,v_proj", 0.05)
+    assert not named.gradient_checkpointing and "gradient_checkpointing" not in named.taken
     assert _read(tmp_path, "finetuning_type: full\n" + FSDP).lora_rank is None
+
+
+def test_where_a_llamafactory_file_is_silent_its_defaults_hold(tmp_path: Path):
+    """LlamaFactory 0.9.5 (`hparams`): finetuning_type lora, lora_rank 8 on all, cutoff_len 2048,
+    gradient checkpointing on; the Trainer's defaults are none of these."""
+    run = _read(tmp_path, "stage: sft\nmodel_name_or_path: m\n" + FSDP)
+    assert (run.seq_len, run.lora_rank, run.lora_targets, run.gradient_checkpointing) == (2048, 8, "all-linear", True)
+    assert run.taken["seq_len"] == "cutoff_len unset: LlamaFactory's default"
+    assert run.taken["lora"] == "finetuning_type unset: LlamaFactory's default lora"
+    trainer = _read(tmp_path, "model_name_or_path: m\n" + FSDP)
+    assert (trainer.seq_len, trainer.lora_rank, trainer.gradient_checkpointing) == (None, None, False)
 
 
 def test_an_axolotl_file_gives_the_same_in_its_own_names(tmp_path: Path):
@@ -76,11 +91,11 @@ def test_a_quantized_base_is_named_with_its_key(tmp_path: Path, text: str):
 
 def test_values_of_the_wrong_type_are_said_together_with_the_file_and_key(tmp_path: Path):
     with pytest.raises(ConfigError) as caught:
-        _read(tmp_path, "cutoff_len: 4k\nper_device_train_batch_size: true\nbf16: yes please\nadapter: lora\n"
+        _read(tmp_path, "sequence_len: 4k\nper_device_train_batch_size: true\nbf16: yes please\nadapter: lora\n"
                         "lora_target_modules: 5\n" + FSDP)
     path = tmp_path / "run.yaml"
     assert str(caught.value).splitlines() == [
-        f"{path}: cutoff_len: expected an integer, got 4k",
+        f"{path}: sequence_len: expected an integer, got 4k",
         f"{path}: per_device_train_batch_size: expected an integer, got true",
         f"{path}: bf16: expected true or false, got yes please",
         f"{path}: lora_target_modules: expected module names (a list, or names joined by commas), got 5",

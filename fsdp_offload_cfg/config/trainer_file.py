@@ -14,22 +14,25 @@ could correct it.
 
 Each figure's key, as each framework spells it (the first the file has wins):
 - model: `model_name_or_path` (TRL, LlamaFactory), `base_model` (axolotl);
-- sequence length: `cutoff_len` (LlamaFactory), `sequence_len` (axolotl), `max_length` (TRL),
-  `max_seq_length` (TRL before 0.20);
+- sequence length: `cutoff_len` (LlamaFactory; default 2048), `sequence_len` (axolotl),
+  `max_length` (TRL), `max_seq_length` (TRL before 0.20);
 - micro-batch: `per_device_train_batch_size` (the Trainer), `micro_batch_size` (axolotl);
 - `gradient_accumulation_steps`;
 - precision: `bf16` (`true`, or axolotl's `auto`: bf16 on a GPU that has it), `fp16`. False or
   unset leaves the launch's (`accelerate launch --mixed_precision`, its config file), which the
   Trainer reads first; TRL's configs turn bf16 on where the file says nothing, so write it there;
-- layer checkpointing: `gradient_checkpointing`;
-- LoRA: LlamaFactory's `finetuning_type: lora` with `lora_rank` (default 8), `lora_target`
-  (default `all`: every linear layer) and `lora_dropout`; axolotl's `adapter: lora` with `lora_r`,
+- layer checkpointing: `gradient_checkpointing`; LlamaFactory's is on unless
+  `disable_gradient_checkpointing: true`;
+- LoRA: LlamaFactory's `finetuning_type: lora` (its default) with `lora_rank` (default 8),
+  `lora_target` (default `all`: every linear layer) and `lora_dropout`; axolotl's `adapter: lora` with `lora_r`,
   `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
 - a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
   `quantization_bit`): the estimate counts no 4- or 8-bit weights, so it stops, saying so, unless
   `--lora-rank` asks for LoRA over the base as loaded.
 
-Only files in the Trainer's layout are read so (`fsdp` or `fsdp_config` at the top, no accelerate
+A LlamaFactory file (one with `stage`, `finetuning_type`, `cutoff_len` or `template`) takes
+LlamaFactory's defaults where it is silent (0.9.5's `hparams`): LoRA, a cutoff of 2048 tokens,
+every layer checkpointed. Only files in the Trainer's layout are read so (`fsdp` or `fsdp_config` at the top, no accelerate
 launch key): an accelerate file says its own precision and names no model.
 """
 
@@ -46,6 +49,7 @@ ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output h
 MODEL_KEYS = ("model_name_or_path", "base_model")
 SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
 BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
+LLAMAFACTORY_KEYS = ("stage", "finetuning_type", "cutoff_len", "template")  # keys no other file here has
 # a base quantized to 4 or 8 bits: axolotl's qlora and load_in_*bit, LlamaFactory's quantization_bit
 QUANTIZED_KEYS = ("load_in_4bit", "load_in_8bit", "quantization_bit")
 
@@ -82,12 +86,13 @@ def run_arguments(path: str) -> RunArguments | None:
     reader = _Reader(top, path)
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
-        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len"),
+        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len") or reader.llamafactory_default("seq_len", 2048,
+                                                                                              "cutoff_len"),
         "batch_size": reader.first(BATCH_KEYS, int, "batch_size"),
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
         "mixed_precision": reader.precision(),
-        "gradient_checkpointing": reader.first(("gradient_checkpointing",), bool, "gradient_checkpointing") is True,
+        "gradient_checkpointing": reader.checkpointing(),
         **reader.lora(),
         "quantized": "adapter: qlora" if top.get("adapter") == "qlora" else next(
             (f"{k}: {_show(top[k])}" for k in QUANTIZED_KEYS if top.get(k) not in (None, False)), None),
@@ -104,6 +109,29 @@ class _Reader:
         self.top, self.path = top, path
         self.taken: dict[str, str] = {}
         self.problems: list[Problem] = []
+        # LlamaFactory's own keys: its defaults differ from the Trainer's (LoRA, checkpointing on)
+        self.llamafactory = any(key in top for key in LLAMAFACTORY_KEYS)
+
+    def llamafactory_default(self, name: str, value: Any, key: str) -> Any:
+        """LlamaFactory's default for `key`, where the file is LlamaFactory's and leaves it out."""
+        if not self.llamafactory:
+            return None
+        self.taken[name] = f"{key} unset: LlamaFactory's default"
+        return value
+
+    def checkpointing(self) -> bool:
+        """Whether every layer is checkpointed: `gradient_checkpointing: true`; LlamaFactory's
+        unless `disable_gradient_checkpointing: true`."""
+        if self.llamafactory:
+            disabled = self._typed("disable_gradient_checkpointing", bool) \
+                if "disable_gradient_checkpointing" in self.top else False
+            if disabled is False:
+                self.taken["gradient_checkpointing"] = "LlamaFactory's default: disable_gradient_checkpointing unset"
+            return disabled is False
+        if self.first(("gradient_checkpointing",), bool, "gradient_checkpointing") is True:
+            self.taken["gradient_checkpointing"] = "gradient_checkpointing: true"
+            return True
+        return False
 
     def first(self, keys: tuple[str, ...], kind: type, name: str) -> Any:
         key = next((k for k in keys if self.top.get(k) is not None), None)
@@ -129,11 +157,12 @@ class _Reader:
     def lora(self) -> dict[str, Any]:
         """LlamaFactory's `finetuning_type: lora` or axolotl's `adapter: lora`, as PEFT's three
         numbers; nothing for a full fine-tune."""
-        if self.top.get("finetuning_type") == "lora":
+        finetuning = self.top.get("finetuning_type", "lora" if self.llamafactory else None)
+        if finetuning == "lora":
             rank = self._typed("lora_rank", int) if "lora_rank" in self.top else 8
             target = self.top.get("lora_target", "all")
             targets = ALL_LINEAR if target == "all" else self._names("lora_target")
-            how = "finetuning_type: lora"
+            how = "finetuning_type: lora" if "finetuning_type" in self.top else "finetuning_type unset: LlamaFactory's default lora"
         elif self.top.get("adapter") == "lora":
             rank = self._typed("lora_r", int) if "lora_r" in self.top else 8
             targets = ALL_LINEAR if self.top.get("lora_target_linear") is True else self._names("lora_target_modules")
