@@ -363,6 +363,29 @@ def test_trainer_fsdp_config_with_a_memory_budget(tmp_path: Path, checkpoint: st
     assert expected != ["keep"] * len(expected)  # halfway between the settings' peaks: not the plain run
 
 
+def test_the_estimate_of_a_trainers_file_holds_what_its_trainer_holds(tmp_path: Path, checkpoint: str,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """A TrainingArguments file with `bf16: true` over a bf16 model: the Trainer's accelerate
+    keeps float32 masters (1.13: bf16), and the estimate of that same file counts rank 0's
+    parameter bytes and dtype as the real rank 0 holds them after a step. Before, the estimate
+    read no precision from such a file: bf16, half the bytes."""
+    from fsdp_offload_cfg import cli
+
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "max_steps": 1, "bf16": True,
+        "use_cpu": True, "save_strategy": "no", "report_to": [], "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}))
+    real = _reports(_run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), str(HERE / "scripts" / "trainer_file_probe.py"), str(args_file), checkpoint]))
+    assert cli.main(["estimate", str(args_file), "--model", checkpoint, "--seq-len", "16", "--num-processes", "2",
+                     "--device", "cpu", "--dtype", "bfloat16", "--format", "json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert real[0]["mixed_precision"] == "bf16"
+    assert real[0]["param_dtypes"] == [estimated["inputs"]["storage_dtype"]], (real[0], estimated["inputs"])
+    assert estimated["per_rank"]["params_bytes"] == real[0]["param_bytes"], (estimated["per_rank"], real[0])
+
+
 FSDP1_YAML = """\
 distributed_type: FSDP
 num_machines: 1
