@@ -99,9 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--seq-len", type=int, metavar="N")
     estimate.add_argument("--batch-size", type=int, metavar="B", help="micro-batch per rank")
     estimate.add_argument("--num-processes", type=_count, metavar="P", help="ranks (default: the config's num_processes)")
-    estimate.add_argument("--optimizer", choices=("adamw", "adamw_fused", "sgd"), default="adamw",
-                          help="adamw: torch.optim.AdamW's defaults (foreach on CUDA); adamw_fused: fused=True, "
-                          "the Trainer's adamw_torch_fused")
+    estimate.add_argument("--optimizer", choices=("adamw", "adamw_fused", "sgd"),
+                          help="adamw (the default, but for a Trainer's file): torch.optim.AdamW's defaults (foreach "
+                          "on CUDA); adamw_fused: fused=True, the Trainer's adamw_torch_fused")
     estimate.add_argument("--gradient-accumulation-steps", type=int, metavar="N",
                           help="micro-batches per optimizer step (default 1): above 1, every gradient is on the "
                                "device in backward")
@@ -423,6 +423,10 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> 
             taken.append(f"{flag} {getattr(run, name)} ({run.taken[name]})")
     if args.gradient_accumulation_steps is None:
         args.gradient_accumulation_steps = 1
+    if args.optimizer is None:
+        args.optimizer = run.optimizer if run is not None else "adamw"
+        if run is not None:
+            taken.append(f"--optimizer {run.optimizer} ({run.taken['optimizer']})")
     if run is None:
         return config, taken
     if run.mixed_precision is not None and config.mixed_precision is None:

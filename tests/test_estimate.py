@@ -1064,7 +1064,7 @@ def test_a_trainer_files_bf16_counts_the_float32_masters_accelerate_keeps(tmp_pa
     accelerate_file = tmp_path / "accelerate.yaml"
     accelerate_file.write_text("distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n"
                                "  fsdp_activation_cpu_offload: true\n")
-    flags = ["--model", model, "--seq-len", "48", "--batch-size", "2"]
+    flags = ["--model", model, "--seq-len", "48", "--batch-size", "2", "--optimizer", "adamw_fused"]  # the Trainer's
     as_accelerate = _json_estimate(capsys, str(accelerate_file), *flags)
     full = "finetuning_type: full\ndisable_gradient_checkpointing: true\n"  # as the accelerate file runs
     trainer = _json_estimate(capsys, _trainer_file(tmp_path, model, full + "bf16: true\n"))
@@ -1087,13 +1087,13 @@ def test_a_trainer_files_run_arguments_stand_for_the_flags_and_the_flags_win(mod
     from_file = _json_estimate(capsys, file)
     typed = _json_estimate(capsys, file, "--model", models["llama"], "--seq-len", "48", "--batch-size", "2",
                            "--gradient-accumulation-steps", "4", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
-                           "--set", "activation_checkpointing=true")
+                           "--set", "activation_checkpointing=true", "--optimizer", "adamw_fused")
     assert from_file["per_rank"] == typed["per_rank"] and from_file["inputs"] == typed["inputs"]
     assert from_file["inputs"]["activation_setting"] == "checkpointing_and_offload"
     assert from_file["model"]["lora"]["targets"] == ["q_proj", "v_proj"]
     said = from_file["assumptions"][0]
     for words in ("--seq-len 48 (cutoff_len)", "--batch-size 2 (per_device_train_batch_size)",
-                  "--gradient-accumulation-steps 4",
+                  "--gradient-accumulation-steps 4", "--optimizer adamw_fused (optim unset: the Trainer's default",
                   "every layer checkpointed (LlamaFactory's default: disable_gradient_checkpointing unset)",
                   "LoRA rank 4 on q_proj,v_proj (finetuning_type: lora)"):
         assert words in said, said

@@ -31,6 +31,7 @@ def test_a_llamafactory_file_gives_its_model_length_batch_precision_and_lora(tmp
     assert (run.lora_rank, run.lora_targets, run.lora_dropout) == (8, "all-linear", 0.0)  # LlamaFactory's defaults
     assert run.taken == {"model": "model_name_or_path", "seq_len": "cutoff_len", "batch_size": "per_device_train_batch_size",
                          "gradient_accumulation_steps": "gradient_accumulation_steps", "mixed_precision": "bf16: true",
+                         "optimizer": "optim unset: the Trainer's default adamw_torch_fused",
                          "gradient_checkpointing": "LlamaFactory's default: disable_gradient_checkpointing unset",
                          "lora": "finetuning_type: lora"}
     assert run.gradient_checkpointing
@@ -105,3 +106,15 @@ def test_values_of_the_wrong_type_are_said_together_with_the_file_and_key(tmp_pa
 def test_an_accelerate_file_or_a_bare_fsdp_config_is_no_trainers_file(tmp_path: Path):
     assert _read(tmp_path, "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n") is None
     assert _read(tmp_path, "version: 2\ncpu_ram_efficient_loading: true\n") is None
+
+
+@pytest.mark.parametrize("text, name, said", [
+    ("", "adamw_fused", "optim unset: the Trainer's default adamw_torch_fused"),  # torch >= 2.8: every torch here
+    ("optim: adamw_torch\n", "adamw", "optim"),
+    ("optim: sgd\n", "sgd", "optim"),
+    ("optimizer: adamw_torch_fused\n", "adamw_fused", "optimizer"),  # axolotl's key
+    ("optim: adamw_bnb_8bit\n", "adamw_fused", "optim: adamw_bnb_8bit is not modelled: counted as adamw_torch_fused"),
+])
+def test_the_optimizer_is_the_files_else_the_trainers_default(tmp_path: Path, text: str, name: str, said: str):
+    run = _read(tmp_path, text + FSDP)
+    assert (run.optimizer, run.taken["optimizer"]) == (name, said)

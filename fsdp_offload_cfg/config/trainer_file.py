@@ -18,6 +18,8 @@ Each figure's key, as each framework spells it (the first the file has wins):
   `max_length` (TRL), `max_seq_length` (TRL before 0.20);
 - micro-batch: `per_device_train_batch_size` (the Trainer), `micro_batch_size` (axolotl);
 - `gradient_accumulation_steps`;
+- optimizer: `optim` (axolotl: `optimizer`); unset, the Trainer's default `adamw_torch_fused`;
+  one the estimate does not model (8-bit, paged, Adafactor) is counted as that;
 - precision: `bf16` (`true`, or axolotl's `auto`: bf16 on a GPU that has it), `fp16`. False or
   unset leaves the launch's (`accelerate launch --mixed_precision`, its config file), which the
   Trainer reads first; TRL's configs turn bf16 on where the file says nothing, so write it there;
@@ -49,6 +51,8 @@ ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output h
 MODEL_KEYS = ("model_name_or_path", "base_model")
 SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
 BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
+# the Trainer's `optim` names the estimate models, as the estimate names them
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw_fused", "sgd": "sgd"}
 LLAMAFACTORY_KEYS = ("stage", "finetuning_type", "cutoff_len", "template")  # keys no other file here has
 # a base quantized to 4 or 8 bits: axolotl's qlora and load_in_*bit, LlamaFactory's quantization_bit
 QUANTIZED_KEYS = ("load_in_4bit", "load_in_8bit", "quantization_bit")
@@ -67,6 +71,7 @@ class RunArguments:
     gradient_accumulation_steps: int | None = None
     mixed_precision: str | None = None  # accelerate's name, bf16 or fp16; None: the file turns none on
     gradient_checkpointing: bool = False
+    optimizer: str | None = None  # the estimate's name (adamw, adamw_fused, sgd)
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -92,6 +97,7 @@ def run_arguments(path: str) -> RunArguments | None:
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
         "mixed_precision": reader.precision(),
+        "optimizer": reader.optimizer(),
         "gradient_checkpointing": reader.checkpointing(),
         **reader.lora(),
         "quantized": "adapter: qlora" if top.get("adapter") == "qlora" else next(
@@ -118,6 +124,20 @@ class _Reader:
             return None
         self.taken[name] = f"{key} unset: LlamaFactory's default"
         return value
+
+    def optimizer(self) -> str:
+        """The estimate's name for the run's optimizer: the Trainer's default (`adamw_torch_fused`
+        on torch >= 2.8, so on every torch this package supports) where the file names none."""
+        key = next((k for k in ("optim", "optimizer") if self.top.get(k) is not None), None)
+        if key is None:
+            self.taken["optimizer"] = "optim unset: the Trainer's default adamw_torch_fused"
+            return "adamw_fused"
+        name = self.top[key]
+        if name in OPTIMIZERS:
+            self.taken["optimizer"] = key
+            return OPTIMIZERS[name]
+        self.taken["optimizer"] = f"{key}: {_show(name)} is not modelled: counted as adamw_torch_fused"
+        return "adamw_fused"
 
     def checkpointing(self) -> bool:
         """Whether every layer is checkpointed: `gradient_checkpointing: true`; LlamaFactory's
