@@ -19,23 +19,24 @@ Each figure's key, as each framework spells it (the first the file has wins):
 - micro-batch: `per_device_train_batch_size` (the Trainer), `micro_batch_size` (axolotl);
 - `gradient_accumulation_steps`;
 - optimizer: `optim` (axolotl: `optimizer`); unset, the Trainer's default `adamw_torch_fused`;
-  one the estimate does not model (8-bit, paged, Adafactor) is counted as that;
+  one the estimate does not model (8-bit, paged, Adafactor) is counted as that, saying so;
 - precision: `bf16` (`true`, or axolotl's `auto`: bf16 on a GPU that has it), `fp16`. False or
   unset leaves the launch's (`accelerate launch --mixed_precision`, its config file), which the
   Trainer reads first; TRL's configs turn bf16 on where the file says nothing, so write it there;
 - layer checkpointing: `gradient_checkpointing`; LlamaFactory's is on unless
   `disable_gradient_checkpointing: true`;
 - LoRA: LlamaFactory's `finetuning_type: lora` (its default) with `lora_rank` (default 8),
-  `lora_target` (default `all`: every linear layer) and `lora_dropout`; axolotl's `adapter: lora` with `lora_r`,
-  `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
+  `lora_target` (default `all`: every linear layer) and `lora_dropout`; axolotl's
+  `adapter: lora` with `lora_r`, `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
 - a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
   `quantization_bit`): the estimate counts no 4- or 8-bit weights, so it stops, saying so, unless
   `--lora-rank` asks for LoRA over the base as loaded.
 
 A LlamaFactory file (one with `stage`, `finetuning_type`, `cutoff_len` or `template`) takes
 LlamaFactory's defaults where it is silent (0.9.5's `hparams`): LoRA, a cutoff of 2048 tokens,
-every layer checkpointed. Only files in the Trainer's layout are read so (`fsdp` or `fsdp_config` at the top, no accelerate
-launch key): an accelerate file says its own precision and names no model.
+every layer checkpointed. Only files in the Trainer's layout are read so (`fsdp` or
+`fsdp_config` at the top, no accelerate launch key): an accelerate file says its own precision
+and names no model.
 """
 
 from __future__ import annotations
