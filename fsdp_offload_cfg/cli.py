@@ -433,8 +433,9 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> 
         config = dataclasses.replace(config, mixed_precision=run.mixed_precision)
         taken.append(f"mixed precision {run.mixed_precision} ({run.taken['mixed_precision']})")
     elif config.mixed_precision is None:
-        taken.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the launch's "
-                     "--mixed_precision or TRL's default turns bf16 on, write bf16: true in the file)")
+        taken.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the run does: the "
+                     "launch's --mixed_precision, TRL's default, ms-swift's bf16 --torch_dtype, add bf16: true to "
+                     "the file estimated)")
     if run.gradient_checkpointing and not config.activation_checkpointing and config.activation_memory_budget is None:
         config = dataclasses.replace(config, activation_checkpointing=True)
         taken.append(f"every layer checkpointed ({run.taken['gradient_checkpointing']})")
