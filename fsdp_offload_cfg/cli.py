@@ -453,7 +453,7 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> 
             args.lora_dropout = run.lora_dropout
             from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
         taken.append(f"LoRA {' '.join(from_file)} ({run.taken['lora']})")
-    return config, taken
+    return config, [*taken, *run.caveats]
 
 
 def _unsaid(file: str, missing: list[str]) -> str:

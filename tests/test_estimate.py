@@ -1083,7 +1083,8 @@ def test_a_trainer_files_bf16_counts_the_float32_masters_accelerate_keeps(tmp_pa
 def test_a_trainer_files_run_arguments_stand_for_the_flags_and_the_flags_win(models: dict[str, str], tmp_path: Path,
                                                                             capsys: pytest.CaptureFixture[str]):
     file = _trainer_file(tmp_path, models["llama"], "gradient_accumulation_steps: 4\n"
-                                                    "finetuning_type: lora\nlora_rank: 4\nlora_target: q_proj,v_proj\n")
+                                                    "finetuning_type: lora\nlora_rank: 4\nlora_target: q_proj,v_proj\n"
+                                                    "use_dora: true\n")
     from_file = _json_estimate(capsys, file)
     typed = _json_estimate(capsys, file, "--model", models["llama"], "--seq-len", "48", "--batch-size", "2",
                            "--gradient-accumulation-steps", "4", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
@@ -1095,7 +1096,8 @@ def test_a_trainer_files_run_arguments_stand_for_the_flags_and_the_flags_win(mod
     for words in ("--seq-len 48 (cutoff_len)", "--batch-size 2 (per_device_train_batch_size)",
                   "--gradient-accumulation-steps 4", "--optimizer adamw_fused (optim unset: the Trainer's default",
                   "every layer checkpointed (LlamaFactory's default: disable_gradient_checkpointing unset)",
-                  "LoRA rank 4 on q_proj,v_proj (finetuning_type: lora)"):
+                  "LoRA rank 4 on q_proj,v_proj (finetuning_type: lora)",
+                  "DoRA (use_dora) is counted as LoRA: its weight norm's bytes are not"):
         assert words in said, said
     flags_win = _json_estimate(capsys, file, "--seq-len", "32", "--lora-targets", "q_proj")
     assert (flags_win["inputs"]["seq_len"], flags_win["model"]["lora"]["targets"]) == (32, ["q_proj"])

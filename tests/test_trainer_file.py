@@ -118,3 +118,11 @@ def test_an_accelerate_file_or_a_bare_fsdp_config_is_no_trainers_file(tmp_path: 
 def test_the_optimizer_is_the_files_else_the_trainers_default(tmp_path: Path, text: str, name: str, said: str):
     run = _read(tmp_path, text + FSDP)
     assert (run.optimizer, run.taken["optimizer"]) == (name, said)
+
+
+def test_what_the_estimate_counts_otherwise_is_said(tmp_path: Path):
+    assert _read(tmp_path, "finetuning_type: freeze\n" + FSDP).caveats == (
+        "finetuning_type: freeze is counted as a full fine-tune (an upper bound)",)
+    dora = _read(tmp_path, "finetuning_type: lora\nuse_dora: true\n" + FSDP)
+    assert dora.lora_rank == 8 and dora.caveats == ("DoRA (use_dora) is counted as LoRA: its weight norm's bytes are not",)
+    assert _read(tmp_path, "finetuning_type: lora\n" + FSDP).caveats == ()

@@ -28,6 +28,8 @@ Each figure's key, as each framework spells it (the first the file has wins):
 - LoRA: LlamaFactory's `finetuning_type: lora` (its default) with `lora_rank` (default 8),
   `lora_target` (default `all`: every linear layer) and `lora_dropout`; axolotl's
   `adapter: lora` with `lora_r`, `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
+- what the estimate counts otherwise, said as caveats: LlamaFactory's `freeze` and `oft` as a
+  full fine-tune, DoRA (`use_dora`, axolotl's `peft_use_dora`) as LoRA;
 - a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
   `quantization_bit`): the estimate counts no 4- or 8-bit weights, so it stops, saying so, unless
   `--lora-rank` asks for LoRA over the base as loaded.
@@ -78,6 +80,7 @@ class RunArguments:
     lora_dropout: float | None = None
     quantized: str | None = None  # the key that quantizes the base (`adapter: qlora`), which no estimate counts
     taken: dict[str, str] = field(default_factory=dict)
+    caveats: tuple[str, ...] = ()  # what the file asks that the estimate counts otherwise, in words
 
 
 def is_trainer_layout(top: dict[Any, Any]) -> bool:
@@ -105,7 +108,7 @@ def run_arguments(path: str) -> RunArguments | None:
             (f"{k}: {_show(top[k])}" for k in QUANTIZED_KEYS if top.get(k) not in (None, False)), None),
     }
     reader.raise_problems()
-    return RunArguments(path, **values, taken=reader.taken)
+    return RunArguments(path, **values, taken=reader.taken, caveats=tuple(reader.caveats))
 
 
 class _Reader:
@@ -115,6 +118,7 @@ class _Reader:
     def __init__(self, top: dict[Any, Any], path: str):
         self.top, self.path = top, path
         self.taken: dict[str, str] = {}
+        self.caveats: list[str] = []
         self.problems: list[Problem] = []
         # LlamaFactory's own keys: its defaults differ from the Trainer's (LoRA, checkpointing on)
         self.llamafactory = any(key in top for key in LLAMAFACTORY_KEYS)
@@ -189,7 +193,11 @@ class _Reader:
             targets = ALL_LINEAR if self.top.get("lora_target_linear") is True else self._names("lora_target_modules")
             how = "adapter: lora"
         else:
+            if finetuning in ("freeze", "oft"):  # LlamaFactory's other two: a full fine-tune bounds them
+                self.caveats.append(f"finetuning_type: {finetuning} is counted as a full fine-tune (an upper bound)")
             return {}
+        if self.top.get("use_dora") is True or self.top.get("peft_use_dora") is True:
+            self.caveats.append("DoRA (use_dora) is counted as LoRA: its weight norm's bytes are not")
         dropout = self._typed("lora_dropout", float) if self.top.get("lora_dropout") is not None else 0.0
         if rank is None or targets is None or dropout is None:
             return {}
