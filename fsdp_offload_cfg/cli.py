@@ -410,41 +410,60 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> 
     """Where CONFIG is a Trainer's file (`config/trainer_file.py`): the flags it leaves out taken
     from its training arguments (a flag given wins), and the config with the run's precision and
     layer checkpointing. Returns the config and what was taken, in words."""
-    import dataclasses
-
     from fsdp_offload_cfg.config.trainer_file import run_arguments
-    from fsdp_offload_cfg.estimate import EstimateError
 
-    run, taken = run_arguments(args.file), []
+    run = run_arguments(args.file)
+    taken = _flags_from_file(args, run)
+    if run is None:
+        return config, taken
+    config, said = _config_from_file(config, run)
+    return config, [*taken, *said, *_lora_from_file(args, run), *run.caveats]
+
+
+def _flags_from_file(args: argparse.Namespace, run: Any) -> list[str]:
+    """The scalar flags left out, from the file where it says them, else their defaults."""
+    taken = []
     for flag, name in (("--model", "model"), ("--seq-len", "seq_len"), ("--batch-size", "batch_size"),
-                       ("--gradient-accumulation-steps", "gradient_accumulation_steps")):
+                       ("--gradient-accumulation-steps", "gradient_accumulation_steps"), ("--optimizer", "optimizer")):
         if run is not None and getattr(args, name) is None and getattr(run, name) is not None:
             setattr(args, name, getattr(run, name))
             taken.append(f"{flag} {getattr(run, name)} ({run.taken[name]})")
-    if args.gradient_accumulation_steps is None:
-        args.gradient_accumulation_steps = 1
-    if args.optimizer is None:
-        args.optimizer = run.optimizer if run is not None else "adamw"
-        if run is not None:
-            taken.append(f"--optimizer {run.optimizer} ({run.taken['optimizer']})")
-    if run is None:
-        return config, taken
+    args.gradient_accumulation_steps = 1 if args.gradient_accumulation_steps is None else args.gradient_accumulation_steps
+    args.optimizer = args.optimizer or "adamw"
+    return taken
+
+
+def _config_from_file(config: FSDPOffloadConfig, run: Any) -> tuple[FSDPOffloadConfig, list[str]]:
+    """The config with the file's mixed precision (where the config has none) and layer
+    checkpointing (where no activation budget decides it)."""
+    import dataclasses
+
+    said = []
     if run.mixed_precision is not None and config.mixed_precision is None:
         config = dataclasses.replace(config, mixed_precision=run.mixed_precision)
-        taken.append(f"mixed precision {run.mixed_precision} ({run.taken['mixed_precision']})")
+        said.append(f"mixed precision {run.mixed_precision} ({run.taken['mixed_precision']})")
     elif config.mixed_precision is None:
-        taken.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the run does: the "
-                     "launch's --mixed_precision, TRL's default, ms-swift's bf16 --torch_dtype, add bf16: true to "
-                     "the file estimated)")
+        said.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the run does: the "
+                    "launch's --mixed_precision, TRL's default, ms-swift's bf16 --torch_dtype, add bf16: true to "
+                    "the file estimated)")
     if run.gradient_checkpointing and not config.activation_checkpointing and config.activation_memory_budget is None:
         config = dataclasses.replace(config, activation_checkpointing=True)
-        taken.append(f"every layer checkpointed ({run.taken['gradient_checkpointing']})")
+        said.append(f"every layer checkpointed ({run.taken['gradient_checkpointing']})")
+    return config, said
+
+
+def _lora_from_file(args: argparse.Namespace, run: Any) -> list[str]:
+    """The file's LoRA where --lora-rank is not given (its other flags still win); a quantized base
+    refused unless --lora-rank asks for LoRA over it as loaded."""
+    from fsdp_offload_cfg.estimate import EstimateError
+
+    said = []
     if run.quantized is not None:
         if args.lora_rank is None:
             raise EstimateError(f"{args.file}: {run.quantized}: the estimate counts no 4- or 8-bit weights; pass "
                                 "--lora-rank R to estimate LoRA over the base in its load dtype (an upper bound)")
-        taken.append(f"the base in its load dtype, not quantized ({run.quantized})")
-    if run.lora_rank is not None and args.lora_rank is None:  # the flags that describe it still win
+        said.append(f"the base in its load dtype, not quantized ({run.quantized})")
+    if run.lora_rank is not None and args.lora_rank is None:
         args.lora_rank, from_file = run.lora_rank, [f"rank {run.lora_rank}"]
         if args.lora_targets is None:
             args.lora_targets = run.lora_targets
@@ -452,8 +471,8 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> 
         if args.lora_dropout is None:
             args.lora_dropout = run.lora_dropout
             from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
-        taken.append(f"LoRA {' '.join(from_file)} ({run.taken['lora']})")
-    return config, [*taken, *run.caveats]
+        said.append(f"LoRA {' '.join(from_file)} ({run.taken['lora']})")
+    return said
 
 
 def _unsaid(file: str, missing: list[str]) -> str:
