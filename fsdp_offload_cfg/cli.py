@@ -26,6 +26,7 @@ from fsdp_offload_cfg.config import (
     with_the_files_other_keys,
 )
 from fsdp_offload_cfg.config.schema import schema_text
+from fsdp_offload_cfg.config.trainer_file import BATCH_KEYS, MODEL_KEYS, SEQ_LEN_KEYS, RunArguments, run_arguments
 
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 
@@ -365,11 +366,13 @@ def _estimate(args: argparse.Namespace) -> int:
 
     try:
         capacity = _plot_inputs(args)
-        config, taken = _with_the_files_run(args, load_config(args.file, args.overrides))
+        config = load_config(args.file, args.overrides)
+        run = run_arguments(args.file)
+        config, taken = _with_the_files_run(args, config, run)
         if missing := [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len),
                                                 ("--batch-size", args.batch_size)) if value is None]:
             _print(f"fsdp-offload-cfg estimate: the following arguments are required: {', '.join(missing)} "
-                   f"({_unsaid(args.file, missing)})", file=sys.stderr)
+                   f"({_unsaid(args.file, missing, run)})", file=sys.stderr)
             return EXIT_UNREADABLE
         report = estimate_memory(config, args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
@@ -406,13 +409,11 @@ def _estimate(args: argparse.Namespace) -> int:
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
 
 
-def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> tuple[FSDPOffloadConfig, list[str]]:
-    """Where CONFIG is a Trainer's file (`config/trainer_file.py`): the flags it leaves out taken
-    from its training arguments (a flag given wins), and the config with the run's precision and
-    layer checkpointing. Returns the config and what was taken, in words."""
-    from fsdp_offload_cfg.config.trainer_file import run_arguments
-
-    run = run_arguments(args.file)
+def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig,
+                        run: RunArguments | None) -> tuple[FSDPOffloadConfig, list[str]]:
+    """Where CONFIG is a Trainer's file (`run`, `config/trainer_file.py`): the flags it leaves out
+    taken from its training arguments (a flag given wins), and the config with the run's precision
+    and layer checkpointing. Returns the config and what was taken, in words."""
     taken = _flags_from_file(args, run)
     if run is None:
         return config, taken
@@ -420,7 +421,7 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig) -> 
     return config, [*taken, *said, *_lora_from_file(args, run), *run.caveats]
 
 
-def _flags_from_file(args: argparse.Namespace, run: Any) -> list[str]:
+def _flags_from_file(args: argparse.Namespace, run: RunArguments | None) -> list[str]:
     """The scalar flags left out, from the file where it says them, else their defaults."""
     taken = []
     for flag, name in (("--model", "model"), ("--seq-len", "seq_len"), ("--batch-size", "batch_size"),
@@ -433,7 +434,7 @@ def _flags_from_file(args: argparse.Namespace, run: Any) -> list[str]:
     return taken
 
 
-def _config_from_file(config: FSDPOffloadConfig, run: Any) -> tuple[FSDPOffloadConfig, list[str]]:
+def _config_from_file(config: FSDPOffloadConfig, run: RunArguments) -> tuple[FSDPOffloadConfig, list[str]]:
     """The config with the file's mixed precision (where the config has none) and layer
     checkpointing (where no activation budget decides it)."""
     import dataclasses
@@ -452,7 +453,7 @@ def _config_from_file(config: FSDPOffloadConfig, run: Any) -> tuple[FSDPOffloadC
     return config, said
 
 
-def _lora_from_file(args: argparse.Namespace, run: Any) -> list[str]:
+def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
     """The file's LoRA where --lora-rank is not given (its other flags still win); a quantized base
     refused unless --lora-rank asks for LoRA over it as loaded."""
     from fsdp_offload_cfg.estimate import EstimateError
@@ -475,12 +476,10 @@ def _lora_from_file(args: argparse.Namespace, run: Any) -> list[str]:
     return said
 
 
-def _unsaid(file: str, missing: list[str]) -> str:
+def _unsaid(file: str, missing: list[str], run: RunArguments | None) -> str:
     """Where each missing flag could have come from, for the usage error."""
-    from fsdp_offload_cfg.config.trainer_file import BATCH_KEYS, MODEL_KEYS, SEQ_LEN_KEYS, is_trainer_layout
-
     keys = {"--model": MODEL_KEYS, "--seq-len": SEQ_LEN_KEYS, "--batch-size": BATCH_KEYS}
-    if not is_trainer_layout(read_config_file(file)):
+    if run is None:
         return f"{file} is not a Trainer's file, whose training arguments could give them"
     return f"{file} has none of " + "; none of ".join(", ".join(keys[flag]) for flag in missing)
 

@@ -160,10 +160,9 @@ def _settings() -> dict[str, str] | None:
     return pip_settings(config.stdout) if config.returncode == 0 else None
 
 
-def _installer(command: str, args: list[str]) -> tuple[list[str], dict[str, str]]:
+def _installer(command: str, args: list[str], settings: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
     """The command line (and environment) that runs pip's `command` with `args`: uv's where pip's
-    settings allow, else pip's, saying why."""
-    settings = _settings()
+    `settings` allow, else pip's, saying why."""
     found = sources(settings) if settings is not None else "`pip config list` failed"
     uv = None if isinstance(found, str) else _uv()
     if isinstance(found, str) or uv is None:
@@ -175,26 +174,26 @@ def _installer(command: str, args: list[str]) -> tuple[list[str], dict[str, str]
     return [uv, "pip", command, "--python", sys.executable, *line], {**os.environ, **found.env}
 
 
-def _sources_have(requirement: str) -> bool:
+def _sources_have(requirement: str, settings: dict[str, str] | None) -> bool:
     """Whether pip's sources can install `requirement`: a dry run into an empty folder (what the
     venv has already is not a source), its output kept back."""
     with tempfile.TemporaryDirectory() as empty:
-        line, env = _installer("install", ["--dry-run", "--no-deps", "-q", "--target", empty, requirement])
+        line, env = _installer("install", ["--dry-run", "--no-deps", "-q", "--target", empty, requirement], settings)
         return subprocess.run(line, env=env, capture_output=True).returncode == 0
 
 
 def main(argv: list[str]) -> int:
-    command, args = argv[0], argv[1:]
+    command, args, settings = argv[0], argv[1:], _settings()
     if command == "torch-args":
-        no_index = (_settings() or {}).get("no-index", "").lower() in _TRUE
-        request = torch_request(args[0], platform.system(), no_index, _sources_have)
+        no_index = (settings or {}).get("no-index", "").lower() in _TRUE
+        request = torch_request(args[0], platform.system(), no_index, lambda req: _sources_have(req, settings))
         if CPU_INDEX in request:
             print(f"[setup] no CPU build of {args[0]} in pip's sources (PyPI's is the CUDA build on Linux, about "
                   f"3 GB): {request[-1]} from {CPU_INDEX} (TORCH_SPEC and TORCH_PIP_ARGS choose otherwise)",
                   file=sys.stderr)
         print(" ".join(request))
         return 0
-    line, env = _installer(command, args)
+    line, env = _installer(command, args, settings)
     return subprocess.run(line, env=env).returncode
 
 

@@ -126,3 +126,9 @@ def test_what_the_estimate_counts_otherwise_is_said(tmp_path: Path):
     dora = _read(tmp_path, "finetuning_type: lora\nuse_dora: true\n" + FSDP)
     assert dora.lora_rank == 8 and dora.caveats == ("DoRA (use_dora) is counted as LoRA: its weight norm's bytes are not",)
     assert _read(tmp_path, "finetuning_type: lora\n" + FSDP).caveats == ()
+
+
+def test_a_value_the_file_gives_is_never_replaced_by_a_default(tmp_path: Path):
+    """`cutoff_len: 0` is the file's (the estimate refuses it, naming --seq-len), not LlamaFactory's 2048."""
+    run = _read(tmp_path, "stage: sft\ncutoff_len: 0\n" + FSDP)
+    assert (run.seq_len, run.taken["seq_len"]) == (0, "cutoff_len")

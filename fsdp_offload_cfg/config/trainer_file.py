@@ -50,7 +50,7 @@ from fsdp_offload_cfg.config.model import ConfigError, Problem
 from fsdp_offload_cfg.config.reading import read_config_file
 from fsdp_offload_cfg.config.sources import layout_of
 
-ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head (`estimate --lora-targets`)
 MODEL_KEYS = ("model_name_or_path", "base_model")
 SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
 BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
@@ -95,8 +95,7 @@ def run_arguments(path: str) -> RunArguments | None:
     reader = _Reader(top, path)
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
-        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len") or reader.llamafactory_default("seq_len", 2048,
-                                                                                              "cutoff_len"),
+        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", llamafactory_default=2048),
         "batch_size": reader.first(BATCH_KEYS, int, "batch_size"),
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
@@ -123,13 +122,6 @@ class _Reader:
         # LlamaFactory's own keys: its defaults differ from the Trainer's (LoRA, checkpointing on)
         self.llamafactory = any(key in top for key in LLAMAFACTORY_KEYS)
 
-    def llamafactory_default(self, name: str, value: Any, key: str) -> Any:
-        """LlamaFactory's default for `key`, where the file is LlamaFactory's and leaves it out."""
-        if not self.llamafactory:
-            return None
-        self.taken[name] = f"{key} unset: LlamaFactory's default"
-        return value
-
     def optimizer(self) -> str:
         """The estimate's name for the run's optimizer: the Trainer's default (`adamw_torch_fused`
         on torch >= 2.8, so on every torch this package supports) where the file names none."""
@@ -153,15 +145,20 @@ class _Reader:
             if disabled is False:
                 self.taken["gradient_checkpointing"] = "LlamaFactory's default: disable_gradient_checkpointing unset"
             return disabled is False
-        if self.first(("gradient_checkpointing",), bool, "gradient_checkpointing") is True:
+        if self.top.get("gradient_checkpointing") is not None and self._typed("gradient_checkpointing", bool):
             self.taken["gradient_checkpointing"] = "gradient_checkpointing: true"
             return True
         return False
 
-    def first(self, keys: tuple[str, ...], kind: type, name: str) -> Any:
+    def first(self, keys: tuple[str, ...], kind: type, name: str, llamafactory_default: Any = None) -> Any:
+        """The value of the first of `keys` the file has; where it has none, LlamaFactory's default
+        for the first key (`keys[0]`, LlamaFactory's spelling) in a LlamaFactory file."""
         key = next((k for k in keys if self.top.get(k) is not None), None)
         if key is None:
-            return None
+            if llamafactory_default is None or not self.llamafactory:
+                return None
+            self.taken[name] = f"{keys[0]} unset: LlamaFactory's default"
+            return llamafactory_default
         value = self._typed(key, kind)
         if value is not None:
             self.taken[name] = key

@@ -25,13 +25,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fsdp_offload_cfg.config.trainer_file import ALL_LINEAR
 from fsdp_offload_cfg.estimate.inputs import EstimateError
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-ALL_LINEAR = "all-linear"
 
 
 @dataclass(frozen=True)
