@@ -77,14 +77,33 @@ def _is_trl_cli(cmdline: Sequence[str]) -> bool:
     return False
 
 
-def _trl_config_arg(cmdline: Sequence[str]) -> str | None:
-    """TRL's `--accelerate_config F`: a path, or the name of a config TRL ships (`fsdp2`)."""
+def _trl_config_arg(cmdline: Sequence[str], cwd: str) -> tuple[str | None, str]:
+    """TRL's accelerate config (a path, or the name of a config TRL ships: `fsdp2`) and how it was
+    named: `--accelerate_config F` on the command line, else the `accelerate_config` key of the
+    YAML its `--config` names (TRL hands that file's keys no dataclass takes to accelerate's
+    launcher, the command line's after them, so the command line wins)."""
     for i, arg in enumerate(cmdline):
         if arg == "--accelerate_config" and i + 1 < len(cmdline):
-            return cmdline[i + 1]
+            return cmdline[i + 1], "trl --accelerate_config"
         if arg.startswith("--accelerate_config="):
-            return arg.split("=", 1)[1]
-    return None
+            return arg.split("=", 1)[1], "trl --accelerate_config"
+    recipe = next((cmdline[i + 1] for i, arg in enumerate(cmdline[:-1]) if arg == "--config"), None)  # TRL's spelling
+    if recipe is None:
+        return None, ""
+    named = _yaml_key(Path(recipe) if Path(recipe).is_absolute() else Path(cwd) / recipe, "accelerate_config")
+    return (str(named), f"accelerate_config of trl --config {recipe}:") if named is not None else (None, "")
+
+
+def _yaml_key(path: Path, key: str) -> Any:
+    """`key` of the YAML mapping at `path`; None where the file, the mapping or the key is missing
+    (TRL itself then says what is wrong with its file)."""
+    import yaml
+
+    try:
+        top = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return top.get(key) if isinstance(top, dict) else None
 
 
 def _trl_config_path(name: str, cwd: str) -> Path:
@@ -103,12 +122,13 @@ def _trl_config_path(name: str, cwd: str) -> Path:
 
 def launch_config_file(cmdline: Sequence[str], cwd: str) -> tuple[bool, Path | None]:
     """(whether `cmdline` is a launcher that reads an accelerate config, the file it names):
-    `accelerate launch --config_file F` and `trl <verb> --accelerate_config F`; a launcher that
-    names none reads accelerate's default file."""
+    `accelerate launch --config_file F` and `trl <verb> --accelerate_config F` (or the
+    `accelerate_config` of its `--config` YAML); a launcher that names none reads accelerate's
+    default file."""
     if _is_accelerate_launch(cmdline):
         arg = _config_file_arg(cmdline)
     elif _is_trl_cli(cmdline):
-        arg = _trl_config_arg(cmdline)
+        arg, _ = _trl_config_arg(cmdline, cwd)
         if arg is not None:
             return True, _trl_config_path(arg, cwd)
     else:
@@ -143,7 +163,8 @@ def find_accelerate_launch() -> AccelerateLaunch | None:
             if is_launch and _is_accelerate_launch(cmdline):
                 return AccelerateLaunch(path, typed_launch_keys(cmdline))
             if is_launch:
-                return AccelerateLaunch(path, None, "trl --accelerate_config")
+                named_by = _trl_config_arg(cmdline, proc.cwd())[1] or "trl, accelerate's default file"
+                return AccelerateLaunch(path, None, named_by)
         except psutil.Error:
             continue
     return None

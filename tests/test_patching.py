@@ -324,6 +324,21 @@ def test_the_launchers_that_name_an_accelerate_config(cmdline: list[str], expect
     assert path == (None if expected is None else tmp_path / expected)
 
 
+def test_trl_takes_the_accelerate_config_its_config_yaml_names(tmp_path):
+    """TRL's documented `accelerate_config: F` in the YAML of `trl sft --config sft.yaml`: the
+    workers found no file on the `trl` command line and fell back to accelerate's `FSDP_*`
+    variables, without the plugin's keys. The command line's `--accelerate_config` wins, as in TRL."""
+    from fsdp_offload_cfg.discovery import launch_config_file
+
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: m\naccelerate_config: fsdp.yaml\n")
+    (tmp_path / "plain.yaml").write_text("model_name_or_path: m\n")
+    assert launch_config_file(["trl", "sft", "--config", "sft.yaml"], str(tmp_path)) == (True, tmp_path / "fsdp.yaml")
+    both = ["trl", "sft", "--config", str(tmp_path / "sft.yaml"), "--accelerate_config", "cli.yaml"]
+    assert launch_config_file(both, str(tmp_path)) == (True, tmp_path / "cli.yaml")
+    assert launch_config_file(["trl", "sft", "--config", "plain.yaml"], str(tmp_path))[1] != tmp_path / "fsdp.yaml"
+    assert launch_config_file(["trl", "sft", "--config", "gone.yaml"], str(tmp_path))[0] is True
+
+
 def test_trl_names_its_shipped_configs_by_name(tmp_path):
     pytest.importorskip("trl.accelerate_configs")
     from importlib import resources

@@ -60,17 +60,22 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 SAVE_AT_3 = ["--save_strategy", "steps", "--save_steps", "3", "--save_only_model"]
 
 
-def _trl_sft(files: Path, name: str, plugin: str,
-             save: list[str] = SAVE_AT_3) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
+def _trl_sft(files: Path, name: str, plugin: str, save: list[str] = SAVE_AT_3,
+             in_recipe: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:  # fmt: skip
     """`fsdp-offload-cfg run -- trl sft --accelerate_config F ...`: the file named once (passing it to
-    `run --config` as well hid that the workers lost the plugin's keys)."""
+    `run --config` as well hid that the workers lost the plugin's keys). `in_recipe`: named as
+    `accelerate_config: F` in the YAML of `trl sft --config`, as TRL's docs also write it."""
     config, out = files / f"{name}.yaml", files / f"out_{name}"
     config.write_text(YAML.format(port=free_port(), plugin=plugin))
+    named = ["--accelerate_config", str(config)]
+    if in_recipe:
+        (files / f"{name}_recipe.yaml").write_text(f"accelerate_config: {config}\n")
+        named = ["--config", f"{name}_recipe.yaml"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    command = [str(BIN / "fsdp-offload-cfg"), "run", "--", str(BIN / "trl"), "sft",
-               "--accelerate_config", str(config), "--model_name_or_path", str(files / "llama"),
+    command = [str(BIN / "fsdp-offload-cfg"), "run", "--", str(BIN / "trl"), "sft", *named,
+               "--model_name_or_path", str(files / "llama"),
                "--dataset_name", str(files / "data"), "--output_dir", str(out), "--max_steps", "3",
                "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--max_length", "24", "--seed", "0",
                "--use_cpu", "--report_to", "none", "--logging_steps", "1", *save, "--dataloader_num_workers", "0",
@@ -98,6 +103,19 @@ def test_trl_sft_under_run_saves_what_the_run_without_the_loader_and_offload_sav
            "activation offload: on)"
     assert line in proc.stderr, proc.stderr[-3000:]
     assert "[fsdp_offload_cfg rank 0] sharded loading: rank 0 read" in proc.stderr, proc.stderr[-3000:]
+    moved = [entry for entry in proc.stderr.splitlines() if "[fsdp_offload_cfg rank 0] activation offload moved" in entry]
+    assert len(moved) == 1 and "(0 tensors)" not in moved[0], proc.stderr[-3000:]
+
+
+def test_the_accelerate_config_named_in_trls_config_yaml_reaches_the_workers(files: Path):
+    """`accelerate_config: F` in the YAML of `trl sft --config`: TRL launched with F, but the
+    workers, finding no file on the `trl` command line, ran on accelerate's `FSDP_*` variables
+    without the plugin's keys (no offload), and `run` checked no file."""
+    proc, _ = _trl_sft(files, "in_recipe", PLUGIN, ["--save_strategy", "no"], in_recipe=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = f"[fsdp_offload_cfg rank 0] config from accelerate_config of trl --config in_recipe_recipe.yaml: " \
+           f"{files / 'in_recipe.yaml'} (FSDP2, meta loading: auto, activation offload: on)"
+    assert line in proc.stderr, proc.stderr[-3000:]
     moved = [entry for entry in proc.stderr.splitlines() if "[fsdp_offload_cfg rank 0] activation offload moved" in entry]
     assert len(moved) == 1 and "(0 tensors)" not in moved[0], proc.stderr[-3000:]
 
