@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
                                "then keeps no gradients or optimizer state (needs peft)")
     estimate.add_argument("--lora-targets", metavar="NAMES",
                           help="the modules that get adapters, as PEFT's target_modules: all-linear (the default: "
-                               "every linear layer but the output head) or names, e.g. q_proj,v_proj")
+                               "every linear layer but the output head), peft-default (PEFT's default for the model's "
+                               "type, as TRL's use_peft leaves it) or names, e.g. q_proj,v_proj")
     estimate.add_argument("--lora-dropout", type=float, metavar="P",
                           help="the adapters' dropout (default 0, PEFT's; ms-swift's is 0.05): each adapter then "
                                "saves a dropped copy of its input")
@@ -425,7 +426,8 @@ def _flags_from_file(args: argparse.Namespace, run: RunArguments | None) -> list
     """The scalar flags left out, from the file where it says them, else their defaults."""
     taken = []
     for flag, name in (("--model", "model"), ("--seq-len", "seq_len"), ("--batch-size", "batch_size"),
-                       ("--gradient-accumulation-steps", "gradient_accumulation_steps"), ("--optimizer", "optimizer")):
+                       ("--gradient-accumulation-steps", "gradient_accumulation_steps"), ("--optimizer", "optimizer"),
+                       ("--dtype", "dtype")):
         if run is not None and getattr(args, name) is None and getattr(run, name) is not None:
             setattr(args, name, getattr(run, name))
             taken.append(f"{flag} {getattr(run, name)} ({run.taken[name]})")

@@ -132,3 +132,42 @@ def test_a_value_the_file_gives_is_never_replaced_by_a_default(tmp_path: Path):
     """`cutoff_len: 0` is the file's (the estimate refuses it, naming --seq-len), not LlamaFactory's 2048."""
     run = _read(tmp_path, "stage: sft\ncutoff_len: 0\n" + FSDP)
     assert (run.seq_len, run.taken["seq_len"]) == (0, "cutoff_len")
+
+
+TRL = "model_name_or_path: m\nmax_length: 2048\ndataset_text_field: text\n" + FSDP
+
+
+def test_a_trl_file_silent_on_precision_and_checkpointing_gets_trls_defaults(tmp_path: Path):
+    """TRL 1.16's configs (`trl/trainer/base_config.py`): `bf16 = not fp16` where unset, and
+    `gradient_checkpointing` true. Read as the Trainer's (neither), the estimate counted a TRL
+    run's float32 masters in the load dtype and every activation of an unchecked forward."""
+    run = _read(tmp_path, TRL)
+    assert (run.mixed_precision, run.gradient_checkpointing) == ("bf16", True)
+    assert run.taken["mixed_precision"] == "bf16 unset: TRL's default"
+    assert run.taken["gradient_checkpointing"] == "gradient_checkpointing unset: TRL's default"
+    said = _read(tmp_path, TRL + "fp16: true\ngradient_checkpointing: false\n")
+    assert (said.mixed_precision, said.gradient_checkpointing) == ("fp16", False)
+    assert _read(tmp_path, TRL + "bf16: false\n").mixed_precision is None  # the launch's, as for the Trainer
+    plain = _read(tmp_path, "model_name_or_path: m\nmax_length: 2048\n" + FSDP)  # nothing only TRL defines
+    assert (plain.mixed_precision, plain.gradient_checkpointing) == (None, False)
+
+
+def test_trls_use_peft_is_lora_with_trls_defaults(tmp_path: Path):
+    """TRL's ModelConfig: `use_peft` with `lora_r` 16, `lora_dropout` 0.05 and no target_modules
+    (PEFT's default for the model's type). It was estimated as a full fine-tune."""
+    run = _read(tmp_path, TRL + "use_peft: true\n")
+    assert (run.lora_rank, run.lora_targets, run.lora_dropout, run.taken["lora"]) == \
+        (16, "peft-default", 0.05, "use_peft: true")
+    named = _read(tmp_path, TRL + "use_peft: true\nlora_r: 64\nlora_dropout: 0\nlora_target_modules: [q_proj, k_proj]\n")
+    assert (named.lora_rank, named.lora_targets, named.lora_dropout) == (64, "q_proj,k_proj", 0.0)
+    assert _read(tmp_path, TRL + "use_peft: false\nlora_r: 64\n").lora_rank is None
+
+
+def test_trls_scripts_load_in_the_dtype_their_model_config_says(tmp_path: Path):
+    """TRL's scripts load with ModelConfig's `dtype`, float32 unless set (`model_init_kwargs`
+    wins, as they merge it last); `auto` is the checkpoint's own."""
+    assert (_read(tmp_path, TRL + "use_peft: true\n").dtype, _read(tmp_path, TRL).dtype) == ("float32", None)
+    assert _read(tmp_path, TRL + "use_peft: true\ndtype: bfloat16\n").dtype == "bfloat16"
+    assert _read(tmp_path, TRL + "dtype: auto\n").dtype is None
+    given = _read(tmp_path, TRL + "dtype: float32\nmodel_init_kwargs:\n  dtype: bfloat16\n")
+    assert (given.dtype, given.taken["dtype"]) == ("bfloat16", "model_init_kwargs.dtype")

@@ -141,3 +141,42 @@ def test_trl_sft_with_fsdp2s_default_state_dict_saves_its_final_model(files: Pat
     assert "the state dict is sharded (fsdp_state_dict_type SHARDED_STATE_DICT" in proc.stderr, proc.stderr[-3000:]
     saved, loaded = load_file(out / "model.safetensors"), load_file(files / "llama" / "model.safetensors")
     assert saved.keys() == loaded.keys() and (out / "config.json").exists()
+
+
+def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]):
+    """A TRL config that says neither `bf16` nor `gradient_checkpointing` nor `dtype`, with
+    `use_peft: true`: TRL's `sft` script (on 2 gloo ranks) runs bf16 mixed precision, checkpoints
+    every layer, loads in float32 and trains rank-16 adapters on PEFT's default modules with
+    dropout 0.05. The estimate of that same file says each, and counts rank 0's parameter bytes and
+    the trainable parameters as TRL's run holds them. Before, it read the file as the Trainer's:
+    no mixed precision, no checkpointing, and a full fine-tune."""
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.dist import free_port
+
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"model_name_or_path: {files / 'llama'}\ndataset_name: {files / 'data'}\ndataset_text_field: text\n"
+                      "max_length: 16\nper_device_train_batch_size: 2\nuse_peft: true\nfsdp: full_shard auto_wrap\n"
+                      "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
+    probe = Path(__file__).parent / "scripts" / "trl_sft_probe.py"
+    out = tmp_path / "probe"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PROBE_DIR=str(out))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(probe), "--config", str(recipe), "--output_dir", str(tmp_path / "out"),
+                           "--max_steps", "1", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+                           "--dataloader_num_workers", "0"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=files)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    real = json.loads((out / "rank0.json").read_text())
+    assert cli.main(["estimate", str(recipe), "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert (real["mixed_precision"], estimated["inputs"]["compute_dtype"]) == ("bf16", "bfloat16")
+    assert real["checkpointing"] and estimated["inputs"]["activation_setting"] == "checkpointing"
+    assert real["param_dtypes"] == [estimated["inputs"]["storage_dtype"]] == ["float32"], (real, estimated["inputs"])
+    assert estimated["per_rank"]["params_bytes"] == real["param_bytes"], (estimated["per_rank"], real)
+    lora = estimated["model"]["lora"]
+    assert (lora["trainable_parameters"], lora["targets"], lora["dropout"]) == \
+        (real["trainable"], real["targets"], real["dropout"]), (lora, real)

@@ -22,12 +22,16 @@ Each figure's key, as each framework spells it (the first the file has wins):
   one the estimate does not model (8-bit, paged, Adafactor) is counted as that, saying so;
 - precision: `bf16` (`true`, or axolotl's `auto`: bf16 on a GPU that has it), `fp16`. False or
   unset leaves the launch's (`accelerate launch --mixed_precision`, its config file), which the
-  Trainer reads first; TRL's configs turn bf16 on where the file says nothing, so write it there;
+  Trainer reads first; a TRL config's unset `bf16` is true unless `fp16` (below);
+- load dtype: `dtype` or `torch_dtype` (TRL's ModelConfig, transformers' example scripts),
+  `model_init_kwargs` over them as TRL's scripts merge it;
 - layer checkpointing: `gradient_checkpointing`; LlamaFactory's is on unless
   `disable_gradient_checkpointing: true`;
 - LoRA: LlamaFactory's `finetuning_type: lora` (its default) with `lora_rank` (default 8),
   `lora_target` (default `all`: every linear layer) and `lora_dropout`; axolotl's
   `adapter: lora` with `lora_r`, `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
+  TRL's `use_peft: true` with `lora_r` (16), `lora_target_modules` (PEFT's default for the model's
+  type) and `lora_dropout` (0.05);
 - what the estimate counts otherwise, said as caveats: LlamaFactory's `freeze` and `oft` as a
   full fine-tune, DoRA (`use_dora`, axolotl's `peft_use_dora`) as LoRA;
 - a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
@@ -36,7 +40,9 @@ Each figure's key, as each framework spells it (the first the file has wins):
 
 A LlamaFactory file (one with `stage`, `finetuning_type`, `cutoff_len` or `template`) takes
 LlamaFactory's defaults where it is silent (0.9.5's `hparams`): LoRA, a cutoff of 2048 tokens,
-every layer checkpointed. Only files in the Trainer's layout are read so (`fsdp` or
+every layer checkpointed. A TRL config (a key in `TRL_KEYS`, which only TRL's dataclasses define)
+takes TRL's (0.24 to 1.16, `trl/trainer/*_config.py`): bf16 unless `fp16`, every layer
+checkpointed, and where it has a ModelConfig key the float32 load of TRL's scripts (0.29 and later). Only files in the Trainer's layout are read so (`fsdp` or
 `fsdp_config` at the top, no accelerate launch key): an accelerate file says its own precision
 and names no model.
 """
@@ -51,6 +57,8 @@ from fsdp_offload_cfg.config.reading import read_config_file
 from fsdp_offload_cfg.config.sources import layout_of
 
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head (`estimate --lora-targets`)
+# no `target_modules`: PEFT's own default for the model's type (q_proj,v_proj for a Llama), as TRL leaves it
+PEFT_DEFAULT = "peft-default"
 MODEL_KEYS = ("model_name_or_path", "base_model")
 SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
 BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
@@ -59,6 +67,11 @@ OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw_fused", "sgd":
 LLAMAFACTORY_KEYS = ("stage", "finetuning_type", "cutoff_len", "template")  # keys no other file here has
 # a base quantized to 4 or 8 bits: axolotl's qlora and load_in_*bit, LlamaFactory's quantization_bit
 QUANTIZED_KEYS = ("load_in_4bit", "load_in_8bit", "quantization_bit")
+# keys only TRL's dataclasses define (its ModelConfig, ScriptArguments, its trainers' configs and its CLI)
+TRL_KEYS = ("use_peft", "model_revision", "accelerate_config", "dataset_train_split", "dataset_text_field",
+            "completion_only_loss", "assistant_only_loss", "model_init_kwargs", "padding_free",
+            "num_generations", "reward_funcs")
+MODEL_CONFIG_KEYS = ("use_peft", "model_revision", "lora_task_type")  # TRL's ModelConfig: its scripts load by it
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class RunArguments:
     mixed_precision: str | None = None  # accelerate's name, bf16 or fp16; None: the file turns none on
     gradient_checkpointing: bool = False
     optimizer: str | None = None  # the estimate's name (adamw, adamw_fused, sgd)
+    dtype: str | None = None  # the dtype the model is loaded in (TRL's `dtype`); None: the model's own
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -101,6 +115,7 @@ def run_arguments(path: str) -> RunArguments | None:
                                                     "gradient_accumulation_steps"),
         "mixed_precision": reader.precision(),
         "optimizer": reader.optimizer(),
+        "dtype": reader.load_dtype(),
         "gradient_checkpointing": reader.checkpointing(),
         **reader.lora(),
         "quantized": "adapter: qlora" if top.get("adapter") == "qlora" else next(
@@ -121,6 +136,8 @@ class _Reader:
         self.problems: list[Problem] = []
         # LlamaFactory's own keys: its defaults differ from the Trainer's (LoRA, checkpointing on)
         self.llamafactory = any(key in top for key in LLAMAFACTORY_KEYS)
+        # TRL's configs: bf16 and checkpointing on where the file is silent (`trl/trainer/base_config.py`)
+        self.trl = not self.llamafactory and "base_model" not in top and any(key in top for key in TRL_KEYS)
 
     def optimizer(self) -> str:
         """The estimate's name for the run's optimizer: the Trainer's default (`adamw_torch_fused`
@@ -145,10 +162,30 @@ class _Reader:
             if disabled is False:
                 self.taken["gradient_checkpointing"] = "LlamaFactory's default: disable_gradient_checkpointing unset"
             return disabled is False
-        if self.top.get("gradient_checkpointing") is not None and self._typed("gradient_checkpointing", bool):
-            self.taken["gradient_checkpointing"] = "gradient_checkpointing: true"
-            return True
-        return False
+        if self.top.get("gradient_checkpointing") is not None:
+            if self._typed("gradient_checkpointing", bool):
+                self.taken["gradient_checkpointing"] = "gradient_checkpointing: true"
+                return True
+            return False
+        if self.trl:
+            self.taken["gradient_checkpointing"] = "gradient_checkpointing unset: TRL's default"
+        return self.trl
+
+    def load_dtype(self) -> str | None:
+        """TRL's `dtype` (its ModelConfig; `model_init_kwargs` wins, as its scripts merge them),
+        where it names one: its scripts load in float32 where a ModelConfig file says none."""
+        init = self.top.get("model_init_kwargs")
+        for where, mapping in (("model_init_kwargs.", init if isinstance(init, dict) else {}), ("", self.top)):
+            key = next((k for k in ("dtype", "torch_dtype") if mapping.get(k) is not None), None)
+            if key is not None and mapping[key] != "auto":
+                self.taken["dtype"] = f"{where}{key}"
+                return str(mapping[key])
+            if key is not None:
+                return None  # auto: the checkpoint's own, the estimate's default
+        if self.trl and any(key in self.top for key in MODEL_CONFIG_KEYS):
+            self.taken["dtype"] = "dtype unset: TRL's ModelConfig default float32"
+            return "float32"
+        return None
 
     def first(self, keys: tuple[str, ...], kind: type, name: str, llamafactory_default: Any = None) -> Any:
         """The value of the first of `keys` the file has; where it has none, LlamaFactory's default
@@ -174,6 +211,9 @@ class _Reader:
             key = "fp16" if fp16 is True else "bf16"  # the Trainer's order: fp16 is checked first
             self.taken["mixed_precision"] = f"{key}: {_show(self.top[key])}"
             return key
+        if self.trl and bf16 is None:  # TRL's configs: `bf16 = not fp16` where it is unset
+            self.taken["mixed_precision"] = "bf16 unset: TRL's default"
+            return "bf16"
         return None  # false or unset: the launch's own mixed precision, which the Trainer reads first
 
     def lora(self) -> dict[str, Any]:
@@ -189,13 +229,22 @@ class _Reader:
             rank = self._typed("lora_r", int) if "lora_r" in self.top else 8
             targets = ALL_LINEAR if self.top.get("lora_target_linear") is True else self._names("lora_target_modules")
             how = "adapter: lora"
+        elif self.top.get("use_peft") is not None and self._typed("use_peft", bool):  # TRL's ModelConfig
+            rank = self._typed("lora_r", int) if "lora_r" in self.top else 16
+            targets = PEFT_DEFAULT if self.top.get("lora_target_modules") is None else self._names("lora_target_modules")
+            how = "use_peft: true"
+            if self.top.get("lora_dropout") is None:
+                return self._adapters(rank, targets, 0.05, how)
         else:
             if finetuning in ("freeze", "oft"):  # LlamaFactory's other two: a full fine-tune bounds them
                 self.caveats.append(f"finetuning_type: {finetuning} is counted as a full fine-tune (an upper bound)")
             return {}
+        dropout = self._typed("lora_dropout", float) if self.top.get("lora_dropout") is not None else 0.0
+        return self._adapters(rank, targets, dropout, how)
+
+    def _adapters(self, rank: int | None, targets: str | None, dropout: float | None, how: str) -> dict[str, Any]:
         if self.top.get("use_dora") is True or self.top.get("peft_use_dora") is True:
             self.caveats.append("DoRA (use_dora) is counted as LoRA: its weight norm's bytes are not")
-        dropout = self._typed("lora_dropout", float) if self.top.get("lora_dropout") is not None else 0.0
         if rank is None or targets is None or dropout is None:
             return {}
         self.taken["lora"] = how

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fsdp_offload_cfg.config.trainer_file import ALL_LINEAR
+from fsdp_offload_cfg.config.trainer_file import ALL_LINEAR, PEFT_DEFAULT
 from fsdp_offload_cfg.estimate.inputs import EstimateError
 
 if TYPE_CHECKING:
@@ -36,16 +36,19 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Lora:
     rank: int
-    targets: str = ALL_LINEAR  # PEFT's `all-linear`, or module names separated by commas
-    dropout: float = 0.0  # PEFT's default; ms-swift's is 0.05
+    # PEFT's `all-linear`, `peft-default` (no target_modules: PEFT's default for the model's type,
+    # as TRL's `use_peft` leaves it), or module names separated by commas
+    targets: str = ALL_LINEAR
+    dropout: float = 0.0  # PEFT's default; ms-swift's is 0.05, TRL's 0.05
 
-    def target_modules(self) -> str | list[str]:
-        if self.targets == ALL_LINEAR:
-            return ALL_LINEAR
+    def target_modules(self) -> str | list[str] | None:
+        if self.targets in (ALL_LINEAR, PEFT_DEFAULT):
+            return None if self.targets == PEFT_DEFAULT else ALL_LINEAR
         return [name.strip() for name in self.targets.split(",") if name.strip()]
 
     def describe(self) -> str:
-        return f"LoRA rank {self.rank} on {self.targets}" + (f", dropout {self.dropout:g}" if self.dropout else "")
+        on = "PEFT's default modules for the model's type" if self.targets == PEFT_DEFAULT else self.targets
+        return f"LoRA rank {self.rank} on {on}" + (f", dropout {self.dropout:g}" if self.dropout else "")
 
 
 def check_lora(lora: Lora) -> None:
@@ -54,7 +57,7 @@ def check_lora(lora: Lora) -> None:
         raise EstimateError(f"--lora-rank must be >= 1, got {lora.rank}")
     if not 0.0 <= lora.dropout < 1.0:
         raise EstimateError(f"--lora-dropout must be in [0, 1), got {lora.dropout:g}")
-    if not lora.target_modules():
+    if lora.targets != PEFT_DEFAULT and not lora.target_modules():
         raise EstimateError(f"--lora-targets: no module name in {lora.targets!r}; give names such as q_proj,v_proj, "
                             f"or {ALL_LINEAR}")
     if importlib.util.find_spec("peft") is None:

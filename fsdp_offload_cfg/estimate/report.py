@@ -140,8 +140,11 @@ def _lora(model: torch.nn.Module, lora: Lora | None) -> dict[str, Any] | None:
     if lora is None:
         return None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"rank": lora.rank, "targets": lora.target_modules(), "dropout": lora.dropout,
-            "trainable_parameters": trainable}
+    targets = lora.target_modules()
+    if targets is None:  # PEFT's default for the model's type: the names it chose
+        config = next(iter(getattr(model, "peft_config", {}).values()), None)
+        targets = sorted(getattr(config, "target_modules", None) or [])
+    return {"rank": lora.rank, "targets": targets, "dropout": lora.dropout, "trainable_parameters": trainable}
 
 
 def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int,
