@@ -34,10 +34,14 @@ EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb; return the exit code instead of exiting (the console script exits with it)."""
     parser = _parser()
+    argv, command = _launch_command_of(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else EXIT_UNREADABLE
+    args.command = command if args.verb == "estimate" else getattr(args, "command", None)
+    if args.verb == "estimate" and command and args.file is None:
+        return args.run(args)  # the command names its config
     if getattr(args, "files", None) == [] or getattr(args, "file", "") is None:  # validate / explain, estimate
         default = _accelerate_default_config(args.verb)
         if default is None:
@@ -47,6 +51,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             args.file = default
     return args.run(args)
+
+
+def _launch_command_of(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`estimate [FLAGS] -- COMMAND`: the flags, and the command whose run is estimated (argparse
+    would take COMMAND's first word for CONFIG)."""
+    verb = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
+    if verb is None or argv[verb] != "estimate" or "--" not in argv[verb:]:
+        return argv, []
+    at = argv.index("--", verb)
+    return argv[:at], argv[at + 1:]
 
 
 def _accelerate_default_config(verb: str) -> str | None:
@@ -90,7 +104,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_set(explain)
     explain.set_defaults(run=_explain)
 
-    estimate = verbs.add_parser("estimate", help="per-rank device and host memory of a run of this config")
+    estimate = verbs.add_parser(
+        "estimate", help="per-rank device and host memory of a run of this config",
+        usage="%(prog)s [CONFIG] [options] [-- COMMAND ...]",
+        description="Per-rank device and host memory of a run. -- COMMAND: the launch command of the run "
+                    "(accelerate launch, trl sft, torchrun, llamafactory-cli train, axolotl train, python script.py), "
+                    "read as it runs, nothing started: the config file its launcher reads (CONFIG, if given, "
+                    "must be that one), the launch's flags over it, and the training arguments of its script "
+                    "(a --config YAML, a YAML argument, --key value flags) for the flags left out here.")
     estimate.add_argument("file", nargs="?", metavar="CONFIG", help=_DEFAULT_FILE_HELP)
     estimate.add_argument("--model", metavar="MODEL",
                           help="a local model directory, its config.json, or a Hub id already in the local "
@@ -367,13 +388,12 @@ def _estimate(args: argparse.Namespace) -> int:
 
     try:
         capacity = _plot_inputs(args)
-        config = load_config(args.file, args.overrides)
-        run = run_arguments(args.file)
+        config, run = _config_and_run(args)
         config, taken = _with_the_files_run(args, config, run)
         if missing := [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len),
                                                 ("--batch-size", args.batch_size)) if value is None]:
             _print(f"fsdp-offload-cfg estimate: the following arguments are required: {', '.join(missing)} "
-                   f"({_unsaid(args.file, missing, run)})", file=sys.stderr)
+                   f"({_unsaid(run.file if run else args.file, missing, run)})", file=sys.stderr)
             return EXIT_UNREADABLE
         report = estimate_memory(config, args.model, seq_len=args.seq_len,
                                  batch_size=args.batch_size, num_processes=args.num_processes,
@@ -381,7 +401,8 @@ def _estimate(args: argparse.Namespace) -> int:
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
                                  lora=_lora_input(args), **_plan_inputs(args))
         if taken:
-            report["assumptions"].insert(0, f"from the training arguments in {args.file}: {'; '.join(taken)}")
+            report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "
+                                            f"{'; '.join(taken)}")
         if "plan" not in report and (args.compute_tflops is not None or args.copy_gb_per_s is not None):
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",
@@ -408,6 +429,70 @@ def _estimate(args: argparse.Namespace) -> int:
     from fsdp_offload_cfg.estimate.report import format_table
 
     return _print(json.dumps(report, indent=2) if args.format == "json" else format_table(report))
+
+
+def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArguments | None]:
+    """The config and the run's training arguments: from CONFIG where it is a Trainer's file, or
+    from `-- COMMAND` (`config/launch_command.py`): the config file its launcher reads (CONFIG,
+    where given, must be that one), the launch's typed flags over it, and the training arguments
+    of its script over those of a Trainer's config file."""
+    if not args.command:
+        _refuse_a_run_without_fsdp(args.file)
+        return load_config(args.file, args.overrides), run_arguments(args.file)
+    from fsdp_offload_cfg.config.launch_command import read_launch_command
+    from fsdp_offload_cfg.config.trainer_file import is_trainer_layout, run_arguments_of
+
+    launch = read_launch_command(args.command, os.getcwd())
+    file = _config_of_command(args.file, launch)
+    config = load_config(file, [*launch.overrides, *args.overrides])  # --set wins over the launch's flags
+    args.num_processes = args.num_processes or launch.num_processes
+    top = read_config_file(file)
+    arguments = {**(top if is_trainer_layout(top) else {}), **launch.arguments}
+    if not arguments and launch.trl_verb is None:
+        return config, None
+    base = file if is_trainer_layout(top) and file != launch.run_file else None
+    source = " and ".join(filter(None, (base, launch.arguments_from))) or " ".join(launch.command[:2])
+    return config, run_arguments_of(arguments, source, launch.trl_verb)
+
+
+def _refuse_a_run_without_fsdp(file: str) -> None:
+    """A TRL recipe or a LlamaFactory YAML with no FSDP settings, given as CONFIG: read as a bare
+    fsdp_config, each of its keys was an "unknown key" (a screen of them), where what the user
+    needs is the command form, which finds the config the run is launched with."""
+    from fsdp_offload_cfg.config.sources import layout_of
+    from fsdp_offload_cfg.config.trainer_file import MODEL_KEYS, SEQ_LEN_KEYS
+
+    top = read_config_file(file)
+    said = [key for key in (*MODEL_KEYS, *SEQ_LEN_KEYS, "output_dir", "dataset_name", "dataset") if key in top]
+    if layout_of(top) == "mapping" and said:
+        raise ConfigError(f"fsdp-offload-cfg estimate: {file} holds training arguments ({', '.join(said)}) and no FSDP "
+                          "settings (fsdp / fsdp_config, or an accelerate config): estimate the command that runs it, "
+                          f"which names its config: fsdp-offload-cfg estimate -- trl sft --config {file} "
+                          "--accelerate_config fsdp2.yaml, or -- accelerate launch --config_file fsdp2.yaml train.py "
+                          f"{file}", unreadable=True)
+
+
+def _config_of_command(given: str | None, launch: Any) -> str:
+    """The config file of `-- COMMAND`: the one its launcher reads, else its training arguments'
+    file where that holds FSDP settings (axolotl's); CONFIG where given, as long as the launcher
+    reads no other."""
+    from fsdp_offload_cfg.config.trainer_file import is_trainer_layout
+
+    named = launch.config_file if launch.config_file and os.path.isfile(launch.config_file) else None
+    if given is not None and named is not None and os.path.realpath(given) != os.path.realpath(named):
+        raise ConfigError(f"fsdp-offload-cfg estimate: CONFIG {given} and the command's own config {named} differ: "
+                          "name one (the command's is what its run reads)", unreadable=True)
+    if given or named:
+        return given or named
+    if launch.run_file is not None and is_trainer_layout(read_config_file(launch.run_file)):
+        return launch.run_file
+    if launch.config_file is not None:
+        raise ConfigError(f"fsdp-offload-cfg estimate: the command's config {launch.config_file} does not exist",
+                          unreadable=True)
+    raise ConfigError("fsdp-offload-cfg estimate: the command names no accelerate config (accelerate launch "
+                      "--config_file F, trl --accelerate_config F) and accelerate has no default one, and its "
+                      "training arguments hold no fsdp / fsdp_config: name the config as CONFIG, before the --",
+                      unreadable=True)
 
 
 def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig,
@@ -442,9 +527,11 @@ def _config_from_file(config: FSDPOffloadConfig, run: RunArguments) -> tuple[FSD
     import dataclasses
 
     said = []
-    if run.mixed_precision is not None and config.mixed_precision is None:
+    if run.mixed_precision is not None and config.mixed_precision != run.mixed_precision:
+        # the Trainer's own: its `bf16` / `fp16` replace the launch's ACCELERATE_MIXED_PRECISION
+        over = f", over the launch's {config.mixed_precision}" if config.mixed_precision else ""
         config = dataclasses.replace(config, mixed_precision=run.mixed_precision)
-        said.append(f"mixed precision {run.mixed_precision} ({run.taken['mixed_precision']})")
+        said.append(f"mixed precision {run.mixed_precision} ({run.taken['mixed_precision']}{over})")
     elif config.mixed_precision is None:
         said.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the run does: the "
                     "launch's --mixed_precision, TRL's default, ms-swift's bf16 --torch_dtype, add bf16: true to "

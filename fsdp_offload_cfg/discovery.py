@@ -180,15 +180,17 @@ def typed_launch_keys(cmdline: Sequence[str]) -> frozenset[str]:
     """Config keys the user typed as `accelerate launch` flags (`--mixed_precision`, `--cpu`,
     `--fsdp_<key>`), in either spelling (`--fsdp_version 2`, `--fsdp-version=2`). Only the
     launcher's own arguments count: everything after the script path belongs to the script."""
+    return frozenset(typed_launch_flags(cmdline).values())
+
+
+def typed_launch_flags(cmdline: Sequence[str]) -> dict[str, str]:
+    """{the flag as accelerate's parser names it (`fsdp_version`, `cpu`): the config key} for each
+    config flag typed on the `accelerate launch` command line, as `typed_launch_keys` reads them."""
     flags = {flag.removeprefix("--"): key for key, flag in LAUNCH_FLAGS.items()}
     flags.update({f"fsdp_{key}": key for key in ENV_VARS.values()})
     flags["fsdp_transformer_layer_cls_to_wrap"] = "transformer_layer_cls_to_wrap"
-    typed = set()
-    for arg in _launcher_args(cmdline):
-        name = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else None
-        if name in flags:
-            typed.add(flags[name])
-    return frozenset(typed)
+    names = (arg[2:].split("=", 1)[0].replace("-", "_") for arg in _launcher_args(cmdline) if arg.startswith("--"))
+    return {name: flags[name] for name in names if name in flags}
 
 
 def _launcher_args(cmdline: Sequence[str]) -> list[str]:
@@ -257,7 +259,7 @@ def with_launch_overrides(
     if not adopted:
         return cfg, {}
     try:
-        merged = load_config(cfg, {_dotted_key(key): plain(new) for key, (_, new) in adopted.items()})
+        merged = load_config(cfg, {dotted_key(key): plain(new) for key, (_, new) in adopted.items()})
     except ConfigError as error:  # say which values came from the launch, not only the file
         launch_problems = [
             Problem("the accelerate launch", _flag(key), f"{new!r} over {cfg.source}'s {old!r}")
@@ -276,7 +278,8 @@ def _flag(key: str) -> str:
     return f"{flag} (${var})"
 
 
-def _dotted_key(key: str) -> str:
+def dotted_key(key: str) -> str:
+    """Where `--set` puts a config key: at the top for accelerate's launch keys, else in fsdp_config."""
     return key if key in LAUNCH_ENV_VARS else f"fsdp_config.{key}"
 
 

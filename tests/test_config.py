@@ -1212,3 +1212,20 @@ def test_a_look_alike_key_is_shown_escaped_beside_its_suggestion(tmp_path: Path,
     (problem,) = error.value.problems
     assert problem.path == f"fsdp_config.{shown}" and str(problem).isascii(), str(problem)
     assert f"not plain ASCII: {named}; retype it" in problem.message and "did you mean" in problem.message, problem
+
+
+def test_an_unquoted_no_is_said_to_be_yamls_false(tmp_path: Path):
+    """`mixed_precision: no` (or `--set mixed_precision=no`) is YAML's false, as accelerate reads it:
+    the message said "got false" of a value the user typed as no."""
+    path = tmp_path / "a.yaml"
+    path.write_text("distributed_type: FSDP\nmixed_precision: no\nfsdp_config:\n  fsdp_version: 2\n")
+    hint = "mixed_precision: expected one of no, fp8, fp16, bf16; got false (YAML reads an unquoted no as false: " \
+           "write 'no', in quotes)"
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert str(caught.value) == f"{path}: {hint}"
+    path.write_text("distributed_type: FSDP\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_version: 2\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path), ["mixed_precision=no"])
+    assert hint in str(caught.value)
+    assert load_config(str(path), ["mixed_precision='no'"]).mixed_precision == "no"

@@ -1121,3 +1121,79 @@ def test_what_neither_the_flags_nor_the_file_say_is_asked_for_by_name(models: di
     assert cli.main(["estimate", quantized, "--num-processes", "2"]) == 1
     assert "quantization_bit: 4: the estimate counts no 4- or 8-bit weights; pass --lora-rank R" in \
         capsys.readouterr().err
+
+
+def _command_estimate(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    """`estimate [FLAGS] -- COMMAND` (argv holds the `--`)."""
+    assert cli.main(["estimate", "--device", "cpu", "--format", "json", *argv]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_trl_command_is_estimated_as_the_trainer_file_trl_runs(models: dict[str, str], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    """`trl sft --config sft.yaml`, its FSDP settings in the accelerate file the YAML names and its
+    processes among TRL's launch keys: the same run as one Trainer's file holding both, whose
+    estimate tests/test_trl_cli.py checks against TRL's own script. Before, such a YAML could not be
+    estimated at all (its keys are no FSDP config's), nor its accelerate file without flags."""
+    monkeypatch.chdir(tmp_path)
+    run = f"model_name_or_path: {models['llama']}\nmax_length: 48\nper_device_train_batch_size: 2\nuse_peft: true\n"
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 8\n"
+                                        "fsdp_config:\n  fsdp_version: 2\n")
+    (tmp_path / "sft.yaml").write_text(run + "accelerate_config: fsdp.yaml\ndataset_name: d\n")
+    (tmp_path / "trainer.yaml").write_text(run + "dataset_text_field: text\nfsdp: full_shard auto_wrap\n"
+                                                 "fsdp_config:\n  version: 2\n")
+    command = _command_estimate(capsys, "--", "trl", "sft", "--config", "sft.yaml", "--num_processes", "2")
+    trainer = _json_estimate(capsys, str(tmp_path / "trainer.yaml"))
+    assert command["inputs"] == trainer["inputs"] and command["per_rank"] == trainer["per_rank"]
+    assert command["model"]["lora"] == trainer["model"]["lora"] and command["ranks"] == 2
+    said = command["assumptions"][0]
+    assert said.startswith(f"from the training arguments in {tmp_path / 'sft.yaml'} and the command line: "), said
+    assert "mixed precision bf16 (bf16 unset: TRL's default, over the launch's no)" in said
+    (tmp_path / "short.yaml").write_text(run.replace("max_length: 48\n", "") + "accelerate_config: fsdp.yaml\n")
+    without_length = _command_estimate(capsys, "--", "trl", "sft", "--config", "short.yaml")
+    assert without_length["inputs"]["seq_len"] == 1024  # SFTConfig's default
+
+
+def test_accelerate_launchs_typed_flags_count_over_its_file_and_set_over_both(models: dict[str, str], tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]):
+    accelerate_file = tmp_path / "accelerate.yaml"
+    accelerate_file.write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 8\nfsdp_config:\n"
+                               "  fsdp_version: 2\n")
+    launch = ["--", "accelerate", "launch", "--config_file", str(accelerate_file), "--mixed_precision", "bf16",
+              "--num_processes", "2", "train.py", "--model_name_or_path", models["llama"], "--max_length", "48",
+              "--per_device_train_batch_size", "2"]
+    command = _command_estimate(capsys, *launch)
+    flags = _json_estimate(capsys, str(accelerate_file), "--set", "mixed_precision=bf16", "--model", models["llama"],
+                           "--seq-len", "48", "--batch-size", "2", "--optimizer", "adamw_fused")
+    assert command["inputs"] == flags["inputs"] and command["per_rank"] == flags["per_rank"]
+    assert command["inputs"]["compute_dtype"] == "bfloat16"
+    code_wins = _command_estimate(capsys, "--set", "mixed_precision='no'", *launch)
+    assert code_wins["inputs"]["compute_dtype"] == "float32"
+
+
+def test_a_command_whose_config_cannot_be_told_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no accelerate default config
+    (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    assert cli.main(["estimate", "--", "python", "train.py", "--model_name_or_path", "m"]) == 2
+    assert "the command names no accelerate config" in capsys.readouterr().err
+    other = str(tmp_path / "other.yaml")
+    assert cli.main(["estimate", other, "--", "accelerate", "launch", "--config_file", str(tmp_path / "a.yaml"),
+                     "t.py"]) == 2
+    assert f"CONFIG {other} and the command's own config {tmp_path / 'a.yaml'} differ" in capsys.readouterr().err
+    assert cli.main(["estimate", "--", "accelerate", "launch", "--config_file", str(tmp_path / "gone.yaml"), "t.py"]) == 2
+    assert f"the command's config {tmp_path / 'gone.yaml'} does not exist" in capsys.readouterr().err
+
+
+def test_a_run_file_without_fsdp_settings_as_config_points_to_the_command_form(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]):
+    """A TRL recipe given as CONFIG was read as a bare fsdp_config: an "unknown key" line per key,
+    none saying what to do."""
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text("model_name_or_path: m\nmax_length: 512\nlearning_rate: 0.0001\n")
+    assert cli.main(["estimate", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key" not in err, err
+    assert f"{recipe} holds training arguments (model_name_or_path, max_length) and no FSDP settings" in err
+    assert f"fsdp-offload-cfg estimate -- trl sft --config {recipe} --accelerate_config fsdp2.yaml" in err

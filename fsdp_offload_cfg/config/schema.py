@@ -191,7 +191,18 @@ def _explain(error: Any) -> list[tuple[KeyPath, str]]:
     expected = schema.get("description")
     if expected is None and error.validator == "enum":
         expected = "one of " + ", ".join(str(v) for v in error.validator_value)
-    return [(path, f"expected {expected or error.message}; got {show(error.instance)}")]
+    return [(path, f"expected {expected or error.message}; got {show(error.instance)}{_yaml_boolean_hint(error)}")]
+
+
+def _yaml_boolean_hint(error: Any) -> str:
+    """YAML reads an unquoted `no` (`off`, `yes`, `on`) as a boolean, as accelerate's
+    `yaml.safe_load` does: `mixed_precision: no` (and `--set mixed_precision=no`) arrive as false,
+    which the message would show without saying why."""
+    options = error.schema.get("enum", []) if isinstance(error.schema, dict) else []
+    words = {False: ("no", "off", "false"), True: ("yes", "on", "true")}.get(error.instance, ()) \
+        if isinstance(error.instance, bool) else ()
+    quoted = next((word for word in words if word in options), None)
+    return f" (YAML reads an unquoted {quoted} as {show(error.instance)}: write '{quoted}', in quotes)" if quoted else ""
 
 
 def unknown_key_message(key: Any, candidates: list[str], what: str = "unknown key",

@@ -106,10 +106,17 @@ def run_arguments(path: str) -> RunArguments | None:
     top = read_config_file(path)
     if not is_trainer_layout(top):
         return None
-    reader = _Reader(top, path)
+    return run_arguments_of(top, path)
+
+
+def run_arguments_of(top: dict[Any, Any], source: str, trl_verb: str | None = None) -> RunArguments:
+    """The run training arguments describe, wherever they were read (`source` names it in
+    errors): a Trainer's file, or a launch command's (`config/launch_command.py`), where
+    `trl_verb` (`sft`) says TRL's CLI runs them, whose configs' defaults then hold."""
+    reader = _Reader(top, source, trl_verb)
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
-        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", llamafactory_default=2048),
+        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", default=reader.default_seq_len()),
         "batch_size": reader.first(BATCH_KEYS, int, "batch_size"),
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
@@ -122,22 +129,23 @@ def run_arguments(path: str) -> RunArguments | None:
             (f"{k}: {_show(top[k])}" for k in QUANTIZED_KEYS if top.get(k) not in (None, False)), None),
     }
     reader.raise_problems()
-    return RunArguments(path, **values, taken=reader.taken, caveats=tuple(reader.caveats))
+    return RunArguments(source, **values, taken=reader.taken, caveats=tuple(reader.caveats))
 
 
 class _Reader:
     """The file's keys, type-checked; every wrong one is collected and said together, the file and
     key named, as `load_config` says its problems."""
 
-    def __init__(self, top: dict[Any, Any], path: str):
-        self.top, self.path = top, path
+    def __init__(self, top: dict[Any, Any], path: str, trl_verb: str | None = None):
+        self.top, self.path, self.trl_verb = top, path, trl_verb
         self.taken: dict[str, str] = {}
         self.caveats: list[str] = []
         self.problems: list[Problem] = []
         # LlamaFactory's own keys: its defaults differ from the Trainer's (LoRA, checkpointing on)
         self.llamafactory = any(key in top for key in LLAMAFACTORY_KEYS)
         # TRL's configs: bf16 and checkpointing on where the file is silent (`trl/trainer/base_config.py`)
-        self.trl = not self.llamafactory and "base_model" not in top and any(key in top for key in TRL_KEYS)
+        self.trl = trl_verb is not None or (
+            not self.llamafactory and "base_model" not in top and any(key in top for key in TRL_KEYS))
 
     def optimizer(self) -> str:
         """The estimate's name for the run's optimizer: the Trainer's default (`adamw_torch_fused`
@@ -182,20 +190,30 @@ class _Reader:
                 return str(mapping[key])
             if key is not None:
                 return None  # auto: the checkpoint's own, the estimate's default
-        if self.trl and any(key in self.top for key in MODEL_CONFIG_KEYS):
+        if self.trl_verb is not None or (self.trl and any(key in self.top for key in MODEL_CONFIG_KEYS)):
             self.taken["dtype"] = "dtype unset: TRL's ModelConfig default float32"
             return "float32"
         return None
 
-    def first(self, keys: tuple[str, ...], kind: type, name: str, llamafactory_default: Any = None) -> Any:
-        """The value of the first of `keys` the file has; where it has none, LlamaFactory's default
-        for the first key (`keys[0]`, LlamaFactory's spelling) in a LlamaFactory file."""
+    def default_seq_len(self) -> tuple[int, str] | None:
+        """The framework's own sequence length where the file names none, and its words:
+        LlamaFactory's `cutoff_len` 2048; `max_length` 1024 of TRL's SFTConfig and DPOConfig (known
+        from `trl sft` / `trl dpo` only: a file alone does not say which trainer reads it)."""
+        if self.llamafactory:
+            return 2048, "cutoff_len unset: LlamaFactory's default"
+        if self.trl_verb in ("sft", "dpo"):
+            return 1024, f"max_length unset: TRL's {self.trl_verb} default"
+        return None
+
+    def first(self, keys: tuple[str, ...], kind: type, name: str, default: tuple[Any, str] | None = None) -> Any:
+        """The value of the first of `keys` the file has; where it has none, the framework's
+        `default` (value, words)."""
         key = next((k for k in keys if self.top.get(k) is not None), None)
         if key is None:
-            if llamafactory_default is None or not self.llamafactory:
+            if default is None:
                 return None
-            self.taken[name] = f"{keys[0]} unset: LlamaFactory's default"
-            return llamafactory_default
+            self.taken[name] = default[1]
+            return default[0]
         value = self._typed(key, kind)
         if value is not None:
             self.taken[name] = key

@@ -1,0 +1,203 @@
+"""A launch command as the run it starts: `fsdp-offload-cfg estimate -- COMMAND`.
+
+Users size a run by the command they are about to type, not by a config file alone: a TRL
+recipe (`trl sft --config sft.yaml`) or a LlamaFactory YAML under `accelerate launch` holds the
+run's model, length and adapters but no FSDP settings, and the accelerate file holds those but
+no model. Read together, as the launch reads them, they are the run. Nothing is started.
+
+What is read, each as the launcher itself reads it:
+- the accelerate config: `accelerate launch --config_file F` (else accelerate's default file),
+  TRL's `--accelerate_config F` or its `--config` YAML's `accelerate_config`
+  (`discovery.launch_config_file`, the rule the workers follow); with none, the run's own file
+  where it holds FSDP settings (axolotl's YAML, a Trainer's file);
+- the config flags typed on `accelerate launch` (`--mixed_precision`, `--fsdp_*`, `--cpu`), parsed
+  by accelerate's own parser, over the file, as accelerate exports them; its `--num_processes`,
+  and torchrun's `--nproc_per_node` times `--nnodes`;
+- the training arguments after the script (or `trl VERB`, `llamafactory-cli train`,
+  `axolotl train`): the YAML or JSON file they name (TRL's `--config F`, else the first
+  `.yaml` / `.yml` / `.json` argument: LlamaFactory's, axolotl's, HfArgumentParser's), then
+  `--key value`, `--key=value`, a bare `--flag` (true), `--key v1 v2` (a list) and `key=value`
+  (LlamaFactory's overrides) over that file, as HfArgumentParser, TRL and LlamaFactory let the
+  command line win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_offload_cfg.config.model import ConfigError
+from fsdp_offload_cfg.config.reading import read_config_file
+
+RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+FRAMEWORK_VERBS = {"llamafactory-cli": "train", "axolotl": "train"}  # their training verb: the file follows it
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    """What COMMAND says of its run; None where it says nothing."""
+
+    command: tuple[str, ...]
+    config_file: str | None = None  # the accelerate config its launcher reads
+    run_file: str | None = None  # the training arguments' file (TRL's --config, a LlamaFactory YAML)
+    num_processes: int | None = None
+    overrides: tuple[str, ...] = ()  # the launcher's typed config flags, as `--set KEY=VALUE` items
+    arguments: dict[str, Any] = field(default_factory=dict)  # the training arguments: the file's, the flags' over them
+    trl_verb: str | None = None  # `trl sft`: TRL's defaults hold for its arguments
+    arguments_from: str = ""  # in words, for the estimate to say: `sft.yaml and the command line`
+
+
+def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
+    """COMMAND's config file, processes, launch flags and training arguments (module docstring)."""
+    from fsdp_offload_cfg.discovery import _is_trl_cli, launch_config_file
+
+    is_launcher, named = launch_config_file(command, cwd)
+    config_file = str(named) if named is not None else None
+    if is_launcher and not _is_trl_cli(command):
+        script_args, processes, overrides = _accelerate_launch(command)
+        return _with_arguments(command, script_args, cwd, config_file=config_file, num_processes=processes,
+                               overrides=overrides)
+    if is_launcher:  # TRL's CLI: `trl VERB ARGS`; launch flags (`--num_processes`) mixed in, or in its --config YAML
+        verb_at = _trl_verb_at(command)
+        found = _with_arguments(command, command[verb_at + 1:], cwd, config_file=config_file,
+                                trl_verb=command[verb_at])
+        processes = found.arguments.get("num_processes")
+        return found if not isinstance(processes, int) else dataclasses.replace(found, num_processes=processes)
+    if _is_torchrun(command):
+        script_args, processes = _torchrun(command)
+        return _with_arguments(command, script_args, cwd, num_processes=processes)
+    return _with_arguments(command, _script_args(command), cwd)
+
+
+def _with_arguments(command: list[str], script_args: list[str], cwd: str, **found: Any) -> LaunchCommand:
+    run_file, items = _run_file(script_args, cwd)
+    arguments = dict(read_config_file(run_file)) if run_file is not None else {}  # a mapping, or ConfigError
+    flags = _flags(items)
+    arguments.update(flags)
+    arguments_from = " and ".join(filter(None, (run_file, "the command line" if flags else None)))
+    return LaunchCommand(tuple(command), run_file=run_file, arguments=arguments, arguments_from=arguments_from, **found)
+
+
+def _accelerate_launch(command: list[str]) -> tuple[list[str], int | None, tuple[str, ...]]:
+    """The script's arguments, `--num_processes` and the typed config flags, by accelerate's
+    own parser (a command line it refuses is refused here, with its message)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from fsdp_offload_cfg.discovery import dotted_key, typed_launch_flags
+
+    start = next(i for i, arg in enumerate(command) if arg == "launch" or arg.endswith(
+        ("accelerate-launch", "accelerate.commands.launch", "launch.py"))) + 1
+    try:
+        parsed = launch_command_parser().parse_args(command[start:])
+    except SystemExit:  # argparse said why on stderr
+        raise ConfigError("fsdp-offload-cfg estimate: accelerate launch refuses this command line (above)") from None
+    overrides = tuple(f"{dotted_key(key)}={_text(getattr(parsed, name))}"
+                      for name, key in typed_launch_flags(command).items()
+                      if key != "num_processes" and getattr(parsed, name, None) is not None)
+    return list(parsed.training_script_args), parsed.num_processes, overrides
+
+
+def _is_torchrun(command: list[str]) -> bool:
+    return any(os.path.basename(arg) == "torchrun" or arg == "torch.distributed.run" for arg in command[:3])
+
+
+def _torchrun(command: list[str]) -> tuple[list[str], int | None]:
+    """torchrun's script arguments and its processes: `--nproc_per_node` times `--nnodes`."""
+    script = next((i for i, arg in enumerate(command) if arg.endswith(".py") and i > 0), None)
+    per_node, nodes = _int_flag(command, "nproc_per_node"), _int_flag(command, "nnodes") or 1
+    return (command[script + 1:] if script is not None else []), (per_node * nodes if per_node else None)
+
+
+def _trl_verb_at(command: list[str]) -> int:
+    """Where the verb of `trl VERB` (or `python -m trl VERB`) is."""
+    for i, arg in enumerate(command):
+        if os.path.basename(arg) == "trl":
+            return i + 1
+        if arg == "-m" and i + 1 < len(command) and command[i + 1].startswith("trl"):
+            return i + 2
+    raise AssertionError("not a TRL command line")  # discovery._is_trl_cli said it was
+
+
+def _script_args(command: list[str]) -> list[str]:
+    """The arguments after the script: `python train.py ARGS`, `python -m pkg ARGS`,
+    `llamafactory-cli train ARGS`, `axolotl train ARGS`, `./train.py ARGS`."""
+    for i, arg in enumerate(command):
+        if arg == "-m":
+            return command[i + 2:]
+        if arg.endswith(".py"):
+            return command[i + 1:]
+        if FRAMEWORK_VERBS.get(os.path.basename(arg)) in command[i + 1:i + 2]:
+            return command[i + 2:]
+    return command[1:]
+
+
+def _run_file(args: list[str], cwd: str) -> tuple[str | None, list[str]]:
+    """The training arguments' file (TRL's `--config F`, else the first YAML or JSON argument that
+    is no flag's value) and the other arguments."""
+    rest = list(args)
+    if "--config" in rest[:-1]:
+        at = rest.index("--config")
+        path = rest[at + 1]
+        del rest[at:at + 2]
+        return _in(cwd, path), rest
+    for i, arg in enumerate(rest):
+        if arg.endswith(RUN_FILE_SUFFIXES) and not arg.startswith("-") and "=" not in arg and \
+                (i == 0 or not rest[i - 1].startswith("--") or "=" in rest[i - 1]):
+            return _in(cwd, arg), rest[:i] + rest[i + 1:]
+    return None, rest
+
+
+def _flags(items: list[str]) -> dict[str, Any]:
+    """`--key value`, `--key=value`, `--flag` (true), `--key v1 v2` (a list), `key=value`, each
+    value read as YAML reads a scalar (`8`, `true`, `0.05`, `bf16`)."""
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            if eq:
+                values[name.replace("-", "_")] = _scalar(value)
+                i += 1
+                continue
+            taken = []
+            while i + 1 < len(items) and not items[i + 1].startswith("--"):
+                taken.append(_scalar(items[i + 1]))
+                i += 1
+            values[name.replace("-", "_")] = True if not taken else taken[0] if len(taken) == 1 else taken
+        elif "=" in arg and not arg.startswith("-"):
+            name, _, value = arg.partition("=")
+            values[name] = _scalar(value)
+        i += 1
+    return values
+
+
+def _scalar(text: str) -> Any:
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (str, int, float, bool)) else text
+
+
+def _int_flag(command: list[str], name: str) -> int | None:
+    """`--name N` or `--name=N` (dashes or underscores) as an integer; None where absent or not one."""
+    for i, arg in enumerate(command):
+        flag, eq, value = arg.partition("=")
+        if flag.replace("-", "_") == f"__{name}":
+            text = value if eq else (command[i + 1] if i + 1 < len(command) else "")
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _in(cwd: str, path: str) -> str:
+    return path if Path(path).is_absolute() else str(Path(cwd) / path)

@@ -1,0 +1,78 @@
+"""A launch command as the run it starts (`config/launch_command.py`): what `estimate -- COMMAND`
+reads from each launcher's command line, nothing started. The estimate's figures from it are
+tested in tests/test_estimate.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdp_offload_cfg.config import ConfigError
+from fsdp_offload_cfg.config.launch_command import read_launch_command
+
+
+def test_accelerate_launch_gives_its_file_processes_typed_flags_and_the_scripts_arguments(tmp_path: Path):
+    """The launcher's flags by accelerate's own parser (its `--cpu` is a switch, its
+    `--fsdp_activation_checkpointing` takes a value); everything after the script is the script's."""
+    launch = read_launch_command(
+        ["accelerate", "launch", "--config_file", "fsdp.yaml", "--num_processes", "4", "--mixed_precision", "bf16",
+         "--cpu", "--fsdp_activation_checkpointing", "true", "train.py", "--model_name_or_path", "m",
+         "--max_length=4096", "--per_device_train_batch_size", "2", "--bf16", "--lora_target_modules", "q_proj",
+         "v_proj", "--lora_dropout", "0.05", "--num_processes", "9"], str(tmp_path))
+    assert (launch.config_file, launch.num_processes, launch.run_file) == (str(tmp_path / "fsdp.yaml"), 4, None)
+    assert sorted(launch.overrides) == ["fsdp_config.activation_checkpointing=true", "mixed_precision=bf16",
+                                        "use_cpu=true"]
+    assert launch.arguments == {"model_name_or_path": "m", "max_length": 4096, "per_device_train_batch_size": 2,
+                                "bf16": True, "lora_target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.05,
+                                "num_processes": 9}  # the script's own flag, not the launcher's
+    assert launch.arguments_from == "the command line" and launch.trl_verb is None
+
+
+def test_a_training_arguments_file_then_the_command_line_over_it(tmp_path: Path):
+    """LlamaFactory's `train F key=value`, a YAML given to the script under accelerate launch,
+    axolotl's `train F --key value`: the file's keys, the command line's over them."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: m\ncutoff_len: 2048\nbf16: true\n")
+    for command, expected_file in [
+        (["llamafactory-cli", "train", "sft.yaml", "cutoff_len=4096"], "sft.yaml"),
+        (["accelerate", "launch", "--config_file", "f.yaml", "src/train.py", "sft.yaml", "--cutoff_len", "4096"], "sft.yaml"),
+        (["axolotl", "train", "sft.yaml", "--cutoff_len=4096"], "sft.yaml"),
+        (["python", "-m", "llamafactory.launcher", "sft.yaml", "cutoff_len=4096"], "sft.yaml"),
+    ]:
+        launch = read_launch_command(command, str(tmp_path))
+        assert launch.run_file == str(tmp_path / expected_file), command
+        assert launch.arguments == {"model_name_or_path": "m", "cutoff_len": 4096, "bf16": True}, command
+        assert launch.arguments_from == f"{tmp_path / 'sft.yaml'} and the command line"
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml: expected a mapping at the top level"):
+        read_launch_command(["axolotl", "train", "list.yaml"], str(tmp_path))
+
+
+def test_trl_takes_its_config_yaml_its_verb_and_the_launch_keys_in_either(tmp_path: Path):
+    """`trl sft --config sft.yaml`: the YAML's keys, the command line's over them; its
+    `accelerate_config` and `num_processes` are the launch's (TRL hands them to accelerate)."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: m\nmax_length: 512\naccelerate_config: fsdp.yaml\n"
+                                       "num_processes: 8\n")
+    launch = read_launch_command(["trl", "sft", "--config", "sft.yaml", "--max_length", "2048"], str(tmp_path))
+    assert (launch.trl_verb, launch.config_file, launch.num_processes) == ("sft", str(tmp_path / "fsdp.yaml"), 8)
+    assert (launch.arguments["max_length"], launch.arguments["model_name_or_path"]) == (2048, "m")
+    cli = read_launch_command(["python", "-m", "trl", "dpo", "--config", "sft.yaml", "--accelerate_config", "cli.yaml",
+                               "--num_processes", "2"], str(tmp_path))
+    assert (cli.trl_verb, cli.config_file, cli.num_processes) == ("dpo", str(tmp_path / "cli.yaml"), 2)
+
+
+def test_torchrun_and_a_bare_script_read_no_config(tmp_path: Path):
+    run = read_launch_command(["torchrun", "--nnodes", "2", "--nproc_per_node=4", "train.py", "--max_length", "8"],
+                              str(tmp_path))
+    assert (run.config_file, run.num_processes, run.arguments) == (None, 8, {"max_length": 8})
+    assert read_launch_command(["torchrun", "--nproc_per_node", "gpu", "t.py"], str(tmp_path)).num_processes is None
+    bare = read_launch_command(["python", "train.py", "--model_name_or_path", "m", "--gradient_checkpointing"],
+                               str(tmp_path))
+    assert (bare.config_file, bare.num_processes, bare.arguments) == \
+        (None, None, {"model_name_or_path": "m", "gradient_checkpointing": True})
+
+
+def test_a_command_line_accelerate_refuses_is_refused(tmp_path: Path):
+    with pytest.raises(ConfigError, match="accelerate launch refuses this command line"):
+        read_launch_command(["accelerate", "launch", "--num_processes", "four", "train.py"], str(tmp_path))
