@@ -433,14 +433,14 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArguments | None]:
     """The config and the run's training arguments: from CONFIG where it is a Trainer's file, or
-    from `-- COMMAND` (`config/launch_command.py`): the config file its launcher reads (CONFIG,
+    from `-- COMMAND` (`launch_command.py`): the config file its launcher reads (CONFIG,
     where given, must be that one), the launch's typed flags over it, and the training arguments
     of its script over those of a Trainer's config file."""
     if not args.command:
         _refuse_a_run_without_fsdp(args.file)
         return load_config(args.file, args.overrides), run_arguments(args.file)
-    from fsdp_offload_cfg.config.launch_command import read_launch_command
     from fsdp_offload_cfg.config.trainer_file import is_trainer_layout, run_arguments_of
+    from fsdp_offload_cfg.launch_command import read_launch_command
 
     launch = read_launch_command(args.command, os.getcwd())
     file = _config_of_command(args.file, launch)

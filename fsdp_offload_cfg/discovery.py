@@ -66,7 +66,7 @@ def _config_file_arg(cmdline: Sequence[str]) -> str | None:
     return None
 
 
-def _is_trl_cli(cmdline: Sequence[str]) -> bool:
+def is_trl_cli(cmdline: Sequence[str]) -> bool:
     """`trl sft ...` (the console script) or `python -m trl ...`: TRL's CLI runs accelerate's
     launcher in its own process, so it is the launch its workers descend from."""
     for i, arg in enumerate(cmdline[:3]):
@@ -127,7 +127,7 @@ def launch_config_file(cmdline: Sequence[str], cwd: str) -> tuple[bool, Path | N
     default file."""
     if _is_accelerate_launch(cmdline):
         arg = _config_file_arg(cmdline)
-    elif _is_trl_cli(cmdline):
+    elif is_trl_cli(cmdline):
         arg, _ = _trl_config_arg(cmdline, cwd)
         if arg is not None:
             return True, _trl_config_path(arg, cwd)

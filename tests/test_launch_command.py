@@ -1,4 +1,4 @@
-"""A launch command as the run it starts (`config/launch_command.py`): what `estimate -- COMMAND`
+"""A launch command as the run it starts (`launch_command.py`): what `estimate -- COMMAND`
 reads from each launcher's command line, nothing started. The estimate's figures from it are
 tested in tests/test_estimate.py."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_offload_cfg.config import ConfigError
-from fsdp_offload_cfg.config.launch_command import read_launch_command
+from fsdp_offload_cfg.launch_command import read_launch_command
 
 
 def test_accelerate_launch_gives_its_file_processes_typed_flags_and_the_scripts_arguments(tmp_path: Path):

@@ -111,7 +111,7 @@ def run_arguments(path: str) -> RunArguments | None:
 
 def run_arguments_of(top: dict[Any, Any], source: str, trl_verb: str | None = None) -> RunArguments:
     """The run training arguments describe, wherever they were read (`source` names it in
-    errors): a Trainer's file, or a launch command's (`config/launch_command.py`), where
+    errors): a Trainer's file, or a launch command's (`launch_command.py`), where
     `trl_verb` (`sft`) says TRL's CLI runs them, whose configs' defaults then hold."""
     reader = _Reader(top, source, trl_verb)
     values: dict[str, Any] = {

@@ -31,6 +31,7 @@ from typing import Any
 
 from fsdp_offload_cfg.config.model import ConfigError
 from fsdp_offload_cfg.config.reading import read_config_file
+from fsdp_offload_cfg.discovery import dotted_key, is_trl_cli, launch_config_file, typed_launch_flags
 
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 FRAMEWORK_VERBS = {"llamafactory-cli": "train", "axolotl": "train"}  # their training verb: the file follows it
@@ -52,11 +53,9 @@ class LaunchCommand:
 
 def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
     """COMMAND's config file, processes, launch flags and training arguments (module docstring)."""
-    from fsdp_offload_cfg.discovery import _is_trl_cli, launch_config_file
-
     is_launcher, named = launch_config_file(command, cwd)
     config_file = str(named) if named is not None else None
-    if is_launcher and not _is_trl_cli(command):
+    if is_launcher and not is_trl_cli(command):
         script_args, processes, overrides = _accelerate_launch(command)
         return _with_arguments(command, script_args, cwd, config_file=config_file, num_processes=processes,
                                overrides=overrides)
@@ -85,8 +84,6 @@ def _accelerate_launch(command: list[str]) -> tuple[list[str], int | None, tuple
     """The script's arguments, `--num_processes` and the typed config flags, by accelerate's
     own parser (a command line it refuses is refused here, with its message)."""
     from accelerate.commands.launch import launch_command_parser
-
-    from fsdp_offload_cfg.discovery import dotted_key, typed_launch_flags
 
     start = next(i for i, arg in enumerate(command) if arg == "launch" or arg.endswith(
         ("accelerate-launch", "accelerate.commands.launch", "launch.py"))) + 1
@@ -118,7 +115,7 @@ def _trl_verb_at(command: list[str]) -> int:
             return i + 1
         if arg == "-m" and i + 1 < len(command) and command[i + 1].startswith("trl"):
             return i + 2
-    raise AssertionError("not a TRL command line")  # discovery._is_trl_cli said it was
+    raise AssertionError("not a TRL command line")  # discovery.is_trl_cli said it was
 
 
 def _script_args(command: list[str]) -> list[str]:
