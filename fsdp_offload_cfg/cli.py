@@ -8,6 +8,7 @@ command line is wrong (argparse's usage errors).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -448,11 +449,11 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     args.num_processes = args.num_processes or launch.num_processes
     top = read_config_file(file)
     arguments = {**(top if is_trainer_layout(top) else {}), **launch.arguments}
-    if not arguments and launch.trl_verb is None:
+    if not arguments and launch.cli is None:
         return config, None
     base = file if is_trainer_layout(top) and file != launch.run_file else None
     source = " and ".join(filter(None, (base, launch.arguments_from))) or " ".join(launch.command[:2])
-    return config, run_arguments_of(arguments, source, launch.trl_verb)
+    return config, run_arguments_of(arguments, source, launch.cli)
 
 
 def _refuse_a_run_without_fsdp(file: str) -> None:
@@ -500,16 +501,33 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig,
     """Where CONFIG is a Trainer's file (`run`, `config/trainer_file.py`): the flags it leaves out
     taken from its training arguments (a flag given wins), and the config with the run's precision
     and layer checkpointing. Returns the config and what was taken, in words."""
-    taken = _flags_from_file(args, run)
+    taken = _flags_from_file(args, run, args.num_processes or config.num_processes or 1)
     if run is None:
         return config, taken
-    config, said = _config_from_file(config, run)
+    config, said = _config_from_file(config, run, _load_dtype(args) if run.precision_follows_dtype else None)
     return config, [*taken, *said, *_lora_from_file(args, run), *run.caveats]
 
 
-def _flags_from_file(args: argparse.Namespace, run: RunArguments | None) -> list[str]:
-    """The scalar flags left out, from the file where it says them, else their defaults."""
+def _load_dtype(args: argparse.Namespace) -> str | None:
+    """The dtype the run loads in: --dtype (or the file's), else the checkpoint's `config.json`."""
+    from fsdp_offload_cfg.estimate.source import model_config_file
+
+    if args.dtype is not None or args.model is None:
+        return args.dtype
+    with open(model_config_file(args.model), encoding="utf-8") as f:
+        model_config = json.load(f)
+    return model_config.get("dtype") or model_config.get("torch_dtype") or "float32"
+
+
+def _flags_from_file(args: argparse.Namespace, run: RunArguments | None, processes: int) -> list[str]:
+    """The scalar flags left out, from the file where it says them, else their defaults
+    (ms-swift's accumulation: its `ceil(16 / batch / processes)`)."""
     taken = []
+    if run is not None and run.accumulation_target and args.gradient_accumulation_steps is None and run.batch_size:
+        steps = max(1, math.ceil(run.accumulation_target / (args.batch_size or run.batch_size) / processes))
+        run = dataclasses.replace(run, gradient_accumulation_steps=steps, taken={
+            **run.taken, "gradient_accumulation_steps": f"gradient_accumulation_steps unset: ms-swift's "
+                                                        f"ceil({run.accumulation_target} / batch / processes)"})
     for flag, name in (("--model", "model"), ("--seq-len", "seq_len"), ("--batch-size", "batch_size"),
                        ("--gradient-accumulation-steps", "gradient_accumulation_steps"), ("--optimizer", "optimizer"),
                        ("--dtype", "dtype")):
@@ -521,12 +539,16 @@ def _flags_from_file(args: argparse.Namespace, run: RunArguments | None) -> list
     return taken
 
 
-def _config_from_file(config: FSDPOffloadConfig, run: RunArguments) -> tuple[FSDPOffloadConfig, list[str]]:
-    """The config with the file's mixed precision (where the config has none) and layer
-    checkpointing (where no activation budget decides it)."""
-    import dataclasses
-
+def _config_from_file(config: FSDPOffloadConfig, run: RunArguments,
+                      load_dtype: str | None = None) -> tuple[FSDPOffloadConfig, list[str]]:
+    """The config with the file's mixed precision (over the launch's, as the Trainer sets it) and
+    layer checkpointing (where no activation budget decides it). `load_dtype`: the run's, where its
+    precision follows it (ms-swift: bf16 over bfloat16, else fp16)."""
     said = []
+    if load_dtype is not None:
+        taken = f"torch_dtype unset: ms-swift's bf16 / fp16 by the load dtype, {load_dtype}"
+        run = dataclasses.replace(run, mixed_precision="bf16" if load_dtype == "bfloat16" else "fp16",
+                                  taken={**run.taken, "mixed_precision": taken})
     if run.mixed_precision is not None and config.mixed_precision != run.mixed_precision:
         # the Trainer's own: its `bf16` / `fp16` replace the launch's ACCELERATE_MIXED_PRECISION
         over = f", over the launch's {config.mixed_precision}" if config.mixed_precision else ""

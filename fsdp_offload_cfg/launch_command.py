@@ -24,6 +24,7 @@ What is read, each as the launcher itself reads it:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ class LaunchCommand:
     num_processes: int | None = None
     overrides: tuple[str, ...] = ()  # the launcher's typed config flags, as `--set KEY=VALUE` items
     arguments: dict[str, Any] = field(default_factory=dict)  # the training arguments: the file's, the flags' over them
-    trl_verb: str | None = None  # `trl sft`: TRL's defaults hold for its arguments
+    cli: str | None = None  # the framework's CLI and verb that run it, `trl sft`, `swift sft`: its defaults hold
     arguments_from: str = ""  # in words, for the estimate to say: `sft.yaml and the command line`
 
 
@@ -62,9 +63,11 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
     if is_launcher:  # TRL's CLI: `trl VERB ARGS`; launch flags (`--num_processes`) mixed in, or in its --config YAML
         verb_at = _trl_verb_at(command)
         found = _with_arguments(command, command[verb_at + 1:], cwd, config_file=config_file,
-                                trl_verb=command[verb_at])
+                                cli=f"trl {command[verb_at]}")
         processes = found.arguments.get("num_processes")
         return found if not isinstance(processes, int) else dataclasses.replace(found, num_processes=processes)
+    if (verb_at := _swift_verb_at(command)) is not None:
+        return _swift(command, verb_at, cwd)
     if _is_torchrun(command):
         script_args, processes = _torchrun(command)
         return _with_arguments(command, script_args, cwd, num_processes=processes)
@@ -95,6 +98,35 @@ def _accelerate_launch(command: list[str]) -> tuple[list[str], int | None, tuple
                       for name, key in typed_launch_flags(command).items()
                       if key != "num_processes" and getattr(parsed, name, None) is not None)
     return list(parsed.training_script_args), parsed.num_processes, overrides
+
+
+def _swift_verb_at(command: list[str]) -> int | None:
+    """Where the verb of `swift sft` (`pt`, `rlhf`) is; None for any other command."""
+    at = next((i for i, arg in enumerate(command[:3]) if os.path.basename(arg) == "swift"), None)
+    return at + 1 if at is not None and command[at + 1:at + 2] in (["sft"], ["pt"], ["rlhf"]) else None
+
+
+def _swift(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:
+    """`swift sft ARGS`: its config is `--fsdp F` (a JSON in the Trainer's layout, or the name of
+    one ms-swift ships: `fsdp2`), its processes `NPROC_PER_NODE` times `NNODES` from the
+    environment, as ms-swift starts torchrun (`NPROC_PER_NODE=8 fsdp-offload-cfg estimate -- swift sft ...`)."""
+    found = _with_arguments(command, command[verb_at + 1:], cwd, cli=f"swift {command[verb_at]}")
+    fsdp = found.arguments.get("fsdp")
+    config = _swift_config_path(str(fsdp), cwd) if isinstance(fsdp, str) else None
+    per_node, nodes = os.environ.get("NPROC_PER_NODE", ""), os.environ.get("NNODES", "1")
+    processes = int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
+    return dataclasses.replace(found, config_file=config, num_processes=processes)
+
+
+def _swift_config_path(name: str, cwd: str) -> str:
+    """ms-swift's `--fsdp`: a JSON path, else the name of one it ships (`swift/config/fsdp2.json`)."""
+    path = _in(cwd, name)
+    if os.path.isfile(path) or importlib.util.find_spec("swift") is None:
+        return path
+    from importlib import resources
+
+    shipped = str(resources.files("swift").joinpath("config", f"{name}.json"))
+    return shipped if os.path.isfile(shipped) else path
 
 
 def _is_torchrun(command: list[str]) -> bool:

@@ -1197,3 +1197,20 @@ def test_a_run_file_without_fsdp_settings_as_config_points_to_the_command_form(t
     assert err.count("\n") == 1 and "unknown key" not in err, err
     assert f"{recipe} holds training arguments (model_name_or_path, max_length) and no FSDP settings" in err
     assert f"fsdp-offload-cfg estimate -- trl sft --config {recipe} --accelerate_config fsdp2.yaml" in err
+
+
+def test_a_swift_commands_precision_follows_the_checkpoints_dtype(models: dict[str, str], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    """ms-swift without `--torch_dtype`: bf16 mixed precision over a bfloat16 checkpoint, fp16 over
+    a float32 one (its `_init_mixed_precision`), read from the checkpoint's config.json."""
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    fsdp = tmp_path / "fsdp.json"
+    fsdp.write_text('{"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2}}')
+    bf16 = save_llama(str(tmp_path / "llama_bf16"), dtype=torch.bfloat16)
+    for model, compute in ((bf16, "bfloat16"), (models["llama"], "float16")):
+        report = _command_estimate(capsys, "--", "swift", "sft", "--model", model, "--fsdp", str(fsdp),
+                                   "--max_length", "48")
+        assert (report["inputs"]["compute_dtype"], report["ranks"]) == (compute, 2)
+        load = "bfloat16" if model == bf16 else "float32"
+        assert f"(torch_dtype unset: ms-swift's bf16 / fp16 by the load dtype, {load})" in report["assumptions"][0]

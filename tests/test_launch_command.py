@@ -26,7 +26,7 @@ def test_accelerate_launch_gives_its_file_processes_typed_flags_and_the_scripts_
     assert launch.arguments == {"model_name_or_path": "m", "max_length": 4096, "per_device_train_batch_size": 2,
                                 "bf16": True, "lora_target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.05,
                                 "num_processes": 9}  # the script's own flag, not the launcher's
-    assert launch.arguments_from == "the command line" and launch.trl_verb is None
+    assert launch.arguments_from == "the command line" and launch.cli is None
 
 
 def test_a_training_arguments_file_then_the_command_line_over_it(tmp_path: Path):
@@ -55,11 +55,11 @@ def test_trl_takes_its_config_yaml_its_verb_and_the_launch_keys_in_either(tmp_pa
     (tmp_path / "sft.yaml").write_text("model_name_or_path: m\nmax_length: 512\naccelerate_config: fsdp.yaml\n"
                                        "num_processes: 8\n")
     launch = read_launch_command(["trl", "sft", "--config", "sft.yaml", "--max_length", "2048"], str(tmp_path))
-    assert (launch.trl_verb, launch.config_file, launch.num_processes) == ("sft", str(tmp_path / "fsdp.yaml"), 8)
+    assert (launch.cli, launch.config_file, launch.num_processes) == ("trl sft", str(tmp_path / "fsdp.yaml"), 8)
     assert (launch.arguments["max_length"], launch.arguments["model_name_or_path"]) == (2048, "m")
     cli = read_launch_command(["python", "-m", "trl", "dpo", "--config", "sft.yaml", "--accelerate_config", "cli.yaml",
                                "--num_processes", "2"], str(tmp_path))
-    assert (cli.trl_verb, cli.config_file, cli.num_processes) == ("dpo", str(tmp_path / "cli.yaml"), 2)
+    assert (cli.cli, cli.config_file, cli.num_processes) == ("trl dpo", str(tmp_path / "cli.yaml"), 2)
 
 
 def test_torchrun_and_a_bare_script_read_no_config(tmp_path: Path):
@@ -76,3 +76,19 @@ def test_torchrun_and_a_bare_script_read_no_config(tmp_path: Path):
 def test_a_command_line_accelerate_refuses_is_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match="accelerate launch refuses this command line"):
         read_launch_command(["accelerate", "launch", "--num_processes", "four", "train.py"], str(tmp_path))
+
+
+def test_ms_swift_takes_its_fsdp_json_and_its_processes_from_the_environment(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch):
+    """`NPROC_PER_NODE=4 NNODES=2 swift sft --fsdp fsdp.json ...`: ms-swift starts torchrun with
+    those; its `--fsdp` JSON (the Trainer's layout) is the config."""
+    (tmp_path / "fsdp.json").write_text('{"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2}}')
+    monkeypatch.setenv("NPROC_PER_NODE", "4")
+    monkeypatch.setenv("NNODES", "2")
+    launch = read_launch_command(["swift", "sft", "--model", "m", "--fsdp", "fsdp.json", "--dataset", "d.json",
+                                  "--lora_rank", "16"], str(tmp_path))
+    assert (launch.cli, launch.config_file, launch.num_processes, launch.run_file) == \
+        ("swift sft", str(tmp_path / "fsdp.json"), 8, None)
+    assert launch.arguments == {"model": "m", "fsdp": "fsdp.json", "dataset": "d.json", "lora_rank": 16}
+    monkeypatch.delenv("NPROC_PER_NODE")
+    assert read_launch_command(["swift", "sft", "--model", "m"], str(tmp_path)).num_processes is None

@@ -171,3 +171,40 @@ def test_trls_scripts_load_in_the_dtype_their_model_config_says(tmp_path: Path):
     assert _read(tmp_path, TRL + "dtype: auto\n").dtype is None
     given = _read(tmp_path, TRL + "dtype: float32\nmodel_init_kwargs:\n  dtype: bfloat16\n")
     assert (given.dtype, given.taken["dtype"]) == ("bfloat16", "model_init_kwargs.dtype")
+
+
+def _swift(text: str) -> RunArguments:
+    import yaml
+
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    return run_arguments_of(yaml.safe_load(text) or {}, "the command line", "swift sft")
+
+
+def test_ms_swifts_command_line_gets_ms_swifts_defaults():
+    """ms-swift 4.6 (`swift/arguments`, `swift/trainers/arguments.py`): `tuner_type` lora with rank
+    8 on all-linear and dropout 0.05, a micro-batch of 1, checkpointing on, and its `template`
+    is not LlamaFactory's (whose defaults would then have held)."""
+    run = _swift("model: m\nmax_length: 512\ntemplate: default\n")
+    assert (run.model, run.seq_len, run.batch_size, run.gradient_checkpointing) == ("m", 512, 1, True)
+    assert (run.lora_rank, run.lora_targets, run.lora_dropout, run.taken["lora"]) == \
+        (8, "all-linear", 0.05, "tuner_type unset: ms-swift's default lora")
+    assert run.accumulation_target == 16 and run.gradient_accumulation_steps is None
+    named = _swift("model: m\ntrain_type: lora\nlora_rank: 32\ntarget_modules: [q_proj, v_proj]\nlora_dropout: 0\n"
+                   "gradient_accumulation_steps: 2\n")
+    assert (named.lora_rank, named.lora_targets, named.lora_dropout, named.accumulation_target) == \
+        (32, "q_proj,v_proj", 0.0, None)
+    assert _swift("tuner_type: full\n").lora_rank is None
+    assert _swift("tuner_type: longlora\n").caveats == ("tuner_type: longlora is counted as a full fine-tune "
+                                                        "(an upper bound)",)
+
+
+@pytest.mark.parametrize("text, precision, follows", [
+    ("torch_dtype: bfloat16\n", "bf16", False), ("torch_dtype: float32\n", "fp16", False),
+    ("", None, True), ("bf16: true\n", "bf16", False), ("fp16: false\n", None, False),
+])
+def test_ms_swifts_precision_is_its_load_dtypes(text: str, precision: str | None, follows: bool):
+    """ms-swift's `_init_mixed_precision`: bf16 over a bfloat16 load, fp16 over float16 and
+    float32; with no `torch_dtype`, the checkpoint's dtype decides (the estimate reads it)."""
+    run = _swift(text)
+    assert (run.mixed_precision, run.precision_follows_dtype) == (precision, follows)

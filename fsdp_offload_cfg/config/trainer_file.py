@@ -59,7 +59,7 @@ from fsdp_offload_cfg.config.sources import layout_of
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head (`estimate --lora-targets`)
 # no `target_modules`: PEFT's own default for the model's type (q_proj,v_proj for a Llama), as TRL leaves it
 PEFT_DEFAULT = "peft-default"
-MODEL_KEYS = ("model_name_or_path", "base_model")
+MODEL_KEYS = ("model_name_or_path", "base_model", "model")  # `model`: ms-swift's
 SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
 BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
 # the Trainer's `optim` names the estimate models, as the estimate names them
@@ -89,6 +89,10 @@ class RunArguments:
     gradient_checkpointing: bool = False
     optimizer: str | None = None  # the estimate's name (adamw, adamw_fused, sgd)
     dtype: str | None = None  # the dtype the model is loaded in (TRL's `dtype`); None: the model's own
+    # ms-swift's mixed precision follows the load dtype where nothing names it (bf16 over bfloat16, else fp16):
+    # the estimate, which reads the model, decides it
+    precision_follows_dtype: bool = False
+    accumulation_target: int | None = None  # ms-swift's unset accumulation: ceil(this / batch / processes)
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -109,18 +113,22 @@ def run_arguments(path: str) -> RunArguments | None:
     return run_arguments_of(top, path)
 
 
-def run_arguments_of(top: dict[Any, Any], source: str, trl_verb: str | None = None) -> RunArguments:
+def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -> RunArguments:
     """The run training arguments describe, wherever they were read (`source` names it in
-    errors): a Trainer's file, or a launch command's (`launch_command.py`), where
-    `trl_verb` (`sft`) says TRL's CLI runs them, whose configs' defaults then hold."""
-    reader = _Reader(top, source, trl_verb)
+    errors): a Trainer's file, or a launch command's (`launch_command.py`), where `cli`
+    (`trl sft`, `swift sft`) names the framework's CLI that runs them, whose defaults then hold."""
+    reader = _Reader(top, source, cli)
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
         "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", default=reader.default_seq_len()),
-        "batch_size": reader.first(BATCH_KEYS, int, "batch_size"),
+        "batch_size": reader.first(BATCH_KEYS, int, "batch_size",
+                                   default=(1, "per_device_train_batch_size unset: ms-swift's default")
+                                   if reader.swift else None),
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
+        "accumulation_target": 16 if reader.swift and top.get("gradient_accumulation_steps") is None else None,
         "mixed_precision": reader.precision(),
+        "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),
         "dtype": reader.load_dtype(),
         "gradient_checkpointing": reader.checkpointing(),
@@ -136,16 +144,21 @@ class _Reader:
     """The file's keys, type-checked; every wrong one is collected and said together, the file and
     key named, as `load_config` says its problems."""
 
-    def __init__(self, top: dict[Any, Any], path: str, trl_verb: str | None = None):
-        self.top, self.path, self.trl_verb = top, path, trl_verb
+    def __init__(self, top: dict[Any, Any], path: str, cli: str | None = None):
+        self.top, self.path = top, path
+        framework, _, verb = (cli or "").partition(" ")
+        self.trl_verb = verb if framework == "trl" else None
+        # ms-swift's CLI: LoRA, checkpointing and a micro-batch of 1 by default, precision by the load dtype
+        self.swift = framework == "swift"
+        self.precision_follows_dtype = False
         self.taken: dict[str, str] = {}
         self.caveats: list[str] = []
         self.problems: list[Problem] = []
         # LlamaFactory's own keys: its defaults differ from the Trainer's (LoRA, checkpointing on)
-        self.llamafactory = any(key in top for key in LLAMAFACTORY_KEYS)
+        self.llamafactory = not self.swift and any(key in top for key in LLAMAFACTORY_KEYS)  # ms-swift has `template`
         # TRL's configs: bf16 and checkpointing on where the file is silent (`trl/trainer/base_config.py`)
-        self.trl = trl_verb is not None or (
-            not self.llamafactory and "base_model" not in top and any(key in top for key in TRL_KEYS))
+        self.trl = self.trl_verb is not None or (  # ms-swift's GRPO has `num_generations` and `reward_funcs`
+            not self.llamafactory and not self.swift and "base_model" not in top and any(key in top for key in TRL_KEYS))
 
     def optimizer(self) -> str:
         """The estimate's name for the run's optimizer: the Trainer's default (`adamw_torch_fused`
@@ -175,9 +188,10 @@ class _Reader:
                 self.taken["gradient_checkpointing"] = "gradient_checkpointing: true"
                 return True
             return False
-        if self.trl:
-            self.taken["gradient_checkpointing"] = "gradient_checkpointing unset: TRL's default"
-        return self.trl
+        if self.trl or self.swift:
+            self.taken["gradient_checkpointing"] = \
+                f"gradient_checkpointing unset: {'TRL' if self.trl else 'ms-swift'}'s default"
+        return self.trl or self.swift
 
     def load_dtype(self) -> str | None:
         """TRL's `dtype` (its ModelConfig; `model_init_kwargs` wins, as its scripts merge them),
@@ -232,6 +246,13 @@ class _Reader:
         if self.trl and bf16 is None:  # TRL's configs: `bf16 = not fp16` where it is unset
             self.taken["mixed_precision"] = "bf16 unset: TRL's default"
             return "bf16"
+        if self.swift and bf16 is None and fp16 is None:  # ms-swift's `_init_mixed_precision`
+            dtype = self.top.get("torch_dtype")
+            if dtype is None:
+                self.precision_follows_dtype = True
+                return None
+            self.taken["mixed_precision"] = f"torch_dtype: {_show(dtype)}, as ms-swift turns it into bf16 / fp16"
+            return "bf16" if dtype == "bfloat16" else "fp16"
         return None  # false or unset: the launch's own mixed precision, which the Trainer reads first
 
     def lora(self) -> dict[str, Any]:
@@ -247,6 +268,8 @@ class _Reader:
             rank = self._typed("lora_r", int) if "lora_r" in self.top else 8
             targets = ALL_LINEAR if self.top.get("lora_target_linear") is True else self._names("lora_target_modules")
             how = "adapter: lora"
+        elif self.swift:
+            return self._swift_tuner()
         elif self.top.get("use_peft") is not None and self._typed("use_peft", bool):  # TRL's ModelConfig
             rank = self._typed("lora_r", int) if "lora_r" in self.top else 16
             targets = PEFT_DEFAULT if self.top.get("lora_target_modules") is None else self._names("lora_target_modules")
@@ -259,6 +282,21 @@ class _Reader:
             return {}
         dropout = self._typed("lora_dropout", float) if self.top.get("lora_dropout") is not None else 0.0
         return self._adapters(rank, targets, dropout, how)
+
+    def _swift_tuner(self) -> dict[str, Any]:
+        """ms-swift's `--tuner_type` (`--train_type` before 4.x), `lora` unless given, with its
+        `lora_rank` 8, `target_modules` all-linear and `lora_dropout` 0.05."""
+        key = next((k for k in ("tuner_type", "train_type") if self.top.get(k) is not None), None)
+        tuner = self.top[key] if key is not None else "lora"
+        if tuner != "lora":
+            if tuner != "full":
+                self.caveats.append(f"{key}: {_show(tuner)} is counted as a full fine-tune (an upper bound)")
+            return {}
+        rank = self._typed("lora_rank", int) if "lora_rank" in self.top else 8
+        targets = ALL_LINEAR if self.top.get("target_modules") in (None, ALL_LINEAR, [ALL_LINEAR]) \
+            else self._names("target_modules")
+        dropout = self._typed("lora_dropout", float) if self.top.get("lora_dropout") is not None else 0.05
+        return self._adapters(rank, targets, dropout, f"{key}: lora" if key else "tuner_type unset: ms-swift's default lora")
 
     def _adapters(self, rank: int | None, targets: str | None, dropout: float | None, how: str) -> dict[str, Any]:
         if self.top.get("use_dora") is True or self.top.get("peft_use_dora") is True:

@@ -201,3 +201,48 @@ def test_the_colliding_spelling_stops_every_rank_naming_both_offloaders(files: P
         text[-3000:]
     assert text.count("ms-swift --fsdp JSON: fsdp_config.activation_cpu_offload") >= 1
     assert "'loss'" not in text  # nothing trained
+
+
+def test_the_estimate_of_a_swift_command_holds_what_swift_sft_runs(files: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    """`swift sft` with ms-swift's defaults left alone (LoRA rank 8 on all-linear with dropout 0.05,
+    a micro-batch of 1, accumulation ceil(16 / batch / processes), gradient checkpointing, mixed
+    precision by the load dtype): the estimate of that same command (`-- swift sft ...`, its
+    processes from NPROC_PER_NODE) says each as the run has it (read after its training by an
+    external plugin), and rank 0's parameter bytes. Before, an ms-swift command could not be
+    estimated, and its `--fsdp` JSON alone read as a full fine-tune."""
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.dist import free_port
+
+    fsdp = tmp_path / "fsdp.json"
+    fsdp.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {**FSDP, "cpu_ram_efficient_loading": True}}))
+    args = ["swift", "sft", "--model", str(files / "model"), "--dataset", str(files / "data.jsonl"), "--fsdp", str(fsdp),
+            "--torch_dtype", "bfloat16", "--use_cpu", "true", "--max_length", "64", "--model_type", "llama", "--template", "default",
+            "--system", "x", "--max_steps", "1", "--save_strategy", "no", "--add_version", "false", "--report_to",
+            "none", "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--split_dataset_ratio", "0",
+            "--output_dir", str(tmp_path / "out")]
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               USE_HF="1", OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
+               CUDA_VISIBLE_DEVICES="", PROBE_DIR=str(probe))  # fmt: skip
+    plugin = Path(__file__).parents[1] / "scripts" / "trainer_probe_plugin.py"
+    proc = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", *args, "--external_plugins", str(plugin)],
+                          capture_output=True, text=True, timeout=420, env=env, cwd=files)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    real = json.loads((probe / "rank0.json").read_text())
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--", *args]) == 0, capsys.readouterr().err
+    estimated = json.loads(capsys.readouterr().out)
+    said = estimated["assumptions"][0]
+    assert (real["mixed_precision"], estimated["inputs"]["compute_dtype"]) == ("bf16", "bfloat16"), said
+    assert real["checkpointing"] and estimated["inputs"]["activation_setting"] == "checkpointing", said
+    assert real["batch_size"] == estimated["inputs"]["batch_size"] == 1
+    assert f"--gradient-accumulation-steps {real['gradient_accumulation_steps']} (" in said, (real, said)
+    assert estimated["per_rank"]["params_bytes"] == real["param_bytes"], (estimated["per_rank"], real)  # a bf16 base
+    lora = estimated["model"]["lora"]
+    assert (lora["trainable_parameters"], lora["dropout"]) == (real["trainable"], real["dropout"]), (lora, real)
+    assert lora["targets"] == "all-linear" and real["targets"] == \
+        ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], (lora, real)

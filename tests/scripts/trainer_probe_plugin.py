@@ -1,0 +1,41 @@
+"""A framework's external plugin for tests (ms-swift's `--external_plugins`): after the
+Trainer's `train`, each rank writes PROBE_DIR/rank{r}.json with what the framework's defaults made
+of the run (mixed precision, accumulation, micro-batch, checkpointing, the adapters) and what the
+rank holds of the parameters (local shard bytes and dtypes), for `estimate -- COMMAND` to be
+checked against (tests/clients/test_swift.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from transformers import Trainer
+
+train = Trainer.train
+
+
+def _train_and_report(self: Trainer, *args, **kwargs):
+    from torch.distributed.tensor import DTensor
+
+    result = train(self, *args, **kwargs)
+    params = list((self.model_wrapped or self.model).parameters())
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    config = next(iter(getattr(self.model, "peft_config", {}).values()), None)
+    report = {
+        "rank": self.args.process_index,
+        "mixed_precision": self.accelerator.mixed_precision,
+        "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+        "batch_size": self.args.per_device_train_batch_size,
+        "checkpointing": any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()),
+        "param_bytes": sum(t.numel() * t.element_size() for t in local),
+        "param_dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in local}),
+        "trainable": sum(p.numel() for p in params if p.requires_grad),
+        "targets": sorted(getattr(config, "target_modules", None) or []),
+        "dropout": getattr(config, "lora_dropout", None),
+    }
+    with open(os.path.join(os.environ["PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
+    return result
+
+
+Trainer.train = _train_and_report
