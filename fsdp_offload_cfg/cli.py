@@ -27,7 +27,15 @@ from fsdp_offload_cfg.config import (
     with_the_files_other_keys,
 )
 from fsdp_offload_cfg.config.schema import schema_text
-from fsdp_offload_cfg.config.trainer_file import BATCH_KEYS, MODEL_KEYS, SEQ_LEN_KEYS, RunArguments, run_arguments
+from fsdp_offload_cfg.config.sources import layout_of
+from fsdp_offload_cfg.config.trainer_file import (
+    BATCH_KEYS,
+    MODEL_KEYS,
+    SEQ_LEN_KEYS,
+    RunArguments,
+    is_trainer_layout,
+    run_arguments_of,
+)
 
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 
@@ -437,11 +445,13 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     from `-- COMMAND` (`launch_command.py`): the config file its launcher reads (CONFIG,
     where given, must be that one), the launch's typed flags over it, and the training arguments
     of its script over those of a Trainer's config file."""
-    if not args.command:
-        _refuse_a_run_without_fsdp(args.file)
-        return load_config(args.file, args.overrides), run_arguments(args.file)
-    from fsdp_offload_cfg.config.trainer_file import is_trainer_layout, run_arguments_of
     from fsdp_offload_cfg.launch_command import read_launch_command
+
+    if not args.command:
+        top = read_config_file(args.file)
+        _refuse_a_run_without_fsdp(args.file, top)
+        run = run_arguments_of(top, args.file) if is_trainer_layout(top) else None
+        return load_config(args.file, args.overrides), run
 
     launch = read_launch_command(args.command, os.getcwd())
     file = _config_of_command(args.file, launch)
@@ -456,14 +466,10 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     return config, run_arguments_of(arguments, source, launch.cli)
 
 
-def _refuse_a_run_without_fsdp(file: str) -> None:
+def _refuse_a_run_without_fsdp(file: str, top: dict[Any, Any]) -> None:
     """A TRL recipe or a LlamaFactory YAML with no FSDP settings, given as CONFIG: read as a bare
     fsdp_config, each of its keys was an "unknown key" (a screen of them), where what the user
     needs is the command form, which finds the config the run is launched with."""
-    from fsdp_offload_cfg.config.sources import layout_of
-    from fsdp_offload_cfg.config.trainer_file import MODEL_KEYS, SEQ_LEN_KEYS
-
-    top = read_config_file(file)
     said = [key for key in (*MODEL_KEYS, *SEQ_LEN_KEYS, "output_dir", "dataset_name", "dataset") if key in top]
     if layout_of(top) == "mapping" and said:
         raise ConfigError(f"fsdp-offload-cfg estimate: {file} holds training arguments ({', '.join(said)}) and no FSDP "
@@ -477,8 +483,6 @@ def _config_of_command(given: str | None, launch: Any) -> str:
     """The config file of `-- COMMAND`: the one its launcher reads, else its training arguments'
     file where that holds FSDP settings (axolotl's); CONFIG where given, as long as the launcher
     reads no other."""
-    from fsdp_offload_cfg.config.trainer_file import is_trainer_layout
-
     named = launch.config_file if launch.config_file and os.path.isfile(launch.config_file) else None
     if given is not None and named is not None and os.path.realpath(given) != os.path.realpath(named):
         raise ConfigError(f"fsdp-offload-cfg estimate: CONFIG {given} and the command's own config {named} differ: "
@@ -555,9 +559,9 @@ def _config_from_file(config: FSDPOffloadConfig, run: RunArguments,
         config = dataclasses.replace(config, mixed_precision=run.mixed_precision)
         said.append(f"mixed precision {run.mixed_precision} ({run.taken['mixed_precision']}{over})")
     elif config.mixed_precision is None:
-        said.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the run does: the "
-                    "launch's --mixed_precision, TRL's default, ms-swift's bf16 --torch_dtype, add bf16: true to "
-                    "the file estimated)")
+        said.append("no mixed precision: the file turns on neither bf16 nor fp16 (where the run does, through the "
+                    "launch's --mixed_precision or a framework's default: estimate its command after --, which "
+                    "reads both, or add bf16: true to the file estimated)")
     if run.gradient_checkpointing and not config.activation_checkpointing and config.activation_memory_budget is None:
         config = dataclasses.replace(config, activation_checkpointing=True)
         said.append(f"every layer checkpointed ({run.taken['gradient_checkpointing']})")

@@ -8,12 +8,12 @@ no model. Read together, as the launch reads them, they are the run. Nothing is 
 What is read, each as the launcher itself reads it:
 - the accelerate config: `accelerate launch --config_file F` (else accelerate's default file),
   TRL's `--accelerate_config F` or its `--config` YAML's `accelerate_config`
-  (`discovery.launch_config_file`, the rule the workers follow); with none, the run's own file
-  where it holds FSDP settings (axolotl's YAML, a Trainer's file);
+  (`discovery.launch_config_file`, the rule the workers follow), ms-swift's `--fsdp F`; with
+  none, the run's own file where it holds FSDP settings (axolotl's YAML, a Trainer's file);
 - the config flags typed on `accelerate launch` (`--mixed_precision`, `--fsdp_*`, `--cpu`), parsed
   by accelerate's own parser, over the file, as accelerate exports them; its `--num_processes`,
-  and torchrun's `--nproc_per_node` times `--nnodes`;
-- the training arguments after the script (or `trl VERB`, `llamafactory-cli train`,
+  torchrun's `--nproc_per_node` times `--nnodes`, ms-swift's `NPROC_PER_NODE` times `NNODES`;
+- the training arguments after the script (or `trl VERB`, `swift sft`, `llamafactory-cli train`,
   `axolotl train`): the YAML or JSON file they name (TRL's `--config F`, else the first
   `.yaml` / `.yml` / `.json` argument: LlamaFactory's, axolotl's, HfArgumentParser's), then
   `--key value`, `--key=value`, a bare `--flag` (true), `--key v1 v2` (a list) and `key=value`

@@ -42,9 +42,13 @@ A LlamaFactory file (one with `stage`, `finetuning_type`, `cutoff_len` or `templ
 LlamaFactory's defaults where it is silent (0.9.5's `hparams`): LoRA, a cutoff of 2048 tokens,
 every layer checkpointed. A TRL config (a key in `TRL_KEYS`, which only TRL's dataclasses define)
 takes TRL's (0.24 to 1.16, `trl/trainer/*_config.py`): bf16 unless `fp16`, every layer
-checkpointed, and where it has a ModelConfig key the float32 load of TRL's scripts (0.29 and later). Only files in the Trainer's layout are read so (`fsdp` or
-`fsdp_config` at the top, no accelerate launch key): an accelerate file says its own precision
-and names no model.
+checkpointed, and where it has a ModelConfig key the float32 load of TRL's scripts (0.29 and
+later). The arguments of a framework's CLI (`cli`: `trl sft`, `swift sft`, read from a launch
+command) take that framework's defaults whatever keys they hold; ms-swift 4.6's: `--model`, LoRA
+by `--tuner_type` (rank 8, all-linear, dropout 0.05), a micro-batch of 1, accumulation
+`ceil(16 / batch / processes)`, checkpointing, and mixed precision by the load dtype. As a
+file alone, only one in the Trainer's layout is read so (`fsdp` or `fsdp_config` at the top, no
+accelerate launch key): an accelerate file says its own precision and names no model.
 """
 
 from __future__ import annotations
