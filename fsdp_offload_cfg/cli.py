@@ -27,7 +27,6 @@ from fsdp_offload_cfg.config import (
     with_the_files_other_keys,
 )
 from fsdp_offload_cfg.config.schema import schema_text
-from fsdp_offload_cfg.config.sources import layout_of
 from fsdp_offload_cfg.config.trainer_file import (
     BATCH_KEYS,
     MODEL_KEYS,
@@ -448,10 +447,8 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     from fsdp_offload_cfg.launch_command import read_launch_command
 
     if not args.command:
-        top = read_config_file(args.file)
-        _refuse_a_run_without_fsdp(args.file, top)
-        run = run_arguments_of(top, args.file) if is_trainer_layout(top) else None
-        return load_config(args.file, args.overrides), run
+        config, top = load_config(args.file, args.overrides), read_config_file(args.file)
+        return config, run_arguments_of(top, args.file) if is_trainer_layout(top) else None
 
     launch = read_launch_command(args.command, os.getcwd())
     file = _config_of_command(args.file, launch)
@@ -464,19 +461,6 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     base = file if is_trainer_layout(top) and file != launch.run_file else None
     source = " and ".join(filter(None, (base, launch.arguments_from))) or " ".join(launch.command[:2])
     return config, run_arguments_of(arguments, source, launch.cli)
-
-
-def _refuse_a_run_without_fsdp(file: str, top: dict[Any, Any]) -> None:
-    """A TRL recipe or a LlamaFactory YAML with no FSDP settings, given as CONFIG: read as a bare
-    fsdp_config, each of its keys was an "unknown key" (a screen of them), where what the user
-    needs is the command form, which finds the config the run is launched with."""
-    said = [key for key in (*MODEL_KEYS, *SEQ_LEN_KEYS, "output_dir", "dataset_name", "dataset") if key in top]
-    if layout_of(top) == "mapping" and said:
-        raise ConfigError(f"fsdp-offload-cfg estimate: {file} holds training arguments ({', '.join(said)}) and no FSDP "
-                          "settings (fsdp / fsdp_config, or an accelerate config): estimate the command that runs it, "
-                          f"which names its config: fsdp-offload-cfg estimate -- trl sft --config {file} "
-                          "--accelerate_config fsdp2.yaml, or -- accelerate launch --config_file fsdp2.yaml train.py "
-                          f"{file}", unreadable=True)
 
 
 def _config_of_command(given: str | None, launch: Any) -> str:

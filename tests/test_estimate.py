@@ -1189,14 +1189,18 @@ def test_a_command_whose_config_cannot_be_told_is_refused_by_name(tmp_path: Path
 def test_a_run_file_without_fsdp_settings_as_config_points_to_the_command_form(tmp_path: Path,
                                                                               capsys: pytest.CaptureFixture[str]):
     """A TRL recipe given as CONFIG was read as a bare fsdp_config: an "unknown key" line per key,
-    none saying what to do."""
+    none saying what to do. `validate` says the same."""
     recipe = tmp_path / "sft.yaml"
-    recipe.write_text("model_name_or_path: m\nmax_length: 512\nlearning_rate: 0.0001\n")
-    assert cli.main(["estimate", str(recipe)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "unknown key" not in err, err
-    assert f"{recipe} holds training arguments (model_name_or_path, max_length) and no FSDP settings" in err
-    assert f"fsdp-offload-cfg estimate -- trl sft --config {recipe} --accelerate_config fsdp2.yaml" in err
+    recipe.write_text("model_name_or_path: m\nmax_length: 512\nlearning_rate: 0.0001\naccelerate_config: fsdp2.yaml\n")
+    for verb in ("estimate", "validate"):
+        assert cli.main([verb, str(recipe)]) == 1
+        out = capsys.readouterr()
+        said = out.err + out.out
+        assert said.count("\n") == 1 and "unknown key" not in said, said
+        assert f"{recipe}: holds a run's training arguments (model_name_or_path, max_length, learning_rate) and no " \
+               "FSDP settings" in said
+        assert "(this one names it: accelerate_config: fsdp2.yaml); `fsdp-offload-cfg estimate -- <its launch " \
+               "command>`" in said
 
 
 def test_a_swift_commands_precision_follows_the_checkpoints_dtype(models: dict[str, str], tmp_path: Path,

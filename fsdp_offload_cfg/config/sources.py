@@ -403,6 +403,8 @@ def _spellings(keys: set[str]) -> list[str]:
 def _build_from_top(top: dict[Any, Any], layout: Layout, file: str, rebuilt: bool = False) -> FSDPOffloadConfig:
     """Split a top-level mapping into fsdp_config keys and launch keys, then build."""
     problems: list[Problem] = []
+    if layout == "mapping" and (said := [key for key in RUN_KEYS if key in top]):
+        raise ConfigError([Problem(file, "", _run_file_message(top, said))])
     if layout == "mapping":
         fsdp_raw: Any = top
         prefix = ""
@@ -431,6 +433,24 @@ def _build_from_top(top: dict[Any, Any], layout: Layout, file: str, rebuilt: boo
     if layout == "trainer" and _apply_trainer_fsdp(top.get("fsdp"), given, file, problems):
         launch["distributed_type"] = "FSDP"
     return _build(given, launch, layout, file, problems, fsdp_keys_given=bool(fsdp_raw) and not rebuilt)
+
+
+# a run's training arguments, in each framework's spelling: a file with one of these and neither an
+# accelerate key nor `fsdp` / `fsdp_config` is a TRL recipe or a LlamaFactory YAML, not an FSDP config
+RUN_KEYS = ("model_name_or_path", "base_model", "model", "max_length", "cutoff_len", "sequence_len",
+            "max_seq_length", "output_dir", "dataset_name", "dataset", "datasets", "learning_rate",
+            "per_device_train_batch_size", "micro_batch_size")
+
+
+def _run_file_message(top: Mapping[Any, Any], said: list[str]) -> str:
+    """One sentence for a run's file read as a config, where each of its keys was an "unknown key"
+    (a screen of them) and none said what to do."""
+    named = top.get("accelerate_config")
+    config = f" (this one names it: accelerate_config: {named})" if isinstance(named, str) else ""
+    return (f"holds a run's training arguments ({', '.join(said)}) and no FSDP settings (`fsdp` / `fsdp_config` as "
+            f"the Trainer takes them, or an accelerate config's `distributed_type`): give the accelerate config the "
+            f"run launches with{config}; `fsdp-offload-cfg estimate -- <its launch command>` (trl sft --config "
+            "sft.yaml, accelerate launch --config_file fsdp.yaml train.py sft.yaml) reads the two together")
 
 
 def _parallelism_problems(section: Any, file: str) -> list[Problem]:
