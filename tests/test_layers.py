@@ -30,7 +30,7 @@ FLOORS: list[tuple[str, ...]] = [
     # the documented path of axolotl's, `fsdp_offload_cfg.integrations.axolotl`, which re-exports
     # it), and the package itself, whose lazy exports are the public API they use
     # (`import fsdp_offload_cfg; fsdp_offload_cfg.patch()`)
-    ("patching", "discovery", "autopatch", "hook_record", "cli", "__main__", "_bootstrap", "plugins",
+    ("patching", "discovery", "launch_command", "autopatch", "hook_record", "cli", "__main__", "_bootstrap", "plugins",
      "integrations.axolotl", ""),
     ("testing",),  # the test kit: it may use anything, nothing in the package uses it
 ]
