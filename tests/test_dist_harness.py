@@ -119,3 +119,25 @@ def test_the_suites_own_process_leaves_what_collection_imported_out_of_its_colle
     """As its ranks do: torch (imported by this module at collection) is never walked again."""
     assert gc.get_freeze_count() > 50_000
     assert all(o is not torch.__dict__ for o in gc.get_objects())
+
+
+def _master_port(rank: int, world_size: int) -> str:
+    return os.environ["MASTER_PORT"]
+
+
+def test_the_stores_port_is_bound_by_the_store_not_picked_before(monkeypatch: pytest.MonkeyPatch):
+    """A port picked free (`free_port`) and bound later by rank 0's store was taken in between,
+    once in CI, by another leg's process: rank 0 failed with EADDRINUSE and rank 1 waited out its
+    300 s. Here the port `free_port` gives is held the whole time, as that other process held it:
+    the ranks still meet, on the port rank 0's store bound."""
+    import socket
+
+    from fsdp_offload_cfg.testing import dist as harness
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        monkeypatch.setattr(harness, "free_port", lambda: held)
+        ports = run_workers(_master_port, 2, timeout=60)
+    assert ports[0] == ports[1] and int(ports[0]) not in (0, held), ports

@@ -41,6 +41,9 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now, for a launcher that binds it itself (torchrun, accelerate launch). Another
+    process may take it before the launcher binds it: `run_workers` therefore does not use it, and
+    lets the store's own bind pick its port (`_store`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,7 +66,7 @@ _WARM = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers",
 def _worker(
     rank: int,
     world_size: int,
-    port: int,
+    port: Any,
     environ: dict[str, str],
     call: bytes,
     local_world_size: int,
@@ -84,6 +87,13 @@ def _worker(
     try:
         fn, args, env = pickle.loads(call)  # imports the test module under that environment
         os.environ.update(env)
+        # The store is made here, and the group made with the run's timeout, not the test's short
+        # collective one: init_process_group's timeout also bounds the rendezvous and gloo's
+        # full-mesh connect, and a short one (a test's 2 s) failed whenever the ranks started more
+        # than that apart (spawned interpreters importing torch on a loaded machine). `pg_timeout`
+        # is set on the group once it exists, so it bounds the collectives only.
+        run_timeout = timedelta(seconds=rendezvous_timeout)
+        store = _store(rank, world_size, port, run_timeout)
         os.environ.update(
             {
                 "RANK": str(rank),
@@ -92,16 +102,9 @@ def _worker(
                 "LOCAL_WORLD_SIZE": str(local_world_size),
                 "GROUP_RANK": str(rank // local_world_size),
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
+                "MASTER_PORT": str(store.port),
             }
         )
-        # The store is made here, and the group made with the run's timeout, not the test's short
-        # collective one: init_process_group's timeout also bounds the rendezvous and gloo's
-        # full-mesh connect, and a short one (a test's 2 s) failed whenever the ranks started more
-        # than that apart (spawned interpreters importing torch on a loaded machine). `pg_timeout`
-        # is set on the group once it exists, so it bounds the collectives only.
-        run_timeout = timedelta(seconds=rendezvous_timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=run_timeout)
         time.sleep(connect_gap * rank)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=run_timeout)
         collective_timeout = dist.default_pg_timeout if pg_timeout is None else timedelta(seconds=pg_timeout)
@@ -109,12 +112,36 @@ def _worker(
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
+        if rank == 0 and store is None:
+            port.value = -1  # no store will open: the others stop waiting for it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if store is not None:
             _leave(store, rank, world_size)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _store(rank: int, world_size: int, port: Any, timeout: Any) -> Any:
+    """Rank 0's store binds a port the kernel picks, and the others learn it through `port` (a
+    shared value the parent made, 0 until rank 0 has bound). A port picked free beforehand
+    (`free_port`) and bound later was taken in between, once in CI, by another leg's process:
+    rank 0 failed with EADDRINUSE and rank 1 waited out its 300 s for a store that never opened."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with port.get_lock():
+            port.value = store.port
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while port.value == 0:  # rank 0 still starting
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 opened no store within {timeout.total_seconds():.0f}s")
+        time.sleep(0.01)
+    if port.value < 0:
+        raise RuntimeError("rank 0 failed before it opened the store (its own error is reported with it)")
+    return dist.TCPStore("127.0.0.1", port.value, world_size, is_master=False, timeout=timeout)
 
 
 def _leave(store: Any, rank: int, world_size: int) -> None:
@@ -173,7 +200,7 @@ def run_workers(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_WARM)
     queue = ctx.SimpleQueue()
-    port = free_port()
+    port = ctx.Value("i", 0)  # rank 0's store's, once it has bound one (`_store`)
     call = pickle.dumps((fn, args, dict(env or {})))
     with _cpu_only_children():  # the forkserver, started by the first run, keeps this environment too
         procs = [
