@@ -2,7 +2,7 @@
 Trainer's `train`, each rank writes PROBE_DIR/rank{r}.json with what the framework's defaults made
 of the run (mixed precision, accumulation, micro-batch, checkpointing, the adapters) and what the
 rank holds of the parameters (local shard bytes and dtypes), for `estimate -- COMMAND` to be
-checked against (tests/clients/test_swift.py)."""
+checked against (tests/clients/test_swift.py, and tests/scripts/trl_sft_probe.py)."""
 
 from __future__ import annotations
 
