@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -132,18 +131,13 @@ def train(args: argparse.Namespace, path: str, setting: str, rates: tuple[float,
 
 def run_setting(args: argparse.Namespace, path: str, setting: str, rates: tuple[float, float]) -> Measured | str:
     """`train` in a spawned process; a setting that fails returns why, for its row."""
+    from fsdp_offload_cfg.testing.dist import free_port
+
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         try:
-            return pool.apply(train, (args, path, setting, rates, _free_port()))
+            return pool.apply(train, (args, path, setting, rates, free_port()))
         except Exception as error:  # noqa: BLE001 - the table reports it in the row
             return f"{type(error).__name__}: {str(error)[:200]}"
-
-
-def _free_port() -> int:
-    """A port nothing listens on now, for the one-rank group's store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def estimated(args: argparse.Namespace, path: str, setting: str, rates: tuple[float, float]) -> dict[str, Any]:

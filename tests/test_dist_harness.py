@@ -141,3 +141,35 @@ def test_the_stores_port_is_bound_by_the_store_not_picked_before(monkeypatch: py
         monkeypatch.setattr(harness, "free_port", lambda: held)
         ports = run_workers(_master_port, 2, timeout=60)
     assert ports[0] == ports[1] and int(ports[0]) not in (0, held), ports
+
+
+def test_a_launchers_port_comes_from_outside_the_kernels_own_picks():
+    """The kernel hands out ports from its ephemeral range to every socket bound to port 0 or
+    connecting out (gloo's, another leg's), and one it picked for a launcher was taken before the
+    launcher bound it. `free_port` picks outside that range, and never a launcher's default."""
+    from fsdp_offload_cfg.testing.dist import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    ports = [free_port() for _ in range(20)]
+    assert all(not low <= p <= high and not 29400 <= p <= 29500 for p in ports), (ports, low, high)
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_port_given_to_one_test_process_is_not_given_to_another_while_it_lives():
+    """CI runs its legs side by side: a port `free_port` gave one pytest process, not yet bound
+    by its launcher, is passed over by another's, and is free for others once the first has ended."""
+    from fsdp_offload_cfg.testing.dist import free_port
+
+    held = free_port()
+    spare = _child_port("free_port()")
+    assert _child_port(f"free_port([{held}, {spare}])") == spare  # this process holds `held`
+    assert _child_port(f"free_port([{spare}])") == spare  # the child that held `spare` has ended
+
+
+def _child_port(call: str) -> int:
+    import subprocess
+    import sys
+
+    code = f"from fsdp_offload_cfg.testing.dist import free_port; print({call})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    return int(done.stdout.strip())

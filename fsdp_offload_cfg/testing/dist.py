@@ -30,23 +30,79 @@ import faulthandler
 import gc
 import os
 import pickle
+import random
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch.multiprocessing as mp
 
+# ports `free_port` reserved, each by an exclusive lock on its file that lives as long as this
+# process: a launcher given the port binds it seconds later, and the test that started it outlives it.
+_RESERVED: dict[int, Any] = {}
+# the machine's, not TMPDIR's: the suite gives each session a scratch TMPDIR (tests/conftest.py)
+_LOCKS = f"/tmp/fsdp-offload-cfg-ports-{os.getuid()}"
+# torchrun's rendezvous (29400) and master (29500) ports, the latter accelerate's too
+_LAUNCHER_DEFAULTS = range(29400, 29501)
 
-def free_port() -> int:
-    """A port free now, for a launcher that binds it itself (torchrun, accelerate launch). Another
-    process may take it before the launcher binds it: `run_workers` therefore does not use it, and
-    lets the store's own bind pick its port (`_store`)."""
+
+def free_port(candidates: Sequence[int] | None = None) -> int:
+    """A port for a launcher that binds it itself (torchrun's `--master_port`, accelerate's
+    `--main_process_port`, ms-swift's and LlamaFactory's `MASTER_PORT`), which nothing else takes
+    before that launcher binds it, seconds later.
+
+    The kernel's pick (`bind` to port 0) was not that: it comes from the ephemeral range, from
+    which the kernel hands out the next socket's port too, and a port picked, freed and bound a
+    few seconds later was taken in between in CI (EADDRINUSE, then a rank waiting out its
+    timeout). So the port comes from outside that range, where the kernel never picks, is free
+    now, and is reserved against this machine's other test processes (CI runs its legs side by
+    side) by a lock on its file that the kernel drops when this process ends. `candidates`
+    (default: every port from 10000 outside the ephemeral range and the launchers' defaults, which
+    a launch given no port binds, in random order) is the order to try them in."""
+    if candidates is None:
+        low, high = _ephemeral_range()
+        candidates = [p for p in range(10000, 65536) if not low <= p <= high and p not in _LAUNCHER_DEFAULTS]
+        random.shuffle(candidates)
+    os.makedirs(_LOCKS, exist_ok=True)
+    for port in candidates:
+        if port not in _RESERVED and _reserve(port) and _bindable(port):
+            return port
+    raise RuntimeError(f"no free port among {len(candidates)} outside the kernel's ephemeral range")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel picks from; Linux's default where it does not say (another OS)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except OSError:
+        return 32768, 60999
+
+
+def _reserve(port: int) -> bool:
+    import fcntl
+
+    lock = open(os.path.join(_LOCKS, str(port)), "a")  # noqa: SIM115 - held until this process ends
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # another live test process holds it
+        lock.close()
+        return False
+    _RESERVED[port] = lock
+    return True
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 # imported once by the forkserver, before any rank forks from it; what nearly every rank imports.
@@ -125,7 +181,7 @@ def _worker(
 def _store(rank: int, world_size: int, port: Any, timeout: Any) -> Any:
     """Rank 0's store binds a port the kernel picks, and the others learn it through `port` (a
     shared value the parent made, 0 until rank 0 has bound). A port picked free beforehand
-    (`free_port`) and bound later was taken in between, once in CI, by another leg's process:
+    (the kernel's pick, as `free_port` made it then) and bound later was taken in between, once in CI:
     rank 0 failed with EADDRINUSE and rank 1 waited out its 300 s for a store that never opened."""
     import torch.distributed as dist
 
