@@ -522,9 +522,24 @@ def _flags_from_file(args: argparse.Namespace, run: RunArguments | None, process
         if run is not None and getattr(args, name) is None and getattr(run, name) is not None:
             setattr(args, name, getattr(run, name))
             taken.append(f"{flag} {getattr(run, name)} ({run.taken[name]})")
+    if run is not None and run.seq_len_follows_model and args.seq_len is None and args.model is not None:
+        taken += _seq_len_of_model(args)
     args.gradient_accumulation_steps = 1 if args.gradient_accumulation_steps is None else args.gradient_accumulation_steps
     args.optimizer = args.optimizer or "adamw"
     return taken
+
+
+def _seq_len_of_model(args: argparse.Namespace) -> list[str]:
+    """ms-swift's unset `max_length`: the model's longest sequence, from its config.json."""
+    from fsdp_offload_cfg.config.trainer_file import model_max_length
+    from fsdp_offload_cfg.estimate.source import model_config_file
+
+    with open(model_config_file(args.model), encoding="utf-8") as f:
+        args.seq_len = model_max_length(json.load(f))
+    if args.seq_len is None:
+        return []  # the config names none: the usage error asks for --seq-len
+    return [f"--seq-len {args.seq_len} (max_length unset: ms-swift's default, the model's max_position_embeddings "
+            "or the like in its config.json)"]
 
 
 def _config_from_file(config: FSDPOffloadConfig, run: RunArguments,

@@ -108,14 +108,23 @@ def _swift_verb_at(command: list[str]) -> int | None:
 
 def _swift(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:
     """`swift sft ARGS`: its config is `--fsdp F` (a JSON in the Trainer's layout, or the name of
-    one ms-swift ships: `fsdp2`), its processes `NPROC_PER_NODE` times `NNODES` from the
-    environment, as ms-swift starts torchrun (`NPROC_PER_NODE=8 fsdp-offload-cfg estimate -- swift sft ...`)."""
+    one ms-swift ships: `fsdp2`), its processes `NPROC_PER_NODE` times `NNODES` (`_swift_processes`)."""
     found = _with_arguments(command, command[verb_at + 1:], cwd, cli=f"swift {command[verb_at]}")
     fsdp = found.arguments.get("fsdp")
     config = _swift_config_path(str(fsdp), cwd) if isinstance(fsdp, str) else None
-    per_node, nodes = os.environ.get("NPROC_PER_NODE", ""), os.environ.get("NNODES", "1")
-    processes = int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
-    return dataclasses.replace(found, config_file=config, num_processes=processes)
+    return dataclasses.replace(found, config_file=config, num_processes=_swift_processes(found.arguments))
+
+
+def _swift_processes(arguments: dict[str, Any]) -> int | None:
+    """ms-swift starts torchrun with `NPROC_PER_NODE` and `NNODES` from the environment, where its
+    YAML's `ENV:` section gives those the environment lacks; with neither it runs the script in
+    one process (`swift/cli/main.py`). None where a count is not a number (torchrun's `auto`)."""
+    yaml_env = arguments.get("ENV") if isinstance(arguments.get("ENV"), dict) else {}
+    environ = {**{str(k): str(v) for k, v in yaml_env.items()}, **os.environ}
+    if "NPROC_PER_NODE" not in environ and "NNODES" not in environ:
+        return 1
+    per_node, nodes = environ.get("NPROC_PER_NODE", "1"), environ.get("NNODES", "1")
+    return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
 
 
 def _swift_config_path(name: str, cwd: str) -> str:

@@ -1218,3 +1218,21 @@ def test_a_swift_commands_precision_follows_the_checkpoints_dtype(models: dict[s
         assert (report["inputs"]["compute_dtype"], report["ranks"]) == (compute, 2)
         load = "bfloat16" if model == bf16 else "float32"
         assert f"(torch_dtype unset: ms-swift's bf16 / fp16 by the load dtype, {load})" in report["assumptions"][0]
+
+
+def test_a_swift_command_without_max_length_takes_the_models_longest(models: dict[str, str], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]):
+    """ms-swift's unset `--max_length` is the model's longest sequence (`model_info.max_model_len`,
+    the least of config.json's max_position_embeddings and the like): the estimate takes it, where
+    it had asked for --seq-len. A vision-language model keeps it in its text_config."""
+    from fsdp_offload_cfg.config.trainer_file import model_max_length
+
+    fsdp = tmp_path / "fsdp.json"
+    fsdp.write_text('{"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2}}')
+    longest = json.loads((Path(models["llama"]) / "config.json").read_text())["max_position_embeddings"]
+    report = _command_estimate(capsys, "--", "swift", "sft", "--model", models["llama"], "--fsdp", str(fsdp))
+    assert report["inputs"]["seq_len"] == longest, report["inputs"]
+    assert f"--seq-len {longest} (max_length unset: ms-swift's default" in report["assumptions"][0]
+    llava = json.loads((Path(models["llava"]) / "config.json").read_text())
+    assert "max_position_embeddings" not in llava
+    assert model_max_length(llava) == llava["text_config"]["max_position_embeddings"]

@@ -90,5 +90,19 @@ def test_ms_swift_takes_its_fsdp_json_and_its_processes_from_the_environment(tmp
     assert (launch.cli, launch.config_file, launch.num_processes, launch.run_file) == \
         ("swift sft", str(tmp_path / "fsdp.json"), 8, None)
     assert launch.arguments == {"model": "m", "fsdp": "fsdp.json", "dataset": "d.json", "lora_rank": 16}
-    monkeypatch.delenv("NPROC_PER_NODE")
-    assert read_launch_command(["swift", "sft", "--model", "m"], str(tmp_path)).num_processes is None
+    monkeypatch.delenv("NPROC_PER_NODE")  # torchrun's default: one a node
+    assert read_launch_command(["swift", "sft", "--model", "m"], str(tmp_path)).num_processes == 2
+
+
+def test_ms_swift_without_its_variables_runs_one_process_and_its_yaml_env_gives_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Without NPROC_PER_NODE or NNODES ms-swift runs its script in one process, not torchrun (the
+    estimate had asked for --num-processes); `swift sft run.yaml` takes those its YAML's `ENV:`
+    section gives, the environment's winning (`swift/cli/main.py`)."""
+    monkeypatch.delenv("NPROC_PER_NODE", raising=False)
+    monkeypatch.delenv("NNODES", raising=False)
+    assert read_launch_command(["swift", "sft", "--model", "m"], str(tmp_path)).num_processes == 1
+    (tmp_path / "run.yaml").write_text("model: m\nfsdp: fsdp2\nENV:\n  NPROC_PER_NODE: 4\n  NNODES: 2\n")
+    assert read_launch_command(["swift", "sft", "run.yaml"], str(tmp_path)).num_processes == 8
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    assert read_launch_command(["swift", "sft", "run.yaml"], str(tmp_path)).num_processes == 4

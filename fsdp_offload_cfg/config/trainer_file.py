@@ -97,6 +97,9 @@ class RunArguments:
     # the estimate, which reads the model, decides it
     precision_follows_dtype: bool = False
     accumulation_target: int | None = None  # ms-swift's unset accumulation: ceil(this / batch / processes)
+    # ms-swift's unset max_length: the model's longest (`model_max_length`), which the estimate, reading the model,
+    # finds (its `--max_model_len` sets RoPE scaling, not this)
+    seq_len_follows_model: bool = False
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -131,6 +134,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
         "accumulation_target": 16 if reader.swift and top.get("gradient_accumulation_steps") is None else None,
+        "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),
@@ -142,6 +146,22 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
     }
     reader.raise_problems()
     return RunArguments(source, **values, taken=reader.taken, caveats=tuple(reader.caveats))
+
+
+# the keys a model's config.json gives its longest sequence in, as ms-swift 4.6 reads them
+# (`HfConfigFactory.get_max_model_len`: the least of those present), and the sub-configs it looks in
+MAX_LENGTH_KEYS = ("seq_length", "max_position_embeddings", "n_positions", "model_max_length", "seq_len",
+                   "max_seq_len", "max_sequence_length", "max_seq_length")
+LANGUAGE_SUBCONFIGS = ("llm_config", "language_config", "text_config")
+
+
+def model_max_length(model_config: dict[str, Any]) -> int | None:
+    """The longest sequence a model's config.json allows, as ms-swift takes it for an unset
+    `max_length`: the least of `MAX_LENGTH_KEYS`, at the top or in its language model's sub-config
+    (a vision-language model keeps it in `text_config`); None where it names none."""
+    lengths = [config[key] for config in [model_config, *(model_config.get(k) for k in LANGUAGE_SUBCONFIGS)]
+               if isinstance(config, dict) for key in MAX_LENGTH_KEYS if isinstance(config.get(key), int)]
+    return min(lengths, default=None)
 
 
 class _Reader:
