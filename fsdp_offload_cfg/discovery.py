@@ -186,11 +186,17 @@ def typed_launch_keys(cmdline: Sequence[str]) -> frozenset[str]:
 def typed_launch_flags(cmdline: Sequence[str]) -> dict[str, str]:
     """{the flag as accelerate's parser names it (`fsdp_version`, `cpu`): the config key} for each
     config flag typed on the `accelerate launch` command line, as `typed_launch_keys` reads them."""
+    flags = launch_flag_keys()
+    names = (arg[2:].split("=", 1)[0].replace("-", "_") for arg in _launcher_args(cmdline) if arg.startswith("--"))
+    return {name: flags[name] for name in names if name in flags}
+
+
+def launch_flag_keys() -> dict[str, str]:
+    """{a config flag of `accelerate launch`, as its parser names it (`fsdp_version`, `cpu`): its config key}."""
     flags = {flag.removeprefix("--"): key for key, flag in LAUNCH_FLAGS.items()}
     flags.update({f"fsdp_{key}": key for key in ENV_VARS.values()})
     flags["fsdp_transformer_layer_cls_to_wrap"] = "transformer_layer_cls_to_wrap"
-    names = (arg[2:].split("=", 1)[0].replace("-", "_") for arg in _launcher_args(cmdline) if arg.startswith("--"))
-    return {name: flags[name] for name in names if name in flags}
+    return flags
 
 
 def _launcher_args(cmdline: Sequence[str]) -> list[str]:

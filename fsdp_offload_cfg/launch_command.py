@@ -32,7 +32,7 @@ from typing import Any
 
 from fsdp_offload_cfg.config.model import ConfigError
 from fsdp_offload_cfg.config.reading import read_config_file
-from fsdp_offload_cfg.discovery import dotted_key, is_trl_cli, launch_config_file, typed_launch_flags
+from fsdp_offload_cfg.discovery import dotted_key, is_trl_cli, launch_config_file, launch_flag_keys, typed_launch_flags
 
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 FRAMEWORK_VERBS = {"llamafactory-cli": "train", "axolotl": "train"}  # their training verb: the file follows it
@@ -65,7 +65,8 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
         found = _with_arguments(command, command[verb_at + 1:], cwd, config_file=config_file,
                                 cli=f"trl {command[verb_at]}")
         processes = found.arguments.get("num_processes")
-        return found if not isinstance(processes, int) else dataclasses.replace(found, num_processes=processes)
+        return dataclasses.replace(found, overrides=_trl_launch_overrides(found.arguments),
+                                   num_processes=processes if isinstance(processes, int) else None)
     if (verb_at := _swift_verb_at(command)) is not None:
         return _swift(command, verb_at, cwd)
     if _is_torchrun(command):
@@ -98,6 +99,20 @@ def _accelerate_launch(command: list[str]) -> tuple[list[str], int | None, tuple
                       for name, key in typed_launch_flags(command).items()
                       if key != "num_processes" and getattr(parsed, name, None) is not None)
     return list(parsed.training_script_args), parsed.num_processes, overrides
+
+
+def _trl_launch_overrides(arguments: dict[str, Any]) -> tuple[str, ...]:
+    """TRL hands accelerate's launcher every argument its dataclasses do not take, its YAML's and
+    its command line's (`trl/cli/commands/training.py`): accelerate's config flags among them
+    (`--fsdp_reshard_after_forward false`, `mixed_precision: fp16`) count over the config file as
+    under `accelerate launch`. A TrainingArguments name (`debug`) is the Trainer's, not passed on."""
+    from accelerate.commands.launch import launch_command_parser
+    from transformers import TrainingArguments
+
+    known = {action.dest for action in launch_command_parser()._actions}
+    trainers = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return tuple(f"{dotted_key(key)}={_text(arguments[name])}" for name, key in launch_flag_keys().items()
+                 if name in arguments and name in known and name not in trainers and key != "num_processes")
 
 
 def _swift_verb_at(command: list[str]) -> int | None:

@@ -106,3 +106,16 @@ def test_ms_swift_without_its_variables_runs_one_process_and_its_yaml_env_gives_
     assert read_launch_command(["swift", "sft", "run.yaml"], str(tmp_path)).num_processes == 8
     monkeypatch.setenv("NPROC_PER_NODE", "2")
     assert read_launch_command(["swift", "sft", "run.yaml"], str(tmp_path)).num_processes == 4
+
+
+def test_trl_passes_accelerates_config_flags_from_its_yaml_and_its_command_line(tmp_path: Path):
+    """TRL hands accelerate's launcher what its dataclasses do not take, from its YAML and its
+    command line: accelerate's config flags among them count over the config file (they were
+    dropped); a TrainingArguments name (`debug`) stays the Trainer's."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: m\nfsdp_activation_checkpointing: true\n"
+                                       "mixed_precision: fp16\ndebug: underflow_overflow\n")
+    launch = read_launch_command(["trl", "sft", "--config", "sft.yaml", "--fsdp_reshard_after_forward", "false",
+                                  "--num_processes", "4"], str(tmp_path))
+    assert sorted(launch.overrides) == ["fsdp_config.activation_checkpointing=true",
+                                        "fsdp_config.reshard_after_forward=false", "mixed_precision=fp16"]
+    assert launch.num_processes == 4

@@ -53,6 +53,19 @@ def test_where_a_llamafactory_file_is_silent_its_defaults_hold(tmp_path: Path):
     assert (trainer.seq_len, trainer.lora_rank, trainer.gradient_checkpointing) == (None, None, False)
 
 
+def test_trl_and_llamafactory_keep_the_trainers_micro_batch_of_8(tmp_path: Path):
+    """TRL's and LlamaFactory's configs are TrainingArguments that keep its
+    `per_device_train_batch_size` of 8 (the estimate had asked for --batch-size); a plain
+    TrainingArguments file's script may set its own, and axolotl has its own default."""
+    for text, framework in ((TRL, "TRL"), ("stage: sft\nmodel_name_or_path: m\n" + FSDP, "LlamaFactory")):
+        run = _read(tmp_path, text)
+        assert run.batch_size == 8
+        assert run.taken["batch_size"] == \
+            f"per_device_train_batch_size unset: TrainingArguments' default, which {framework} keeps"
+    assert _read(tmp_path, "model_name_or_path: m\n" + FSDP).batch_size is None
+    assert _read(tmp_path, "base_model: m\nsequence_len: 512\n" + FSDP).batch_size is None
+
+
 def test_an_axolotl_file_gives_the_same_in_its_own_names(tmp_path: Path):
     run = _read(tmp_path, "base_model: ./llama\nsequence_len: 2048\nmicro_batch_size: 1\nbf16: auto\nadapter: lora\n"
                           "lora_r: 32\nlora_dropout: 0\nlora_target_modules:\n  - q_proj\n  - v_proj\n"

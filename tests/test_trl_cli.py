@@ -147,8 +147,8 @@ def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_p
                                                               capsys: pytest.CaptureFixture[str]):
     """A TRL config that says neither `bf16` nor `gradient_checkpointing` nor `dtype`, with
     `use_peft: true`: TRL's `sft` script (on 2 gloo ranks) runs bf16 mixed precision, checkpoints
-    every layer, loads in float32 and trains rank-16 adapters on PEFT's default modules with
-    dropout 0.05. The estimate of that same file says each, and counts rank 0's parameter bytes and
+    every layer, loads in float32, takes TrainingArguments' micro-batch of 8 and trains rank-16
+    adapters on PEFT's default modules with dropout 0.05. The estimate of that same file says each, and counts rank 0's parameter bytes and
     the trainable parameters as TRL's run holds them. Before, it read the file as the Trainer's:
     no mixed precision, no checkpointing, and a full fine-tune."""
     from fsdp_offload_cfg import cli
@@ -156,7 +156,7 @@ def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_p
 
     recipe = tmp_path / "sft.yaml"
     recipe.write_text(f"model_name_or_path: {files / 'llama'}\ndataset_name: {files / 'data'}\ndataset_text_field: text\n"
-                      "max_length: 16\nper_device_train_batch_size: 2\nuse_peft: true\nfsdp: full_shard auto_wrap\n"
+                      "max_length: 16\nuse_peft: true\nfsdp: full_shard auto_wrap\n"
                       "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
     probe = Path(__file__).parent / "scripts" / "trl_sft_probe.py"
     out = tmp_path / "probe"
@@ -175,6 +175,7 @@ def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_p
     estimated = json.loads(capsys.readouterr().out)
     assert (real["mixed_precision"], estimated["inputs"]["compute_dtype"]) == ("bf16", "bfloat16")
     assert real["checkpointing"] and estimated["inputs"]["activation_setting"] == "checkpointing"
+    assert real["batch_size"] == estimated["inputs"]["batch_size"] == 8  # TrainingArguments' default, kept by TRL
     assert real["param_dtypes"] == [estimated["inputs"]["storage_dtype"]] == ["float32"], (real, estimated["inputs"])
     assert estimated["per_rank"]["params_bytes"] == real["param_bytes"], (estimated["per_rank"], real)
     lora = estimated["model"]["lora"]

@@ -16,7 +16,8 @@ Each figure's key, as each framework spells it (the first the file has wins):
 - model: `model_name_or_path` (TRL, LlamaFactory), `base_model` (axolotl);
 - sequence length: `cutoff_len` (LlamaFactory; default 2048), `sequence_len` (axolotl),
   `max_length` (TRL), `max_seq_length` (TRL before 0.20);
-- micro-batch: `per_device_train_batch_size` (the Trainer), `micro_batch_size` (axolotl);
+- micro-batch: `per_device_train_batch_size` (the Trainer; unset, 8 under TRL and LlamaFactory,
+  TrainingArguments' default), `micro_batch_size` (axolotl);
 - `gradient_accumulation_steps`;
 - optimizer: `optim` (axolotl: `optimizer`); unset, the Trainer's default `adamw_torch_fused`;
   one the estimate does not model (8-bit, paged, Adafactor) is counted as that, saying so;
@@ -128,9 +129,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
         "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", default=reader.default_seq_len()),
-        "batch_size": reader.first(BATCH_KEYS, int, "batch_size",
-                                   default=(1, "per_device_train_batch_size unset: ms-swift's default")
-                                   if reader.swift else None),
+        "batch_size": reader.first(BATCH_KEYS, int, "batch_size", default=reader.default_batch_size()),
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
         "accumulation_target": 16 if reader.swift and top.get("gradient_accumulation_steps") is None else None,
@@ -231,6 +230,17 @@ class _Reader:
         if self.trl_verb is not None or (self.trl and any(key in self.top for key in MODEL_CONFIG_KEYS)):
             self.taken["dtype"] = "dtype unset: TRL's ModelConfig default float32"
             return "float32"
+        return None
+
+    def default_batch_size(self) -> tuple[int, str] | None:
+        """The framework's micro-batch where the file names none: ms-swift's 1; TrainingArguments'
+        8 under TRL and LlamaFactory, whose configs keep it (a plain TrainingArguments file's script
+        may set its own, and axolotl's is its own: those the estimate asks for)."""
+        if self.swift:
+            return 1, "per_device_train_batch_size unset: ms-swift's default"
+        if self.trl or self.llamafactory:
+            framework = "TRL" if self.trl else "LlamaFactory"
+            return 8, f"per_device_train_batch_size unset: TrainingArguments' default, which {framework} keeps"
         return None
 
     def default_seq_len(self) -> tuple[int, str] | None:
