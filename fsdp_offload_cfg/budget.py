@@ -319,14 +319,15 @@ class BudgetPlanner:
         the estimate counts it (AdamW: the optimizer is not known to the model)."""
         from fsdp_offload_cfg.estimate.model import layer_class_names
         from fsdp_offload_cfg.estimate.room import Room, to_come
-        from fsdp_offload_cfg.estimate.states import sharded_states
+        from fsdp_offload_cfg.estimate.states import sharded_states, units_stay_gathered
 
         assert self.auto is not None
         profile, twin = self.profile_at(self.known(shape))
         device_bytes, taken = device_in_use(self.model, self.handle.handler.device, self.auto.device_bytes, self.cfg)
         layers = layer_class_names(twin, self.cfg.transformer_layer_cls_to_wrap)
         states = sharded_states(twin, layers, _world(), _storage_dtype(self.model, self.cfg),
-                                _compute_dtype(self.model, self.cfg), "adamw", profile.trained)
+                                _compute_dtype(self.model, self.cfg), "adamw", profile.trained,
+                                units_stay=units_stay_gathered(self.cfg))
         resident = not self.cfg.offload_params
         return Room(device_bytes, taken, to_come(states, resident, profile.output_bytes),
                     self.auto.margin(device_bytes))

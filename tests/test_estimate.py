@@ -34,6 +34,7 @@ from fsdp_offload_cfg.testing.real_runs import (
     cache_bytes,
     checkpoint_every_group,
     estimated_saves_only,
+    gathered_after_forward,
     offload_counters,
     real_model,
     saved_bytes,
@@ -1236,3 +1237,24 @@ def test_a_swift_command_without_max_length_takes_the_models_longest(models: dic
     llava = json.loads((Path(models["llava"]) / "config.json").read_text())
     assert "max_position_embeddings" not in llava
     assert model_max_length(llava) == llava["text_config"]["max_position_embeddings"]
+
+
+@pytest.mark.distributed
+def test_reshard_after_forward_false_keeps_every_unit_gathered_into_backward(models: dict[str, str]):
+    """`reshard_after_forward: false` (FSDP1's SHARD_GRAD_OP): accelerate gives it to every unit,
+    and each layer forward gathered stays gathered until its backward, so backward starts with the
+    whole model gathered. The estimate counted the default's two units and a gradient's either way
+    (for a Llama-3-8B on 8 ranks, 12 GiB of bf16 layers and embedding left out). What a real accelerate run holds gathered after
+    its forward, read from FSDP2's own state, against the estimate's count: resharded, the groups
+    kept for the whole step (the tail) and three of the largest unit (computing, prefetched, its
+    gradients); kept, those and every unit, and one unit's gradients."""
+    layers = estimate(models["llama"])["model"]["layer_classes"]
+    kept = run_workers(gathered_after_forward, 2, models["llama"], layers, False)[0]
+    resharded = run_workers(gathered_after_forward, 2, models["llama"], layers, True)[0]
+    units = [b for names, b in kept.items() if names not in resharded]
+    assert len(units) == len(kept) - len(resharded) >= 3, (kept, resharded)  # the embedding and the layers
+    always, largest = sum(resharded.values()), max(units)
+    for reshard, expected in ((False, always + sum(units) + largest), (True, always + 3 * largest)):
+        report = estimate_memory(config(reshard_after_forward=reshard), models["llama"], seq_len=SEQ,
+                                 batch_size=BATCH, device="cpu", dtype="bfloat16")
+        assert report["per_rank"]["gathered_params_bytes"] == expected, (reshard, report["per_rank"], kept)

@@ -40,7 +40,7 @@ from fsdp_offload_cfg.estimate.plan import (
 )
 from fsdp_offload_cfg.estimate.probe import ActivationProfile, measure_activations
 from fsdp_offload_cfg.estimate.room import Room, offline_room
-from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states
+from fsdp_offload_cfg.estimate.states import ShardedStates, sharded_states, units_stay_gathered
 from fsdp_offload_cfg.layer_classes import listed_but_absent, transformers_model
 from fsdp_offload_cfg.loading.prepare import DEFAULT_BUCKET_BYTES
 
@@ -66,7 +66,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     with gathered_in(model, dtypes.compute if mixed_compute_dtype(config) else None):
         profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
-                            dtypes.frozen)
+                            dtypes.frozen, units_stay_gathered(config))
     step_transient = optimizer_step_transient(states, optimizer, device)
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
@@ -192,7 +192,7 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
         "grads_bytes": states.grads,
         "optimizer_bytes": states.optimizer,
         "buffers_bytes": states.buffers,
-        "gathered_params_bytes": states.always_gathered + 3 * states.unit_max,
+        "gathered_params_bytes": states.gathered_in_backward(),
         "activations_bytes": by_setting["plain"].saved_bytes,
         "activations_on_device_bytes": on_device.device_peak_bytes,
         "pinned_host_bytes": on_device.host_bytes,
@@ -216,7 +216,7 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     docs/estimate.md: counting every gradient at the activations' peak overshot by 8-13%):
 
     - backward's: the resident states, the gathered units (current + prefetched, and one unit's
-      gradients), the activations at one moment of backward, the head's (which allocates the
+      gradients; kept gathered after forward, every unit backward has not yet passed), the activations at one moment of backward, the head's (which allocates the
       logits' gradient while everything saved is still there: `logits_grad`, what the head's
       backward holds beyond the saves, `ActivationProfile.head_backward_bytes`) or a group's, and
       the gradients of only the groups backward has finished by then: between steps they are
@@ -233,14 +233,18 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     def grads(done: int) -> int:
         return (states.grads if accumulating else states.grads * done // groups) if resident else 0
 
-    worst = max(range(len(residency.moments)), key=lambda i: residency.moments[i][0] + grads(residency.moments[i][1]))
+    def gathered(done: int) -> int:  # kept gathered after forward, the units backward has not yet passed
+        return states.gathered_in_backward(left=1 - min(done, groups) / groups)
+
+    worst = max(range(len(residency.moments)),
+                key=lambda i: residency.moments[i][0] + grads(residency.moments[i][1]) + gathered(residency.moments[i][1]))
     activations, done = residency.moments[worst]
     at_head = worst == 0 and activations > residency.forward_end_device_bytes  # the head's backward, logits' grads
     backward = {
         "params": states.params if resident else 0,
         "grads": grads(done),
         "optimizer": states.optimizer if resident else 0,
-        "buffers_and_gathered": states.buffers + states.always_gathered + 3 * states.unit_max,
+        "buffers_and_gathered": states.buffers + gathered(done),
         "activations": residency.forward_end_device_bytes if at_head else activations,
         "logits_grad": activations - residency.forward_end_device_bytes if at_head else 0,
         "optimizer_step": 0,
@@ -327,6 +331,12 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
                      "its step (foreach) holds one parameter-sized temporary",
             "adamw_fused": "fused AdamW keeps two moments per parameter and no step temporary",
             "sgd": "SGD without momentum keeps no state"}[optimizer],
+        "gathered parameters: " + (
+            "reshard_after_forward false keeps each layer gathered from its forward to its backward, so backward "
+            "starts with every layer gathered (on top of the shards); true frees each after its forward"
+            if units_stay_gathered(config) else
+            "each layer is gathered for its forward and again for its backward (reshard_after_forward true), the "
+            "next one prefetched"),
         "the step's peak is the worse of backward's and the optimizer step's (every gradient, no activation); "
         + ("with gradient accumulation every gradient is there in backward too" if accumulating else
            "in backward only the gradients of the groups it has passed are there (no gradient accumulation: "

@@ -72,8 +72,7 @@ def to_come(states: ShardedStates, resident: bool, output_bytes: int) -> int:
     """What backward's worst moment holds that the first forward has not allocated yet; with the
     parameters offloaded (`resident` false) their gradients and optimizer state live on the host.
     `output_bytes`: the forward's output a loop may hold through backward (`ActivationProfile`)."""
-    return ((states.grads + states.optimizer if resident else 0) + states.always_gathered + 3 * states.unit_max
-            + output_bytes)
+    return (states.grads + states.optimizer if resident else 0) + states.gathered_in_backward() + output_bytes
 
 
 def offline_room(states: ShardedStates, auto: AutoBudget, device_bytes: int, resident: bool,

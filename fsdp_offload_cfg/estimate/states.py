@@ -15,7 +15,10 @@ the load keeps in float32 (a MoE router gate in a bf16 model) stays float32, in 
 Units (what is gathered at once) follow accelerate's `fsdp2_prepare_model`: one per layer class,
 the input embedding when untied, a tail of [final norm, lm_head] (plus the embedding when tied)
 kept unsharded from forward to backward (`reshard_after_forward=False`), and the root, which holds
-what is left and also stays unsharded.
+what is left and also stays unsharded. Under the config's `reshard_after_forward: false` (FSDP1's
+SHARD_GRAD_OP and HYBRID_SHARD_ZERO2) accelerate gives every unit that: each layer forward
+gathered stays gathered until its backward, so backward starts with the whole model gathered
+(`units_stay_gathered`, `ShardedStates.gathered_in_backward`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fsdp_offload_cfg.config.keys import FSDP2_RESHARD_FOR
+from fsdp_offload_cfg.config.model import FSDPOffloadConfig
 from fsdp_offload_cfg.offload.groups import find_units
 
 
@@ -38,6 +43,25 @@ class ShardedStates:
     unit_max: int  # largest layer/embedding unit, unsharded in the compute dtype
     always_gathered: int  # tail + root leftovers, unsharded in the compute dtype for the whole step
     param_count: int
+    units_gathered: int = 0  # every layer/embedding unit, unsharded in the compute dtype
+    units_stay: bool = False  # reshard_after_forward false: a unit stays gathered from its forward to its backward
+
+    def gathered_in_backward(self, left: float = 1.0) -> int:
+        """The parameters gathered at a moment of backward where `left` is the share of the units
+        it has not yet passed: the tail and root's, and one unit's unsharded gradients; then,
+        resharded after forward, the unit computing and the one prefetched (FSDP2 gathers one
+        ahead); kept gathered, every unit backward has not yet passed (its post-backward reshards it)."""
+        if self.units_stay:
+            return self.always_gathered + math.ceil(self.units_gathered * left) + self.unit_max
+        return self.always_gathered + 3 * self.unit_max
+
+
+def units_stay_gathered(config: FSDPOffloadConfig) -> bool:
+    """Whether the config keeps each unit gathered from its forward to its backward: FSDP2's
+    `reshard_after_forward: false`; under FSDP1, the sharding strategies accelerate maps to it."""
+    if config.version == 1:  # the config names the strategy (a number given becomes its name)
+        return not FSDP2_RESHARD_FOR.get(str(config.sharding_strategy or "FULL_SHARD"), True)
+    return config.reshard_after_forward is False
 
 
 def shard_numel(shape: torch.Size, world: int) -> int:
@@ -71,13 +95,13 @@ def _unit_params(model: nn.Module, layer_classes: list[str]) -> tuple[list[list[
 
 def sharded_states(model: nn.Module, layer_classes: list[str], world: int, storage_dtype: torch.dtype,
                    compute_dtype: torch.dtype, optimizer: str, trained: set[int] | None = None,
-                   frozen_dtype: torch.dtype | None = None) -> ShardedStates:
+                   frozen_dtype: torch.dtype | None = None, units_stay: bool = False) -> ShardedStates:
     """Per-rank bytes of everything FSDP2 and the optimizer keep for `model` on `world` ranks.
 
     `trained`: id() of the parameters that get a gradient (the probe's loss graph); a parameter
     the loss never reaches gets no gradient and no optimizer state. None: all of them.
     `frozen_dtype`: what a parameter that does not require grad is stored in (a LoRA's base;
-    default `storage_dtype`)."""
+    default `storage_dtype`). `units_stay`: `units_stay_gathered` of the config."""
     params = list(model.parameters())  # tied parameters once
     frozen_dtype = frozen_dtype or storage_dtype
     mixed = storage_dtype != compute_dtype  # FSDP2 gathers every parameter in the compute dtype
@@ -86,8 +110,8 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
         size = (storage_dtype if p.requires_grad else frozen_dtype).itemsize
         return max(size, p.element_size()) if p.is_floating_point() else p.element_size()
 
-    def gathered(unit: list[nn.Parameter]) -> int:
-        return sum(p.numel() * (compute_dtype.itemsize if mixed else stored(p)) for p in unit)
+    def gathered(unit: list[nn.Parameter]) -> int:  # all-gathered with dim 0 padded to a multiple of the ranks
+        return sum(shard_numel(p.shape, world) * world * (compute_dtype.itemsize if mixed else stored(p)) for p in unit)
 
     sharded = sum(shard_numel(p.shape, world) * stored(p) for p in params)
     trainable = sum(shard_numel(p.shape, world) * stored(p) for p in params
@@ -102,4 +126,6 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
         unit_max=max((gathered(unit) for unit in units), default=0),
         always_gathered=gathered(always),
         param_count=sum(p.numel() for p in params),
+        units_gathered=sum(gathered(unit) for unit in units),
+        units_stay=units_stay,
     )

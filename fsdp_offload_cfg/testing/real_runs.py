@@ -238,3 +238,33 @@ def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[
     state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
     return {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
             "optimizer": _storage_bytes(state), "param_dtypes": sorted({str(p.dtype) for p in params})}
+
+
+def gathered_after_forward(rank: int, world: int, path: str, layers: list[str], reshard: bool) -> dict[str, int]:
+    """On each gloo rank, a model prepared by the installed accelerate (FSDP2, bf16 mixed precision,
+    `reshard_after_forward` as given): the bytes of each parameter group FSDP2 holds gathered once
+    the forward is done, as backward starts, by the modules it shards together (`model.norm,lm_head`);
+    read from FSDP2's own state: the group's unsharded parameters' storages (dim 0 padded to a
+    multiple of the ranks, as FSDP2 all-gathers it), every storage once."""
+    from accelerate import Accelerator
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch({"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": {
+        "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_reshard_after_forward": reshard,
+        "fsdp_transformer_layer_cls_to_wrap": layers, "fsdp_cpu_ram_efficient_loading": False}})
+    accelerator = Accelerator()
+    model = accelerator.prepare(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+    ids = torch.randint(1, 90, (2, 16), generator=torch.Generator().manual_seed(rank))
+    loss = model(input_ids=ids, labels=ids).loss
+    groups: dict[int, tuple[list[str], Any]] = {}  # one group may shard several modules (accelerate's tail)
+    for name, module in model.named_modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None:
+            groups.setdefault(id(group), ([], group))[0].append(name or "<root>")
+    gathered = {",".join(names): _storage_bytes(p._unsharded_param for p in group.fsdp_params)
+                for names, group in groups.values() if group.is_unsharded}
+    accelerator.backward(loss)
+    return gathered
