@@ -12,7 +12,8 @@ What is read, each as the launcher itself reads it:
   none, the run's own file where it holds FSDP settings (axolotl's YAML, a Trainer's file);
 - the config flags typed on `accelerate launch` (`--mixed_precision`, `--fsdp_*`, `--cpu`), parsed
   by accelerate's own parser, over the file, as accelerate exports them; its `--num_processes`,
-  torchrun's `--nproc_per_node` times `--nnodes`, ms-swift's `NPROC_PER_NODE` times `NNODES`;
+  torchrun's `--nproc_per_node` times `--nnodes`, ms-swift's `NPROC_PER_NODE` times `NNODES`,
+  axolotl's `--num-processes` or its launcher's arguments after `--`;
 - the training arguments after the script (or `trl VERB`, `swift sft`, `llamafactory-cli train`,
   `axolotl train`): the YAML or JSON file they name (TRL's `--config F`, else the first
   `.yaml` / `.yml` / `.json` argument: LlamaFactory's, axolotl's, HfArgumentParser's), then
@@ -69,6 +70,8 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
                                    num_processes=processes if isinstance(processes, int) else None)
     if (verb_at := _swift_verb_at(command)) is not None:
         return _swift(command, verb_at, cwd)
+    if (verb_at := _axolotl_verb_at(command)) is not None:
+        return _axolotl(command, verb_at, cwd)
     if _is_torchrun(command):
         script_args, processes = _torchrun(command)
         return _with_arguments(command, script_args, cwd, num_processes=processes)
@@ -140,6 +143,30 @@ def _swift_processes(arguments: dict[str, Any]) -> int | None:
         return 1
     per_node, nodes = environ.get("NPROC_PER_NODE", "1"), environ.get("NNODES", "1")
     return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
+
+
+def _axolotl_verb_at(command: list[str]) -> int | None:
+    """Where the verb of `axolotl train` is; None for any other command."""
+    at = next((i for i, arg in enumerate(command[:3]) if os.path.basename(arg) == "axolotl"), None)
+    return at + 1 if at is not None and command[at + 1:at + 2] == ["train"] else None
+
+
+def _axolotl(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:
+    """`axolotl train cfg.yml [OPTIONS] [-- LAUNCHER ARGS]`: its YAML is the run and its config;
+    it starts `accelerate launch` (its default `--launcher`) with `--num_processes` from its
+    `--num-processes` and the arguments after `--`, or `torchrun` with those, or one Python
+    process (`axolotl/cli/utils/train.py`, 0.19)."""
+    args = command[verb_at + 1:]
+    own, launcher_args = (args[:args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
+    found = _with_arguments(command, own, cwd)
+    launcher, processes = found.arguments.get("launcher", "accelerate"), found.arguments.get("num_processes")
+    if launcher == "python":
+        return dataclasses.replace(found, num_processes=1)
+    if launcher == "torchrun":
+        return dataclasses.replace(found, num_processes=_torchrun(["torchrun", *launcher_args, "train.py"])[1])
+    counted = ["--num_processes", str(processes)] if processes is not None else []
+    _, given, _ = _accelerate_launch(["accelerate", "launch", *counted, *launcher_args, "train.py"])
+    return dataclasses.replace(found, num_processes=given)
 
 
 def _swift_config_path(name: str, cwd: str) -> str:

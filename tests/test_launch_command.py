@@ -119,3 +119,18 @@ def test_trl_passes_accelerates_config_flags_from_its_yaml_and_its_command_line(
     assert sorted(launch.overrides) == ["fsdp_config.activation_checkpointing=true",
                                         "fsdp_config.reshard_after_forward=false", "mixed_precision=fp16"]
     assert launch.num_processes == 4
+
+
+def test_axolotl_takes_its_processes_from_its_option_or_its_launchers_arguments(tmp_path: Path):
+    """`axolotl train cfg.yml --num-processes 4` (or `-- --num_processes 8` for accelerate, its
+    default launcher; `--launcher torchrun -- --nproc_per_node 2 --nnodes 2`; `--launcher python`,
+    one process): axolotl starts its launcher with those. The estimate had asked for
+    --num-processes, and read the `--` as a flag of the run."""
+    (tmp_path / "cfg.yml").write_text("base_model: m\nsequence_len: 512\nfsdp_version: 2\nfsdp_config:\n"
+                                      "  reshard_after_forward: true\n")
+    for args, processes in ((["--num-processes", "4"], 4), (["--", "--num_processes", "8"], 8),
+                            (["--launcher", "torchrun", "--", "--nproc_per_node", "2", "--nnodes", "2"], 4),
+                            (["--launcher", "python"], 1), ([], None)):
+        launch = read_launch_command(["axolotl", "train", "cfg.yml", *args], str(tmp_path))
+        assert (launch.run_file, launch.num_processes) == (str(tmp_path / "cfg.yml"), processes), args
+        assert "" not in launch.arguments and launch.arguments["sequence_len"] == 512
