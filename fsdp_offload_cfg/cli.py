@@ -407,7 +407,7 @@ def _estimate(args: argparse.Namespace) -> int:
                                  batch_size=args.batch_size, num_processes=args.num_processes,
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                 lora=_lora_input(args), **_plan_inputs(args))
+                                 lora=_lora_input(args), machines=args.num_machines or 1, **_plan_inputs(args))
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "
                                             f"{'; '.join(taken)}")
@@ -448,6 +448,7 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
 
     if not args.command:
         config, top = load_config(args.file, args.overrides), read_config_file(args.file)
+        args.num_machines = _num_machines(top)
         return config, run_arguments_of(top, args.file) if is_trainer_layout(top) else None
 
     launch = read_launch_command(args.command, os.getcwd())
@@ -455,12 +456,19 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     config = load_config(file, [*launch.overrides, *args.overrides])  # --set wins over the launch's flags
     args.num_processes = args.num_processes or launch.num_processes
     top = read_config_file(file)
+    args.num_machines = launch.num_machines or _num_machines(top)
     arguments = {**(top if is_trainer_layout(top) else {}), **launch.arguments}
     if not arguments and launch.cli is None:
         return config, None
     base = file if is_trainer_layout(top) and file != launch.run_file else None
     source = " and ".join(filter(None, (base, launch.arguments_from))) or " ".join(launch.command[:2])
     return config, run_arguments_of(arguments, source, launch.cli)
+
+
+def _num_machines(top: dict[Any, Any]) -> int | None:
+    """An accelerate file's `num_machines` (FSDP1's HYBRID_SHARD copies across them)."""
+    machines = top.get("num_machines")
+    return machines if isinstance(machines, int) and not isinstance(machines, bool) else None
 
 
 def _config_of_command(given: str | None, launch: Any) -> str:

@@ -50,6 +50,7 @@ class LaunchCommand:
     overrides: tuple[str, ...] = ()  # the launcher's typed config flags, as `--set KEY=VALUE` items
     arguments: dict[str, Any] = field(default_factory=dict)  # the training arguments: the file's, the flags' over them
     cli: str | None = None  # the framework's CLI and verb that run it, `trl sft`, `swift sft`: its defaults hold
+    num_machines: int | None = None  # `accelerate launch --num_machines`, torchrun's `--nnodes`
     arguments_from: str = ""  # in words, for the estimate to say: `sft.yaml and the command line`
 
 
@@ -60,7 +61,7 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
     if is_launcher and not is_trl_cli(command):
         script_args, processes, overrides = _accelerate_launch(command)
         return _with_arguments(command, script_args, cwd, config_file=config_file, num_processes=processes,
-                               overrides=overrides)
+                               overrides=overrides, num_machines=_int_flag(command, "num_machines"))
     if is_launcher:  # TRL's CLI: `trl VERB ARGS`; launch flags (`--num_processes`) mixed in, or in its --config YAML
         verb_at = _trl_verb_at(command)
         found = _with_arguments(command, command[verb_at + 1:], cwd, config_file=config_file,
@@ -74,7 +75,8 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
         return _axolotl(command, verb_at, cwd)
     if _is_torchrun(command):
         script_args, processes = _torchrun(command)
-        return _with_arguments(command, script_args, cwd, num_processes=processes)
+        return _with_arguments(command, script_args, cwd, num_processes=processes,
+                               num_machines=_int_flag(command, "nnodes"))
     return _with_arguments(command, _script_args(command), cwd)
 
 

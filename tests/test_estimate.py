@@ -442,6 +442,41 @@ def test_hybrid_sharding_states_are_those_of_a_real_hsdp_run(models: dict[str, s
     assert (plain["replicas"], plain["per_rank"]["params_bytes"] < per_rank["params_bytes"]) == (1, True)
 
 
+FSDP1_HYBRID_YAML = """distributed_type: FSDP
+mixed_precision: bf16
+num_machines: 2
+num_processes: 4
+fsdp_config:
+  fsdp_sharding_strategy: {strategy}
+"""
+
+
+def test_fsdp1_hybrid_shard_shards_within_a_machine_and_no_shard_is_refused(models: dict[str, str], tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]):
+    """FSDP1's HYBRID_SHARD on 2 machines of 2 processes shards each tensor over a machine's 2
+    ranks and copies it across the machines: the per-rank states of FSDP2's HSDP with 2 replicas
+    x 2 shards (which test_hybrid_sharding_states_are_those_of_a_real_hsdp_run holds to a real
+    run), not a quarter. The estimate counted 4-way shards (half the bytes). NO_SHARD, DDP's
+    layout, is refused with the estimate that stands for it; FULL_SHARD shards over all 4."""
+    def run(text: str, *flags: str) -> tuple[int, dict | str]:
+        args = ["estimate", _yaml(tmp_path, text), "--model", models["llama"], "--seq-len", "16", "--batch-size", "2",
+                "--device", "cpu", "--dtype", "bfloat16", "--format", "json", *flags]
+        code, out = cli.main(args), capsys.readouterr()
+        return code, json.loads(out.out) if code == 0 else out.err
+
+    code, hsdp = run(HSDP_YAML)
+    for strategy, replicas in (("HYBRID_SHARD", 2), ("HYBRID_SHARD_ZERO2", 2), ("FULL_SHARD", 1)):
+        code, fsdp1 = run(FSDP1_HYBRID_YAML.format(strategy=strategy))
+        assert code == 0 and (fsdp1["ranks"], fsdp1["replicas"]) == (4, replicas), (strategy, fsdp1)
+        states = [fsdp1["per_rank"][f"{k}_bytes"] for k in ("params", "grads", "optimizer")]
+        assert (states == [hsdp["per_rank"][f"{k}_bytes"] for k in ("params", "grads", "optimizer")]) == \
+            (replicas == 2), strategy
+    code, said = run(FSDP1_HYBRID_YAML.format(strategy="HYBRID_SHARD").replace("num_machines: 2", "num_machines: 3"))
+    assert code == 1 and "4 ranks do not split evenly over 3 machines" in said, said
+    code, said = run(FSDP1_HYBRID_YAML.format(strategy="NO_SHARD"))
+    assert code == 1 and "NO_SHARD keeps the whole model on every rank" in said and "--num-processes 1" in said, said
+
+
 @pytest.mark.parametrize(("section", "message"), [
     ("  parallelism_config_dp_replicate_size: 3\n", "dp_replicate_size 3 x dp_shard_size 1 is not the 4 ranks"),
     ("  parallelism_config_tp_size: 2\n  parallelism_config_dp_shard_size: 2\n",

@@ -42,7 +42,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     dtype: str | None = None, activation_budget: int | AutoBudget | None = None,
                     device_memory: int | None = None, compute_flops: float | None = None,
                     copy_bytes: float | None = None, gradient_accumulation_steps: int = 1,
-                    parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None) -> dict[str, Any]:
+                    parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None,
+                    machines: int = 1) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -51,14 +52,16 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     device during backward (kept from the micro-batches before). `parallelism`: an accelerate
     `parallelism_config` section (default: the config's); under hybrid sharding each rank holds a
     slice of 1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count.
-    `lora`: LoRA adapters trained over the frozen model (`estimate/adapters.py`)."""
+    `lora`: LoRA adapters trained over the frozen model (`estimate/adapters.py`). `machines`: the
+    machines the ranks run on (accelerate's `num_machines`), over which FSDP1's HYBRID_SHARD copies."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
         raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
     if lora is not None:
         check_lora(lora)
-    replicas = _replicas(ranks, (config.parallelism_config if parallelism is None else parallelism) or {})
+    section = (config.parallelism_config if parallelism is None else parallelism) or {}
+    replicas = _replicas(ranks, section) if section or config.version != 1 else _fsdp1_replicas(config, ranks, machines)
     device = device or ("cpu" if config.use_cpu else "cuda")
     requested = requested_budget(config, activation_budget)
     if isinstance(requested, AutoBudget):  # a size missing, said before the model is read
@@ -88,6 +91,23 @@ def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:
         raise EstimateError(f"parallelism_config: dp_replicate_size {replicas} x dp_shard_size {shards} is not the "
                             f"{ranks} ranks (accelerate refuses it too); pass --num-processes or fix the sizes")
     return replicas
+
+
+def _fsdp1_replicas(config: FSDPOffloadConfig, ranks: int, machines: int) -> int:
+    """The copies FSDP1's sharding strategy keeps: HYBRID_SHARD and HYBRID_SHARD_ZERO2 shard within
+    a machine and copy across the machines (torch's FSDP1 splits its groups by the processes of a
+    node); FULL_SHARD and SHARD_GRAD_OP shard over all ranks. NO_SHARD (DDP's layout: the whole
+    model on every rank, no gathering) is refused, naming the estimate that stands for it."""
+    strategy = str(config.sharding_strategy or "FULL_SHARD")
+    if strategy == "NO_SHARD":
+        raise EstimateError("sharding_strategy NO_SHARD keeps the whole model on every rank, as DDP: the estimate "
+                            "models sharded ranks; --num-processes 1 counts one rank holding all of it")
+    if strategy not in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        return 1
+    if machines < 1 or ranks % machines:
+        raise EstimateError(f"sharding_strategy {strategy}: {ranks} ranks do not split evenly over {machines} "
+                            "machines (num_machines); fix num_machines or --num-processes")
+    return machines
 
 
 def _check_inputs(ranks: int | None, seq_len: int, batch_size: int, optimizer: str, device: str | None,
