@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         "estimate", help="per-rank device and host memory of a run of this config",
         usage="%(prog)s [CONFIG] [options] [-- COMMAND ...]",
         description="Per-rank device and host memory of a run. -- COMMAND: the launch command of the run "
-                    "(accelerate launch, trl sft, torchrun, llamafactory-cli train, axolotl train, python script.py), "
+                    "(accelerate launch, trl sft, swift sft, torchrun, llamafactory-cli train, axolotl train, python script.py), "
                     "read as it runs, nothing started: the config file its launcher reads (CONFIG, if given, "
                     "must be that one), the launch's flags over it, and the training arguments of its script "
                     "(a --config YAML, a YAML argument, --key value flags) for the flags left out here.")
