@@ -20,6 +20,8 @@ run only checks that every setting trains through the plugin and that the two pl
 
     python benchmarks/estimate_vs_device.py --layers 16 --hidden 2048 --seq 8192 --budget 6GiB 9GiB
     python benchmarks/estimate_vs_device.py --device cpu --layers 2 --hidden 64 --seq 64 --budget 1MiB
+    python benchmarks/estimate_vs_device.py --layers 16 --hidden 2048 --seq 4096 --settings plain checkpointing \
+        --reshard-after-forward false
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def plugin_config(args: argparse.Namespace, setting: str, rates: tuple[float, fl
     """The accelerate config the run and the estimate share."""
     fsdp: dict[str, Any] = {
         "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_cpu_ram_efficient_loading": True, "fsdp_reshard_after_forward": True,
+        "fsdp_cpu_ram_efficient_loading": True, "fsdp_reshard_after_forward": args.reshard_after_forward == "true",
         "fsdp_activation_checkpointing": setting in ("checkpointing", "checkpointing_and_offload"),
         "fsdp_activation_cpu_offload": setting in ("offload", "checkpointing_and_offload"),
     }
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="accelerate's mixed_precision (default: bf16 on CUDA, no on the CPU)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    p.add_argument("--reshard-after-forward", default="true", choices=["true", "false"],
+                   help="false: every layer stays gathered from its forward to its backward")
     p.add_argument("--budget", nargs="*", default=[], metavar="SIZE", help="add a row per activation_memory_budget")
     args = p.parse_args(argv)
     args.mixed_precision = args.mixed_precision or ("bf16" if args.device == "cuda" else "no")
@@ -212,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
             print(line, flush=True)  # a long run shows its progress
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (no device allocator: nothing measured)"
     print(f"\nLlama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, mixed precision "
-          f"{args.mixed_precision}, AdamW, FSDP2 (one rank), {args.steps} measured steps; device {device}; torch "
+          f"{args.mixed_precision}, AdamW, FSDP2 (one rank, reshard_after_forward {args.reshard_after_forward}), "
+          f"{args.steps} measured steps; device {device}; torch "
           f"{torch.__version__}; rates {rates[0] / 1e12:.3g} TFLOP/s, copies {rates[1] / 1e9:.3g} GB/s\n")
     print("\n".join(lines) + ("\n" + plans if plans else ""))
 
