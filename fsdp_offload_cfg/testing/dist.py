@@ -97,9 +97,10 @@ def _reserve(port: int) -> bool:
 
 
 def _bindable(port: int) -> bool:
+    """Free on every interface, as the launchers' stores bind it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind(("", port))
         except OSError:
             return False
     return True
