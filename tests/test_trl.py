@@ -43,12 +43,18 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys: dict[str, Any]) -> dict[str, Any]:
+def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys: dict[str, Any],
+            trls_reference: bool = False) -> dict[str, Any]:
+    """`trls_reference`: the reference model sharded as TRL's `prepare_fsdp` shards it, the root alone."""
     import numpy as np
     from datasets import Dataset
 
     import fsdp_offload_cfg
+    from fsdp_offload_cfg.integrations import trl as trl_integration
     from fsdp_offload_cfg.testing.models import words
+
+    if trls_reference:
+        trl_integration._shard_layers = lambda model, accelerator: None
 
     fsdp_offload_cfg.patch(_config(keys))
     from transformers import AutoTokenizer
@@ -70,7 +76,11 @@ def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys:
         run = DPOTrainer(model=path, args=DPOConfig(**common), train_dataset=data, processing_class=tokenizer)
     run.train()
     stats = fsdp_offload_cfg.offload_stats()
+    from torch.distributed.fsdp import FSDPModule
+
+    reference = getattr(run, "ref_model", None)
     return {
+        "reference_units": sum(isinstance(m, FSDPModule) for m in reference.modules()) if reference else 0,
         "losses": [entry["loss"] for entry in run.state.log_history if "loss" in entry],
         "offloaded": stats["offloaded_bytes"] if stats else 0,
         "fsdp": type(run.accelerator.state.distributed_type).__name__ + ":" + run.accelerator.state.distributed_type.value,
@@ -80,12 +90,16 @@ def _worker(rank: int, world_size: int, trainer: str, path: str, out: str, keys:
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_trl_trainer_same_losses_with_loader_and_offload(llama: str, tmp_path, trainer: str) -> None:
     plugin = run_workers(_worker, 2, trainer, llama, str(tmp_path / "plugin"), PLUGIN, timeout=300)
-    stock = run_workers(_worker, 2, trainer, llama, str(tmp_path / "stock"), STOCK, timeout=300)
+    stock = run_workers(_worker, 2, trainer, llama, str(tmp_path / "stock"), STOCK, True, timeout=300)
     for rank in range(2):
         assert plugin[rank]["fsdp"].endswith(":FSDP"), plugin[rank]
         assert len(plugin[rank]["losses"]) == 3, plugin[rank]
         assert plugin[rank]["losses"] == stock[rank]["losses"], (rank, plugin[rank], stock[rank])
         assert plugin[rank]["offloaded"] > 0 and stock[rank]["offloaded"] == 0
+        # DPO's reference model: TRL shards its root alone, one unit gathered whole for every
+        # reference forward; here each decoder layer is its own unit, with the losses unchanged
+        assert (plugin[rank]["reference_units"], stock[rank]["reference_units"]) == \
+            ((3, 1) if trainer == "dpo" else (0, 0)), (plugin[rank], stock[rank])
 
 
 def _grpo_worker(rank: int, world_size: int, path: str, reward: str, out: str, keys: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.integrations.common import (
     fill_through_loader,
@@ -20,10 +21,18 @@ from fsdp_offload_cfg.integrations.common import (
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 from fsdp_offload_cfg.shard_groups import fsdp2_groups
 
+logger = get_logger("fsdp_offload_cfg.integrations")
+
 
 def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
     """TRL shards reference and teacher models itself (`prepare_fsdp`: `fully_shard` and `eval()`),
-    not through accelerate's prepare; a model the loader built is filled the same way here."""
+    not through accelerate's prepare; a model the loader built is filled the same way here.
+
+    TRL's FSDP2 branch shards the root alone: one unit, so the reference model's every forward
+    (DPO's reference log-probs, a GKD teacher's logits) gathers the whole model at once, in the
+    compute dtype, on every rank (a Llama-3-8B: 15 GiB of bf16 beside the policy's step). Its
+    layers are sharded first here (`_shard_layers`), each with TRL's own settings, so a forward
+    gathers one layer at a time as the policy's does; the root then takes what is left, as in TRL."""
 
     @functools.wraps(original)
     def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
@@ -33,6 +42,8 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
 
         def shard(m: torch.nn.Module) -> torch.nn.Module:
             with fsdp2_groups(m):
+                if plugin.fsdp_version == 2:
+                    _shard_layers(m, accelerator)
                 return original(m, accelerator)
 
         if isinstance(model, FSDPModule) or plugin.fsdp_version != 2 or not fill_through_loader(model, plugin, cfg):
@@ -40,6 +51,37 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
         return load_through_loader(model, shard, plugin, cfg)
 
     return prepare_fsdp
+
+
+def _shard_layers(model: torch.nn.Module, accelerator: Any) -> None:
+    """`fully_shard` on each layer accelerate's auto-wrap policy picks for `model` (its own default
+    classes, or the ones listed), bottom-up as accelerate's `fsdp2_prepare_model` does, with the
+    settings TRL's `prepare_fsdp` gives its root. A model whose layers the policy cannot name (a
+    teacher of another architecture than the listed classes), or a plugin with ignored modules
+    (TRL alone knows which of its versions passes them), stays TRL's one unit."""
+    from accelerate.utils import fsdp_utils
+    from accelerate.utils.other import get_module_children_bottom_up
+    from torch.distributed import fsdp
+
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.ignored_modules:
+        return
+    try:
+        plugin.set_auto_wrap_policy(model)
+        policy = fsdp_utils.fsdp2_prepare_auto_wrap_policy(plugin, model)
+    except ValueError as error:
+        if is_rank0():
+            logger.info("%s stays one FSDP unit, as TRL shards it: %s", type(model).__name__, error)
+        return
+    if policy is None:
+        return
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+              "mp_policy": plugin.mixed_precision_policy or fsdp.MixedPrecisionPolicy(),
+              "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None}
+    for module in get_module_children_bottom_up(model)[:-1]:
+        if policy(module) and not isinstance(module, fsdp.FSDPModule):
+            fsdp.fully_shard(module, **kwargs)
 
 
 def _trl_installed() -> bool:
@@ -57,6 +99,7 @@ def _trl_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
 PATCHES = [
     Patch("trl-prepare-fsdp", "trl.models.utils", "prepare_fsdp", build_trl_prepare_fsdp,
           _trl_prepare_needed, ("torch", "accelerate"),
-          "fill loader-built reference/teacher models that TRL shards itself; one group per dtype",
+          "reference/teacher models TRL shards itself: one unit per layer (TRL's is the whole model, gathered "
+          "at once), loader-built ones filled, one group per dtype",
           swaps=fully_shard_swap, lazy=True),
 ]
