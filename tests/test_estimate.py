@@ -657,7 +657,8 @@ def test_cli_json_has_the_documented_keys(models: dict[str, str], tmp_path: Path
     report = json.loads(capsys.readouterr().out)
     assert report["ranks"] == 8
     assert set(report["per_rank"]) >= {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                                       "activations_on_device_bytes", "pinned_host_bytes", "peak_device_bytes"}
+                                       "activations_on_device_bytes", "pinned_host_bytes", "peak_device_bytes",
+                                       "reference_params_bytes", "gathered_params_bytes"}
     assert set(report["loading"]) >= {"rank0_host_peak_bytes", "other_host_peak_bytes"}
     assert report["assumptions"] and all(isinstance(a, str) for a in report["assumptions"])
     assert all(isinstance(v, int) and v >= 0 for v in report["per_rank"].values())
@@ -950,7 +951,7 @@ def test_the_estimate_is_within_10_percent_of_the_peaks_an_h200_measured(setting
     monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     args = argparse.Namespace(layers=16, hidden=2048, seq=8192, batch=1, vocab=32000, mixed_precision="bf16",
-                              device="cuda", attn="sdpa")  # the run's command line, its defaults
+                              device="cuda", attn="sdpa", reshard_after_forward="true")  # the run's command line, its defaults
     bench.llama_config(args).save_pretrained(tmp_path)
     rates = (720e12, 55.1e9)  # the rates the device measured
     key = "plan" if setting.startswith("budget=") else setting

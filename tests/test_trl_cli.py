@@ -158,14 +158,14 @@ def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_p
     recipe.write_text(f"model_name_or_path: {files / 'llama'}\ndataset_name: {files / 'data'}\ndataset_text_field: text\n"
                       "max_length: 16\nuse_peft: true\nfsdp: full_shard auto_wrap\n"
                       "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
-    probe = Path(__file__).parent / "scripts" / "trl_sft_probe.py"
+    probe = Path(__file__).parent / "scripts" / "trl_script_probe.py"
     out = tmp_path / "probe"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PROBE_DIR=str(out))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(probe), "--config", str(recipe), "--output_dir", str(tmp_path / "out"),
+                           str(free_port()), str(probe), "sft", "--config", str(recipe), "--output_dir", str(tmp_path / "out"),
                            "--max_steps", "1", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
                            "--dataloader_num_workers", "0"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=files)
@@ -181,3 +181,50 @@ def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_p
     lora = estimated["model"]["lora"]
     assert (lora["trainable_parameters"], lora["targets"], lora["dropout"]) == \
         (real["trainable"], real["targets"], real["dropout"]), (lora, real)
+
+
+def test_the_estimate_of_trl_dpo_holds_its_reference_model_and_its_two_sequences_a_sample(
+        files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`trl dpo` without PEFT loads a reference model, sharded beside the policy in the load dtype,
+    and its collator puts each sample's chosen and rejected completions in one forward: twice the
+    micro-batch. TRL's own `dpo` script (2 gloo ranks, a probe on `Trainer.train`) against
+    `estimate -- trl dpo`: rank 0's reference bytes and the largest batch the policy's forward
+    took. Before, the estimate counted neither (half the activations, no reference)."""
+    import numpy as np
+
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.dist import free_port
+    from fsdp_offload_cfg.testing.models import words
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "prefs").mkdir()
+    (tmp_path / "prefs" / "train.jsonl").write_text("".join(json.dumps(
+        {"prompt": words(rng, 4), "chosen": words(rng, 4), "rejected": words(rng, 4)}) + "\n" for _ in range(8)))
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 2\n"
+                                        "use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
+                                        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(f"model_name_or_path: {files / 'llama'}\ndataset_name: {tmp_path / 'prefs'}\nmax_length: 16\n"
+                      "per_device_train_batch_size: 2\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
+                      "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
+    probe = Path(__file__).parent / "scripts" / "trl_script_probe.py"
+    out = tmp_path / "probe"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PROBE_DIR=str(out))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(probe), "dpo", "--config", str(recipe), "--output_dir",
+                           str(tmp_path / "out"), "--max_steps", "1", "--use_cpu", "--report_to", "none",
+                           "--save_strategy", "no", "--dataloader_num_workers", "0"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    real = json.loads((out / "rank0.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--", "trl", "dpo", "--config", "dpo.yaml"]) \
+        == 0, capsys.readouterr().err
+    estimated = json.loads(capsys.readouterr().out)
+    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 4, (real, estimated["inputs"])
+    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
+        (real, estimated["per_rank"])
+    assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])

@@ -101,6 +101,9 @@ class RunArguments:
     # ms-swift's unset max_length: the model's longest (`model_max_length`), which the estimate, reading the model,
     # finds (its `--max_model_len` sets RoPE scaling, not this)
     seq_len_follows_model: bool = False
+    # `trl dpo` without PEFT: TRL loads a reference model, a frozen copy sharded beside the policy
+    reference_model: bool = False
+    sequences_per_sample: int = 1  # `trl dpo`: its chosen and rejected completions run in one forward
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -134,6 +137,8 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
                                                     "gradient_accumulation_steps"),
         "accumulation_target": 16 if reader.swift and top.get("gradient_accumulation_steps") is None else None,
         "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
+        "reference_model": reader.reference_model(),
+        "sequences_per_sample": 2 if reader.trl_verb == "dpo" else 1,
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),
@@ -231,6 +236,13 @@ class _Reader:
             self.taken["dtype"] = "dtype unset: TRL's ModelConfig default float32"
             return "float32"
         return None
+
+    def reference_model(self) -> bool:
+        """`trl dpo` loads a reference model (TRL 1.16's DPOTrainer), unless PEFT's disabled adapters
+        stand for it (`use_peft`) or, under FSDP, its log-probs are computed before training
+        (`precompute_ref_log_probs`: it is freed then)."""
+        replaced = self.top.get("use_peft") is True or self.top.get("precompute_ref_log_probs") is True
+        return self.trl_verb == "dpo" and not replaced
 
     def default_batch_size(self) -> tuple[int, str] | None:
         """The framework's micro-batch where the file names none: ms-swift's 1; TrainingArguments'

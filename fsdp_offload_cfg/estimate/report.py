@@ -49,11 +49,12 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  batch_size: int, optimizer: str, device: str, dtype: str | None,
                  activation_budget: int | AutoBudget | None = None, the_run_plans_it: bool = False,
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
-                 accumulating: bool = False, lora: Lora | None = None) -> dict[str, Any]:
+                 accumulating: bool = False, lora: Lora | None = None, reference: bool = False) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
-    trained over a frozen base (`estimate/adapters.py`)."""
+    trained over a frozen base (`estimate/adapters.py`). `reference`: a frozen copy of the model
+    sharded beside it (DPO's reference model)."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -66,7 +67,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     with gathered_in(model, dtypes.compute if mixed_compute_dtype(config) else None):
         profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
-                            dtypes.frozen, units_stay_gathered(config))
+                            dtypes.frozen, units_stay_gathered(config), dtypes.load if reference else None)
     step_transient = optimizer_step_transient(states, optimizer, device)
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
@@ -102,7 +103,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "loading": _loading(config, source, states, dtypes, ranks, device),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
                                     image)
-        + _head_advice(profile, by_setting),
+        + _head_advice(profile, by_setting) + (_reference_said(dtypes) if reference else []),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -186,9 +187,11 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
               at_peak: Callable[[Residency], dict[str, int]]) -> dict[str, int]:
     """Per-rank figures under the config's activation setting."""
     on_device = by_setting[chosen]
-    host = on_device.host_bytes + (states.params + states.grads + states.optimizer if config.offload_params else 0)
+    held = states.params + states.reference + states.grads + states.optimizer
+    host = on_device.host_bytes + (held if config.offload_params else 0)
     return {
         "params_bytes": states.params,
+        "reference_params_bytes": states.reference,
         "grads_bytes": states.grads,
         "optimizer_bytes": states.optimizer,
         "buffers_bytes": states.buffers,
@@ -241,7 +244,7 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     activations, done = residency.moments[worst]
     at_head = worst == 0 and activations > residency.forward_end_device_bytes  # the head's backward, logits' grads
     backward = {
-        "params": states.params if resident else 0,
+        "params": states.params + states.reference if resident else 0,
         "grads": grads(done),
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + gathered(done),
@@ -312,6 +315,13 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
         stored = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         return stored, any(t.dtype.is_floating_point and t.dtype != dtypes.load for t in tensors)
     return states.param_count * dtypes.load.itemsize, False
+
+
+def _reference_said(dtypes: Dtypes) -> list[str]:
+    return [f"DPO's reference model: a frozen copy sharded beside the model in its load dtype "
+            f"({_name(dtypes.load)}; reference_params_bytes), no gradient nor optimizer state; its forward runs "
+            "before the model's, gathering one layer at a time (this plugin shards its layers; TRL's own "
+            "prepare_fsdp gathers it whole)"]
 
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
@@ -420,6 +430,8 @@ def format_table(report: dict[str, Any]) -> str:
             (f"activations on the device ({inputs['activation_setting']})", "activations_on_device_bytes"),
             ("pinned host pool", "pinned_host_bytes"), ("host memory for training", "host_bytes"),
             ("peak device memory", "peak_device_bytes")]
+    if r.get("reference_params_bytes"):
+        rows.insert(1, ("reference model (sharded, frozen)", "reference_params_bytes"))
     lines += [f"| {label} | {show_size(r[key])} |" for label, key in rows]
     lines += ["", "| activations | saved | on the device at peak | host | peak device memory |", "|---|---|---|---|---|"]
     for name, s in report["activations"]["settings"].items():

@@ -44,6 +44,7 @@ class ShardedStates:
     always_gathered: int  # tail + root leftovers, unsharded in the compute dtype for the whole step
     param_count: int
     units_gathered: int = 0  # every layer/embedding unit, unsharded in the compute dtype
+    reference: int = 0  # a frozen copy's shards (DPO's reference model), in the load dtype: no gradient, no state
     units_stay: bool = False  # reshard_after_forward false: a unit stays gathered from its forward to its backward
 
     def gathered_in_backward(self, left: float = 1.0) -> int:
@@ -95,13 +96,16 @@ def _unit_params(model: nn.Module, layer_classes: list[str]) -> tuple[list[list[
 
 def sharded_states(model: nn.Module, layer_classes: list[str], world: int, storage_dtype: torch.dtype,
                    compute_dtype: torch.dtype, optimizer: str, trained: set[int] | None = None,
-                   frozen_dtype: torch.dtype | None = None, units_stay: bool = False) -> ShardedStates:
+                   frozen_dtype: torch.dtype | None = None, units_stay: bool = False,
+                   reference_dtype: torch.dtype | None = None) -> ShardedStates:
     """Per-rank bytes of everything FSDP2 and the optimizer keep for `model` on `world` ranks.
 
     `trained`: id() of the parameters that get a gradient (the probe's loss graph); a parameter
     the loss never reaches gets no gradient and no optimizer state. None: all of them.
     `frozen_dtype`: what a parameter that does not require grad is stored in (a LoRA's base;
-    default `storage_dtype`). `units_stay`: `units_stay_gathered` of the config."""
+    default `storage_dtype`). `units_stay`: `units_stay_gathered` of the config. `reference_dtype`:
+    a frozen copy of the model is sharded beside it in that dtype (TRL's DPO reference model, which
+    TRL's `prepare_fsdp` shards as loaded, with no upcast)."""
     params = list(model.parameters())  # tied parameters once
     frozen_dtype = frozen_dtype or storage_dtype
     mixed = storage_dtype != compute_dtype  # FSDP2 gathers every parameter in the compute dtype
@@ -128,4 +132,7 @@ def sharded_states(model: nn.Module, layer_classes: list[str], world: int, stora
         param_count=sum(p.numel() for p in params),
         units_gathered=sum(gathered(unit) for unit in units),
         units_stay=units_stay,
+        reference=sum(shard_numel(p.shape, world) * (max(reference_dtype.itemsize, p.element_size())
+                                                     if p.is_floating_point() else p.element_size())
+                      for p in params) if reference_dtype is not None else 0,
     )

@@ -2,7 +2,9 @@
 Trainer's `train`, each rank writes PROBE_DIR/rank{r}.json with what the framework's defaults made
 of the run (mixed precision, accumulation, micro-batch, checkpointing, the adapters) and what the
 rank holds of the parameters (local shard bytes and dtypes), for `estimate -- COMMAND` to be
-checked against (tests/clients/test_swift.py, and tests/scripts/trl_sft_probe.py)."""
+checked against (tests/clients/test_swift.py, and tests/scripts/trl_script_probe.py): also the
+largest batch the model's forward took (DPO's holds each sample's chosen and rejected), and the
+local bytes of a reference model (DPO's)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,20 @@ train = Trainer.train
 def _train_and_report(self: Trainer, *args, **kwargs):
     from torch.distributed.tensor import DTensor
 
+    batches = []
+
+    def record(module, args, kwargs):  # a forward pre-hook: the batch of each forward
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            batches.append(ids.shape[0])
+
+    hook = self.model.register_forward_pre_hook(record, with_kwargs=True)
     result = train(self, *args, **kwargs)
+    hook.remove()
     params = list((self.model_wrapped or self.model).parameters())
+    reference = getattr(self, "ref_model", None)
+    reference_local = [p.to_local() if isinstance(p, DTensor) else p for p in reference.parameters()] \
+        if reference is not None else []
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
     config = next(iter(getattr(self.model, "peft_config", {}).values()), None)
     report = {
@@ -32,6 +46,8 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         "trainable": sum(p.numel() for p in params if p.requires_grad),
         "targets": sorted(getattr(config, "target_modules", None) or []),
         "dropout": getattr(config, "lora_dropout", None),
+        "forward_batch": max(batches, default=None),
+        "reference_param_bytes": sum(t.numel() * t.element_size() for t in reference_local),
     }
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
