@@ -219,9 +219,10 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     docs/estimate.md: counting every gradient at the activations' peak overshot by 8-13%):
 
     - backward's: the resident states, the gathered units (current + prefetched, and one unit's
-      gradients; kept gathered after forward, every unit backward has not yet passed), the activations at one moment of backward, the head's (which allocates the
-      logits' gradient while everything saved is still there: `logits_grad`, what the head's
-      backward holds beyond the saves, `ActivationProfile.head_backward_bytes`) or a group's, and
+      gradients; kept gathered after forward, every unit backward has not yet passed), the
+      activations at one moment of backward, the head's (which allocates the logits' gradient
+      while everything saved is still there: `logits_grad`, what the head's backward holds
+      beyond the saves, `ActivationProfile.head_backward_bytes`) or a group's, and
       the gradients of only the groups backward has finished by then: between steps they are
       None (`zero_grad`'s default), and they appear group by group as backward walks back (all
       of them when `accumulating`: micro-batches before this one left theirs). The moment is the
