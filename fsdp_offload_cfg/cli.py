@@ -525,11 +525,6 @@ def _flags_from_file(args: argparse.Namespace, run: RunArguments | None, process
         run = dataclasses.replace(run, gradient_accumulation_steps=steps, taken={
             **run.taken, "gradient_accumulation_steps": f"gradient_accumulation_steps unset: ms-swift's "
                                                         f"ceil({run.accumulation_target} / batch / processes)"})
-    if run is not None and run.sequences_per_sample > 1 and args.batch_size is None and run.batch_size:
-        run = dataclasses.replace(run, batch_size=run.batch_size * run.sequences_per_sample, taken={
-            **run.taken, "batch_size": f"{run.taken['batch_size']}, {run.batch_size} samples x "
-                                       f"{run.sequences_per_sample}: DPO runs each sample's chosen and rejected "
-                                       "completions in one forward"})
     for flag, name in (("--model", "model"), ("--seq-len", "seq_len"), ("--batch-size", "batch_size"),
                        ("--gradient-accumulation-steps", "gradient_accumulation_steps"), ("--optimizer", "optimizer"),
                        ("--dtype", "dtype")):

@@ -59,9 +59,8 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
     is_launcher, named = launch_config_file(command, cwd)
     config_file = str(named) if named is not None else None
     if is_launcher and not is_trl_cli(command):
-        script_args, processes, overrides = _accelerate_launch(command)
-        return _with_arguments(command, script_args, cwd, config_file=config_file, num_processes=processes,
-                               overrides=overrides, num_machines=_int_flag(command, "num_machines"))
+        script_args, launched = _accelerate_launch(command)
+        return _with_arguments(command, script_args, cwd, config_file=config_file, **launched)
     if is_launcher:  # TRL's CLI: `trl VERB ARGS`; launch flags (`--num_processes`) mixed in, or in its --config YAML
         verb_at = _trl_verb_at(command)
         found = _with_arguments(command, command[verb_at + 1:], cwd, config_file=config_file,
@@ -69,14 +68,13 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
         processes = found.arguments.get("num_processes")
         return dataclasses.replace(found, overrides=_trl_launch_overrides(found.arguments),
                                    num_processes=processes if isinstance(processes, int) else None)
-    if (verb_at := _swift_verb_at(command)) is not None:
+    if (verb_at := _verb_at(command, "swift", ("sft", "pt", "rlhf"))) is not None:
         return _swift(command, verb_at, cwd)
-    if (verb_at := _axolotl_verb_at(command)) is not None:
+    if (verb_at := _verb_at(command, "axolotl", ("train",))) is not None:
         return _axolotl(command, verb_at, cwd)
     if _is_torchrun(command):
-        script_args, processes = _torchrun(command)
-        return _with_arguments(command, script_args, cwd, num_processes=processes,
-                               num_machines=_int_flag(command, "nnodes"))
+        script_args, launched = _torchrun(command)
+        return _with_arguments(command, script_args, cwd, **launched)
     return _with_arguments(command, _script_args(command), cwd)
 
 
@@ -89,9 +87,10 @@ def _with_arguments(command: list[str], script_args: list[str], cwd: str, **foun
     return LaunchCommand(tuple(command), run_file=run_file, arguments=arguments, arguments_from=arguments_from, **found)
 
 
-def _accelerate_launch(command: list[str]) -> tuple[list[str], int | None, tuple[str, ...]]:
-    """The script's arguments, `--num_processes` and the typed config flags, by accelerate's
-    own parser (a command line it refuses is refused here, with its message)."""
+def _accelerate_launch(command: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """The script's arguments, and `--num_processes`, `--num_machines` and the typed config flags
+    (as `LaunchCommand` fields), by accelerate's own parser (a command line it refuses is refused
+    here, with its message)."""
     from accelerate.commands.launch import launch_command_parser
 
     start = next(i for i, arg in enumerate(command) if arg == "launch" or arg.endswith(
@@ -103,7 +102,8 @@ def _accelerate_launch(command: list[str]) -> tuple[list[str], int | None, tuple
     overrides = tuple(f"{dotted_key(key)}={_text(getattr(parsed, name))}"
                       for name, key in typed_launch_flags(command).items()
                       if key != "num_processes" and getattr(parsed, name, None) is not None)
-    return list(parsed.training_script_args), parsed.num_processes, overrides
+    return list(parsed.training_script_args), {"num_processes": parsed.num_processes,
+                                               "num_machines": parsed.num_machines, "overrides": overrides}
 
 
 def _trl_launch_overrides(arguments: dict[str, Any]) -> tuple[str, ...]:
@@ -120,10 +120,10 @@ def _trl_launch_overrides(arguments: dict[str, Any]) -> tuple[str, ...]:
                  if name in arguments and name in known and name not in trainers and key != "num_processes")
 
 
-def _swift_verb_at(command: list[str]) -> int | None:
-    """Where the verb of `swift sft` (`pt`, `rlhf`) is; None for any other command."""
-    at = next((i for i, arg in enumerate(command[:3]) if os.path.basename(arg) == "swift"), None)
-    return at + 1 if at is not None and command[at + 1:at + 2] in (["sft"], ["pt"], ["rlhf"]) else None
+def _verb_at(command: list[str], program: str, verbs: tuple[str, ...]) -> int | None:
+    """Where the verb of `program VERB` (`swift sft`, `axolotl train`) is; None for any other command."""
+    at = next((i for i, arg in enumerate(command[:3]) if os.path.basename(arg) == program), None)
+    return at + 1 if at is not None and at + 1 < len(command) and command[at + 1] in verbs else None
 
 
 def _swift(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:
@@ -147,12 +147,6 @@ def _swift_processes(arguments: dict[str, Any]) -> int | None:
     return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
 
 
-def _axolotl_verb_at(command: list[str]) -> int | None:
-    """Where the verb of `axolotl train` is; None for any other command."""
-    at = next((i for i, arg in enumerate(command[:3]) if os.path.basename(arg) == "axolotl"), None)
-    return at + 1 if at is not None and command[at + 1:at + 2] == ["train"] else None
-
-
 def _axolotl(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:
     """`axolotl train cfg.yml [OPTIONS] [-- LAUNCHER ARGS]`: its YAML is the run and its config;
     it starts `accelerate launch` (its default `--launcher`) with `--num_processes` from its
@@ -165,10 +159,11 @@ def _axolotl(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:
     if launcher == "python":
         return dataclasses.replace(found, num_processes=1)
     if launcher == "torchrun":
-        return dataclasses.replace(found, num_processes=_torchrun(["torchrun", *launcher_args, "train.py"])[1])
-    counted = ["--num_processes", str(processes)] if processes is not None else []
-    _, given, _ = _accelerate_launch(["accelerate", "launch", *counted, *launcher_args, "train.py"])
-    return dataclasses.replace(found, num_processes=given)
+        _, launched = _torchrun(["torchrun", *launcher_args, "train.py"])
+    else:  # its YAML, not the launcher's config flags, sets the run: only the counts are taken
+        counted = ["--num_processes", str(processes)] if processes is not None else []
+        _, launched = _accelerate_launch(["accelerate", "launch", *counted, *launcher_args, "train.py"])
+    return dataclasses.replace(found, num_processes=launched["num_processes"], num_machines=launched["num_machines"])
 
 
 def _swift_config_path(name: str, cwd: str) -> str:
@@ -186,11 +181,13 @@ def _is_torchrun(command: list[str]) -> bool:
     return any(os.path.basename(arg) == "torchrun" or arg == "torch.distributed.run" for arg in command[:3])
 
 
-def _torchrun(command: list[str]) -> tuple[list[str], int | None]:
-    """torchrun's script arguments and its processes: `--nproc_per_node` times `--nnodes`."""
+def _torchrun(command: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """torchrun's script arguments, and its processes (`--nproc_per_node` times `--nnodes`) and
+    nodes, as `LaunchCommand` fields."""
     script = next((i for i, arg in enumerate(command) if arg.endswith(".py") and i > 0), None)
-    per_node, nodes = _int_flag(command, "nproc_per_node"), _int_flag(command, "nnodes") or 1
-    return (command[script + 1:] if script is not None else []), (per_node * nodes if per_node else None)
+    per_node, nodes = _int_flag(command, "nproc_per_node"), _int_flag(command, "nnodes")
+    return (command[script + 1:] if script is not None else []), {
+        "num_processes": per_node * (nodes or 1) if per_node else None, "num_machines": nodes}
 
 
 def _trl_verb_at(command: list[str]) -> int:

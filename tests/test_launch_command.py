@@ -134,3 +134,13 @@ def test_axolotl_takes_its_processes_from_its_option_or_its_launchers_arguments(
         launch = read_launch_command(["axolotl", "train", "cfg.yml", *args], str(tmp_path))
         assert (launch.run_file, launch.num_processes) == (str(tmp_path / "cfg.yml"), processes), args
         assert "" not in launch.arguments and launch.arguments["sequence_len"] == 512
+
+
+def test_the_machines_are_accelerates_num_machines_or_torchruns_nnodes(tmp_path: Path):
+    """FSDP1's HYBRID_SHARD copies across machines: `accelerate launch --num_machines` (by
+    accelerate's own parser) and torchrun's `--nnodes` say how many; none where neither is given."""
+    assert read_launch_command(["accelerate", "launch", "--num_machines", "2", "--num_processes", "16", "train.py",
+                                "--num_machines", "9"], str(tmp_path)).num_machines == 2  # the script's is its own
+    assert read_launch_command(["torchrun", "--nnodes", "2", "--nproc_per_node", "8", "train.py"],
+                               str(tmp_path)).num_machines == 2
+    assert read_launch_command(["accelerate", "launch", "train.py"], str(tmp_path)).num_machines is None

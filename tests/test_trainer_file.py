@@ -221,3 +221,14 @@ def test_ms_swifts_precision_is_its_load_dtypes(text: str, precision: str | None
     float32; with no `torch_dtype`, the checkpoint's dtype decides (the estimate reads it)."""
     run = _swift(text)
     assert (run.mixed_precision, run.precision_follows_dtype) == (precision, follows)
+
+
+def test_trl_dpo_runs_two_sequences_a_sample():
+    """`trl dpo`'s collator puts each sample's chosen and rejected completions in one forward:
+    the micro-batch the estimate counts is twice `per_device_train_batch_size` (8 when unset)."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    given = run_arguments_of({"model_name_or_path": "m", "per_device_train_batch_size": 2}, "dpo.yaml", "trl dpo")
+    assert given.batch_size == 4 and given.taken["batch_size"].startswith("per_device_train_batch_size, 2 samples x 2")
+    assert run_arguments_of({"model_name_or_path": "m"}, "dpo.yaml", "trl dpo").batch_size == 16
+    assert run_arguments_of({"model_name_or_path": "m"}, "sft.yaml", "trl sft").batch_size == 8

@@ -143,21 +143,11 @@ def test_trl_sft_with_fsdp2s_default_state_dict_saves_its_final_model(files: Pat
     assert saved.keys() == loaded.keys() and (out / "config.json").exists()
 
 
-def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]):
-    """A TRL config that says neither `bf16` nor `gradient_checkpointing` nor `dtype`, with
-    `use_peft: true`: TRL's `sft` script (on 2 gloo ranks) runs bf16 mixed precision, checkpoints
-    every layer, loads in float32, takes TrainingArguments' micro-batch of 8 and trains rank-16
-    adapters on PEFT's default modules with dropout 0.05. The estimate of that same file says each, and counts rank 0's parameter bytes and
-    the trainable parameters as TRL's run holds them. Before, it read the file as the Trainer's:
-    no mixed precision, no checkpointing, and a full fine-tune."""
-    from fsdp_offload_cfg import cli
+def _probed_trl_script(verb: str, recipe: Path, tmp_path: Path, cwd: Path) -> dict:
+    """TRL's own `VERB` script on 2 gloo ranks (torchrun) with `--config recipe`, one step; rank 0's
+    report from the Trainer probe (tests/scripts/trainer_probe_plugin.py)."""
     from fsdp_offload_cfg.testing.dist import free_port
 
-    recipe = tmp_path / "sft.yaml"
-    recipe.write_text(f"model_name_or_path: {files / 'llama'}\ndataset_name: {files / 'data'}\ndataset_text_field: text\n"
-                      "max_length: 16\nuse_peft: true\nfsdp: full_shard auto_wrap\n"
-                      "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
     probe = Path(__file__).parent / "scripts" / "trl_script_probe.py"
     out = tmp_path / "probe"
     out.mkdir()
@@ -165,12 +155,29 @@ def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_p
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PROBE_DIR=str(out))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(probe), "sft", "--config", str(recipe), "--output_dir", str(tmp_path / "out"),
-                           "--max_steps", "1", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
-                           "--dataloader_num_workers", "0"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=files)
+                           str(free_port()), str(probe), verb, "--config", str(recipe), "--output_dir",
+                           str(tmp_path / "out"), "--max_steps", "1", "--use_cpu", "--report_to", "none",
+                           "--save_strategy", "no", "--dataloader_num_workers", "0"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    real = json.loads((out / "rank0.json").read_text())
+    return json.loads((out / "rank0.json").read_text())
+
+
+def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]):
+    """A TRL config that says neither `bf16` nor `gradient_checkpointing` nor `dtype`, with
+    `use_peft: true`: TRL's `sft` script (on 2 gloo ranks) runs bf16 mixed precision, checkpoints
+    every layer, loads in float32, takes TrainingArguments' micro-batch of 8 and trains rank-16
+    adapters on PEFT's default modules with dropout 0.05. The estimate of that same file says
+    each, and counts rank 0's parameter bytes and the trainable parameters as TRL's run holds them. Before, it read the file as the Trainer's:
+    no mixed precision, no checkpointing, and a full fine-tune."""
+    from fsdp_offload_cfg import cli
+
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"model_name_or_path: {files / 'llama'}\ndataset_name: {files / 'data'}\ndataset_text_field: text\n"
+                      "max_length: 16\nuse_peft: true\nfsdp: full_shard auto_wrap\n"
+                      "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
+    real = _probed_trl_script("sft", recipe, tmp_path, cwd=files)
     assert cli.main(["estimate", str(recipe), "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0
     estimated = json.loads(capsys.readouterr().out)
     assert (real["mixed_precision"], estimated["inputs"]["compute_dtype"]) == ("bf16", "bfloat16")
@@ -193,7 +200,6 @@ def test_the_estimate_of_trl_dpo_holds_its_reference_model_and_its_two_sequences
     import numpy as np
 
     from fsdp_offload_cfg import cli
-    from fsdp_offload_cfg.testing.dist import free_port
     from fsdp_offload_cfg.testing.models import words
 
     rng = np.random.default_rng(0)
@@ -207,19 +213,7 @@ def test_the_estimate_of_trl_dpo_holds_its_reference_model_and_its_two_sequences
     recipe.write_text(f"model_name_or_path: {files / 'llama'}\ndataset_name: {tmp_path / 'prefs'}\nmax_length: 16\n"
                       "per_device_train_batch_size: 2\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
                       "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
-    probe = Path(__file__).parent / "scripts" / "trl_script_probe.py"
-    out = tmp_path / "probe"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PROBE_DIR=str(out))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(probe), "dpo", "--config", str(recipe), "--output_dir",
-                           str(tmp_path / "out"), "--max_steps", "1", "--use_cpu", "--report_to", "none",
-                           "--save_strategy", "no", "--dataloader_num_workers", "0"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    real = json.loads((out / "rank0.json").read_text())
+    real = _probed_trl_script("dpo", recipe, tmp_path, cwd=tmp_path)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--", "trl", "dpo", "--config", "dpo.yaml"]) \
         == 0, capsys.readouterr().err

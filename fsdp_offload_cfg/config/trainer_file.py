@@ -103,7 +103,6 @@ class RunArguments:
     seq_len_follows_model: bool = False
     # `trl dpo` without PEFT: TRL loads a reference model, a frozen copy sharded beside the policy
     reference_model: bool = False
-    sequences_per_sample: int = 1  # `trl dpo`: its chosen and rejected completions run in one forward
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -132,13 +131,13 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
         "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", default=reader.default_seq_len()),
-        "batch_size": reader.first(BATCH_KEYS, int, "batch_size", default=reader.default_batch_size()),
+        "batch_size": reader.sequences_a_forward(reader.first(BATCH_KEYS, int, "batch_size",
+                                                              default=reader.default_batch_size())),
         "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
                                                     "gradient_accumulation_steps"),
         "accumulation_target": 16 if reader.swift and top.get("gradient_accumulation_steps") is None else None,
         "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
         "reference_model": reader.reference_model(),
-        "sequences_per_sample": 2 if reader.trl_verb == "dpo" else 1,
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),
@@ -243,6 +242,15 @@ class _Reader:
         (`precompute_ref_log_probs`: it is freed then)."""
         replaced = self.top.get("use_peft") is True or self.top.get("precompute_ref_log_probs") is True
         return self.trl_verb == "dpo" and not replaced
+
+    def sequences_a_forward(self, batch: int | None) -> int | None:
+        """The sequences one forward takes for `batch` samples: under `trl dpo` twice, as its
+        collator puts each sample's chosen and rejected completions in one batch."""
+        if self.trl_verb != "dpo" or batch is None:
+            return batch
+        self.taken["batch_size"] += f", {batch} samples x 2: DPO runs each sample's chosen and rejected " \
+                                    "completions in one forward"
+        return 2 * batch
 
     def default_batch_size(self) -> tuple[int, str] | None:
         """The framework's micro-batch where the file names none: ms-swift's 1; TrainingArguments'
