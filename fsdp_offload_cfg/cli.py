@@ -502,7 +502,8 @@ def _with_the_files_run(args: argparse.Namespace, config: FSDPOffloadConfig,
     if run is None:
         return config, taken
     config, said = _config_from_file(config, run, _load_dtype(args) if run.precision_follows_dtype else None)
-    return config, [*taken, *said, *_lora_from_file(args, run), *run.caveats]
+    reference = [f"a reference model: {run.reference_model}"] if run.reference_model else []
+    return config, [*taken, *said, *_lora_from_file(args, run), *reference, *run.caveats]
 
 
 def _load_dtype(args: argparse.Namespace) -> str | None:
@@ -604,7 +605,8 @@ def _unsaid(file: str, missing: list[str], run: RunArguments | None) -> str:
     keys = {"--model": MODEL_KEYS, "--seq-len": SEQ_LEN_KEYS, "--batch-size": BATCH_KEYS}
     if run is None:
         return f"{file} is not a Trainer's file, whose training arguments could give them"
-    return f"{file} has none of " + "; none of ".join(", ".join(keys[flag]) for flag in missing)
+    said = f"{file} has none of " + "; none of ".join(", ".join(keys[flag]) for flag in missing)
+    return f"{said}; {run.seq_len_said}" if "--seq-len" in missing and run.seq_len_said else said
 
 
 def _lora_input(args: argparse.Namespace) -> Any:

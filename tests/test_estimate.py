@@ -1154,6 +1154,12 @@ def test_what_neither_the_flags_nor_the_file_say_is_asked_for_by_name(models: di
     accelerate_file = _yaml(tmp_path, CONFIG_YAML)
     assert cli.main(["estimate", accelerate_file]) == 2
     assert "required: --model, --seq-len, --batch-size (" in capsys.readouterr().err
+    (tmp_path / "grpo.yaml").write_text(f"model_name_or_path: {models['llama']}\nmax_completion_length: 256\n"
+                                          "fsdp: full_shard\n")
+    assert cli.main(["estimate", "--", "trl", "grpo", "--config", str(tmp_path / "grpo.yaml")]) == 2
+    assert capsys.readouterr().err.strip().endswith(  # GRPO's sequence: a prompt and what is generated for it
+        "trl grpo trains on a prompt and a completion of up to max_completion_length 256 generated tokens: "
+        "give --seq-len as your longest prompt plus that)")
     quantized = _trainer_file(tmp_path, models["llama"], "quantization_bit: 4\nfinetuning_type: lora\n")
     assert cli.main(["estimate", quantized, "--num-processes", "2"]) == 1
     assert "quantization_bit: 4: the estimate counts no 4- or 8-bit weights; pass --lora-rank R" in \

@@ -232,3 +232,40 @@ def test_trl_dpo_runs_two_sequences_a_sample():
     assert given.batch_size == 4 and given.taken["batch_size"].startswith("per_device_train_batch_size, 2 samples x 2")
     assert run_arguments_of({"model_name_or_path": "m"}, "dpo.yaml", "trl dpo").batch_size == 16
     assert run_arguments_of({"model_name_or_path": "m"}, "sft.yaml", "trl sft").batch_size == 8
+
+
+@pytest.mark.parametrize("verb, said, loads", [
+    ("dpo", {}, True), ("kto", {}, True), ("kto", {"use_peft": True}, False),
+    ("kto", {"precompute_ref_log_probs": True}, False), ("dpo", {"beta": 0}, True),
+    ("grpo", {}, False), ("grpo", {"beta": 0.04}, True), ("grpo", {"beta": "1e-3"}, True),
+    ("grpo", {"beta": 0.04, "use_peft": True}, False),
+    ("rloo", {}, True), ("rloo", {"beta": 0}, False), ("sft", {}, False),
+])
+def test_the_trl_trainers_that_load_a_reference_model(verb: str, said: dict, loads: bool):
+    """TRL's trainers (0.24 to 1.16) load a reference model beside the policy: DPO and KTO
+    whatever their beta, unless PEFT's disabled adapters stand for it or its log-probs are
+    precomputed; GRPO and RLOO for their KL term where `beta` is not 0 (unset: 0.0 and 0.05),
+    unless PEFT. Before, only `trl dpo`'s was counted."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    run = run_arguments_of({"model_name_or_path": "m", **said}, f"{verb}.yaml", f"trl {verb}")
+    assert bool(run.reference_model) is loads, run.reference_model
+    if verb in ("grpo", "rloo") and loads:
+        assert "beta" in run.reference_model and ("default" in run.reference_model) is ("beta" not in said)
+
+
+def test_a_beta_that_is_not_a_number_is_named():
+    from fsdp_offload_cfg.config.model import ConfigError
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    with pytest.raises(ConfigError, match=r"grpo\.yaml.*beta.*expected a number, got high"):
+        run_arguments_of({"model_name_or_path": "m", "beta": "high"}, "grpo.yaml", "trl grpo")
+
+
+def test_trl_kto_runs_one_sequence_a_sample_of_1024_tokens_unset():
+    """KTO's mismatched KL completions run under no_grad: the forward that is trained takes
+    `per_device_train_batch_size` sequences, of KTOConfig's `max_length` 1024 where unset."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    run = run_arguments_of({"model_name_or_path": "m", "per_device_train_batch_size": 2}, "kto.yaml", "trl kto")
+    assert (run.batch_size, run.seq_len) == (2, 1024)

@@ -222,3 +222,44 @@ def test_the_estimate_of_trl_dpo_holds_its_reference_model_and_its_two_sequences
     assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
         (real, estimated["per_rank"])
     assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])
+
+
+@pytest.mark.parametrize("verb", ["kto", "grpo"])
+def test_the_estimate_holds_the_reference_model_of_trl_kto_and_of_trl_grpo_with_a_kl_term(
+        verb: str, files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`trl kto` loads a reference model as `trl dpo` does, and `trl grpo` one for its KL term
+    where `beta` is not 0 (here 0.04): TRL's own script (2 gloo ranks, a probe on `Trainer.train`)
+    against `estimate -- trl VERB`: rank 0's reference bytes, and the largest batch the policy's
+    forward took (KTO's mismatched KL completions run without gradients, in forwards of their
+    own: one sequence a sample). Before, the estimate counted no reference model but DPO's."""
+    import numpy as np
+
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.models import words
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "data").mkdir()
+    rows = [{"prompt": words(rng, 4), "completion": words(rng, 4), "label": i % 2 == 0} for i in range(8)]
+    if verb == "grpo":
+        rows = [{"prompt": row["prompt"]} for row in rows]
+        (tmp_path / "rewards.py").write_text("def length(completions, **kwargs):\n"
+                                             "    return [float(len(c)) for c in completions]\n")
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 2\n"
+                                        "use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
+                                        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    own = {"kto": "max_length: 16\n",
+           "grpo": "beta: 0.04\nnum_generations: 2\nmax_completion_length: 4\nreward_funcs: [rewards.length]\n"}[verb]
+    (tmp_path / f"{verb}.yaml").write_text(
+        f"model_name_or_path: {files / 'llama'}\ndataset_name: {tmp_path / 'data'}\n{own}"
+        "per_device_train_batch_size: 2\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
+        "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
+    real = _probed_trl_script(verb, tmp_path / f"{verb}.yaml", tmp_path, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--seq-len", "16", "--",
+                     "trl", verb, "--config", f"{verb}.yaml"]) == 0, capsys.readouterr().err
+    estimated = json.loads(capsys.readouterr().out)
+    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 2, (real, estimated["inputs"])
+    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
+        (real, estimated["per_rank"])
+    assert f"a reference model: trl {verb}'s" in estimated["assumptions"][0], estimated["assumptions"][0]

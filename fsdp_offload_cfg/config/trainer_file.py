@@ -45,7 +45,9 @@ every layer checkpointed. A TRL config (a key in `TRL_KEYS`, which only TRL's da
 takes TRL's (0.24 to 1.16, `trl/trainer/*_config.py`): bf16 unless `fp16`, every layer
 checkpointed, and where it has a ModelConfig key the float32 load of TRL's scripts (0.29 and
 later). The arguments of a framework's CLI (`cli`: `trl sft`, `swift sft`, read from a launch
-command) take that framework's defaults whatever keys they hold; ms-swift 4.6's: `--model`, LoRA
+command) take that framework's defaults whatever keys they hold: TRL's trainer by its verb (its
+`max_length`, DPO's two sequences a sample, the reference model of `trl dpo`, `trl kto`, and of
+`trl grpo` / `trl rloo` where their `beta` is not 0); ms-swift 4.6's: `--model`, LoRA
 by `--tuner_type` (rank 8, all-linear, dropout 0.05), a micro-batch of 1, accumulation
 `ceil(16 / batch / processes)`, checkpointing, and mixed precision by the load dtype. As a
 file alone, only one in the Trainer's layout is read so (`fsdp` or `fsdp_config` at the top, no
@@ -76,6 +78,9 @@ QUANTIZED_KEYS = ("load_in_4bit", "load_in_8bit", "quantization_bit")
 TRL_KEYS = ("use_peft", "model_revision", "accelerate_config", "dataset_train_split", "dataset_text_field",
             "completion_only_loss", "assistant_only_loss", "model_init_kwargs", "padding_free",
             "num_generations", "reward_funcs")
+# the TRL trainers that may load a reference model, and the KL coefficient `beta` each has unset (TRL 0.24 to
+# 1.16; DPO's and KTO's load one whatever their beta)
+REFERENCE_BETA = {"dpo": 0.1, "kto": 0.1, "grpo": 0.0, "rloo": 0.05}
 MODEL_CONFIG_KEYS = ("use_peft", "model_revision", "lora_task_type")  # TRL's ModelConfig: its scripts load by it
 
 
@@ -101,8 +106,11 @@ class RunArguments:
     # ms-swift's unset max_length: the model's longest (`model_max_length`), which the estimate, reading the model,
     # finds (its `--max_model_len` sets RoPE scaling, not this)
     seq_len_follows_model: bool = False
-    # `trl dpo` without PEFT: TRL loads a reference model, a frozen copy sharded beside the policy
-    reference_model: bool = False
+    # where no key gives the sequence length and no default holds: what the run's sequences are, in words
+    # (`trl grpo`'s: a prompt and its generated completion), for the usage error that asks for --seq-len
+    seq_len_said: str | None = None
+    # TRL loads a reference model, a frozen copy sharded beside the policy (`trl dpo` without PEFT): whose, in words
+    reference_model: str | None = None
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -137,6 +145,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
                                                     "gradient_accumulation_steps"),
         "accumulation_target": 16 if reader.swift and top.get("gradient_accumulation_steps") is None else None,
         "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
+        "seq_len_said": reader.generated_length(),
         "reference_model": reader.reference_model(),
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
@@ -236,12 +245,35 @@ class _Reader:
             return "float32"
         return None
 
-    def reference_model(self) -> bool:
-        """`trl dpo` loads a reference model (TRL 1.16's DPOTrainer), unless PEFT's disabled adapters
-        stand for it (`use_peft`) or, under FSDP, its log-probs are computed before training
-        (`precompute_ref_log_probs`: it is freed then)."""
-        replaced = self.top.get("use_peft") is True or self.top.get("precompute_ref_log_probs") is True
-        return self.trl_verb == "dpo" and not replaced
+    def reference_model(self) -> str | None:
+        """Why the TRL trainer loads a reference model beside the policy, in words; None where it
+        loads none (TRL 0.24 to 1.16 alike). `trl dpo` and `trl kto` load one unless PEFT's disabled
+        adapters stand for it (`use_peft`) or its log-probs are computed before training
+        (`precompute_ref_log_probs`: under FSDP it is freed then); `trl grpo` and `trl rloo` load
+        one for their KL term where `beta` is not 0 (0.0 and 0.05 unset), unless `use_peft`."""
+        if self.trl_verb not in REFERENCE_BETA or self.top.get("use_peft") is True:
+            return None
+        if self.trl_verb in ("dpo", "kto"):
+            return None if self.top.get("precompute_ref_log_probs") is True else f"trl {self.trl_verb}'s"
+        said = self.top.get("beta")
+        beta = REFERENCE_BETA[self.trl_verb] if said is None else _number(said)
+        if beta is None:
+            self.problems.append(Problem(self.path, "beta", f"expected a number, got {_show(said)}"))
+        if not beta:
+            return None
+        return f"trl {self.trl_verb}'s, for its KL term (beta {_show(beta)}" + \
+            (")" if "beta" in self.top else ": TRL's default)")
+
+    def generated_length(self) -> str | None:
+        """`trl grpo` and `trl rloo` train on a prompt and the completion generated for it, up to
+        `max_completion_length` tokens (512 unset in TRL 0.24 to 1.16); no key of theirs gives the
+        whole length, so the estimate asks for it, saying this."""
+        if self.trl_verb not in ("grpo", "rloo"):
+            return None
+        completion = self.top.get("max_completion_length")
+        return (f"trl {self.trl_verb} trains on a prompt and a completion of up to max_completion_length "
+                f"{completion if completion is not None else '512 (unset)'} generated tokens: give --seq-len as "
+                "your longest prompt plus that")
 
     def sequences_a_forward(self, batch: int | None) -> int | None:
         """The sequences one forward takes for `batch` samples: under `trl dpo` twice, as its
@@ -265,11 +297,13 @@ class _Reader:
 
     def default_seq_len(self) -> tuple[int, str] | None:
         """The framework's own sequence length where the file names none, and its words:
-        LlamaFactory's `cutoff_len` 2048; `max_length` 1024 of TRL's SFTConfig and DPOConfig (known
-        from `trl sft` / `trl dpo` only: a file alone does not say which trainer reads it)."""
+        LlamaFactory's `cutoff_len` 2048; `max_length` 1024 of TRL's SFTConfig, DPOConfig and
+        KTOConfig (known from `trl sft` / `trl dpo` / `trl kto` only: a file alone does not say
+        which trainer reads it; GRPO's and RLOO's sequences are a prompt of any length and up to
+        `max_completion_length` generated tokens, which the estimate asks for)."""
         if self.llamafactory:
             return 2048, "cutoff_len unset: LlamaFactory's default"
-        if self.trl_verb in ("sft", "dpo"):
+        if self.trl_verb in ("sft", "dpo", "kto"):
             return 1024, f"max_length unset: TRL's {self.trl_verb} default"
         return None
 
@@ -385,6 +419,16 @@ class _Reader:
 
 
 _KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _number(value: Any) -> float | None:
+    """A number as TRL's argument parser reads one: `0.04`, `0`, or YAML's string `1e-3`."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _show(value: Any) -> str:

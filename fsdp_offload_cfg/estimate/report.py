@@ -54,7 +54,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
     trained over a frozen base (`estimate/adapters.py`). `reference`: a frozen copy of the model
-    sharded beside it (DPO's reference model)."""
+    sharded beside it (TRL's reference model)."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -319,7 +319,8 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
 
 
 def _reference_said(dtypes: Dtypes) -> list[str]:
-    return [f"DPO's reference model: a frozen copy sharded beside the model in its load dtype "
+    return [f"the reference model (TRL's DPO, KTO, and GRPO / RLOO with a KL term): a frozen copy sharded beside "
+            f"the model in its load dtype "
             f"({_name(dtypes.load)}; reference_params_bytes), no gradient nor optimizer state; its forward runs "
             "before the model's, gathering one layer at a time (this plugin shards its layers; TRL's own "
             "prepare_fsdp gathers it whole)"]
