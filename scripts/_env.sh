@@ -84,10 +84,12 @@ if [ "$LEG" = clients ]; then
     in_turn pip_ install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = swift ]; then
-  if ! venv_has fsdp_offload_cfg pytest swift; then
+  if ! venv_has fsdp_offload_cfg pytest swift msgspec; then
     echo "[setup] installing ms-swift==4.6.0 with torch (CPU build), then fsdp-offload-cfg"
     torch_args
-    pip_ install -q "${TORCH_ARGS[@]}" "ms-swift==4.6.0"
+    # msgspec: `swift rlhf` imports it (swift/rlhf_trainers/utils.py) and ms-swift 4.6 does not
+    # declare it (vLLM brings it where that is installed); without it `swift rlhf` stops at import
+    pip_ install -q "${TORCH_ARGS[@]}" "ms-swift==4.6.0" msgspec
     in_turn pip_ install -q -e "$ROOT" pytest ${PAIR[@]+"${PAIR[@]}"}
   fi
 elif [ "$LEG" = axolotl-plugin ]; then

@@ -186,12 +186,12 @@ def test_trls_scripts_load_in_the_dtype_their_model_config_says(tmp_path: Path):
     assert (given.dtype, given.taken["dtype"]) == ("bfloat16", "model_init_kwargs.dtype")
 
 
-def _swift(text: str) -> RunArguments:
+def _swift(text: str, verb: str = "sft") -> RunArguments:
     import yaml
 
     from fsdp_offload_cfg.config.trainer_file import run_arguments_of
 
-    return run_arguments_of(yaml.safe_load(text) or {}, "the command line", "swift sft")
+    return run_arguments_of(yaml.safe_load(text) or {}, "the command line", f"swift {verb}")
 
 
 def test_ms_swifts_command_line_gets_ms_swifts_defaults():
@@ -269,3 +269,31 @@ def test_trl_kto_runs_one_sequence_a_sample_of_1024_tokens_unset():
 
     run = run_arguments_of({"model_name_or_path": "m", "per_device_train_batch_size": 2}, "kto.yaml", "trl kto")
     assert (run.batch_size, run.seq_len) == (2, 1024)
+
+
+@pytest.mark.parametrize("text, reference, batch, accumulation", [
+    ("", None, 2, (None, 16)),  # DPO unset, over LoRA: the disabled adapters are the reference
+    ("tuner_type: full\n", "swift rlhf --rlhf_type dpo's", 2, (None, 16)),
+    ("rlhf_type: kto\ntuner_type: full\n", "swift rlhf --rlhf_type kto's", 1, (None, 16)),
+    ("rlhf_type: grpo\ntuner_type: full\n",
+     "swift rlhf --rlhf_type grpo's, for its KL term (beta 0.04: ms-swift's default)", 1, (1, None)),
+    ("rlhf_type: grpo\ntuner_type: full\nbeta: 0\n", None, 1, (1, None)),
+    ("rlhf_type: grpo\ngradient_accumulation_steps: 4\n", None, 1, (4, None)),
+    ("rlhf_type: orpo\ntrain_type: full\n", None, 2, (None, 16)),
+    ("rlhf_type: simpo\nper_device_train_batch_size: 3\n", None, 6, (None, 16)),
+])
+def test_swift_rlhf_gets_its_methods_defaults(text: str, reference: str | None, batch: int,
+                                              accumulation: tuple[int | None, int | None]):
+    """`swift rlhf` (ms-swift 4.6's `RLHFArguments`): DPO unless `--rlhf_type` says otherwise; a
+    reference model for DPO, KTO, PPO and GRPO (beta 0.04 unset, none at 0) under a full fine-tune
+    alone; DPO's, CPO's, SimPO's and ORPO's chosen and rejected completions in one forward; GRPO's
+    unset accumulation 1, not ceil(16 / batch / processes). Before, `swift rlhf` was read as
+    `swift sft`: no reference model, half the sequences, 16 times GRPO's accumulation."""
+    run = _swift(text, "rlhf")
+    assert (run.reference_model, run.batch_size) == (reference, batch), run
+    assert (run.gradient_accumulation_steps, run.accumulation_target) == accumulation, run
+
+
+def test_swift_rlhf_counts_another_reference_checkpoint_as_a_copy_saying_so():
+    run = _swift("tuner_type: full\nref_model: other/model\n", "rlhf")
+    assert run.reference_model and run.caveats == ("ref_model: other/model is counted as a copy of the model",)

@@ -141,9 +141,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", default=reader.default_seq_len()),
         "batch_size": reader.sequences_a_forward(reader.first(BATCH_KEYS, int, "batch_size",
                                                               default=reader.default_batch_size())),
-        "gradient_accumulation_steps": reader.first(("gradient_accumulation_steps",), int,
-                                                    "gradient_accumulation_steps"),
-        "accumulation_target": 16 if reader.swift and top.get("gradient_accumulation_steps") is None else None,
+        **reader.accumulation(),
         "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
         "seq_len_said": reader.generated_length(),
         "reference_model": reader.reference_model(),
@@ -186,6 +184,8 @@ class _Reader:
         self.trl_verb = verb if framework == "trl" else None
         # ms-swift's CLI: LoRA, checkpointing and a micro-batch of 1 by default, precision by the load dtype
         self.swift = framework == "swift"
+        # `swift rlhf`'s method (`--rlhf_type`, DPO unset; SimPO runs as CPO), whose defaults hold over sft's
+        self.swift_rlhf = str(top.get("rlhf_type") or "dpo") if cli == "swift rlhf" else None
         self.precision_follows_dtype = False
         self.taken: dict[str, str] = {}
         self.caveats: list[str] = []
@@ -245,24 +245,57 @@ class _Reader:
             return "float32"
         return None
 
+    def accumulation(self) -> dict[str, int | None]:
+        """`gradient_accumulation_steps`, and where ms-swift computes it (unset) the target it
+        divides: `ceil(16 / batch / processes)`, except under `swift rlhf --rlhf_type grpo`, whose
+        unset accumulation is 1 (ms-swift 4.6's `RLHFArguments._set_default`)."""
+        if self.top.get("gradient_accumulation_steps") is not None or not self.swift:
+            return {"gradient_accumulation_steps": self.first(("gradient_accumulation_steps",), int,
+                                                              "gradient_accumulation_steps"), "accumulation_target": None}
+        if self.swift_rlhf == "grpo":
+            self.taken["gradient_accumulation_steps"] = "gradient_accumulation_steps unset: ms-swift's GRPO default"
+            return {"gradient_accumulation_steps": 1, "accumulation_target": None}
+        return {"gradient_accumulation_steps": None, "accumulation_target": 16}
+
     def reference_model(self) -> str | None:
         """Why the TRL trainer loads a reference model beside the policy, in words; None where it
         loads none (TRL 0.24 to 1.16 alike). `trl dpo` and `trl kto` load one unless PEFT's disabled
         adapters stand for it (`use_peft`) or its log-probs are computed before training
         (`precompute_ref_log_probs`: under FSDP it is freed then); `trl grpo` and `trl rloo` load
         one for their KL term where `beta` is not 0 (0.0 and 0.05 unset), unless `use_peft`."""
+        if self.swift_rlhf is not None:
+            return self._swift_reference()
         if self.trl_verb not in REFERENCE_BETA or self.top.get("use_peft") is True:
             return None
         if self.trl_verb in ("dpo", "kto"):
             return None if self.top.get("precompute_ref_log_probs") is True else f"trl {self.trl_verb}'s"
+        return self._kl_term(f"trl {self.trl_verb}'s", REFERENCE_BETA[self.trl_verb], "TRL")
+
+    def _swift_reference(self) -> str | None:
+        """`swift rlhf` loads a reference model for DPO, KTO, PPO and GRPO under a full fine-tune
+        (`--tuner_type full`; LoRA's disabled adapters stand for it otherwise), GRPO's where `beta`
+        is not 0 (0.04 unset), as ms-swift 4.6's `RLHFArguments.__post_init__` decides. A
+        `--ref_model` of another checkpoint is counted as a copy of the model, saying so."""
+        key = next((k for k in ("tuner_type", "train_type") if self.top.get(k) is not None), None)
+        if self.swift_rlhf not in ("dpo", "kto", "ppo", "grpo") or key is None or self.top[key] != "full":
+            return None
+        words = f"swift rlhf --rlhf_type {self.swift_rlhf}'s"
+        if self.swift_rlhf == "grpo":
+            words = self._kl_term(words, 0.04, "ms-swift")
+        if words is not None and self.top.get("ref_model") is not None:
+            self.caveats.append(f"ref_model: {_show(self.top['ref_model'])} is counted as a copy of the model")
+        return words
+
+    def _kl_term(self, whose: str, unset: float, framework: str) -> str | None:
+        """`whose` reference model, for a KL term weighted by `beta` (`unset` where the file says
+        none); None where beta is 0: no KL term, no reference model."""
         said = self.top.get("beta")
-        beta = REFERENCE_BETA[self.trl_verb] if said is None else _number(said)
+        beta = unset if said is None else _number(said)
         if beta is None:
             self.problems.append(Problem(self.path, "beta", f"expected a number, got {_show(said)}"))
         if not beta:
             return None
-        return f"trl {self.trl_verb}'s, for its KL term (beta {_show(beta)}" + \
-            (")" if "beta" in self.top else ": TRL's default)")
+        return f"{whose}, for its KL term (beta {_show(beta)}" + (")" if said is not None else f": {framework}'s default)")
 
     def generated_length(self) -> str | None:
         """`trl grpo` and `trl rloo` train on a prompt and the completion generated for it, up to
@@ -276,12 +309,14 @@ class _Reader:
                 "your longest prompt plus that")
 
     def sequences_a_forward(self, batch: int | None) -> int | None:
-        """The sequences one forward takes for `batch` samples: under `trl dpo` twice, as its
-        collator puts each sample's chosen and rejected completions in one batch."""
-        if self.trl_verb != "dpo" or batch is None:
+        """The sequences one forward takes for `batch` samples: twice under `trl dpo` and under
+        `swift rlhf`'s DPO, CPO, SimPO and ORPO, whose collators put each sample's chosen and
+        rejected completions in one batch (TRL's `concatenated_forward`, which ms-swift's keep)."""
+        method = "dpo" if self.trl_verb == "dpo" else self.swift_rlhf
+        if method not in ("dpo", "cpo", "simpo", "orpo") or batch is None:
             return batch
-        self.taken["batch_size"] += f", {batch} samples x 2: DPO runs each sample's chosen and rejected " \
-                                    "completions in one forward"
+        self.taken["batch_size"] += f", {batch} samples x 2: {method.upper()} runs each sample's chosen and " \
+                                    "rejected completions in one forward"
         return 2 * batch
 
     def default_batch_size(self) -> tuple[int, str] | None:

@@ -1,6 +1,6 @@
-"""ms-swift's own CLI (`swift sft`), run through `fsdp-offload-cfg run` with no code of ours in
-between, on 2 gloo CPU ranks (`NPROC_PER_NODE=2` makes ms-swift start torchrun): the `swift` CI
-leg, where `pip install ms-swift==4.6.0` chose the versions (transformers 5.19, accelerate 1.15,
+"""ms-swift's own CLI (`swift sft`; `swift rlhf` for the estimate), run through `fsdp-offload-cfg
+run` with no code of ours in between, on 2 gloo CPU ranks (`NPROC_PER_NODE=2` makes ms-swift
+start torchrun): the `swift` CI leg, where `pip install ms-swift==4.6.0` chose the versions (transformers 5.19, accelerate 1.15,
 trl 0.29, peft 0.20). Skipped where ms-swift is not installed (the other legs).
 
 The plugin's config travels in ms-swift's `--fsdp` JSON (`fsdp` + `fsdp_config`, handed to the
@@ -246,3 +246,45 @@ def test_the_estimate_of_a_swift_command_holds_what_swift_sft_runs(files: Path, 
     assert (lora["trainable_parameters"], lora["dropout"]) == (real["trainable"], real["dropout"]), (lora, real)
     assert lora["targets"] == "all-linear" and real["targets"] == \
         ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], (lora, real)
+
+
+def test_the_estimate_of_swift_rlhf_dpo_holds_its_reference_model_and_its_two_sequences_a_sample(
+        files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`swift rlhf` (DPO unset) of a full fine-tune loads a reference model, sharded beside the
+    policy, and runs each sample's chosen and rejected responses in one forward: against the run
+    (read after its training by an external plugin), the estimate of that same command counts rank
+    0's reference bytes and the forward's batch. Before, it was read as `swift sft`: neither."""
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.dist import free_port
+
+    with open(tmp_path / "prefs.jsonl", "w") as f:
+        for n in range(1, 9):
+            messages = [{"role": "user", "content": f"Count to {n}."},
+                        {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]
+            f.write(json.dumps({"messages": messages, "rejected_response": "no"}) + "\n")
+    fsdp = tmp_path / "fsdp.json"
+    fsdp.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {**FSDP, "cpu_ram_efficient_loading": True}}))
+    args = ["swift", "rlhf", "--model", str(files / "model"), "--dataset", str(tmp_path / "prefs.jsonl"), "--fsdp",
+            str(fsdp), "--tuner_type", "full", "--torch_dtype", "float32", "--use_cpu", "true", "--max_length", "64",
+            "--model_type", "llama", "--template", "default", "--system", "x", "--max_steps", "1",
+            "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--add_version", "false", "--report_to",
+            "none", "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--split_dataset_ratio", "0",
+            "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               USE_HF="1", OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
+               CUDA_VISIBLE_DEVICES="", PROBE_DIR=str(probe))  # fmt: skip
+    plugin = Path(__file__).parents[1] / "scripts" / "trainer_probe_plugin.py"
+    proc = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", *args, "--external_plugins", str(plugin)],
+                          capture_output=True, text=True, timeout=420, env=env, cwd=files)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    real = json.loads((probe / "rank0.json").read_text())
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--", *args]) == 0, capsys.readouterr().err
+    estimated = json.loads(capsys.readouterr().out)
+    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 2, (real, estimated["inputs"])
+    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
+        (real, estimated["per_rank"])
+    assert "a reference model: swift rlhf --rlhf_type dpo's" in estimated["assumptions"][0]
