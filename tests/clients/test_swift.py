@@ -1,7 +1,8 @@
 """ms-swift's own CLI (`swift sft`; `swift rlhf` for the estimate), run through `fsdp-offload-cfg
-run` with no code of ours in between, on 2 gloo CPU ranks (`NPROC_PER_NODE=2` makes ms-swift
-start torchrun): the `swift` CI leg, where `pip install ms-swift==4.6.0` chose the versions (transformers 5.19, accelerate 1.15,
-trl 0.29, peft 0.20). Skipped where ms-swift is not installed (the other legs).
+run` with no code of ours in between, on 2 gloo CPU ranks (`NPROC_PER_NODE=2` makes ms-swift start
+torchrun): the `swift` CI leg, where `pip install ms-swift==4.6.0` chose the versions (transformers
+5.19, accelerate 1.15, trl 0.29, peft 0.20). Skipped where ms-swift is not installed (the other
+legs).
 
 The plugin's config travels in ms-swift's `--fsdp` JSON (`fsdp` + `fsdp_config`, handed to the
 Trainer's arguments). Against the same run with the loader and offload off: full SFT under broadcast
