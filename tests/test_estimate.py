@@ -34,7 +34,7 @@ from fsdp_offload_cfg.testing.real_runs import (
     cache_bytes,
     checkpoint_every_group,
     estimated_saves_only,
-    gathered_after_forward,
+    gathered_in_the_step,
     offload_counters,
     real_model,
     saved_bytes,
@@ -1291,14 +1291,12 @@ def test_reshard_after_forward_false_keeps_every_unit_gathered_into_backward(mod
     kept for the whole step (the tail) and three of the largest unit (computing, prefetched, its
     gradients); kept, those and every unit, and one unit's gradients."""
     layers = estimate(models["llama"])["model"]["layer_classes"]
-    kept = run_workers(gathered_after_forward, 2, models["llama"], layers, False)[0]
-    resharded = run_workers(gathered_after_forward, 2, models["llama"], layers, True)[0]
-    units = [b for names, b in kept.items() if names not in resharded]
-    assert len(units) == len(kept) - len(resharded) >= 2, (kept, resharded)
-    always, largest = sum(resharded.values()), max(units)
-    expected = {False: always + sum(units) + largest}
-    if resharded:  # accelerate 1.14 and later keeps its tail, final norm and head, gathered the whole step
-        expected[True] = always + 3 * largest  # before, it resharded the root after forward, as the estimate does not model
+    kept = run_workers(gathered_in_the_step, 2, models["llama"], layers, False)[0]["after_forward"]
+    always = run_workers(gathered_in_the_step, 2, models["llama"], layers, True)[0]["in_backward"]
+    units = [b for names, b in kept.items() if names not in always]
+    assert len(units) >= 2 and always, (kept, always)
+    expected = {False: sum(always.values()) + sum(units) + max(units),
+                True: sum(always.values()) + 3 * max(units)}
     for reshard, gathered in expected.items():
         report = estimate_memory(config(reshard_after_forward=reshard), models["llama"], seq_len=SEQ,
                                  batch_size=BATCH, device="cpu", dtype="bfloat16")

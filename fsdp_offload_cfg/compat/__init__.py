@@ -11,6 +11,8 @@ The rest of the package calls these functions and never compares versions itself
   `past_key_values` before);
 - `master_weights`: which parameters accelerate's FSDP2 prepare upcasts to float32 under mixed
   precision (all, the trainable ones, or none in 1.13), for the estimate.
+- `unit_layout`: whether accelerate's FSDP2 prepare shards the input embedding as a unit of its
+  own (1.14 on) or keeps it in the root with the head, gathered the whole step, for the estimate.
 - `ignored_modules`: whether accelerate's FSDP2 prepare keeps the modules `fsdp_ignored_modules`
   names whole (1.11 and later) or shards them like the rest (1.10), for a warning.
 - `saving`: where `save_pretrained` writes each weights file, whether it builds new tensors for

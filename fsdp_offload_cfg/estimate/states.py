@@ -15,7 +15,8 @@ the load keeps in float32 (a MoE router gate in a bf16 model) stays float32, in 
 Units (what is gathered at once) follow accelerate's `fsdp2_prepare_model`: one per layer class,
 the input embedding when untied, a tail of [final norm, lm_head] (plus the embedding when tied)
 kept unsharded from forward to backward (`reshard_after_forward=False`), and the root, which holds
-what is left and also stays unsharded. Under the config's `reshard_after_forward: false` (FSDP1's
+what is left and also stays unsharded. accelerate 1.10-1.13 leave the embedding in the root with
+the head, gathered the whole step (`compat.unit_layout`). Under the config's `reshard_after_forward: false` (FSDP1's
 SHARD_GRAD_OP and HYBRID_SHARD_ZERO2) accelerate gives every unit that: each layer forward
 gathered stays gathered until its backward, so backward starts with the whole model gathered
 (`units_stay_gathered`, `ShardedStates.gathered_in_backward`).
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fsdp_offload_cfg.compat.unit_layout import embedding_is_a_unit
 from fsdp_offload_cfg.config.keys import FSDP2_RESHARD_FOR
 from fsdp_offload_cfg.config.model import FSDPOffloadConfig
 from fsdp_offload_cfg.offload.groups import find_units
@@ -87,9 +89,10 @@ def _unit_params(model: nn.Module, layer_classes: list[str]) -> tuple[list[list[
     embed = getattr(model, "get_input_embeddings", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     tied = embed is not None and head is not None and getattr(embed, "weight", None) is getattr(head, "weight", 0)
-    if not tied:
+    own_unit = not tied and embedding_is_a_unit()  # accelerate 1.10-1.13: the root holds it, beside the head
+    if own_unit:
         units.append(take(embed))
-    always = take(head) + (take(embed) if tied else [])
+    always = take(head) + ([] if own_unit else take(embed))
     always += [p for p in model.parameters() if id(p) not in seen]  # final norm and root leftovers
     return units, always
 

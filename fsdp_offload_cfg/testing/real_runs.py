@@ -240,12 +240,19 @@ def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[
             "optimizer": _storage_bytes(state), "param_dtypes": sorted({str(p.dtype) for p in params})}
 
 
-def gathered_after_forward(rank: int, world: int, path: str, layers: list[str], reshard: bool) -> dict[str, int]:
+def _is_layer(module: torch.nn.Module, layers: list[str]) -> bool:
+    """Whether `module` is of a layer class (FSDP2 makes each sharded module's class a subclass of its own)."""
+    return any(cls.__name__ in layers for cls in type(module).__mro__)
+
+
+def gathered_in_the_step(rank: int, world: int, path: str, layers: list[str], reshard: bool) -> dict[str, dict]:
     """On each gloo rank, a model prepared by the installed accelerate (FSDP2, bf16 mixed precision,
-    `reshard_after_forward` as given): the bytes of each parameter group FSDP2 holds gathered once
-    the forward is done, as backward starts, by the modules it shards together (`model.norm,lm_head`);
-    read from FSDP2's own state: the group's unsharded parameters' storages (dim 0 padded to a
-    multiple of the ranks, as FSDP2 all-gathers it), every storage once."""
+    `reshard_after_forward` as given): the bytes of each parameter group FSDP2 holds gathered
+    (`after_forward`) once the forward is done, and (`in_backward`) of the groups other than the
+    layers' as backward reaches the last layer (its output's gradient, the final norm's input),
+    by the modules it shards together (`model.norm,lm_head`; `<root>`); read from FSDP2's own
+    state: the group's unsharded parameters' storages (dim 0 padded to a multiple of the ranks, as
+    FSDP2 all-gathers it), every storage once."""
     from accelerate import Accelerator
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM
@@ -257,14 +264,25 @@ def gathered_after_forward(rank: int, world: int, path: str, layers: list[str], 
         "fsdp_transformer_layer_cls_to_wrap": layers, "fsdp_cpu_ram_efficient_loading": False}})
     accelerator = Accelerator()
     model = accelerator.prepare(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-    ids = torch.randint(1, 90, (2, 16), generator=torch.Generator().manual_seed(rank))
-    loss = model(input_ids=ids, labels=ids).loss
-    groups: dict[int, tuple[list[str], Any]] = {}  # one group may shard several modules (accelerate's tail)
+    groups: dict[int, tuple[list[str], Any, bool]] = {}  # one group may shard several modules (accelerate's tail)
     for name, module in model.named_modules():
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
         if group is not None:
-            groups.setdefault(id(group), ([], group))[0].append(name or "<root>")
-    gathered = {",".join(names): _storage_bytes(p._unsharded_param for p in group.fsdp_params)
-                for names, group in groups.values() if group.is_unsharded}
+            names, _, _ = groups.setdefault(id(group), ([], group, _is_layer(module, layers)))
+            names.append(name or "<root>")
+
+    def gathered(layer_units: bool) -> dict[str, int]:
+        return {",".join(names): _storage_bytes(p._unsharded_param for p in group.fsdp_params)
+                for names, group, is_layer in groups.values() if group.is_unsharded and (layer_units or not is_layer)}
+
+    seen: dict[str, dict[str, int]] = {}
+
+    def at_the_last_layers_gradient(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        args[0].register_hook(lambda grad: seen.setdefault("in_backward", gathered(layer_units=False)) and None)
+
+    model.get_decoder().norm.register_forward_pre_hook(at_the_last_layers_gradient)
+    ids = torch.randint(1, 90, (2, 16), generator=torch.Generator().manual_seed(rank))
+    loss = model(input_ids=ids, labels=ids).loss
+    seen["after_forward"] = gathered(layer_units=True)
     accelerator.backward(loss)
-    return gathered
+    return seen
