@@ -408,7 +408,8 @@ def _estimate(args: argparse.Namespace) -> int:
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
                                  lora=_lora_input(args), machines=args.num_machines or 1,
-                                 reference=bool(run and run.reference_model), **_plan_inputs(args))
+                                 reference=bool(run and run.reference_model),
+                                 reward_model=run.reward_model if run else None, **_plan_inputs(args))
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "
                                             f"{'; '.join(taken)}")

@@ -1301,3 +1301,19 @@ def test_reshard_after_forward_false_keeps_every_unit_gathered_into_backward(mod
         report = estimate_memory(config(reshard_after_forward=reshard), models["llama"], seq_len=SEQ,
                                  batch_size=BATCH, device="cpu", dtype="bfloat16")
         assert report["per_rank"]["gathered_params_bytes"] == gathered, (reshard, report["per_rank"], kept)
+
+
+def test_a_reward_model_is_counted_whole_on_every_rank_and_stays_on_the_device(models: dict[str, str]):
+    """A reward model (TRL's GRPO / RLOO, prepared in evaluation mode: accelerate does not shard
+    it) adds its whole bytes to every rank's peak, the same on 2 ranks as on 4, and stays on the
+    device under `offload_params`, where the model's own shards move to the host."""
+    plain = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu")
+    runs = {ranks: estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu",
+                                   num_processes=ranks, reward_model=models["llama"]) for ranks in (2, 4)}
+    reward = runs[2]["per_rank"]["reward_params_bytes"]
+    assert reward == runs[4]["per_rank"]["reward_params_bytes"] > 0
+    assert runs[2]["per_rank"]["peak_device_bytes"] == plain["per_rank"]["peak_device_bytes"] + reward
+    offloaded = estimate_memory(config(offload_params=True), models["llama"], seq_len=SEQ, batch_size=BATCH,
+                                device="cpu", reward_model=models["llama"])
+    assert offloaded["device_by_setting"]["plain"]["params_bytes"] == reward, offloaded["device_by_setting"]["plain"]
+    assert any("reward model" in line for line in runs[2]["assumptions"])

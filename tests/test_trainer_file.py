@@ -297,3 +297,14 @@ def test_swift_rlhf_gets_its_methods_defaults(text: str, reference: str | None, 
 def test_swift_rlhf_counts_another_reference_checkpoint_as_a_copy_saying_so():
     run = _swift("tuner_type: full\nref_model: other/model\n", "rlhf")
     assert run.reference_model and run.caveats == ("ref_model: other/model is counted as a copy of the model",)
+
+
+def test_trl_grpo_and_rloo_name_their_reward_model():
+    """`reward_model_name_or_path` (TRL's grpo and rloo scripts): a model the estimate counts whole
+    on every rank; other trainers' files do not load one."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    said = {"model_name_or_path": "m", "reward_model_name_or_path": "rm"}
+    assert run_arguments_of(said, "grpo.yaml", "trl grpo").reward_model == "rm"
+    assert run_arguments_of(said, "rloo.yaml", "trl rloo").reward_model == "rm"
+    assert run_arguments_of(said, "sft.yaml", "trl sft").reward_model is None

@@ -231,7 +231,9 @@ def test_the_estimate_holds_the_reference_model_of_trl_kto_and_of_trl_grpo_with_
     where `beta` is not 0 (here 0.04): TRL's own script (2 gloo ranks, a probe on `Trainer.train`)
     against `estimate -- trl VERB`: rank 0's reference bytes, and the largest batch the policy's
     forward took (KTO's mismatched KL completions run without gradients, in forwards of their
-    own: one sequence a sample). Before, the estimate counted no reference model but DPO's."""
+    own: one sequence a sample); and GRPO's reward model (`reward_model_name_or_path`), which TRL
+    prepares in evaluation mode, whole on every rank. Before, the estimate counted no reference
+    model but DPO's, and no reward model."""
     import numpy as np
 
     from fsdp_offload_cfg import cli
@@ -249,7 +251,8 @@ def test_the_estimate_holds_the_reference_model_of_trl_kto_and_of_trl_grpo_with_
                                         "use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
                                         "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
     own = {"kto": "max_length: 16\n",
-           "grpo": "beta: 0.04\nnum_generations: 2\nmax_completion_length: 4\nreward_funcs: [rewards.length]\n"}[verb]
+           "grpo": "beta: 0.04\nnum_generations: 2\nmax_completion_length: 4\nreward_funcs: [rewards.length]\n"
+                   f"reward_model_name_or_path: {files / 'llama'}\n"}[verb]
     (tmp_path / f"{verb}.yaml").write_text(
         f"model_name_or_path: {files / 'llama'}\ndataset_name: {tmp_path / 'data'}\n{own}"
         "per_device_train_batch_size: 2\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
@@ -263,3 +266,5 @@ def test_the_estimate_holds_the_reference_model_of_trl_kto_and_of_trl_grpo_with_
     assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
         (real, estimated["per_rank"])
     assert f"a reference model: trl {verb}'s" in estimated["assumptions"][0], estimated["assumptions"][0]
+    if verb == "grpo":  # its reward model (a causal LM under a new one-row score head), whole on every rank
+        assert real["reward_bytes"] == estimated["per_rank"]["reward_params_bytes"] > 0, (real, estimated["per_rank"])

@@ -111,6 +111,8 @@ class RunArguments:
     seq_len_said: str | None = None
     # TRL loads a reference model, a frozen copy sharded beside the policy (`trl dpo` without PEFT): whose, in words
     reference_model: str | None = None
+    # `trl grpo` / `trl rloo`'s `reward_model_name_or_path`: a reward model TRL holds whole on every rank
+    reward_model: str | None = None
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -145,6 +147,8 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
         "seq_len_said": reader.generated_length(),
         "reference_model": reader.reference_model(),
+        "reward_model": reader.first(("reward_model_name_or_path",), str, "reward_model")
+        if reader.trl_verb in ("grpo", "rloo") else None,
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),

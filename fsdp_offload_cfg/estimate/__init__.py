@@ -43,7 +43,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     device_memory: int | None = None, compute_flops: float | None = None,
                     copy_bytes: float | None = None, gradient_accumulation_steps: int = 1,
                     parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None,
-                    machines: int = 1, reference: bool = False) -> dict[str, Any]:
+                    machines: int = 1, reference: bool = False, reward_model: str | None = None) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -54,7 +54,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     slice of 1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count.
     `lora`: LoRA adapters trained over the frozen model (`estimate/adapters.py`). `machines`: the
     machines the ranks run on (accelerate's `num_machines`), over which FSDP1's HYBRID_SHARD copies.
-    `reference`: a frozen copy of the model sharded beside it (TRL's DPO reference model)."""
+    `reference`: a frozen copy of the model sharded beside it (TRL's reference model).
+    `reward_model`: the path of a reward model held whole on every rank (TRL's GRPO and RLOO)."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
@@ -68,6 +69,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     if isinstance(requested, AutoBudget):  # a size missing, said before the model is read
         device_memory = auto_device_bytes(config, requested, device_memory, device)
     model_config_file(model)  # a model that is not there, said before torch's import
+    if reward_model is not None:
+        model_config_file(reward_model)
     from fsdp_offload_cfg.estimate.report import build_report
 
     return build_report(config, model, ranks=ranks // replicas, replicas=replicas, seq_len=seq_len,
@@ -75,7 +78,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         activation_budget=requested,
                         the_run_plans_it=activation_budget is None and requested is not None,
                         device_memory=device_memory, rates=(compute_flops, copy_bytes),
-                        accumulating=gradient_accumulation_steps > 1, lora=lora, reference=reference)
+                        accumulating=gradient_accumulation_steps > 1, lora=lora, reference=reference,
+                        reward_model=reward_model)
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:

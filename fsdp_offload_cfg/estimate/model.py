@@ -90,6 +90,25 @@ def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dty
     return model
 
 
+def sequence_classifier_bytes(source: ModelSource, dtype: torch.dtype) -> int:
+    """The bytes of `source` loaded as `AutoModelForSequenceClassification` with one label in
+    `dtype` (how TRL loads a reward model: the checkpoint's head, or a causal LM's body under a
+    new one-row `score`), parameters and buffers, built on `meta`: no weight is read."""
+    import copy
+
+    import transformers
+
+    config = copy.copy(source.config)
+    config.num_labels = 1
+    mapping = transformers.AutoModelForSequenceClassification._model_mapping
+    if type(config) not in mapping:
+        raise ModelSourceError(f"{source.path}: transformers has no sequence-classification class for model_type "
+                               f"{config.model_type!r}, which TRL loads a reward model as")
+    model = build_on_meta(ModelSource(source.path, config, source.checkpoint_files, source.folder), dtype, dtype,
+                          mapping[type(config)])
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 def layer_class_names(model: nn.Module, configured: tuple[str, ...] | None, source: str = "your config") -> list[str]:
     """The FSDP unit classes a run wraps: `transformer_layer_cls_to_wrap`, else the declared
     classes the model has (`layer_classes.default_layer_classes`: what the run's prepare

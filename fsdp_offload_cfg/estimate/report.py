@@ -6,6 +6,7 @@ read them. Every byte count is an integer and every key ending in `_bytes` is by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -29,6 +30,7 @@ from fsdp_offload_cfg.estimate.model import (
     example_image,
     layer_class_names,
     read_model,
+    sequence_classifier_bytes,
 )
 from fsdp_offload_cfg.estimate.plan import (
     BudgetUnreachable,
@@ -49,12 +51,14 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  batch_size: int, optimizer: str, device: str, dtype: str | None,
                  activation_budget: int | AutoBudget | None = None, the_run_plans_it: bool = False,
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
-                 accumulating: bool = False, lora: Lora | None = None, reference: bool = False) -> dict[str, Any]:
+                 accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
+                 reward_model: str | None = None) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
     trained over a frozen base (`estimate/adapters.py`). `reference`: a frozen copy of the model
-    sharded beside it (TRL's reference model)."""
+    sharded beside it (TRL's reference model). `reward_model`: the path of a reward model held
+    whole on every rank (`reward_model_bytes`)."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -68,6 +72,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
                             dtypes.frozen, units_stay_gathered(config), dtypes.load if reference else None)
+    if reward_model is not None:
+        states = dataclasses.replace(states, reward=reward_model_bytes(reward_model, config, dtype))
     step_transient = optimizer_step_transient(states, optimizer, device)
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
@@ -103,7 +109,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "loading": _loading(config, source, states, dtypes, ranks, device),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
                                     image)
-        + _head_advice(profile, by_setting) + (_reference_said(dtypes) if reference else []),
+        + _head_advice(profile, by_setting) + (_reference_said(dtypes) if reference else [])
+        + (_reward_said(reward_model) if reward_model is not None else []),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -192,6 +199,7 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
     return {
         "params_bytes": states.params,
         "reference_params_bytes": states.reference,
+        "reward_params_bytes": states.reward,
         "grads_bytes": states.grads,
         "optimizer_bytes": states.optimizer,
         "buffers_bytes": states.buffers,
@@ -245,7 +253,7 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     activations, done = residency.moments[worst]
     at_head = worst == 0 and activations > residency.forward_end_device_bytes  # the head's backward, logits' grads
     backward = {
-        "params": states.params + states.reference if resident else 0,
+        "params": (states.params + states.reference if resident else 0) + states.reward,
         "grads": grads(done),
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + gathered(done),
@@ -316,6 +324,20 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
         stored = sum(t.dtype.itemsize * math.prod(t.shape) for t in tensors)
         return stored, any(t.dtype.is_floating_point and t.dtype != dtypes.load for t in tensors)
     return states.param_count * dtypes.load.itemsize, False
+
+
+def reward_model_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None) -> int:
+    """A reward model's bytes as TRL's GRPO and RLOO hold it: loaded with the policy's
+    `model_init_kwargs` (the load dtype the estimate was given, else the reward checkpoint's own)
+    and prepared in evaluation mode, which accelerate leaves whole on every rank."""
+    source = read_model(path)
+    return sequence_classifier_bytes(source, resolve_dtypes(config, source.config, dtype).load)
+
+
+def _reward_said(path: str) -> list[str]:
+    return [f"the reward model {path}: held whole on every rank (reward_params_bytes; TRL prepares it in "
+            "evaluation mode, which accelerate does not shard), in the load dtype, on the device even under "
+            "offload_params; its no-grad forward scores the completions before the training forward"]
 
 
 def _reference_said(dtypes: Dtypes) -> list[str]:
@@ -432,6 +454,8 @@ def format_table(report: dict[str, Any]) -> str:
             (f"activations on the device ({inputs['activation_setting']})", "activations_on_device_bytes"),
             ("pinned host pool", "pinned_host_bytes"), ("host memory for training", "host_bytes"),
             ("peak device memory", "peak_device_bytes")]
+    if r.get("reward_params_bytes"):
+        rows.insert(1, ("reward model (whole on every rank, frozen)", "reward_params_bytes"))
     if r.get("reference_params_bytes"):
         rows.insert(1, ("reference model (sharded, frozen)", "reference_params_bytes"))
     lines += [f"| {label} | {show_size(r[key])} |" for label, key in rows]

@@ -48,6 +48,9 @@ class ShardedStates:
     units_gathered: int = 0  # every layer/embedding unit, unsharded in the compute dtype
     reference: int = 0  # a frozen copy's shards (DPO's reference model), in the load dtype: no gradient, no state
     units_stay: bool = False  # reshard_after_forward false: a unit stays gathered from its forward to its backward
+    # a reward model, whole on every rank in its load dtype: TRL's GRPO and RLOO prepare it in evaluation mode,
+    # which accelerate leaves unsharded (and on the device whatever `offload_params` says)
+    reward: int = 0
 
     def gathered_in_backward(self, left: float = 1.0) -> int:
         """The parameters gathered at a moment of backward where `left` is the share of the units

@@ -4,13 +4,15 @@ of the run (mixed precision, accumulation, micro-batch, checkpointing, the adapt
 rank holds of the parameters (local shard bytes and dtypes), for `estimate -- COMMAND` to be
 checked against (tests/clients/test_swift.py, and tests/scripts/trl_script_probe.py): also the
 largest batch the model's forward took (DPO's holds each sample's chosen and rejected), and the
-local bytes of a reference model (DPO's)."""
+local bytes of a reference model (DPO's), and the bytes of each reward model a rank holds
+(GRPO's, whole: parameters and buffers)."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import torch
 from transformers import Trainer
 
 train = Trainer.train
@@ -34,6 +36,9 @@ def _train_and_report(self: Trainer, *args, **kwargs):
     reference_local = [p.to_local() if isinstance(p, DTensor) else p for p in reference.parameters()] \
         if reference is not None else []
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    rewards = [m for m in getattr(self, "reward_funcs", []) if isinstance(m, torch.nn.Module)]
+    reward_tensors = [t.to_local() if isinstance(t, DTensor) else t for m in rewards
+                      for t in [*m.parameters(), *m.buffers()]]
     config = next(iter(getattr(self.model, "peft_config", {}).values()), None)
     report = {
         "rank": self.args.process_index,
@@ -48,6 +53,7 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         "dropout": getattr(config, "lora_dropout", None),
         "forward_batch": max(batches, default=None),
         "reference_param_bytes": sum(t.numel() * t.element_size() for t in reference_local),
+        "reward_bytes": sum(t.numel() * t.element_size() for t in reward_tensors),
     }
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
