@@ -161,6 +161,12 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--lora-dropout", type=float, metavar="P",
                           help="the adapters' dropout (default 0, PEFT's; ms-swift's is 0.05): each adapter then "
                                "saves a dropped copy of its input")
+    estimate.add_argument("--reference-model", action=argparse.BooleanOptionalAction,
+                          help="a reference model: a frozen copy of the model sharded beside it, as TRL's DPO and KTO "
+                               "(and GRPO / RLOO with a KL term) hold one (default: as the run's command says)")
+    estimate.add_argument("--reward-model", metavar="MODEL",
+                          help="a reward model held whole on every rank, as TRL's GRPO and RLOO hold one (default: "
+                               "the run's reward_model_name_or_path)")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
 
@@ -408,8 +414,9 @@ def _estimate(args: argparse.Namespace) -> int:
                                  optimizer=args.optimizer, device=args.device, dtype=args.dtype,
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
                                  lora=_lora_input(args), machines=args.num_machines or 1,
-                                 reference=bool(run and run.reference_model),
-                                 reward_model=run.reward_model if run else None, **_plan_inputs(args))
+                                 reference=_given_or(args.reference_model, bool(run and run.reference_model)),
+                                 reward_model=_given_or(args.reward_model, run.reward_model if run else None),
+                                 **_plan_inputs(args))
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "
                                             f"{'; '.join(taken)}")
@@ -599,6 +606,11 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
             from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
         said.append(f"LoRA {' '.join(from_file)} ({run.taken['lora']})")
     return said
+
+
+def _given_or(flag: Any, from_the_run: Any) -> Any:
+    """A flag given on the command line wins over what the run's arguments say (accelerate's order)."""
+    return from_the_run if flag is None else flag
 
 
 def _unsaid(file: str, missing: list[str], run: RunArguments | None) -> str:

@@ -1317,3 +1317,19 @@ def test_a_reward_model_is_counted_whole_on_every_rank_and_stays_on_the_device(m
                                 device="cpu", reward_model=models["llama"])
     assert offloaded["device_by_setting"]["plain"]["params_bytes"] == reward, offloaded["device_by_setting"]["plain"]
     assert any("reward model" in line for line in runs[2]["assumptions"])
+
+
+def test_the_reference_and_reward_model_flags_win_over_the_runs_command(models: dict[str, str], tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]):
+    """`--reference-model` / `--no-reference-model` and `--reward-model` say what a script of the
+    user's own holds (the estimate cannot read it), and win over what a TRL command implies."""
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(f"model_name_or_path: {models['llama']}\nmax_length: {SEQ}\nper_device_train_batch_size: 1\n"
+                      "fsdp: full_shard\nfsdp_config:\n  version: 2\n")
+    dpo = ["--num-processes", "2", "--", "trl", "dpo", "--config", str(recipe)]
+    assert _command_estimate(capsys, *dpo)["per_rank"]["reference_params_bytes"] > 0
+    assert _command_estimate(capsys, "--no-reference-model", *dpo)["per_rank"]["reference_params_bytes"] == 0
+    own_script = [str(recipe), "--num-processes", "2"]  # a Trainer's file: no TRL trainer named, so neither model
+    assert _command_estimate(capsys, *own_script)["per_rank"]["reference_params_bytes"] == 0
+    said = _command_estimate(capsys, *own_script, "--reference-model", "--reward-model", models["llama"])["per_rank"]
+    assert said["reference_params_bytes"] > 0 and said["reward_params_bytes"] > 0, said
