@@ -280,8 +280,7 @@ class _Reader:
         (`--tuner_type full`; LoRA's disabled adapters stand for it otherwise), GRPO's where `beta`
         is not 0 (0.04 unset), as ms-swift 4.6's `RLHFArguments.__post_init__` decides. A
         `--ref_model` of another checkpoint is counted as a copy of the model, saying so."""
-        key = next((k for k in ("tuner_type", "train_type") if self.top.get(k) is not None), None)
-        if self.swift_rlhf not in ("dpo", "kto", "ppo", "grpo") or key is None or self.top[key] != "full":
+        if self.swift_rlhf not in ("dpo", "kto", "ppo", "grpo") or self._swift_tuner_said()[1] != "full":
             return None
         words = f"swift rlhf --rlhf_type {self.swift_rlhf}'s"
         if self.swift_rlhf == "grpo":
@@ -413,8 +412,7 @@ class _Reader:
     def _swift_tuner(self) -> dict[str, Any]:
         """ms-swift's `--tuner_type` (`--train_type` before 4.x), `lora` unless given, with its
         `lora_rank` 8, `target_modules` all-linear and `lora_dropout` 0.05."""
-        key = next((k for k in ("tuner_type", "train_type") if self.top.get(k) is not None), None)
-        tuner = self.top[key] if key is not None else "lora"
+        key, tuner = self._swift_tuner_said()
         if tuner != "lora":
             if tuner != "full":
                 self.caveats.append(f"{key}: {_show(tuner)} is counted as a full fine-tune (an upper bound)")
@@ -424,6 +422,12 @@ class _Reader:
             else self._names("target_modules")
         dropout = self._typed("lora_dropout", float) if self.top.get("lora_dropout") is not None else 0.05
         return self._adapters(rank, targets, dropout, f"{key}: lora" if key else "tuner_type unset: ms-swift's default lora")
+
+    def _swift_tuner_said(self) -> tuple[str | None, Any]:
+        """The key that names ms-swift's tuner (`tuner_type`; `train_type` before 4.x) and the
+        tuner: `lora` where neither is given."""
+        key = next((k for k in ("tuner_type", "train_type") if self.top.get(k) is not None), None)
+        return key, self.top[key] if key is not None else "lora"
 
     def _adapters(self, rank: int | None, targets: str | None, dropout: float | None, how: str) -> dict[str, Any]:
         if self.top.get("use_dora") is True or self.top.get("peft_use_dora") is True:
