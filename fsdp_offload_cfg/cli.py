@@ -167,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--reward-model", metavar="MODEL",
                           help="a reward model held whole on every rank, as TRL's GRPO and RLOO hold one (default: "
                                "the run's reward_model_name_or_path)")
+    estimate.add_argument("--teacher-model", metavar="MODEL",
+                          help="a distillation teacher held whole on every rank in its checkpoint's dtype, as TRL's "
+                               "distillation holds one (default: the run's teacher_model_name_or_path)")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
 
@@ -416,6 +419,8 @@ def _estimate(args: argparse.Namespace) -> int:
                                  lora=_lora_input(args), machines=args.num_machines or 1,
                                  reference=_given_or(args.reference_model, bool(run and run.reference_model)),
                                  reward_model=_given_or(args.reward_model, run.reward_model if run else None),
+                                 teacher_model=_given_or(args.teacher_model, run.teacher_model if run else None),
+                                 teacher_dtype=run.teacher_dtype if run and not args.teacher_model else None,
                                  **_plan_inputs(args))
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "

@@ -1333,3 +1333,18 @@ def test_the_reference_and_reward_model_flags_win_over_the_runs_command(models: 
     assert _command_estimate(capsys, *own_script)["per_rank"]["reference_params_bytes"] == 0
     said = _command_estimate(capsys, *own_script, "--reference-model", "--reward-model", models["llama"])["per_rank"]
     assert said["reference_params_bytes"] > 0 and said["reward_params_bytes"] > 0, said
+
+
+def test_a_distillation_teacher_is_counted_whole_in_its_own_dtype(models: dict[str, str]):
+    """A teacher (TRL's distillation) is held whole on every rank like a reward model, in the dtype
+    its init kwargs name, else the model's load dtype; `auto`: its checkpoint's own."""
+    def teacher(dtype: str | None, teacher_dtype: str | None) -> dict:
+        return estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu", dtype=dtype,
+                               teacher_model=models["llama"], teacher_dtype=teacher_dtype)["per_rank"]
+
+    fp32, bf16 = teacher("float32", None), teacher("float32", "bfloat16")
+    assert fp32["teacher_params_bytes"] > bf16["teacher_params_bytes"] > 0
+    assert fp32["peak_device_bytes"] - bf16["peak_device_bytes"] == \
+        fp32["teacher_params_bytes"] - bf16["teacher_params_bytes"]
+    stored = json.loads((Path(models["llama"]) / "config.json").read_text()).get("dtype", "float32")
+    assert teacher("float32", "auto")["teacher_params_bytes"] == teacher("float32", stored)["teacher_params_bytes"]

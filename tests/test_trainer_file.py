@@ -308,3 +308,27 @@ def test_trl_grpo_and_rloo_name_their_reward_model():
     assert run_arguments_of(said, "grpo.yaml", "trl grpo").reward_model == "rm"
     assert run_arguments_of(said, "rloo.yaml", "trl rloo").reward_model == "rm"
     assert run_arguments_of(said, "sft.yaml", "trl sft").reward_model is None
+
+
+@pytest.mark.parametrize("said, dtype", [
+    ({}, None), ({"teacher_model_init_kwargs": {"dtype": "bfloat16"}}, "bfloat16"),
+    ({"teacher_model_init_kwargs": '{"dtype": "auto"}'}, "auto"),  # JSON text, as TRL's command line takes it
+])
+def test_trl_distillation_names_its_teacher_and_the_dtype_it_loads_in(said: dict, dtype: str | None):
+    """`trl distillation`'s `teacher_model_name_or_path`, held whole on every rank, loaded in its
+    `teacher_model_init_kwargs` dtype (None: the model's, as TRL's script loads both)."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    run = run_arguments_of({"model_name_or_path": "m", "teacher_model_name_or_path": "t", **said}, "kd.yaml",
+                           "trl distillation")
+    assert (run.teacher_model, run.teacher_dtype) == ("t", dtype)
+    assert run_arguments_of({"teacher_model_name_or_path": "t"}, "sft.yaml", "trl sft").teacher_model is None
+
+
+def test_a_teacher_init_kwargs_that_is_no_mapping_is_named():
+    from fsdp_offload_cfg.config.model import ConfigError
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    with pytest.raises(ConfigError, match=r"kd\.yaml.*teacher_model_init_kwargs.*expected a mapping"):
+        run_arguments_of({"teacher_model_name_or_path": "t", "teacher_model_init_kwargs": "dtype=bf16"}, "kd.yaml",
+                         "trl distillation")

@@ -268,3 +268,36 @@ def test_the_estimate_holds_the_reference_model_of_trl_kto_and_of_trl_grpo_with_
     assert f"a reference model: trl {verb}'s" in estimated["assumptions"][0], estimated["assumptions"][0]
     if verb == "grpo":  # its reward model (a causal LM under a new one-row score head), whole on every rank
         assert real["reward_bytes"] == estimated["per_rank"]["reward_params_bytes"] > 0, (real, estimated["per_rank"])
+
+
+def test_the_estimate_holds_the_teacher_of_trl_distillation_whole_on_every_rank(
+        files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """`trl distillation` loads its teacher (`teacher_model_name_or_path`) with its
+    `teacher_model_init_kwargs` (here bfloat16, where the student loads in TRL's float32) and
+    prepares it in evaluation mode: whole on every rank. TRL's own script (2 gloo ranks, a probe on
+    `Trainer.train`) against `estimate -- trl distillation`: the teacher's bytes on rank 0. Before,
+    the estimate counted no teacher."""
+    import numpy as np
+
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.models import words
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(
+        {"prompt": words(rng, 4), "completion": words(rng, 4)}) + "\n" for _ in range(8)))
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 2\n"
+                                        "use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
+                                        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    (tmp_path / "kd.yaml").write_text(
+        f"model_name_or_path: {files / 'llama'}\nteacher_model_name_or_path: {files / 'llama'}\n"
+        "teacher_model_init_kwargs:\n  dtype: bfloat16\ndataset_name: data\nmax_completion_length: 4\n"
+        "per_device_train_batch_size: 2\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
+        "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
+    real = _probed_trl_script("distillation", tmp_path / "kd.yaml", tmp_path, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--seq-len", "16", "--",
+                     "trl", "distillation", "--config", "kd.yaml"]) == 0, capsys.readouterr().err
+    estimated = json.loads(capsys.readouterr().out)
+    assert real["teacher_bytes"] == estimated["per_rank"]["teacher_params_bytes"] > 0, (real, estimated["per_rank"])
+    assert real["param_dtypes"] == [estimated["inputs"]["storage_dtype"]] == ["float32"], (real, estimated["inputs"])

@@ -56,6 +56,7 @@ accelerate launch key): an accelerate file says its own precision and names no m
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,11 @@ class RunArguments:
     reference_model: str | None = None
     # `trl grpo` / `trl rloo`'s `reward_model_name_or_path`: a reward model TRL holds whole on every rank
     reward_model: str | None = None
+    # `trl distillation`'s `teacher_model_name_or_path`, held whole on every rank too, and the dtype its
+    # `teacher_model_init_kwargs` name (`auto`: its checkpoint's own; None: the model's load dtype, as TRL's script
+    # loads both by ModelConfig's `dtype`)
+    teacher_model: str | None = None
+    teacher_dtype: str | None = None
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -149,6 +155,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         "reference_model": reader.reference_model(),
         "reward_model": reader.first(("reward_model_name_or_path",), str, "reward_model")
         if reader.trl_verb in ("grpo", "rloo") else None,
+        **reader.teacher(),
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),
@@ -300,11 +307,32 @@ class _Reader:
             return None
         return f"{whose}, for its KL term (beta {_show(beta)}" + (")" if said is not None else f": {framework}'s default)")
 
+    def teacher(self) -> dict[str, str | None]:
+        """`trl distillation`'s teacher (`teacher_model_name_or_path`) and the dtype its
+        `teacher_model_init_kwargs` name (a mapping, or its JSON text from the command line); None
+        where they name none: TRL's script then loads the teacher in ModelConfig's `dtype`, as the
+        model."""
+        if self.trl_verb != "distillation" or self.top.get("teacher_model_name_or_path") is None:
+            return {"teacher_model": None, "teacher_dtype": None}
+        kwargs = self.top.get("teacher_model_init_kwargs") or {}
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except ValueError:
+                kwargs = None
+        if not isinstance(kwargs, dict):
+            self.problems.append(Problem(self.path, "teacher_model_init_kwargs", "expected a mapping (or its JSON), "
+                                         f"got {_show(self.top['teacher_model_init_kwargs'])}"))
+            kwargs = {}
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        return {"teacher_model": self.first(("teacher_model_name_or_path",), str, "teacher_model"),
+                "teacher_dtype": None if dtype is None else str(dtype)}
+
     def generated_length(self) -> str | None:
-        """`trl grpo` and `trl rloo` train on a prompt and the completion generated for it, up to
-        `max_completion_length` tokens (512 unset in TRL 0.24 to 1.16); no key of theirs gives the
-        whole length, so the estimate asks for it, saying this."""
-        if self.trl_verb not in ("grpo", "rloo"):
+        """`trl grpo`, `trl rloo` and `trl distillation` train on a prompt and the completion
+        generated for it, up to `max_completion_length` tokens (512 unset in TRL 0.24 to 1.16); no
+        key of theirs gives the whole length, so the estimate asks for it, saying this."""
+        if self.trl_verb not in ("grpo", "rloo", "distillation"):
             return None
         completion = self.top.get("max_completion_length")
         return (f"trl {self.trl_verb} trains on a prompt and a completion of up to max_completion_length "

@@ -104,8 +104,14 @@ def sequence_classifier_bytes(source: ModelSource, dtype: torch.dtype) -> int:
     if type(config) not in mapping:
         raise ModelSourceError(f"{source.path}: transformers has no sequence-classification class for model_type "
                                f"{config.model_type!r}, which TRL loads a reward model as")
-    model = build_on_meta(ModelSource(source.path, config, source.checkpoint_files, source.folder), dtype, dtype,
-                          mapping[type(config)])
+    return whole_model_bytes(ModelSource(source.path, config, source.checkpoint_files, source.folder), dtype,
+                             mapping[type(config)])
+
+
+def whole_model_bytes(source: ModelSource, dtype: torch.dtype, cls: type[nn.Module] | None = None) -> int:
+    """The bytes of `source` loaded whole in `dtype` (as `cls`, default the class `from_pretrained`
+    picks), parameters and buffers, built on `meta`: no weight is read."""
+    model = build_on_meta(source, dtype, dtype, cls)
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 

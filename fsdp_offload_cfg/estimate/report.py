@@ -31,6 +31,7 @@ from fsdp_offload_cfg.estimate.model import (
     layer_class_names,
     read_model,
     sequence_classifier_bytes,
+    whole_model_bytes,
 )
 from fsdp_offload_cfg.estimate.plan import (
     BudgetUnreachable,
@@ -52,13 +53,14 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  activation_budget: int | AutoBudget | None = None, the_run_plans_it: bool = False,
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
                  accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
-                 reward_model: str | None = None) -> dict[str, Any]:
+                 reward_model: str | None = None, teacher: tuple[str, str | None] | None = None) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
     trained over a frozen base (`estimate/adapters.py`). `reference`: a frozen copy of the model
     sharded beside it (TRL's reference model). `reward_model`: the path of a reward model held
-    whole on every rank (`reward_model_bytes`)."""
+    whole on every rank (`reward_model_bytes`); `teacher`: a distillation teacher's path and load
+    dtype (None: its checkpoint's), whole on every rank likewise."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -74,6 +76,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                             dtypes.frozen, units_stay_gathered(config), dtypes.load if reference else None)
     if reward_model is not None:
         states = dataclasses.replace(states, reward=reward_model_bytes(reward_model, config, dtype))
+    if teacher is not None:
+        states = dataclasses.replace(states, teacher=teacher_bytes(*teacher, config))
     step_transient = optimizer_step_transient(states, optimizer, device)
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
@@ -110,7 +114,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
                                     image)
         + _head_advice(profile, by_setting) + (_reference_said(dtypes) if reference else [])
-        + (_reward_said(reward_model) if reward_model is not None else []),
+        + (_reward_said(reward_model) if reward_model is not None else [])
+        + (_teacher_said(teacher[0]) if teacher is not None else []),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -200,6 +205,7 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
         "params_bytes": states.params,
         "reference_params_bytes": states.reference,
         "reward_params_bytes": states.reward,
+        "teacher_params_bytes": states.teacher,
         "grads_bytes": states.grads,
         "optimizer_bytes": states.optimizer,
         "buffers_bytes": states.buffers,
@@ -253,7 +259,7 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     activations, done = residency.moments[worst]
     at_head = worst == 0 and activations > residency.forward_end_device_bytes  # the head's backward, logits' grads
     backward = {
-        "params": (states.params + states.reference if resident else 0) + states.reward,
+        "params": (states.params + states.reference if resident else 0) + states.held_whole,
         "grads": grads(done),
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + gathered(done),
@@ -332,6 +338,20 @@ def reward_model_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None) 
     and prepared in evaluation mode, which accelerate leaves whole on every rank."""
     source = read_model(path)
     return sequence_classifier_bytes(source, resolve_dtypes(config, source.config, dtype).load)
+
+
+def teacher_bytes(path: str, dtype: str | None, config: FSDPOffloadConfig) -> int:
+    """A distillation teacher's bytes as TRL's `DistillationTrainer` holds it: loaded with
+    `teacher_model_init_kwargs` (its `dtype`, else the teacher checkpoint's own) and prepared in
+    evaluation mode, which accelerate leaves whole on every rank."""
+    source = read_model(path)
+    return whole_model_bytes(source, resolve_dtypes(config, source.config, dtype).load)
+
+
+def _teacher_said(path: str) -> list[str]:
+    return [f"the teacher model {path}: held whole on every rank (teacher_params_bytes; TRL prepares it in "
+            "evaluation mode, which accelerate does not shard), on the device even under offload_params; its "
+            "no-grad forward's logits over the whole vocabulary are not counted"]
 
 
 def _reward_said(path: str) -> list[str]:
@@ -454,6 +474,8 @@ def format_table(report: dict[str, Any]) -> str:
             (f"activations on the device ({inputs['activation_setting']})", "activations_on_device_bytes"),
             ("pinned host pool", "pinned_host_bytes"), ("host memory for training", "host_bytes"),
             ("peak device memory", "peak_device_bytes")]
+    if r.get("teacher_params_bytes"):
+        rows.insert(1, ("teacher model (whole on every rank, frozen)", "teacher_params_bytes"))
     if r.get("reward_params_bytes"):
         rows.insert(1, ("reward model (whole on every rank, frozen)", "reward_params_bytes"))
     if r.get("reference_params_bytes"):

@@ -51,6 +51,12 @@ class ShardedStates:
     # a reward model, whole on every rank in its load dtype: TRL's GRPO and RLOO prepare it in evaluation mode,
     # which accelerate leaves unsharded (and on the device whatever `offload_params` says)
     reward: int = 0
+    teacher: int = 0  # a distillation teacher (`trl distillation`), whole on every rank likewise
+
+    @property
+    def held_whole(self) -> int:
+        """The frozen models every rank holds whole on the device beside its shards."""
+        return self.reward + self.teacher
 
     def gathered_in_backward(self, left: float = 1.0) -> int:
         """The parameters gathered at a moment of backward where `left` is the share of the units

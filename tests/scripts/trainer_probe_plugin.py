@@ -5,7 +5,7 @@ rank holds of the parameters (local shard bytes and dtypes), for `estimate -- CO
 checked against (tests/clients/test_swift.py, and tests/scripts/trl_script_probe.py): also the
 largest batch the model's forward took (DPO's holds each sample's chosen and rejected), and the
 local bytes of a reference model (DPO's), and the bytes of each reward model a rank holds
-(GRPO's, whole: parameters and buffers)."""
+(GRPO's, whole: parameters and buffers) and of a distillation teacher."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _train_and_report(self: Trainer, *args, **kwargs):
 
     def record(module, args, kwargs):  # a forward pre-hook: the batch of each forward
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None:
+        if isinstance(ids, torch.Tensor):  # TRL's forward redirection calls it with a module first
             batches.append(ids.shape[0])
 
     hook = self.model.register_forward_pre_hook(record, with_kwargs=True)
@@ -37,6 +37,7 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         if reference is not None else []
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
     rewards = [m for m in getattr(self, "reward_funcs", []) if isinstance(m, torch.nn.Module)]
+    teacher = getattr(self, "teacher_model", None)
     reward_tensors = [t.to_local() if isinstance(t, DTensor) else t for m in rewards
                       for t in [*m.parameters(), *m.buffers()]]
     config = next(iter(getattr(self.model, "peft_config", {}).values()), None)
@@ -54,6 +55,8 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         "forward_batch": max(batches, default=None),
         "reference_param_bytes": sum(t.numel() * t.element_size() for t in reference_local),
         "reward_bytes": sum(t.numel() * t.element_size() for t in reward_tensors),
+        "teacher_bytes": sum(t.numel() * t.element_size() for t in [*teacher.parameters(), *teacher.buffers()])
+        if teacher is not None else 0,
     }
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
