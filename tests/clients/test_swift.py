@@ -204,25 +204,20 @@ def test_the_colliding_spelling_stops_every_rank_naming_both_offloaders(files: P
     assert "'loss'" not in text  # nothing trained
 
 
-def test_the_estimate_of_a_swift_command_holds_what_swift_sft_runs(files: Path, tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture[str],
-                                                                    monkeypatch: pytest.MonkeyPatch):
-    """`swift sft` with ms-swift's defaults left alone (LoRA rank 8 on all-linear with dropout 0.05,
-    a micro-batch of 1, accumulation ceil(16 / batch / processes), gradient checkpointing, mixed
-    precision by the load dtype): the estimate of that same command (`-- swift sft ...`, its
-    processes from NPROC_PER_NODE) says each as the run has it (read after its training by an
-    external plugin), and rank 0's parameter bytes. Before, an ms-swift command could not be
-    estimated, and its `--fsdp` JSON alone read as a full fine-tune."""
+def _probed_and_estimated(command: list[str], files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                          monkeypatch: pytest.MonkeyPatch) -> tuple[dict, dict]:
+    """The ms-swift `command` (its verb, model, data and what the test is about), with an FSDP JSON
+    and one step's settings added, on 2 gloo ranks through `run`: rank 0's report from the Trainer
+    probe (its `--external_plugins`, read after the training), and `estimate -- command` of it."""
     from fsdp_offload_cfg import cli
     from fsdp_offload_cfg.testing.dist import free_port
 
     fsdp = tmp_path / "fsdp.json"
     fsdp.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {**FSDP, "cpu_ram_efficient_loading": True}}))
-    args = ["swift", "sft", "--model", str(files / "model"), "--dataset", str(files / "data.jsonl"), "--fsdp", str(fsdp),
-            "--torch_dtype", "bfloat16", "--use_cpu", "true", "--max_length", "64", "--model_type", "llama", "--template", "default",
-            "--system", "x", "--max_steps", "1", "--save_strategy", "no", "--add_version", "false", "--report_to",
-            "none", "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--split_dataset_ratio", "0",
-            "--output_dir", str(tmp_path / "out")]
+    args = [*command, "--fsdp", str(fsdp), "--use_cpu", "true", "--max_length", "64", "--model_type", "llama",
+            "--template", "default", "--system", "x", "--max_steps", "1", "--save_strategy", "no", "--add_version",
+            "false", "--report_to", "none", "--dataset_num_proc", "1", "--dataloader_num_workers", "0",
+            "--split_dataset_ratio", "0", "--output_dir", str(tmp_path / "out")]  # fmt: skip
     probe = tmp_path / "probe"
     probe.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
@@ -233,10 +228,23 @@ def test_the_estimate_of_a_swift_command_holds_what_swift_sft_runs(files: Path, 
     proc = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", *args, "--external_plugins", str(plugin)],
                           capture_output=True, text=True, timeout=420, env=env, cwd=files)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    real = json.loads((probe / "rank0.json").read_text())
     monkeypatch.setenv("NPROC_PER_NODE", "2")
     assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--", *args]) == 0, capsys.readouterr().err
-    estimated = json.loads(capsys.readouterr().out)
+    return json.loads((probe / "rank0.json").read_text()), json.loads(capsys.readouterr().out)
+
+
+def test_the_estimate_of_a_swift_command_holds_what_swift_sft_runs(files: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    """`swift sft` with ms-swift's defaults left alone (LoRA rank 8 on all-linear with dropout 0.05,
+    a micro-batch of 1, accumulation ceil(16 / batch / processes), gradient checkpointing, mixed
+    precision by the load dtype): the estimate of that same command (`-- swift sft ...`, its
+    processes from NPROC_PER_NODE) says each as the run has it (read after its training by an
+    external plugin), and rank 0's parameter bytes. Before, an ms-swift command could not be
+    estimated, and its `--fsdp` JSON alone read as a full fine-tune."""
+    args = ["swift", "sft", "--model", str(files / "model"), "--dataset", str(files / "data.jsonl"),
+            "--torch_dtype", "bfloat16"]
+    real, estimated = _probed_and_estimated(args, files, tmp_path, capsys, monkeypatch)
     said = estimated["assumptions"][0]
     assert (real["mixed_precision"], estimated["inputs"]["compute_dtype"]) == ("bf16", "bfloat16"), said
     assert real["checkpointing"] and estimated["inputs"]["activation_setting"] == "checkpointing", said
@@ -255,36 +263,14 @@ def test_the_estimate_of_swift_rlhf_dpo_holds_its_reference_model_and_its_two_se
     policy, and runs each sample's chosen and rejected responses in one forward: against the run
     (read after its training by an external plugin), the estimate of that same command counts rank
     0's reference bytes and the forward's batch. Before, it was read as `swift sft`: neither."""
-    from fsdp_offload_cfg import cli
-    from fsdp_offload_cfg.testing.dist import free_port
-
     with open(tmp_path / "prefs.jsonl", "w") as f:
         for n in range(1, 9):
             messages = [{"role": "user", "content": f"Count to {n}."},
                         {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]
             f.write(json.dumps({"messages": messages, "rejected_response": "no"}) + "\n")
-    fsdp = tmp_path / "fsdp.json"
-    fsdp.write_text(json.dumps({"fsdp": "full_shard auto_wrap", "fsdp_config": {**FSDP, "cpu_ram_efficient_loading": True}}))
-    args = ["swift", "rlhf", "--model", str(files / "model"), "--dataset", str(tmp_path / "prefs.jsonl"), "--fsdp",
-            str(fsdp), "--tuner_type", "full", "--torch_dtype", "float32", "--use_cpu", "true", "--max_length", "64",
-            "--model_type", "llama", "--template", "default", "--system", "x", "--max_steps", "1",
-            "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--add_version", "false", "--report_to",
-            "none", "--dataset_num_proc", "1", "--dataloader_num_workers", "0", "--split_dataset_ratio", "0",
-            "--output_dir", str(tmp_path / "out")]  # fmt: skip
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               USE_HF="1", OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
-               CUDA_VISIBLE_DEVICES="", PROBE_DIR=str(probe))  # fmt: skip
-    plugin = Path(__file__).parents[1] / "scripts" / "trainer_probe_plugin.py"
-    proc = subprocess.run([str(BIN / "fsdp-offload-cfg"), "run", "--", *args, "--external_plugins", str(plugin)],
-                          capture_output=True, text=True, timeout=420, env=env, cwd=files)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    real = json.loads((probe / "rank0.json").read_text())
-    monkeypatch.setenv("NPROC_PER_NODE", "2")
-    assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--", *args]) == 0, capsys.readouterr().err
-    estimated = json.loads(capsys.readouterr().out)
+    args = ["swift", "rlhf", "--model", str(files / "model"), "--dataset", str(tmp_path / "prefs.jsonl"),
+            "--tuner_type", "full", "--torch_dtype", "float32", "--gradient_accumulation_steps", "1"]
+    real, estimated = _probed_and_estimated(args, files, tmp_path, capsys, monkeypatch)
     assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 2, (real, estimated["inputs"])
     assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
         (real, estimated["per_rank"])
