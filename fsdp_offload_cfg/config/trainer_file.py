@@ -153,8 +153,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
         "seq_len_said": reader.generated_length(),
         "reference_model": reader.reference_model(),
-        "reward_model": reader.first(("reward_model_name_or_path",), str, "reward_model")
-        if reader.trl_verb in ("grpo", "rloo") else None,
+        "reward_model": reader.reward_model(),
         **reader.teacher(),
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
@@ -306,6 +305,12 @@ class _Reader:
         if not beta:
             return None
         return f"{whose}, for its KL term (beta {_show(beta)}" + (")" if said is not None else f": {framework}'s default)")
+
+    def reward_model(self) -> str | None:
+        """`trl grpo` / `trl rloo`'s `reward_model_name_or_path` (their scripts' argument)."""
+        if self.trl_verb not in ("grpo", "rloo"):
+            return None
+        return self.first(("reward_model_name_or_path",), str, "reward_model")
 
     def teacher(self) -> dict[str, str | None]:
         """`trl distillation`'s teacher (`teacher_model_name_or_path`) and the dtype its

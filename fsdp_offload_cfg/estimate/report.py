@@ -75,9 +75,9 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
                             dtypes.frozen, units_stay_gathered(config), dtypes.load if reference else None)
     if reward_model is not None:
-        states = dataclasses.replace(states, reward=reward_model_bytes(reward_model, config, dtype))
+        states = dataclasses.replace(states, reward=held_whole_bytes(reward_model, config, dtype, reward=True))
     if teacher is not None:
-        states = dataclasses.replace(states, teacher=teacher_bytes(*teacher, config))
+        states = dataclasses.replace(states, teacher=held_whole_bytes(teacher[0], config, teacher[1], reward=False))
     step_transient = optimizer_step_transient(states, optimizer, device)
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
@@ -114,8 +114,10 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
                                     image)
         + _head_advice(profile, by_setting) + (_reference_said(dtypes) if reference else [])
-        + (_reward_said(reward_model) if reward_model is not None else [])
-        + (_teacher_said(teacher[0]) if teacher is not None else []),
+        + (_held_whole_said("reward", reward_model, "its no-grad forward scores the completions before the "
+                            "training forward") if reward_model is not None else [])
+        + (_held_whole_said("teacher", teacher[0], "its no-grad forward's logits over the whole vocabulary are "
+                            "not counted") if teacher is not None else []),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -199,8 +201,8 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
               at_peak: Callable[[Residency], dict[str, int]]) -> dict[str, int]:
     """Per-rank figures under the config's activation setting."""
     on_device = by_setting[chosen]
-    held = states.params + states.reference + states.grads + states.optimizer
-    host = on_device.host_bytes + (held if config.offload_params else 0)
+    offloadable = states.params + states.reference + states.grads + states.optimizer
+    host = on_device.host_bytes + (offloadable if config.offload_params else 0)
     return {
         "params_bytes": states.params,
         "reference_params_bytes": states.reference,
@@ -332,32 +334,18 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
     return states.param_count * dtypes.load.itemsize, False
 
 
-def reward_model_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None) -> int:
-    """A reward model's bytes as TRL's GRPO and RLOO hold it: loaded with the policy's
-    `model_init_kwargs` (the load dtype the estimate was given, else the reward checkpoint's own)
-    and prepared in evaluation mode, which accelerate leaves whole on every rank."""
+def held_whole_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None, reward: bool) -> int:
+    """The bytes of a model TRL prepares in evaluation mode, which accelerate leaves whole on every
+    rank: a reward model (GRPO's, RLOO's: a one-label sequence classifier, `reward`) or a
+    distillation teacher, loaded in `dtype` (None: its checkpoint's own)."""
     source = read_model(path)
-    return sequence_classifier_bytes(source, resolve_dtypes(config, source.config, dtype).load)
+    load = resolve_dtypes(config, source.config, dtype).load
+    return sequence_classifier_bytes(source, load) if reward else whole_model_bytes(source, load)
 
 
-def teacher_bytes(path: str, dtype: str | None, config: FSDPOffloadConfig) -> int:
-    """A distillation teacher's bytes as TRL's `DistillationTrainer` holds it: loaded with
-    `teacher_model_init_kwargs` (its `dtype`, else the teacher checkpoint's own) and prepared in
-    evaluation mode, which accelerate leaves whole on every rank."""
-    source = read_model(path)
-    return whole_model_bytes(source, resolve_dtypes(config, source.config, dtype).load)
-
-
-def _teacher_said(path: str) -> list[str]:
-    return [f"the teacher model {path}: held whole on every rank (teacher_params_bytes; TRL prepares it in "
-            "evaluation mode, which accelerate does not shard), on the device even under offload_params; its "
-            "no-grad forward's logits over the whole vocabulary are not counted"]
-
-
-def _reward_said(path: str) -> list[str]:
-    return [f"the reward model {path}: held whole on every rank (reward_params_bytes; TRL prepares it in "
-            "evaluation mode, which accelerate does not shard), in the load dtype, on the device even under "
-            "offload_params; its no-grad forward scores the completions before the training forward"]
+def _held_whole_said(role: str, path: str, besides: str) -> list[str]:
+    return [f"the {role} model {path}: held whole on every rank ({role}_params_bytes; TRL prepares it in "
+            f"evaluation mode, which accelerate does not shard), on the device even under offload_params; {besides}"]
 
 
 def _reference_said(dtypes: Dtypes) -> list[str]:
