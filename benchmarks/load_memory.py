@@ -63,6 +63,11 @@ the median time of `broadcast` of the same configuration in the same run.
     python benchmarks/load_memory.py --ranks 4 --methods broadcast sharded --repeat 5
     python benchmarks/load_memory.py --model 100m --ranks 4 --repeat 1 --methods stock native broadcast sharded auto
     python benchmarks/load_memory.py --model 8b --ranks 8 --repeat 1 ...   # a 16 GB checkpoint: 16 cores, 128 GB
+    python benchmarks/load_memory.py --model 100m --ranks 2 --methods plain broadcast sharded --reference
+
+`--reference` loads a frozen second copy of the model beside it, as TRL's DPO loads its reference
+model: both loaded before either is prepared, the model prepared first (the estimate then counts
+the reference model too); "x model" stays the one model's bytes.
 """
 
 from __future__ import annotations
@@ -163,16 +168,22 @@ def _setup(method: str, model_dir: str):
     return accelerator
 
 
-def _load(method: str, model_dir: str, dtype, accelerator, result: dict):
-    """Load with `method`; `result["build_seconds"]` is the time spent in `from_pretrained`."""
+def _load(method: str, model_dir: str, dtype, accelerator, result: dict, reference: bool = False):
+    """Load with `method`; `result["build_seconds"]` is the time spent in `from_pretrained`.
+    `reference`: a frozen second copy too, loaded and prepared as TRL's DPO does (both models
+    loaded before either is prepared, the model prepared first). Returns (model, reference)."""
     start = time.perf_counter()
     model = _from_pretrained(method, model_dir, dtype)
+    frozen = _from_pretrained(method, model_dir, dtype).requires_grad_(False) if reference else None
     result["build_seconds"] = time.perf_counter() - start
     report = _prepare(method, model, accelerator)
     result["move_seconds"] = _move_seconds(report)
     result["read_bytes"] = getattr(getattr(report, "read", None), "bytes_read", 0)
     result["phases"] = dict(getattr(report, "seconds", {}))
-    return report.model if method in LOADER_METHODS else report
+    if frozen is not None:
+        frozen = _prepare(method, frozen, accelerator)
+        frozen = frozen.model if method in LOADER_METHODS else frozen
+    return (report.model if method in LOADER_METHODS else report), frozen
 
 
 def first_touch_seconds(model) -> tuple[float, float]:
@@ -294,7 +305,7 @@ def weight_sum(model) -> float:
 LOSS_UP_TO_BYTES = 2 * GIB  # a forward on fixed tokens for models up to this size (`loss` column)
 
 
-def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
+def worker(method: str, model_dir: str, dtype_name: str, out: str, reference: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -315,7 +326,7 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
         peak = PeakMemory()
         peak.start()
         start = time.perf_counter()
-        model = _load(method, model_dir, getattr(torch, dtype_name), accelerator, result)
+        model, frozen = _load(method, model_dir, getattr(torch, dtype_name), accelerator, result, reference)
         dist.barrier()
         result["seconds"] = time.perf_counter() - start
         result["first_read_seconds"], result["first_write_seconds"] = first_touch_seconds(model)
@@ -330,7 +341,7 @@ def worker(method: str, model_dir: str, dtype_name: str, out: str) -> None:
             with torch.no_grad():
                 ids = torch.arange(16).reshape(1, 16)
                 result["loss"] = model(ids, labels=ids).loss.item()
-        del model  # the raw read below fills as much fresh memory as the shards took: not beside them
+        del model, frozen  # the raw read below fills as much fresh memory as the shards took: not beside them
         gc.collect()
         dist.barrier()  # every rank reads its raw bytes at once, as they read their shards at once
         if result["read_bytes"]:
@@ -402,11 +413,12 @@ def warm_page_cache(model_dir: Path) -> None:
 
 
 def launch(method: str, ranks: int, model_dir: Path, dtype: str, out: Path, timeout: int,
-           min_available: int) -> list[dict]:  # fmt: skip
+           min_available: int, reference: bool = False) -> list[dict]:  # fmt: skip
     """One `torchrun` of `method`; one result dict per rank."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
         "--worker", method, "--model-dir", str(model_dir), "--dtype", dtype, "--out", str(out),
+        *(["--reference"] if reference else []),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     log = Path(f"{out}.log")
@@ -470,7 +482,8 @@ def summarize(runs: list[list[dict]]) -> Summary:
     )
 
 
-def estimated_peaks(model_dir: Path, method: str, ranks: int, dtype: str) -> tuple[int, int] | None:
+def estimated_peaks(model_dir: Path, method: str, ranks: int, dtype: str,
+                    reference: bool = False) -> tuple[int, int] | None:  # fmt: skip
     """`fsdp-offload-cfg estimate`'s host peaks (rank 0, each other rank) for `method`'s strategy,
     computed offline from the checkpoint's config and headers: the estimate checked against the
     real peaks in the same table, at the size the run loads. None for a method it has no model of."""
@@ -482,7 +495,7 @@ def estimated_peaks(model_dir: Path, method: str, ranks: int, dtype: str) -> tup
     config = load_config({"distributed_type": "FSDP", "mixed_precision": "no",
                           "fsdp_config": {"version": 2, "cpu_ram_efficient_loading": True}})  # fmt: skip
     report = estimate_memory(config, str(model_dir), seq_len=16, batch_size=1, num_processes=ranks, device="cpu",
-                             dtype=dtype)  # fmt: skip
+                             dtype=dtype, reference=reference)  # fmt: skip
     peaks = report["loading"]["by_strategy"][method]
     return peaks["rank0_host_peak_bytes"], peaks["other_host_peak_bytes"]
 
@@ -577,12 +590,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=300, help="seconds per launch")
     parser.add_argument("--min-available-gib", type=float,
                         help="stop a launch when the host's available memory falls under this (default: 5%% of it)")
+    parser.add_argument("--reference", action="store_true",
+                        help="load a frozen second copy beside the model and prepare it after, as TRL's DPO does")
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.model_dir, args.dtype, args.out)
+        return worker(args.worker, args.model_dir, args.dtype, args.out, args.reference)
     checkpoints = args.checkpoints or (list(CHECKPOINTS[:3]) if args.model == "300m" else ["bf16-files"])
     min_available = int(args.min_available_gib * GIB) if args.min_available_gib else meminfo_bytes("MemTotal") // 20
 
@@ -608,11 +623,11 @@ def main() -> None:
                         warm_page_cache(model_dir)
                         out = work / f"{method}-{ranks}-{model_dir.name}-{repeat}"
                         runs[method].append(launch(method, ranks, model_dir, load_dtype(checkpoint), out, args.timeout,
-                                                   min_available))  # fmt: skip
+                                                   min_available, args.reference))  # fmt: skip
                         print(progress(method, ranks, repeat, runs[method][-1]), flush=True)
                 summaries = {m: summarize(r) for m, r in runs.items()}
                 for method, summary in summaries.items():
-                    summary.estimate = estimated_peaks(model_dir, method, ranks, load_dtype(checkpoint))
+                    summary.estimate = estimated_peaks(model_dir, method, ranks, load_dtype(checkpoint), args.reference)
                 model_bytes = model_bytes or next((s.model_bytes for s in summaries.values() if s.model_bytes), None)
                 for method in args.methods:
                     lines.append(

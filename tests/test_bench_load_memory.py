@@ -91,10 +91,12 @@ def test_the_benchmark_loads_the_checkpoint_it_writes_file_by_file(tmp_path: Pat
     """`load_memory.py --model 8b` (the GPU machine's `load8b` part) writes its checkpoint with
     `write_llama_checkpoint` and names each rank's model class from its `config.json`: a
     checkpoint without `architectures` there left every row "no result" (KeyError on every rank).
-    The same script, end to end, at 100M on 2 ranks: a row with a loss and a weight sum."""
+    The same script, end to end, at 100M on 2 ranks with a reference model beside it (`--reference`,
+    as TRL's DPO loads one): a row with a loss and a weight sum, and the estimate's host peak
+    within 20% of the peak RSS measured (before the estimate counted the reference model, half of it)."""
     script = Path(__file__).parents[1] / "benchmarks" / "load_memory.py"
     run = subprocess.run([sys.executable, str(script), "--model", "100m", "--ranks", "2", "--repeat", "1",
-                          "--methods", "sharded", "--model-dir", str(tmp_path)],
+                          "--methods", "sharded", "--model-dir", str(tmp_path), "--reference"],
                          capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "no result" not in run.stdout, run.stdout[-3000:]
@@ -102,3 +104,6 @@ def test_the_benchmark_loads_the_checkpoint_it_writes_file_by_file(tmp_path: Pat
     row = next(line for line in run.stdout.splitlines() if line.startswith("| bf16-files | sharded | 2 |"))
     cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
     assert float(cells["loss"]) > 0 and float(cells["weight sum"]) != 0
+    estimate_vs_measured = [float(part.split("(")[1].rstrip("x)")) for part in
+                            cells["estimate GiB: rank 0 / other ranks (x measured RSS)"].split(" / ")]
+    assert all(0.8 <= ratio <= 1.2 for ratio in estimate_vs_measured), cells

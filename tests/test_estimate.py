@@ -21,7 +21,7 @@ from fsdp_offload_cfg import cli, load_config
 from fsdp_offload_cfg._sizes import size_in_bytes
 from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
 from fsdp_offload_cfg.estimate import EstimateError, Lora, estimate_memory
-from fsdp_offload_cfg.estimate.loading import LoadingInputs, peak
+from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import model_class, read_model
 from fsdp_offload_cfg.estimate.plan import layer_runs
 from fsdp_offload_cfg.estimate.states import shard_numel
@@ -607,6 +607,47 @@ def test_loading_peaks_follow_the_measured_shape_of_each_strategy():
     mib = 2**20  # a scatter sends one bucket for all ranks: 4 ranks get a quarter each
     big = _inputs(bucket_bytes=64 * mib, shard_bytes=1000 * mib, checkpoint_bytes=4000 * mib, world=4)
     assert peak("broadcast", big) == (1000 * mib + 16 * mib * 5, 1000 * mib + 16 * mib)
+
+
+def test_the_frozen_models_beside_the_trained_one_load_after_it():
+    """A reference model, reward model or teacher (`benchmarks/load_memory.py --reference`,
+    docs/benchmarks.md): the loader fills each after the model, so where shards live on the host
+    what a rank keeps of them comes on top of its own shard, and on the device nothing does; a
+    plain load holds the reward model and teacher whole beside the model, and the reference model
+    (the same checkpoint) as one more converted copy, or as views of the pages the model mapped,
+    which cost its shard once prepared."""
+    companions = dict(reference_bytes=200, held_whole_bytes=300)
+    assert peak("sharded", _inputs(**companions)) == (500 + 200 + 300,) * 2
+    assert peak("broadcast", _inputs(**companions)) == (500 + 500 + 30, 1010)
+    device = dict(shards_on_host=False)
+    for strategy in STRATEGIES:
+        assert peak(strategy, _inputs(**device, **companions)) == peak(strategy, _inputs(**device)), strategy
+    assert peak("plain", _inputs(**companions)) == (1500 + 300 + 200,) * 2
+    assert peak("plain", _inputs(**companions, converting=True)) == (2000 + 300 + 1000,) * 2
+    assert peak("plain", _inputs(**companions, **device)) == (1300, 1300)
+    assert peak("plain", _inputs(held_whole_bytes=300)) == (1800, 1800)
+
+
+def test_the_loading_figures_count_the_reference_and_reward_models(models: dict[str, str]):
+    """The report feeds those models' bytes to the loading figures: on the CPU every strategy
+    keeps the reference model's shard and the reward model whole beside the model's shard; on
+    the device the loader's strategies hold nothing more on the host, and a plain load still holds
+    the reward model whole there."""
+    def loading(device: str, **models_beside: object) -> dict:
+        return estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device=device,
+                               **models_beside)["loading"]["by_strategy"]
+
+    both = dict(reference=True, reward_model=models["llama"])
+    alone, beside = loading("cpu"), loading("cpu", **both)
+    per_rank = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu",
+                               **both)["per_rank"]
+    kept = per_rank["reference_params_bytes"] + per_rank["buffers_bytes"] + per_rank["reward_params_bytes"]
+    for strategy in (*STRATEGIES, "plain"):
+        assert beside[strategy]["other_host_peak_bytes"] == alone[strategy]["other_host_peak_bytes"] + kept, strategy
+    on_gpu, on_gpu_beside = loading("cuda"), loading("cuda", **both)
+    assert {s: on_gpu_beside[s] for s in STRATEGIES} == {s: on_gpu[s] for s in STRATEGIES}
+    assert on_gpu_beside["plain"]["rank0_host_peak_bytes"] == \
+        on_gpu["plain"]["rank0_host_peak_bytes"] + per_rank["reward_params_bytes"]
 
 
 def test_loading_follows_the_configs_strategy(models: dict[str, str]):

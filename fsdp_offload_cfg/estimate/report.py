@@ -117,7 +117,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         + (_held_whole_said("reward", reward_model, "its no-grad forward scores the completions before the "
                             "training forward") if reward_model is not None else [])
         + (_held_whole_said("teacher", teacher[0], "its no-grad forward's logits over the whole vocabulary are "
-                            "not counted") if teacher is not None else []),
+                            "not counted") if teacher is not None else [])
+        + _companions_loading_said(states),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
@@ -302,6 +303,8 @@ def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStat
         bucket_bytes=DEFAULT_BUCKET_BYTES,
         world=ranks,
         sliceable=_sliceable(source),
+        reference_bytes=states.reference + states.buffers if states.reference else 0,
+        held_whole_bytes=states.held_whole,
     )
     strategy = config.load_strategy if config.cpu_ram_efficient_loading else "plain"
     chosen = peak(strategy, inputs)
@@ -346,6 +349,14 @@ def held_whole_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None, re
 def _held_whole_said(role: str, path: str, besides: str) -> list[str]:
     return [f"the {role} model {path}: held whole on every rank ({role}_params_bytes; TRL prepares it in "
             f"evaluation mode, which accelerate does not shard), on the device even under offload_params; {besides}"]
+
+
+def _companions_loading_said(states: ShardedStates) -> list[str]:
+    if not (states.reference or states.held_whole):
+        return []
+    return ["loading counts the frozen models beside the trained one: TRL loads every model before it prepares "
+            "any, so a plain load holds them all whole on every rank's host at once; the loader builds them on meta "
+            "too and fills each at its own prepare, after the model's (on the host only where the shards live there)"]
 
 
 def _reference_said(dtypes: Dtypes) -> list[str]:
