@@ -294,6 +294,30 @@ def test_swift_rlhf_gets_its_methods_defaults(text: str, reference: str | None, 
     assert (run.gradient_accumulation_steps, run.accumulation_target) == accumulation, run
 
 
+@pytest.mark.parametrize("text, seq_len", [
+    ("rlhf_type: grpo\nmax_length: 1024\n", 1024 + 512),
+    ("rlhf_type: grpo\nmax_length: 1024\nmax_completion_length: 2048\n", 1024 + 2048),
+    ("rlhf_type: grpo\nmax_length: 1024\nmax_new_tokens: 256\n", 1024 + 256),  # its older name, first
+    ("rlhf_type: dpo\nmax_length: 1024\nmax_completion_length: 2048\n", 1024),
+])
+def test_swift_grpo_trains_on_the_prompt_cut_to_max_length_and_its_completion(text: str, seq_len: int):
+    """ms-swift 4.6's GRPO cuts each prompt to `max_length` and encodes prompt and completion for
+    training with no `max_length` (`_prepare_batch_inputs`): its sequences are the two together.
+    Before, the estimate took `max_length` alone, 512 tokens short with the default completion."""
+    run = _swift(text, "rlhf")
+    assert run.seq_len == seq_len, run
+    assert not run.seq_len_follows_model
+
+
+def test_swift_grpo_without_max_length_asks_for_the_sequence_length():
+    """Unset, `max_length` is the model's longest, which would cut no prompt: the estimate asks for
+    `--seq-len`, saying what a GRPO sequence is, instead of counting the model's longest."""
+    run = _swift("rlhf_type: grpo\nmax_completion_length: 300\n", "rlhf")
+    assert run.seq_len is None and not run.seq_len_follows_model
+    assert "max_completion_length 300" in run.seq_len_said and "max_length" in run.seq_len_said
+    assert _swift("rlhf_type: dpo\n", "rlhf").seq_len_follows_model
+
+
 def test_swift_rlhf_counts_another_reference_checkpoint_as_a_copy_saying_so():
     run = _swift("tuner_type: full\nref_model: other/model\n", "rlhf")
     assert run.reference_model and run.caveats == ("ref_model: other/model is counted as a copy of the model",)

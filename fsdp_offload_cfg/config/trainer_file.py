@@ -49,13 +49,16 @@ command) take that framework's defaults whatever keys they hold: TRL's trainer b
 `max_length`, DPO's two sequences a sample, the reference model of `trl dpo`, `trl kto`, and of
 `trl grpo` / `trl rloo` where their `beta` is not 0); ms-swift 4.6's: `--model`, LoRA
 by `--tuner_type` (rank 8, all-linear, dropout 0.05), a micro-batch of 1, accumulation
-`ceil(16 / batch / processes)`, checkpointing, and mixed precision by the load dtype. As a
+`ceil(16 / batch / processes)`, checkpointing, and mixed precision by the load dtype; under
+`swift rlhf --rlhf_type grpo`, `max_length` cuts the prompts alone, so a sequence is it plus
+`max_completion_length` (512 unset), and an unset `max_length` makes the estimate ask. As a
 file alone, only one in the Trainer's layout is read so (`fsdp` or `fsdp_config` at the top, no
 accelerate launch key): an accelerate file says its own precision and names no model.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,11 +149,12 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
     reader = _Reader(top, source, cli)
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
-        "seq_len": reader.first(SEQ_LEN_KEYS, int, "seq_len", default=reader.default_seq_len()),
+        "seq_len": reader.seq_len(),
         "batch_size": reader.sequences_a_forward(reader.first(BATCH_KEYS, int, "batch_size",
                                                               default=reader.default_batch_size())),
         **reader.accumulation(),
-        "seq_len_follows_model": reader.swift and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
+        "seq_len_follows_model": reader.swift and reader.swift_rlhf != "grpo"
+        and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
         "seq_len_said": reader.generated_length(),
         "reference_model": reader.reference_model(),
         "reward_model": reader.reward_model(),
@@ -333,10 +337,38 @@ class _Reader:
         return {"teacher_model": self.first(("teacher_model_name_or_path",), str, "teacher_model"),
                 "teacher_dtype": None if dtype is None else str(dtype)}
 
+    def seq_len(self) -> int | None:
+        """The longest sequence a forward takes: the file's length key, else the framework's
+        default. `swift rlhf --rlhf_type grpo` cuts the prompts to `max_length` and trains on each
+        with its completion, encoded with no `max_length` (ms-swift 4.6's `_prepare_batch_inputs`
+        under `_template_context`): the key plus `max_completion_length`."""
+        length = self.first(SEQ_LEN_KEYS, int, "seq_len", default=self.default_seq_len())
+        if self.swift_rlhf != "grpo" or length is None:
+            return length
+        key, completion = self._swift_completion
+        self.taken["seq_len"] += f" + {key} {completion}: ms-swift's GRPO trains on the prompt, cut to that, " \
+                                 "and its generated completion"
+        return length + completion
+
+    @functools.cached_property
+    def _swift_completion(self) -> tuple[str, int]:
+        """ms-swift's generated tokens: the first of its old names and `max_completion_length`
+        (512 unset), as `RLHFArguments._init_max_completion_length` takes them."""
+        key = next((k for k in ("response_length", "max_new_tokens", "max_completion_length")
+                    if self.top.get(k) is not None), None)
+        completion = self._typed(key, int) if key is not None else None
+        return (key, completion) if completion is not None else ("max_completion_length", 512)
+
     def generated_length(self) -> str | None:
         """`trl grpo`, `trl rloo` and `trl distillation` train on a prompt and the completion
         generated for it, up to `max_completion_length` tokens (512 unset in TRL 0.24 to 1.16); no
-        key of theirs gives the whole length, so the estimate asks for it, saying this."""
+        key of theirs gives the whole length, so the estimate asks for it, saying this. So does
+        ms-swift's GRPO where `max_length`, which cuts its prompts, is unset (the model's longest)."""
+        if self.swift_rlhf == "grpo":
+            key, completion = self._swift_completion
+            return (f"swift rlhf --rlhf_type grpo trains on a prompt (cut to max_length: unset, the model's longest) "
+                    f"and a completion of up to {key} {completion} generated tokens: give --seq-len as your longest "
+                    "prompt plus that, or set max_length")
         if self.trl_verb not in ("grpo", "rloo", "distillation"):
             return None
         completion = self.top.get("max_completion_length")
