@@ -164,9 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--reference-model", action=argparse.BooleanOptionalAction,
                           help="a reference model: a frozen copy of the model sharded beside it, as TRL's DPO and KTO "
                                "(and GRPO / RLOO with a KL term) hold one (default: as the run's command says)")
-    estimate.add_argument("--reward-model", metavar="MODEL",
-                          help="a reward model held whole on every rank, as TRL's GRPO and RLOO hold one (default: "
-                               "the run's reward_model_name_or_path)")
+    estimate.add_argument("--reward-model", metavar="MODEL", action="append",
+                          help="a reward model held whole on every rank, as TRL's GRPO and RLOO hold one; again for "
+                               "several (default: the run's reward_model_name_or_path, ms-swift's reward_model)")
     estimate.add_argument("--teacher-model", metavar="MODEL",
                           help="a distillation teacher held whole on every rank in its checkpoint's dtype, as TRL's "
                                "distillation holds one (default: the run's teacher_model_name_or_path)")
@@ -418,9 +418,10 @@ def _estimate(args: argparse.Namespace) -> int:
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
                                  lora=_lora_input(args), machines=args.num_machines or 1,
                                  reference=_given_or(args.reference_model, bool(run and run.reference_model)),
-                                 reward_model=_given_or(args.reward_model, run.reward_model if run else None),
+                                 reward_model=_given_or(args.reward_model, run.reward_models if run else None),
                                  teacher_model=_given_or(args.teacher_model, run.teacher_model if run else None),
                                  teacher_dtype=run.teacher_dtype if run and not args.teacher_model else None,
+                                 companions_sharded=bool(run and run.companions_sharded),
                                  **_plan_inputs(args))
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "

@@ -616,7 +616,7 @@ def test_the_frozen_models_beside_the_trained_one_load_after_it():
     plain load holds the reward model and teacher whole beside the model, and the reference model
     (the same checkpoint) as one more converted copy, or as views of the pages the model mapped,
     which cost its shard once prepared."""
-    companions = dict(reference_bytes=200, held_whole_bytes=300)
+    companions = dict(reference_bytes=200, others_whole_bytes=300, others_kept_bytes=300)
     assert peak("sharded", _inputs(**companions)) == (500 + 200 + 300,) * 2
     assert peak("broadcast", _inputs(**companions)) == (500 + 500 + 30, 1010)
     device = dict(shards_on_host=False)
@@ -625,7 +625,9 @@ def test_the_frozen_models_beside_the_trained_one_load_after_it():
     assert peak("plain", _inputs(**companions)) == (1500 + 300 + 200,) * 2
     assert peak("plain", _inputs(**companions, converting=True)) == (2000 + 300 + 1000,) * 2
     assert peak("plain", _inputs(**companions, **device)) == (1300, 1300)
-    assert peak("plain", _inputs(held_whole_bytes=300)) == (1800, 1800)
+    assert peak("plain", _inputs(others_whole_bytes=300, others_kept_bytes=300)) == (1800, 1800)
+    sharded = dict(others_whole_bytes=300, others_kept_bytes=150)  # ms-swift shards them: a plain load still reads them whole
+    assert peak("sharded", _inputs(**sharded)) == (650, 650) and peak("plain", _inputs(**sharded)) == (1800, 1800)
 
 
 def test_the_loading_figures_count_the_reference_and_reward_models(models: dict[str, str]):
@@ -1358,6 +1360,26 @@ def test_a_reward_model_is_counted_whole_on_every_rank_and_stays_on_the_device(m
                                 device="cpu", reward_model=models["llama"])
     assert offloaded["device_by_setting"]["plain"]["params_bytes"] == reward, offloaded["device_by_setting"]["plain"]
     assert any("reward model" in line for line in runs[2]["assumptions"])
+
+
+def test_ms_swifts_reward_models_and_teacher_are_sharded_beside_the_model(models: dict[str, str]):
+    """ms-swift shards its reward models and teacher (its `prepare_fsdp`, frozen: no upcast, no
+    gradient, no state): each rank holds its share, the more ranks the less, on the host under
+    `offload_params` like the model's own shards; several reward models add up."""
+    def per_rank(ranks: int, **changes: object) -> dict:
+        return estimate_memory(config(**changes), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu",
+                               num_processes=ranks, reward_model=[models["llama"]] * 2, teacher_model=models["llama"],
+                               companions_sharded=True)
+
+    whole = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu",
+                            reward_model=models["llama"], teacher_model=models["llama"])["per_rank"]
+    two, four = per_rank(2)["per_rank"], per_rank(4)["per_rank"]
+    assert whole["reward_params_bytes"] < two["reward_params_bytes"] < 2 * whole["reward_params_bytes"]
+    assert four["reward_params_bytes"] < two["reward_params_bytes"]
+    assert four["teacher_params_bytes"] < two["teacher_params_bytes"] < whole["teacher_params_bytes"]
+    offloaded = per_rank(2, offload_params=True)
+    assert offloaded["device_by_setting"]["plain"]["params_bytes"] == 0, offloaded["device_by_setting"]["plain"]
+    assert any("sharded beside the model" in line for line in offloaded["assumptions"])
 
 
 def test_the_reference_and_reward_model_flags_win_over_the_runs_command(models: dict[str, str], tmp_path: Path,

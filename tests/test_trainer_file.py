@@ -318,6 +318,20 @@ def test_swift_grpo_without_max_length_asks_for_the_sequence_length():
     assert _swift("rlhf_type: dpo\n", "rlhf").seq_len_follows_model
 
 
+def test_swift_rlhf_names_its_reward_models_and_teacher_which_it_shards():
+    """ms-swift 4.6's `--reward_model` (GRPO: one or several) and `--teacher_model` (GKD, GRPO),
+    which its `prepare_fsdp` shards beside the model (TRL keeps them whole); PPO's reward model,
+    the start of its trained value model too, is not counted, saying so."""
+    grpo = _swift("rlhf_type: grpo\nmax_length: 64\nreward_model: [rm1, rm2]\n", "rlhf")
+    assert (grpo.reward_models, grpo.companions_sharded) == (("rm1", "rm2"), True)
+    assert _swift("rlhf_type: grpo\nmax_length: 64\nreward_model: rm\n", "rlhf").reward_models == ("rm",)
+    gkd = _swift("rlhf_type: gkd\nteacher_model: big\n", "rlhf")
+    assert (gkd.teacher_model, gkd.teacher_dtype, gkd.reward_models) == ("big", None, ())
+    ppo = _swift("rlhf_type: ppo\nreward_model: rm\n", "rlhf")
+    assert ppo.reward_models == () and ppo.caveats == ("reward_model: PPO's value and reward models are not counted",)
+    assert _swift("teacher_model: big\nreward_model: rm\n").teacher_model is None  # swift sft loads neither
+
+
 def test_swift_rlhf_counts_another_reference_checkpoint_as_a_copy_saying_so():
     run = _swift("tuner_type: full\nref_model: other/model\n", "rlhf")
     assert run.reference_model and run.caveats == ("ref_model: other/model is counted as a copy of the model",)
@@ -329,9 +343,9 @@ def test_trl_grpo_and_rloo_name_their_reward_model():
     from fsdp_offload_cfg.config.trainer_file import run_arguments_of
 
     said = {"model_name_or_path": "m", "reward_model_name_or_path": "rm"}
-    assert run_arguments_of(said, "grpo.yaml", "trl grpo").reward_model == "rm"
-    assert run_arguments_of(said, "rloo.yaml", "trl rloo").reward_model == "rm"
-    assert run_arguments_of(said, "sft.yaml", "trl sft").reward_model is None
+    assert run_arguments_of(said, "grpo.yaml", "trl grpo").reward_models == ("rm",)
+    assert run_arguments_of(said, "rloo.yaml", "trl rloo").reward_models == ("rm",)
+    assert run_arguments_of(said, "sft.yaml", "trl sft").reward_models == ()
 
 
 @pytest.mark.parametrize("said, dtype", [

@@ -115,13 +115,16 @@ class RunArguments:
     seq_len_said: str | None = None
     # TRL loads a reference model, a frozen copy sharded beside the policy (`trl dpo` without PEFT): whose, in words
     reference_model: str | None = None
-    # `trl grpo` / `trl rloo`'s `reward_model_name_or_path`: a reward model TRL holds whole on every rank
-    reward_model: str | None = None
+    # `trl grpo` / `trl rloo`'s `reward_model_name_or_path`: a reward model TRL holds whole on every rank;
+    # `swift rlhf --rlhf_type grpo`'s `--reward_model` (one or more)
+    reward_models: tuple[str, ...] = ()
     # `trl distillation`'s `teacher_model_name_or_path`, held whole on every rank too, and the dtype its
     # `teacher_model_init_kwargs` name (`auto`: its checkpoint's own; None: the model's load dtype, as TRL's script
-    # loads both by ModelConfig's `dtype`)
+    # loads both by ModelConfig's `dtype`); `swift rlhf`'s `--teacher_model` (GKD, GRPO)
     teacher_model: str | None = None
     teacher_dtype: str | None = None
+    # ms-swift shards its reward models and teacher beside the model (its `prepare_fsdp`), where TRL keeps them whole
+    companions_sharded: bool = False
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
@@ -157,7 +160,8 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         and not any(top.get(key) is not None for key in SEQ_LEN_KEYS),
         "seq_len_said": reader.generated_length(),
         "reference_model": reader.reference_model(),
-        "reward_model": reader.reward_model(),
+        "reward_models": reader.reward_models(),
+        "companions_sharded": reader.swift,
         **reader.teacher(),
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
@@ -310,17 +314,33 @@ class _Reader:
             return None
         return f"{whose}, for its KL term (beta {_show(beta)}" + (")" if said is not None else f": {framework}'s default)")
 
-    def reward_model(self) -> str | None:
-        """`trl grpo` / `trl rloo`'s `reward_model_name_or_path` (their scripts' argument)."""
+    def reward_models(self) -> tuple[str, ...]:
+        """`trl grpo` / `trl rloo`'s `reward_model_name_or_path` (their scripts' argument);
+        `swift rlhf --rlhf_type grpo`'s `--reward_model`, one path or several (ms-swift 4.6
+        loads each; PPO's, the value model's start, is not counted: said as a caveat)."""
+        if self.swift_rlhf in ("grpo", "ppo") and self.top.get("reward_model") is not None:
+            said = self.top["reward_model"]
+            paths = [said] if isinstance(said, str) else said
+            if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+                self.problems.append(Problem(self.path, "reward_model", f"expected model paths, got {_show(said)}"))
+                return ()
+            if self.swift_rlhf == "ppo":
+                self.caveats.append("reward_model: PPO's value and reward models are not counted")
+                return ()
+            self.taken["reward_models"] = "reward_model"
+            return tuple(paths)
         if self.trl_verb not in ("grpo", "rloo"):
-            return None
-        return self.first(("reward_model_name_or_path",), str, "reward_model")
+            return ()
+        path = self.first(("reward_model_name_or_path",), str, "reward_model")
+        return () if path is None else (path,)
 
     def teacher(self) -> dict[str, str | None]:
         """`trl distillation`'s teacher (`teacher_model_name_or_path`) and the dtype its
         `teacher_model_init_kwargs` name (a mapping, or its JSON text from the command line); None
         where they name none: TRL's script then loads the teacher in ModelConfig's `dtype`, as the
         model."""
+        if self.swift_rlhf in ("gkd", "grpo"):  # loaded in the model's dtype (`get_model_processor`)
+            return {"teacher_model": self.first(("teacher_model",), str, "teacher_model"), "teacher_dtype": None}
         if self.trl_verb != "distillation" or self.top.get("teacher_model_name_or_path") is None:
             return {"teacher_model": None, "teacher_dtype": None}
         kwargs = self.top.get("teacher_model_init_kwargs") or {}

@@ -16,7 +16,7 @@ would refuse is refused here with the same words. The inputs are checked (flags,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdp_offload_cfg._sizes import AutoBudget
@@ -43,8 +43,9 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     device_memory: int | None = None, compute_flops: float | None = None,
                     copy_bytes: float | None = None, gradient_accumulation_steps: int = 1,
                     parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None,
-                    machines: int = 1, reference: bool = False, reward_model: str | None = None,
-                    teacher_model: str | None = None, teacher_dtype: str | None = None) -> dict[str, Any]:
+                    machines: int = 1, reference: bool = False, reward_model: str | Sequence[str] | None = None,
+                    teacher_model: str | None = None, teacher_dtype: str | None = None,
+                    companions_sharded: bool = False) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -56,9 +57,11 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     `lora`: LoRA adapters trained over the frozen model (`estimate/adapters.py`). `machines`: the
     machines the ranks run on (accelerate's `num_machines`), over which FSDP1's HYBRID_SHARD copies.
     `reference`: a frozen copy of the model sharded beside it (TRL's reference model).
-    `reward_model`: the path of a reward model held whole on every rank (TRL's GRPO and RLOO);
-    `teacher_model`: a distillation teacher's, held so too (TRL's `DistillationTrainer`), loaded in
-    `teacher_dtype` (default: `dtype`, as TRL's script loads both; `auto`: its checkpoint's)."""
+    `reward_model`: the path of a reward model (or several) held whole on every rank (TRL's GRPO
+    and RLOO); `teacher_model`: a distillation teacher's, held so too (TRL's `DistillationTrainer`),
+    loaded in `teacher_dtype` (default: `dtype`, as TRL's script loads both; `auto`: its
+    checkpoint's). `companions_sharded`: those sharded beside the model instead, frozen, as
+    ms-swift's `prepare_fsdp` shards its reward models and teacher."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
@@ -72,7 +75,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     if isinstance(requested, AutoBudget):  # a size missing, said before the model is read
         device_memory = auto_device_bytes(config, requested, device_memory, device)
     model_config_file(model)  # a model that is not there, said before torch's import
-    for other in (reward_model, teacher_model):
+    reward_models = (reward_model,) if isinstance(reward_model, str) else tuple(reward_model or ())
+    for other in (*reward_models, teacher_model):
         if other is not None:
             model_config_file(other)
     teacher_dtype = dtype if teacher_dtype is None else None if teacher_dtype == "auto" else teacher_dtype
@@ -86,8 +90,9 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         the_run_plans_it=activation_budget is None and requested is not None,
                         device_memory=device_memory, rates=(compute_flops, copy_bytes),
                         accumulating=gradient_accumulation_steps > 1, lora=lora, reference=reference,
-                        reward_model=reward_model,
-                        teacher=(teacher_model, teacher_dtype) if teacher_model is not None else None)
+                        reward_models=reward_models,
+                        teacher=(teacher_model, teacher_dtype) if teacher_model is not None else None,
+                        companions_sharded=companions_sharded)
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:

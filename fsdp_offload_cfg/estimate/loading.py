@@ -20,15 +20,16 @@ The model of each strategy follows what the loader does (`loading/broadcast.py`,
 - auto (the default): sharded where the checkpoint can be read slice by slice, else broadcast.
 - plain (`cpu_ram_efficient_loading: false`): every rank loads the whole model like rank 0.
 
-Companions: the frozen models a run loads beside the one it trains. TRL loads every one of them
-before it prepares any, the model first, so a plain load holds them beside the model: a reward
-model or teacher whole (`held_whole_bytes`); a reference model (the same checkpoint) as one more
-converted copy where loading converts, else as views of the same mapped file pages, which cost
-nothing more until its shard is copied out at its prepare (`reference_bytes`, measured:
-docs/benchmarks.md). The loader builds them on meta too and fills each at its own prepare, after
-the model's: where the shards live on the host, what each rank keeps of them (a reference
-model's shard, a reward model or teacher whole) stays beside the model's shard; on the device,
-the host holds their staging buffers one at a time, no more than the model's own.
+Companions: the frozen models a run loads beside the one it trains. TRL and ms-swift load every
+one of them before they prepare any, the model first, so a plain load holds them beside the
+model: a reward model or teacher whole (`others_whole_bytes`); a reference model (the same
+checkpoint) as one more converted copy where loading converts, else as views of the same mapped
+file pages, which cost nothing more until its shard is copied out at its prepare
+(`reference_bytes`, measured: docs/benchmarks.md). The loader builds them on meta too and fills
+each at its own prepare, after the model's: where the shards live on the host, what each rank
+keeps of them (a reference model's shard; a reward model or teacher whole under TRL, its shard
+under ms-swift: `others_kept_bytes`) stays beside the model's shard; on the device, the host
+holds their staging buffers one at a time, no more than the model's own.
 
 Where the shards live: on the host when the run is on the CPU or with `offload_params`;
 otherwise on the device, and the staging buckets with them (broadcast scatters device buffers).
@@ -54,7 +55,8 @@ class LoadingInputs:
     world: int
     sliceable: bool = True  # safetensors: read slice by slice (a `.bin` is not)
     reference_bytes: int = 0  # one rank's shard of a reference model (a frozen copy) plus its buffers; 0: none
-    held_whole_bytes: int = 0  # the frozen models every rank holds whole (a reward model, a teacher)
+    others_whole_bytes: int = 0  # the other frozen models (reward models, a teacher), whole
+    others_kept_bytes: int = 0  # what each rank keeps of those once prepared (whole, or its shard)
 
 
 class LoadingPeak(NamedTuple):
@@ -65,7 +67,7 @@ class LoadingPeak(NamedTuple):
 def peak(strategy: str, x: LoadingInputs) -> LoadingPeak:
     """Peak host bytes above a rank's baseline for `strategy` ("broadcast", "sharded", "plain")."""
     own = x.shard_bytes if x.shards_on_host else 0
-    companions = x.reference_bytes + x.held_whole_bytes if x.shards_on_host else 0  # kept once prepared
+    companions = x.reference_bytes + x.others_kept_bytes if x.shards_on_host else 0  # kept once prepared
     shard = own + companions  # the companions load after the model, beside its shard
     part = min(x.bucket_bytes, max(x.bucket_bytes // x.world, MIN_PART_BYTES))  # one rank's part of a scatter
     staging = min(part, x.shard_bytes) if x.shards_on_host else 0  # broadcast's buckets
@@ -85,7 +87,7 @@ def peak(strategy: str, x: LoadingInputs) -> LoadingPeak:
         sending = (x.loaded_bytes if x.converting else x.checkpoint_bytes + shard) + staging * (x.world + 1)
         # a companion read whole the same way comes while the model's shard is held
         return LoadingPeak(max(full + (own if companions else 0), sending), shard + staging)
-    plain = max(full, (x.loaded_bytes if x.converting else x.checkpoint_bytes) + own) + x.held_whole_bytes
+    plain = max(full, (x.loaded_bytes if x.converting else x.checkpoint_bytes) + own) + x.others_whole_bytes
     plain += _plain_reference(x)
     return LoadingPeak(plain, plain)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -90,10 +90,15 @@ def build_on_meta(source: ModelSource, dtype: torch.dtype, load_dtype: torch.dty
     return model
 
 
-def sequence_classifier_bytes(source: ModelSource, dtype: torch.dtype) -> int:
+class ModelBytes(NamedTuple):
+    whole: int  # parameters and buffers, loaded whole
+    shard: int  # rank 0's share once sharded over the ranks: each parameter's dim-0 shard, buffers whole
+
+
+def sequence_classifier_bytes(source: ModelSource, dtype: torch.dtype, world: int = 1) -> ModelBytes:
     """The bytes of `source` loaded as `AutoModelForSequenceClassification` with one label in
     `dtype` (how TRL loads a reward model: the checkpoint's head, or a causal LM's body under a
-    new one-row `score`), parameters and buffers, built on `meta`: no weight is read."""
+    new one-row `score`), built on `meta`: no weight is read; its shard over `world` ranks."""
     import copy
 
     import transformers
@@ -105,14 +110,20 @@ def sequence_classifier_bytes(source: ModelSource, dtype: torch.dtype) -> int:
         raise ModelSourceError(f"{source.path}: transformers has no sequence-classification class for model_type "
                                f"{config.model_type!r}, which TRL loads a reward model as")
     return whole_model_bytes(ModelSource(source.path, config, source.checkpoint_files, source.folder), dtype,
-                             mapping[type(config)])
+                             mapping[type(config)], world)
 
 
-def whole_model_bytes(source: ModelSource, dtype: torch.dtype, cls: type[nn.Module] | None = None) -> int:
-    """The bytes of `source` loaded whole in `dtype` (as `cls`, default the class `from_pretrained`
-    picks), parameters and buffers, built on `meta`: no weight is read."""
+def whole_model_bytes(source: ModelSource, dtype: torch.dtype, cls: type[nn.Module] | None = None,
+                      world: int = 1) -> ModelBytes:
+    """The bytes of `source` loaded in `dtype` (as `cls`, default the class `from_pretrained`
+    picks), built on `meta`: no weight is read; and its shard over `world` ranks."""
+    from fsdp_offload_cfg.estimate.states import shard_numel
+
     model = build_on_meta(source, dtype, dtype, cls)
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    params = list(model.parameters())
+    return ModelBytes(whole=buffers + sum(p.numel() * p.element_size() for p in params),
+                      shard=buffers + sum(shard_numel(p.shape, world) * p.element_size() for p in params))
 
 
 def layer_class_names(model: nn.Module, configured: tuple[str, ...] | None, source: str = "your config") -> list[str]:

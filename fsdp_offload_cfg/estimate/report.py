@@ -11,7 +11,7 @@ import functools
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,6 +24,7 @@ from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtyp
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
     ExampleImage,
+    ModelBytes,
     ModelSource,
     build_on_meta,
     example_batch,
@@ -53,14 +54,16 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  activation_budget: int | AutoBudget | None = None, the_run_plans_it: bool = False,
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
                  accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
-                 reward_model: str | None = None, teacher: tuple[str, str | None] | None = None) -> dict[str, Any]:
+                 reward_models: tuple[str, ...] = (), teacher: tuple[str, str | None] | None = None,
+                 companions_sharded: bool = False) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
     trained over a frozen base (`estimate/adapters.py`). `reference`: a frozen copy of the model
-    sharded beside it (TRL's reference model). `reward_model`: the path of a reward model held
+    sharded beside it (TRL's reference model). `reward_models`: the paths of reward models held
     whole on every rank (`reward_model_bytes`); `teacher`: a distillation teacher's path and load
-    dtype (None: its checkpoint's), whole on every rank likewise."""
+    dtype (None: its checkpoint's), whole on every rank likewise; `companions_sharded`: both
+    sharded beside the model instead (ms-swift's)."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -74,10 +77,9 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         profile = _measure(model, batch, layers, device)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
                             dtypes.frozen, units_stay_gathered(config), dtypes.load if reference else None)
-    if reward_model is not None:
-        states = dataclasses.replace(states, reward=held_whole_bytes(reward_model, config, dtype, reward=True))
-    if teacher is not None:
-        states = dataclasses.replace(states, teacher=held_whole_bytes(teacher[0], config, teacher[1], reward=False))
+    companions = _companions(config, dtype, reward_models, teacher, ranks if companions_sharded else 1)
+    states = dataclasses.replace(states, reward=companions.reward.shard, teacher=companions.teacher.shard,
+                                 companions_sharded=companions_sharded)
     step_transient = optimizer_step_transient(states, optimizer, device)
     at_peak = functools.partial(device_at_peak, config, states, profile=profile, step_transient=step_transient,
                                 accumulating=accumulating)
@@ -110,14 +112,15 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "per_rank": _per_rank(config, states, by_setting, chosen, at_peak),
         "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
-        "loading": _loading(config, source, states, dtypes, ranks, device),
+        "loading": _loading(config, source, states, dtypes, ranks, device,
+                            others_whole=companions.reward.whole + companions.teacher.whole),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
                                     image)
         + _head_advice(profile, by_setting) + (_reference_said(dtypes) if reference else [])
-        + (_held_whole_said("reward", reward_model, "its no-grad forward scores the completions before the "
-                            "training forward") if reward_model is not None else [])
-        + (_held_whole_said("teacher", teacher[0], "its no-grad forward's logits over the whole vocabulary are "
-                            "not counted") if teacher is not None else [])
+        + (_companion_said("reward", ", ".join(reward_models), companions_sharded, "its no-grad forward scores "
+                           "the completions before the training forward") if reward_models else [])
+        + (_companion_said("teacher", teacher[0], companions_sharded, "its no-grad forward's logits over the whole "
+                           "vocabulary are not counted") if teacher is not None else [])
         + _companions_loading_said(states),
     }
     if plan is not None:
@@ -202,7 +205,7 @@ def _per_rank(config: FSDPOffloadConfig, states: ShardedStates, by_setting: dict
               at_peak: Callable[[Residency], dict[str, int]]) -> dict[str, int]:
     """Per-rank figures under the config's activation setting."""
     on_device = by_setting[chosen]
-    offloadable = states.params + states.reference + states.grads + states.optimizer
+    offloadable = states.params + states.frozen_shards + states.grads + states.optimizer
     host = on_device.host_bytes + (offloadable if config.offload_params else 0)
     return {
         "params_bytes": states.params,
@@ -262,7 +265,7 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     activations, done = residency.moments[worst]
     at_head = worst == 0 and activations > residency.forward_end_device_bytes  # the head's backward, logits' grads
     backward = {
-        "params": (states.params + states.reference if resident else 0) + states.held_whole,
+        "params": (states.params + states.frozen_shards if resident else 0) + states.held_whole,
         "grads": grads(done),
         "optimizer": states.optimizer if resident else 0,
         "buffers_and_gathered": states.buffers + gathered(done),
@@ -292,7 +295,7 @@ def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -
 
 
 def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStates, dtypes: Dtypes, ranks: int,
-             device: str) -> dict[str, Any]:
+             device: str, others_whole: int) -> dict[str, Any]:
     checkpoint, converting = _checkpoint_bytes(source, states, dtypes)
     inputs = LoadingInputs(
         checkpoint_bytes=checkpoint,
@@ -304,7 +307,8 @@ def _loading(config: FSDPOffloadConfig, source: ModelSource, states: ShardedStat
         world=ranks,
         sliceable=_sliceable(source),
         reference_bytes=states.reference + states.buffers if states.reference else 0,
-        held_whole_bytes=states.held_whole,
+        others_whole_bytes=others_whole,
+        others_kept_bytes=states.reward + states.teacher,
     )
     strategy = config.load_strategy if config.cpu_ram_efficient_loading else "plain"
     chosen = peak(strategy, inputs)
@@ -337,22 +341,40 @@ def _checkpoint_bytes(source: ModelSource, states: ShardedStates, dtypes: Dtypes
     return states.param_count * dtypes.load.itemsize, False
 
 
-def held_whole_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None, reward: bool) -> int:
-    """The bytes of a model TRL prepares in evaluation mode, which accelerate leaves whole on every
-    rank: a reward model (GRPO's, RLOO's: a one-label sequence classifier, `reward`) or a
-    distillation teacher, loaded in `dtype` (None: its checkpoint's own)."""
+class Companions(NamedTuple):
+    """The frozen models beside the trained one that are not a copy of it."""
+
+    reward: ModelBytes  # every reward model together
+    teacher: ModelBytes
+
+
+def _companions(config: FSDPOffloadConfig, dtype: str | None, reward_models: tuple[str, ...],
+                teacher: tuple[str, str | None] | None, world: int) -> Companions:
+    rewards = [companion_bytes(path, config, dtype, True, world) for path in reward_models]
+    return Companions(
+        reward=ModelBytes(sum(r.whole for r in rewards), sum(r.shard for r in rewards)),
+        teacher=companion_bytes(teacher[0], config, teacher[1], False, world) if teacher else ModelBytes(0, 0))
+
+
+def companion_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None, reward: bool, world: int) -> ModelBytes:
+    """The bytes of a frozen model loaded beside the trained one: a reward model (a one-label
+    sequence classifier, `reward`) or a distillation teacher, loaded in `dtype` (None: its
+    checkpoint's own); its shard over `world` ranks (1: TRL keeps it whole)."""
     source = read_model(path)
     load = resolve_dtypes(config, source.config, dtype).load
-    return sequence_classifier_bytes(source, load) if reward else whole_model_bytes(source, load)
+    return sequence_classifier_bytes(source, load, world) if reward else whole_model_bytes(source, load, None, world)
 
 
-def _held_whole_said(role: str, path: str, besides: str) -> list[str]:
+def _companion_said(role: str, path: str, sharded: bool, besides: str) -> list[str]:
+    if sharded:
+        return [f"the {role} model {path}: sharded beside the model in its load dtype ({role}_params_bytes: rank "
+                f"0's shard; ms-swift prepares it as its reference model), no gradient nor optimizer state; {besides}"]
     return [f"the {role} model {path}: held whole on every rank ({role}_params_bytes; TRL prepares it in "
             f"evaluation mode, which accelerate does not shard), on the device even under offload_params; {besides}"]
 
 
 def _companions_loading_said(states: ShardedStates) -> list[str]:
-    if not (states.reference or states.held_whole):
+    if not (states.reference or states.reward or states.teacher):
         return []
     return ["loading counts the frozen models beside the trained one: TRL loads every model before it prepares "
             "any, so a plain load holds them all whole on every rank's host at once; the loader builds them on meta "

@@ -78,5 +78,5 @@ def to_come(states: ShardedStates, resident: bool, output_bytes: int) -> int:
 def offline_room(states: ShardedStates, auto: AutoBudget, device_bytes: int, resident: bool,
                  output_bytes: int) -> Room:
     """The estimate's room on a device of `device_bytes`: nothing measured."""
-    taken = (states.params + states.reference if resident else 0) + states.held_whole + states.buffers
+    taken = (states.params + states.frozen_shards if resident else 0) + states.held_whole + states.buffers
     return Room(device_bytes, taken, to_come(states, resident, output_bytes), auto.margin(device_bytes)).checked()

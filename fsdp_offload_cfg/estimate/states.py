@@ -48,15 +48,24 @@ class ShardedStates:
     units_gathered: int = 0  # every layer/embedding unit, unsharded in the compute dtype
     reference: int = 0  # a frozen copy's shards (DPO's reference model), in the load dtype: no gradient, no state
     units_stay: bool = False  # reshard_after_forward false: a unit stays gathered from its forward to its backward
-    # a reward model, whole on every rank in its load dtype: TRL's GRPO and RLOO prepare it in evaluation mode,
+    # reward models, whole on every rank in their load dtype: TRL's GRPO and RLOO prepare them in evaluation mode,
     # which accelerate leaves unsharded (and on the device whatever `offload_params` says)
     reward: int = 0
     teacher: int = 0  # a distillation teacher (`trl distillation`), whole on every rank likewise
+    # ms-swift shards its reward models and teacher as it shards the reference model (its `prepare_fsdp`):
+    # then `reward` and `teacher` are rank 0's shards, which live where the model's do
+    companions_sharded: bool = False
 
     @property
     def held_whole(self) -> int:
         """The frozen models every rank holds whole on the device beside its shards."""
-        return self.reward + self.teacher
+        return 0 if self.companions_sharded else self.reward + self.teacher
+
+    @property
+    def frozen_shards(self) -> int:
+        """The frozen models' shards beside the model's (a reference model; ms-swift's reward
+        models and teacher): no gradient, no optimizer state; they live where the model's do."""
+        return self.reference + (self.reward + self.teacher if self.companions_sharded else 0)
 
     def gathered_in_backward(self, left: float = 1.0) -> int:
         """The parameters gathered at a moment of backward where `left` is the share of the units

@@ -28,6 +28,7 @@ from fsdp_offload_cfg.integrations.common import (
     enable_offload,
     fill_through_loader,
     fill_whole,
+    frozen_reshards_after_forward,
     fsdp2_prepare_needed,
     fsdp_requested,
     fully_shard_swap,
@@ -241,6 +242,7 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
     else:
         with fsdp2_groups(model):
             model = original(accelerator, model)
+    frozen_reshards_after_forward(model)
     if budget:
         registry.on_uninstall(enable_budget(model, cfg).remove)  # `unpatch()` takes the plan away
     elif cfg.activation_cpu_offload.enabled:

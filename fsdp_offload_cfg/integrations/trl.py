@@ -14,6 +14,7 @@ from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.integrations.common import (
     fill_through_loader,
+    frozen_reshards_after_forward,
     fsdp2_prepare_needed,
     fully_shard_swap,
     load_through_loader,
@@ -47,8 +48,12 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
                 return original(m, accelerator)
 
         if isinstance(model, FSDPModule) or plugin.fsdp_version != 2 or not fill_through_loader(model, plugin, cfg):
-            return shard(model)
-        return load_through_loader(model, shard, plugin, cfg)
+            model = shard(model)
+        else:
+            model = load_through_loader(model, shard, plugin, cfg)
+        if plugin.fsdp_version == 2:
+            frozen_reshards_after_forward(model)
+        return model
 
     return prepare_fsdp
 

@@ -272,6 +272,28 @@ def test_the_estimate_of_swift_rlhf_dpo_holds_its_reference_model_and_its_two_se
             "--tuner_type", "full", "--torch_dtype", "float32", "--gradient_accumulation_steps", "1"]
     real, estimated = _probed_and_estimated(args, files, tmp_path, capsys, monkeypatch)
     assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 2, (real, estimated["inputs"])
+    # the head left gathered by the reference's forward (accelerate 1.14+'s tail group): in fp16 (the mixed
+    # precision here) it weighed what its fp32 shard on 2 ranks weighs, so the bytes below matched regardless
+    assert real["reference_gathered"] == [], real
     assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
         (real, estimated["per_rank"])
     assert "a reference model: swift rlhf --rlhf_type dpo's" in estimated["assumptions"][0]
+
+
+def test_the_estimate_of_swift_rlhf_gkd_holds_its_teacher_sharded(files: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    """`swift rlhf --rlhf_type gkd` loads a teacher (`--teacher_model`) that ms-swift's
+    `prepare_fsdp` shards beside the model (TRL's distillation keeps its whole): against the run
+    (read after its training by an external plugin), the estimate of that same command counts rank
+    0's share of it. Before, ms-swift's teacher was not counted at all, and its final norm and head
+    stayed gathered on every rank after its first forward. (`--lmbda 0`: the student learns from
+    the data set's responses, so no step generates.)"""
+    args = ["swift", "rlhf", "--rlhf_type", "gkd", "--model", str(files / "model"), "--teacher_model",
+            str(files / "model"), "--teacher_model_type", "llama", "--dataset", str(files / "data.jsonl"),
+            "--tuner_type", "full", "--torch_dtype",
+            "bfloat16", "--lmbda", "0", "--gradient_accumulation_steps", "1"]
+    real, estimated = _probed_and_estimated(args, files, tmp_path, capsys, monkeypatch)
+    assert real["teacher_gathered"] == [], real  # its head left gathered by its forward (accelerate 1.14+'s tail)
+    assert real["teacher_bytes"] == estimated["per_rank"]["teacher_params_bytes"] > 0, (real, estimated["per_rank"])
+    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] == 0

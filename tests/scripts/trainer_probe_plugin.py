@@ -5,7 +5,8 @@ rank holds of the parameters (local shard bytes and dtypes), for `estimate -- CO
 checked against (tests/clients/test_swift.py, and tests/scripts/trl_script_probe.py): also the
 largest batch the model's forward took (DPO's holds each sample's chosen and rejected), and the
 local bytes of a reference model (DPO's), and the bytes of each reward model a rank holds
-(GRPO's, whole: parameters and buffers) and of a distillation teacher."""
+(GRPO's, whole: parameters and buffers) and of a distillation teacher (whole under TRL, sharded
+under ms-swift), with the parameters of a sharded reference model or teacher held whole."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def _train_and_report(self: Trainer, *args, **kwargs):
     teacher = getattr(self, "teacher_model", None)
     reward_tensors = [t.to_local() if isinstance(t, DTensor) else t for m in rewards
                       for t in [*m.parameters(), *m.buffers()]]
+    teacher_tensors = [t.to_local() if isinstance(t, DTensor) else t  # ms-swift shards it, TRL keeps it whole
+                       for t in [*teacher.parameters(), *teacher.buffers()]] if teacher is not None else []
     config = next(iter(getattr(self.model, "peft_config", {}).values()), None)
     report = {
         "rank": self.args.process_index,
@@ -55,8 +58,12 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         "forward_batch": max(batches, default=None),
         "reference_param_bytes": sum(t.numel() * t.element_size() for t in reference_local),
         "reward_bytes": sum(t.numel() * t.element_size() for t in reward_tensors),
-        "teacher_bytes": sum(t.numel() * t.element_size() for t in [*teacher.parameters(), *teacher.buffers()])
-        if teacher is not None else 0,
+        "teacher_bytes": sum(t.numel() * t.element_size() for t in teacher_tensors),
+        # what of a sharded frozen model is held whole after training (a unit left gathered after its forward)
+        "reference_gathered": [n for n, p in reference.named_parameters() if not isinstance(p, DTensor)]
+        if reference is not None else [],
+        "teacher_gathered": [n for n, p in teacher.named_parameters() if not isinstance(p, DTensor)]
+        if teacher is not None else [],
     }
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
