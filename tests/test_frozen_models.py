@@ -46,10 +46,10 @@ def _worker(rank: int, world_size: int, path: str, reshard: bool, via: str) -> d
     frozen = transformers.AutoModelForCausalLM.from_pretrained(path)
     if via == "accelerate":  # as ms-swift's `prepare_fsdp` and LlamaFactory's reference model
         frozen = fsdp_utils.fsdp2_prepare_model(accelerator, frozen.requires_grad_(False).eval())
-    else:
+    else:  # TRL's reference models keep `requires_grad` (`create_model_from_path`): no backward reaches them
         from trl.models.utils import prepare_fsdp
 
-        frozen = prepare_fsdp(frozen.requires_grad_(False), accelerator)
+        frozen = prepare_fsdp(frozen, accelerator)
     ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = frozen(input_ids=ids).logits

@@ -322,10 +322,16 @@ def frozen_reshards_after_forward(model: torch.nn.Module) -> None:
     GiB shard on 8 ranks; under `reshard_after_forward: false`, every layer: the whole model. Each
     unit of a frozen model reshards after its forward instead (a forward under grad, if one comes,
     gathers again for its backward, as FSDP2 does for any resharded unit)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        reshard_every_unit_after_forward(model)
+
+
+def reshard_every_unit_after_forward(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit in `model` reshards after its forward (`frozen_reshards_after_forward`;
+    TRL's `prepare_fsdp`, which shards only models it does not train, whether or not their
+    parameters ask for gradients: its reference models keep `requires_grad`)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if any(p.requires_grad for p in model.parameters()):
-        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_reshard_after_forward(True, recurse=False)

@@ -14,10 +14,10 @@ from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.integrations.common import (
     fill_through_loader,
-    frozen_reshards_after_forward,
     fsdp2_prepare_needed,
     fully_shard_swap,
     load_through_loader,
+    reshard_every_unit_after_forward,
 )
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 from fsdp_offload_cfg.shard_groups import fsdp2_groups
@@ -51,8 +51,8 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
             model = shard(model)
         else:
             model = load_through_loader(model, shard, plugin, cfg)
-        if plugin.fsdp_version == 2:
-            frozen_reshards_after_forward(model)
+        if plugin.fsdp_version == 2:  # TRL prepares here only models it does not train
+            reshard_every_unit_after_forward(model)
         return model
 
     return prepare_fsdp
