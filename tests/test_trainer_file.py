@@ -53,6 +53,26 @@ def test_where_a_llamafactory_file_is_silent_its_defaults_hold(tmp_path: Path):
     assert (trainer.seq_len, trainer.lora_rank, trainer.gradient_checkpointing) == (None, None, False)
 
 
+@pytest.mark.parametrize("text, reference, batch", [
+    ("stage: dpo\nfinetuning_type: full\n", "LlamaFactory's stage dpo", 4),
+    ("stage: dpo\n", None, 4),  # LoRA, its default: the disabled adapters stand for the reference model
+    ("stage: dpo\nfinetuning_type: full\npref_loss: simpo\n", None, 4),
+    ("stage: dpo\nfinetuning_type: full\npref_loss: orpo\n", None, 4),
+    ("stage: kto\nfinetuning_type: full\n", "LlamaFactory's stage kto", 2),
+    ("stage: dpo\nref_model: other/model\n", "LlamaFactory's stage dpo", 4),  # named: loaded even under LoRA
+    ("stage: sft\nfinetuning_type: full\n", None, 2),
+])
+def test_llamafactorys_preference_stages_load_a_reference_model_and_pair_the_responses(
+        tmp_path: Path, text: str, reference: str | None, batch: int):
+    """LlamaFactory 0.9.5: `stage: dpo` (its `pref_loss` not orpo or simpo) and `stage: kto` load
+    a reference model (`create_ref_model`) unless LoRA's disabled adapters stand for it; `stage:
+    dpo` batches each sample's chosen and rejected responses together. Before, a LlamaFactory
+    DPO file was estimated as SFT: no reference model, half the sequences of a forward."""
+    run = _read(tmp_path, "model_name_or_path: m\nper_device_train_batch_size: 2\n" + text + FSDP)
+    assert (run.reference_model, run.batch_size) == (reference, batch), run
+    assert run.caveats == (("ref_model: other/model is counted as a copy of the model",) if "ref_model" in text else ())
+
+
 def test_trl_and_llamafactory_keep_the_trainers_micro_batch_of_8(tmp_path: Path):
     """TRL's and LlamaFactory's configs are TrainingArguments that keep its
     `per_device_train_batch_size` of 8 (the estimate had asked for --batch-size); a plain

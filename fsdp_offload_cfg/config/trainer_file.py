@@ -41,7 +41,8 @@ Each figure's key, as each framework spells it (the first the file has wins):
 
 A LlamaFactory file (one with `stage`, `finetuning_type`, `cutoff_len` or `template`) takes
 LlamaFactory's defaults where it is silent (0.9.5's `hparams`): LoRA, a cutoff of 2048 tokens,
-every layer checkpointed. A TRL config (a key in `TRL_KEYS`, which only TRL's dataclasses define)
+every layer checkpointed; `stage: dpo` pairs each sample's responses in one forward, and it and
+`stage: kto` load a reference model beside a full fine-tune. A TRL config (a key in `TRL_KEYS`, which only TRL's dataclasses define)
 takes TRL's (0.24 to 1.16, `trl/trainer/*_config.py`): bf16 unless `fp16`, every layer
 checkpointed, and where it has a ModelConfig key the float32 load of TRL's scripts (0.29 and
 later). The arguments of a framework's CLI (`cli`: `trl sft`, `swift sft`, read from a launch
@@ -283,11 +284,28 @@ class _Reader:
         one for their KL term where `beta` is not 0 (0.0 and 0.05 unset), unless `use_peft`."""
         if self.swift_rlhf is not None:
             return self._swift_reference()
+        if self.llamafactory:
+            return self._llamafactory_reference()
         if self.trl_verb not in REFERENCE_BETA or self.top.get("use_peft") is True:
             return None
         if self.trl_verb in ("dpo", "kto"):
             return None if self.top.get("precompute_ref_log_probs") is True else f"trl {self.trl_verb}'s"
         return self._kl_term(f"trl {self.trl_verb}'s", REFERENCE_BETA[self.trl_verb], "TRL")
+
+    def _llamafactory_reference(self) -> str | None:
+        """LlamaFactory 0.9.5 loads a reference model for `stage: dpo` (unless `pref_loss` is
+        orpo or simpo) and `stage: kto` (`create_ref_model`), unless the fine-tune is LoRA (its
+        default), whose disabled adapters stand for it, and no `ref_model` names another
+        checkpoint, which is counted as a copy of the model, saying so."""
+        stage = self.top.get("stage")
+        if stage not in ("dpo", "kto") or (stage == "dpo" and self.top.get("pref_loss") in ("orpo", "simpo")):
+            return None
+        other = self.top.get("ref_model")
+        if other is None and self.top.get("finetuning_type", "lora") == "lora":
+            return None
+        if other is not None:
+            self.caveats.append(f"ref_model: {_show(other)} is counted as a copy of the model")
+        return f"LlamaFactory's stage {stage}"
 
     def _swift_reference(self) -> str | None:
         """`swift rlhf` loads a reference model for DPO, KTO, PPO and GRPO under a full fine-tune
@@ -397,15 +415,21 @@ class _Reader:
                 "your longest prompt plus that")
 
     def sequences_a_forward(self, batch: int | None) -> int | None:
-        """The sequences one forward takes for `batch` samples: twice under `trl dpo` and under
-        `swift rlhf`'s DPO, CPO, SimPO and ORPO, whose collators put each sample's chosen and
-        rejected completions in one batch (TRL's `concatenated_forward`, which ms-swift's keep)."""
-        method = "dpo" if self.trl_verb == "dpo" else self.swift_rlhf
+        """The sequences one forward takes for `batch` samples: twice under `trl dpo`, `swift
+        rlhf`'s DPO, CPO, SimPO and ORPO, and LlamaFactory's `stage: dpo`, whose collators put each
+        sample's chosen and rejected completions in one batch (TRL's `concatenated_forward`,
+        which ms-swift's and LlamaFactory's keep)."""
+        method = "dpo" if self.trl_verb == "dpo" or self._llamafactory_pairs() else self.swift_rlhf
         if method not in ("dpo", "cpo", "simpo", "orpo") or batch is None:
             return batch
         self.taken["batch_size"] += f", {batch} samples x 2: {method.upper()} runs each sample's chosen and " \
                                     "rejected completions in one forward"
         return 2 * batch
+
+    def _llamafactory_pairs(self) -> bool:
+        """LlamaFactory's `stage: dpo` (ORPO and SimPO by its `pref_loss` too) batches each
+        sample's chosen and rejected responses together (`PairwiseDataCollatorWithPadding`)."""
+        return self.llamafactory and self.top.get("stage") == "dpo"
 
     def default_batch_size(self) -> tuple[int, str] | None:
         """The framework's micro-batch where the file names none: ms-swift's 1; TrainingArguments'
