@@ -71,6 +71,8 @@ def test_llamafactorys_preference_stages_load_a_reference_model_and_pair_the_res
     run = _read(tmp_path, "model_name_or_path: m\nper_device_train_batch_size: 2\n" + text + FSDP)
     assert (run.reference_model, run.batch_size) == (reference, batch), run
     assert run.caveats == (("ref_model: other/model is counted as a copy of the model",) if "ref_model" in text else ())
+    one = _read(tmp_path, "model_name_or_path: m\nper_device_train_batch_size: 1\nstage: dpo\n" + FSDP)
+    assert "per_device_train_batch_size, 1 sample x 2: DPO runs" in one.taken["batch_size"], one.taken
 
 
 def test_trl_and_llamafactory_keep_the_trainers_micro_batch_of_8(tmp_path: Path):

@@ -422,7 +422,8 @@ class _Reader:
         method = "dpo" if self.trl_verb == "dpo" or self._llamafactory_pairs() else self.swift_rlhf
         if method not in ("dpo", "cpo", "simpo", "orpo") or batch is None:
             return batch
-        self.taken["batch_size"] += f", {batch} samples x 2: {method.upper()} runs each sample's chosen and " \
+        samples = f"{batch} sample" + ("s" if batch != 1 else "")
+        self.taken["batch_size"] += f", {samples} x 2: {method.upper()} runs each sample's chosen and " \
                                     "rejected completions in one forward"
         return 2 * batch
 
