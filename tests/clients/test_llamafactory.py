@@ -7,7 +7,8 @@ Against the same run with the plugin's loader and offload off: SFT under auto (w
 reads sharded here, one node) and broadcast saves bit-equal weights, and so does LoRA with DoRA and
 new tokens under sharded; DPO (policy and a reference model LlamaFactory prepares itself) starts and
 trains with TRL imported after the plugin (it failed at import while `patch()` imported TRL first)
-and saves the baseline's policy bit for bit; the lines that prove the plugin is on are there; a typo
+and saves the baseline's policy bit for bit; the estimate of a DPO file counts the reference model
+and the pairs of responses its run holds; the lines that prove the plugin is on are there; a typo
 stops every rank with status 1.
 """
 
@@ -187,6 +188,41 @@ def test_dpo_starts_with_trl_imported_after_the_plugin_and_saves_what_the_baseli
     assert "[fsdp_offload_cfg rank 0] activation offload moved" in proc.stderr, proc.stderr[-3000:]
     plain, ours = _weights(runs["baseline"][1]), _weights(out)
     assert ours.keys() == plain.keys() and all(torch.equal(ours[k], plain[k]) for k in plain)
+
+
+def test_the_estimate_of_a_dpo_file_holds_its_reference_model_and_both_responses_of_a_sample(
+        files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`stage: dpo` of a full fine-tune: LlamaFactory loads a reference model, which it shards
+    beside the policy with accelerate's `fsdp2_prepare_model`, and batches each sample's chosen
+    and rejected responses together. Against the run (LlamaFactory's `run_exp` on 2 gloo ranks,
+    read after its training by the Trainer probe), the estimate of that same file counts rank 0's
+    reference bytes and the forward's batch of 4 for a micro-batch of 2, and the reference model
+    holds nothing whole after its forwards. Before, the estimate read the file as SFT: neither."""
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.dist import free_port
+
+    config = tmp_path / "dpo.yaml"
+    config.write_text(CONFIG.format(model=files / "model", stage="dpo", data=files / "data", out=tmp_path / "out",
+                                    adapter="", dataset="pairs", plugin=PLUGIN["auto_offload"])
+                      .replace("max_steps: 4", "max_steps: 1"))
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PROBE_DIR=str(probe))  # fmt: skip
+    script = Path(__file__).parents[1] / "scripts" / "llamafactory_probe.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), str(config)],
+                          capture_output=True, text=True, timeout=420, env=env, cwd=files)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    real = json.loads((probe / "rank0.json").read_text())
+    assert cli.main(["estimate", str(config), "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 4, (real, estimated["inputs"])
+    assert real["reference_gathered"] == [], real
+    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
+        (real, estimated["per_rank"])
+    assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])
 
 
 def test_a_typo_stops_every_rank_with_status_1(files: Path):
