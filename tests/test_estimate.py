@@ -1396,6 +1396,8 @@ def test_the_reference_and_reward_model_flags_win_over_the_runs_command(models: 
     assert _command_estimate(capsys, *own_script)["per_rank"]["reference_params_bytes"] == 0
     said = _command_estimate(capsys, *own_script, "--reference-model", "--reward-model", models["llama"])["per_rank"]
     assert said["reference_params_bytes"] > 0 and said["reward_params_bytes"] > 0, said
+    two = _command_estimate(capsys, *own_script, "--reward-model", models["llama"], "--reward-model", models["llama"])
+    assert two["per_rank"]["reward_params_bytes"] == 2 * said["reward_params_bytes"]  # several, as ms-swift takes
 
 
 def test_a_distillation_teacher_is_counted_whole_in_its_own_dtype(models: dict[str, str]):
