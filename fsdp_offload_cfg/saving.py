@@ -311,12 +311,35 @@ def _every_rank_or_raise(what: str, how: str) -> None:
 
 def _streams(trainer: Any) -> bool:
     """Whether the Trainer's gather may hand stand-ins to its writer: the Trainer's own `_save`
-    hands them to `save_pretrained` as they are, in safetensors. A framework's own `_save`
-    (ms-swift's) may do anything with the state dict, and 4.57's `save_safetensors=False` writes
-    with `torch.save`: those gather the whole model, as before."""
+    hands them to `save_pretrained` as they are, in safetensors, and so does ms-swift's on its
+    common path (`_swift_saves_through_save_pretrained`). Another framework's `_save` may do
+    anything with the state dict, and 4.57's `save_safetensors=False` writes with `torch.save`:
+    those gather the whole model, as before."""
     from transformers import Trainer
 
-    return type(trainer)._save is Trainer._save and writes_safetensors(None, trainer.args)
+    if not writes_safetensors(None, trainer.args):
+        return False
+    return type(trainer)._save is Trainer._save or _swift_saves_through_save_pretrained(trainer)
+
+
+def _swift_saves_through_save_pretrained(trainer: Any) -> bool:
+    """ms-swift's `_save` (4.6's `SwiftMixin._save_model`) hands the state dict to the model's
+    `save_pretrained` in safetensors and uses it for nothing else, for a transformers model with
+    no ms-swift tuner of its own (`tuners_map`), no template save callback, no DLRover flash
+    checkpoint and `safe_serialization` on; there it streams as the Trainer's does, where before
+    its final model was gathered whole on rank 0's host (an 8B model: 15 GiB). Any other ms-swift
+    save gathers the whole model, as before."""
+    save = type(trainer)._save
+    if getattr(save, "__module__", None) != "swift.trainers.mixin":
+        return False
+    from transformers import PreTrainedModel
+
+    tuners = getattr(sys.modules.get(save.__module__), "tuners_map", None)  # the name `_save_model` looks up
+    args = trainer.args
+    return (isinstance(trainer.model, PreTrainedModel) and tuners is not None
+            and getattr(args, "tuner_type", None) not in tuners
+            and not hasattr(getattr(trainer, "template", None), "save_callback")
+            and not getattr(args, "use_flash_ckpt", False) and getattr(args, "safe_serialization", True) is True)
 
 
 def _state_dict_sharded(trainer: Any) -> bool:

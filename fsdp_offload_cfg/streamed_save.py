@@ -32,7 +32,7 @@ gathers, so every rank raises, naming where it happened, and none waits in a gat
 before, gathered whole: a model whose save builds a tensor from several keys, or renames keys
 where 4.57 then looks them up on the model (VLMs), a `torch.save` write (4.57's
 `safe_serialization=False`), a dtype the writer here does not know (`compat.saving`), and a
-framework's own Trainer `_save` (`saving._streams`).
+framework's own Trainer `_save` other than ms-swift's common path (`saving._streams`).
 """
 
 from __future__ import annotations

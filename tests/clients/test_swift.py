@@ -7,7 +7,8 @@ legs).
 The plugin's config travels in ms-swift's `--fsdp` JSON (`fsdp` + `fsdp_config`, handed to the
 Trainer's arguments). Against the same run with the loader and offload off: full SFT under broadcast
 (through `run`) and auto + offload (through ms-swift's `--external_plugins`; auto reads sharded on
-one node) saves bit-equal weights, with the lines that prove the plugin is on, and so does an
+one node) saves bit-equal weights, with the lines that prove the plugin is on (ms-swift's own save
+streamed, one weight at a time on rank 0), and so does an
 activation budget (planned per layer, ms-swift's checkpointing off); an offload left with nothing to
 move under ms-swift's default gradient checkpointing says so at the end; LoRA under both strategies
 saves the same adapters (ms-swift seeds each rank differently); the unprefixed
@@ -115,6 +116,9 @@ def test_sft_under_broadcast_saves_what_the_run_without_the_loader_saves(files: 
     assert weights.keys() == baseline.keys() and all(torch.equal(weights[k], baseline[k]) for k in baseline)
     assert ("[fsdp_offload_cfg rank 0] config from TrainingArguments.fsdp_config (FSDP2, meta loading: broadcast, "
             "activation offload: off)") in proc.stderr, proc.stderr[-3000:]
+    # ms-swift's own `_save` writes through `save_pretrained`: streamed, rank 0 holding one weight at a time, where
+    # it had gathered the whole model on rank 0's host
+    assert "each weight gathered to rank 0 as it is written (one at a time)" in proc.stderr, proc.stderr[-3000:]
 
 
 LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "q_proj", "v_proj")
