@@ -354,6 +354,11 @@ def test_swift_rlhf_names_its_reward_models_and_teacher_which_it_shards():
     assert _swift("teacher_model: big\nreward_model: rm\n").teacher_model is None  # swift sft loads neither
 
 
+def test_a_swift_reward_model_that_is_no_path_is_named_with_its_key():
+    with pytest.raises(ConfigError, match=r"the command line.*reward_model.*expected model paths, got 3"):
+        _swift("rlhf_type: grpo\nmax_length: 64\nreward_model: 3\n", "rlhf")
+
+
 def test_swift_rlhf_counts_another_reference_checkpoint_as_a_copy_saying_so():
     run = _swift("tuner_type: full\nref_model: other/model\n", "rlhf")
     assert run.reference_model and run.caveats == ("ref_model: other/model is counted as a copy of the model",)

@@ -300,12 +300,9 @@ class _Reader:
         stage = self.top.get("stage")
         if stage not in ("dpo", "kto") or (stage == "dpo" and self.top.get("pref_loss") in ("orpo", "simpo")):
             return None
-        other = self.top.get("ref_model")
-        if other is None and self.top.get("finetuning_type", "lora") == "lora":
+        if self.top.get("ref_model") is None and self.top.get("finetuning_type", "lora") == "lora":
             return None
-        if other is not None:
-            self.caveats.append(f"ref_model: {_show(other)} is counted as a copy of the model")
-        return f"LlamaFactory's stage {stage}"
+        return self._named_reference(f"LlamaFactory's stage {stage}")
 
     def _swift_reference(self) -> str | None:
         """`swift rlhf` loads a reference model for DPO, KTO, PPO and GRPO under a full fine-tune
@@ -317,7 +314,12 @@ class _Reader:
         words = f"swift rlhf --rlhf_type {self.swift_rlhf}'s"
         if self.swift_rlhf == "grpo":
             words = self._kl_term(words, 0.04, "ms-swift")
-        if words is not None and self.top.get("ref_model") is not None:
+        return None if words is None else self._named_reference(words)
+
+    def _named_reference(self, words: str) -> str:
+        """`words`, saying as a caveat that a `ref_model` of another checkpoint (ms-swift's,
+        LlamaFactory's) is counted as a copy of the model."""
+        if self.top.get("ref_model") is not None:
             self.caveats.append(f"ref_model: {_show(self.top['ref_model'])} is counted as a copy of the model")
         return words
 
@@ -345,7 +347,6 @@ class _Reader:
             if self.swift_rlhf == "ppo":
                 self.caveats.append("reward_model: PPO's value and reward models are not counted")
                 return ()
-            self.taken["reward_models"] = "reward_model"
             return tuple(paths)
         if self.trl_verb not in ("grpo", "rloo"):
             return ()

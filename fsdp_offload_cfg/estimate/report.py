@@ -376,8 +376,8 @@ def _companion_said(role: str, path: str, sharded: bool, besides: str) -> list[s
 def _companions_loading_said(states: ShardedStates) -> list[str]:
     if not (states.reference or states.reward or states.teacher):
         return []
-    return ["loading counts the frozen models beside the trained one: TRL loads every model before it prepares "
-            "any, so a plain load holds them all whole on every rank's host at once; the loader builds them on meta "
+    return ["loading counts the frozen models beside the trained one: TRL and ms-swift load every model before "
+            "they prepare any, so a plain load holds them all whole on every rank's host at once; the loader builds them on meta "
             "too and fills each at its own prepare, after the model's (on the host only where the shards live there)"]
 
 

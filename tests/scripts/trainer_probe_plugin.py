@@ -19,6 +19,17 @@ from transformers import Trainer
 train = Trainer.train
 
 
+def _held_whole(model: torch.nn.Module | None) -> list[str]:
+    """What of a model sharded by `fully_shard` is held whole after training (a unit left gathered
+    after its forward); nothing for a model kept whole on purpose (TRL's teacher) or none."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(model, FSDPModule):
+        return []
+    return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+
 def _train_and_report(self: Trainer, *args, **kwargs):
     from torch.distributed.tensor import DTensor
 
@@ -59,11 +70,8 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         "reference_param_bytes": sum(t.numel() * t.element_size() for t in reference_local),
         "reward_bytes": sum(t.numel() * t.element_size() for t in reward_tensors),
         "teacher_bytes": sum(t.numel() * t.element_size() for t in teacher_tensors),
-        # what of a sharded frozen model is held whole after training (a unit left gathered after its forward)
-        "reference_gathered": [n for n, p in reference.named_parameters() if not isinstance(p, DTensor)]
-        if reference is not None else [],
-        "teacher_gathered": [n for n, p in teacher.named_parameters() if not isinstance(p, DTensor)]
-        if teacher is not None else [],
+        "reference_gathered": _held_whole(reference),
+        "teacher_gathered": _held_whole(teacher),
     }
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
