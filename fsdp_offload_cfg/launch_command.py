@@ -36,6 +36,8 @@ from fsdp_offload_cfg.config.reading import read_config_file
 from fsdp_offload_cfg.discovery import dotted_key, is_trl_cli, launch_config_file, launch_flag_keys, typed_launch_flags
 
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+TRL_SCRIPTS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")  # trl/scripts/VERB.py, run by `trl VERB`
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
 FRAMEWORK_VERBS = {"llamafactory-cli": "train", "axolotl": "train"}  # their training verb: the file follows it
 
 
@@ -60,7 +62,8 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
     config_file = str(named) if named is not None else None
     if is_launcher and not is_trl_cli(command):
         script_args, launched = _accelerate_launch(command)
-        return _with_arguments(command, script_args, cwd, config_file=config_file, **launched)
+        return _with_arguments(command, script_args, cwd, config_file=config_file, cli=trl_script_cli(command),
+                               **launched)
     if is_launcher:  # TRL's CLI: `trl VERB ARGS`; launch flags (`--num_processes`) mixed in, or in its --config YAML
         verb_at = _trl_verb_at(command)
         found = _with_arguments(command, command[verb_at + 1:], cwd, config_file=config_file,
@@ -74,8 +77,39 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
         return _axolotl(command, verb_at, cwd)
     if _is_torchrun(command):
         script_args, launched = _torchrun(command)
-        return _with_arguments(command, script_args, cwd, **launched)
-    return _with_arguments(command, _script_args(command), cwd)
+        return _with_arguments(command, script_args, cwd, cli=trl_script_cli(command), **launched)
+    return _with_arguments(command, _script_args(command), cwd, cli=trl_script_cli(command))
+
+
+def trl_script_cli(command: list[str]) -> str | None:
+    """`trl dpo` where COMMAND runs the script `trl dpo` launches: `trl/scripts/dpo.py` (TRL's
+    repository, or its installed package: TRL's scripts document `python trl/scripts/dpo.py`, and
+    `accelerate launch` or torchrun of it is how they are spread over ranks) or the module
+    `trl.scripts.dpo`. Same parser, same defaults (bf16, checkpointing, ModelConfig's float32), same
+    reference model: the run is `trl dpo`'s and is read so. None for any other script."""
+    at = _script_at(command)
+    if at is None:
+        return None
+    script = command[at]
+    if script.endswith(".py"):
+        path = Path(script)
+        verb = path.stem if path.parent.parts[-2:] == ("trl", "scripts") else None
+    else:
+        package, _, verb = script.rpartition(".")
+        verb = verb if package == "trl.scripts" else None
+    return f"trl {verb}" if verb in TRL_SCRIPTS else None
+
+
+def _script_at(command: list[str]) -> int | None:
+    """Where the script is: the first `.py` argument after the program, or the module after
+    `-m` / `--module` (python's, accelerate launch's, torchrun's); a launcher's own module
+    (`python -m torch.distributed.run`) is the launcher, not the script."""
+    for i, arg in enumerate(command[1:], start=1):
+        if arg.endswith(".py"):
+            return i
+        if arg in ("-m", "--module") and i + 1 < len(command) and command[i + 1] not in LAUNCHER_MODULES:
+            return i + 1
+    return None
 
 
 def _with_arguments(command: list[str], script_args: list[str], cwd: str, **found: Any) -> LaunchCommand:
@@ -184,7 +218,7 @@ def _is_torchrun(command: list[str]) -> bool:
 def _torchrun(command: list[str]) -> tuple[list[str], dict[str, Any]]:
     """torchrun's script arguments, and its processes (`--nproc_per_node` times `--nnodes`) and
     nodes, as `LaunchCommand` fields."""
-    script = next((i for i, arg in enumerate(command) if arg.endswith(".py") and i > 0), None)
+    script = _script_at(command)
     per_node, nodes = _int_flag(command, "nproc_per_node"), _int_flag(command, "nnodes")
     return (command[script + 1:] if script is not None else []), {
         "num_processes": per_node * (nodes or 1) if per_node else None, "num_machines": nodes}

@@ -144,3 +144,26 @@ def test_the_machines_are_accelerates_num_machines_or_torchruns_nnodes(tmp_path:
     assert read_launch_command(["torchrun", "--nnodes", "2", "--nproc_per_node", "8", "train.py"],
                                str(tmp_path)).num_machines == 2
     assert read_launch_command(["accelerate", "launch", "train.py"], str(tmp_path)).num_machines is None
+
+
+def test_trls_own_scripts_are_read_as_the_trl_verb_that_runs_them(tmp_path: Path):
+    """`trl dpo` launches `trl/scripts/dpo.py`; the same script under `accelerate launch`, torchrun
+    or python (TRL's scripts document `python trl/scripts/dpo.py`), by path or as the module
+    `trl.scripts.dpo`, is the same run with the same defaults and reference model. Before, it was
+    read as a script of the user's own: no reference model, one sequence a DPO sample."""
+    for command in (
+        ["accelerate", "launch", "--config_file", "f.yaml", "trl/scripts/dpo.py", "--max_length", "8"],
+        ["accelerate", "launch", "--num_processes", "2", "-m", "trl.scripts.dpo", "--max_length", "8"],
+        ["accelerate", "launch", "--module", "trl.scripts.dpo", "--max_length", "8"],
+        ["python", "-m", "accelerate.commands.launch", "/venv/lib/python3.12/site-packages/trl/scripts/dpo.py",
+         "--max_length", "8"],
+        ["torchrun", "--nproc_per_node", "2", "-m", "trl.scripts.dpo", "--max_length", "8"],
+        ["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "trl/scripts/dpo.py", "--max_length", "8"],
+        ["python", "trl/scripts/dpo.py", "--max_length", "8"],
+        ["python", "-m", "trl.scripts.dpo", "--max_length", "8"],
+    ):
+        launch = read_launch_command(command, str(tmp_path))
+        assert (launch.cli, launch.arguments) == ("trl dpo", {"max_length": 8}), command
+    for own in (["accelerate", "launch", "scripts/dpo.py"], ["python", "examples/scripts/dpo_vlm.py"],
+                ["torchrun", "-m", "trl.scripts.vllm_serve"], ["python", "trl/scripts/utils.py"]):
+        assert read_launch_command(own, str(tmp_path)).cli is None, own

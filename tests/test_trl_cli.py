@@ -196,7 +196,8 @@ def test_the_estimate_of_trl_dpo_holds_its_reference_model_and_its_two_sequences
     and its collator puts each sample's chosen and rejected completions in one forward: twice the
     micro-batch. TRL's own `dpo` script (2 gloo ranks, a probe on `Trainer.train`) against
     `estimate -- trl dpo`: rank 0's reference bytes and the largest batch the policy's forward
-    took. Before, the estimate counted neither (half the activations, no reference)."""
+    took. Before, the estimate counted neither (half the activations, no reference); nor, later,
+    for the same script launched by hand (`accelerate launch trl/scripts/dpo.py`, torchrun)."""
     import numpy as np
 
     from fsdp_offload_cfg import cli
@@ -222,6 +223,16 @@ def test_the_estimate_of_trl_dpo_holds_its_reference_model_and_its_two_sequences
     assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
         (real, estimated["per_rank"])
     assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])
+    import trl
+
+    script = str(Path(trl.__file__).parent / "scripts" / "dpo.py")  # what `trl dpo` launches, launched by hand
+    for launch in (["accelerate", "launch", "--config_file", "fsdp.yaml", script],
+                   ["torchrun", "--nproc_per_node", "2", "-m", "trl.scripts.dpo"]):
+        assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--", *launch, "--config", "dpo.yaml"]) \
+            == 0, capsys.readouterr().err
+        by_script = json.loads(capsys.readouterr().out)
+        assert (by_script["inputs"]["batch_size"], by_script["per_rank"]["reference_params_bytes"]) == \
+            (real["forward_batch"], real["reference_param_bytes"]), launch
 
 
 @pytest.mark.parametrize("verb", ["kto", "grpo"])
