@@ -12,7 +12,8 @@ What is read, each as the launcher itself reads it:
   none, the run's own file where it holds FSDP settings (axolotl's YAML, a Trainer's file);
 - the config flags typed on `accelerate launch` (`--mixed_precision`, `--fsdp_*`, `--cpu`), parsed
   by accelerate's own parser, over the file, as accelerate exports them; its `--num_processes`,
-  torchrun's `--nproc_per_node` times `--nnodes`, ms-swift's `NPROC_PER_NODE` times `NNODES`,
+  torchrun's `--nproc_per_node` times `--nnodes`, ms-swift's and `llamafactory-cli train`'s
+  `NPROC_PER_NODE` times `NNODES`,
   axolotl's `--num-processes` or its launcher's arguments after `--`;
 - the training arguments after the script (or `trl VERB`, `swift sft`, `llamafactory-cli train`,
   `axolotl train`): the YAML or JSON file they name (TRL's `--config F`, else the first
@@ -38,7 +39,7 @@ from fsdp_offload_cfg.discovery import dotted_key, is_trl_cli, launch_config_fil
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 TRL_SCRIPTS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")  # trl/scripts/VERB.py, run by `trl VERB`
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
-FRAMEWORK_VERBS = {"llamafactory-cli": "train", "axolotl": "train"}  # their training verb: the file follows it
+FRAMEWORK_VERBS = {"llamafactory-cli": "train", "lmf": "train", "axolotl": "train"}  # their training verb: the file follows it
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
         return _swift(command, verb_at, cwd)
     if (verb_at := _verb_at(command, "axolotl", ("train",))) is not None:
         return _axolotl(command, verb_at, cwd)
+    if any(_verb_at(command, cli, ("train",)) is not None for cli in ("llamafactory-cli", "lmf")):
+        return _llamafactory(command, cwd)
     if _is_torchrun(command):
         script_args, launched = _torchrun(command)
         return _with_arguments(command, script_args, cwd, cli=trl_script_cli(command), **launched)
@@ -179,6 +182,18 @@ def _swift_processes(arguments: dict[str, Any]) -> int | None:
         return 1
     per_node, nodes = environ.get("NPROC_PER_NODE", "1"), environ.get("NNODES", "1")
     return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
+
+
+def _llamafactory(command: list[str], cwd: str) -> LaunchCommand:
+    """`llamafactory-cli train F`: under `FORCE_TORCHRUN=1`, or on a machine with several GPUs, it
+    starts torchrun with `NPROC_PER_NODE` (default: the GPUs of the machine it runs on, which the
+    estimate cannot see) times `NNODES` processes (`llamafactory/launcher.py`). Those the
+    environment names are counted; else the number is asked for."""
+    found = _with_arguments(command, _script_args(command), cwd)
+    per_node, nodes = os.environ.get("NPROC_PER_NODE", ""), os.environ.get("NNODES", "1")
+    if not (per_node.isdigit() and nodes.isdigit()):
+        return found
+    return dataclasses.replace(found, num_processes=int(per_node) * int(nodes), num_machines=int(nodes))
 
 
 def _axolotl(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:

@@ -167,3 +167,20 @@ def test_trls_own_scripts_are_read_as_the_trl_verb_that_runs_them(tmp_path: Path
     for own in (["accelerate", "launch", "scripts/dpo.py"], ["python", "examples/scripts/dpo_vlm.py"],
                 ["torchrun", "-m", "trl.scripts.vllm_serve"], ["python", "trl/scripts/utils.py"]):
         assert read_launch_command(own, str(tmp_path)).cli is None, own
+
+
+def test_llamafactory_cli_takes_its_processes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`NPROC_PER_NODE=4 NNODES=2 llamafactory-cli train sft.yaml`: LlamaFactory starts torchrun with
+    those; without NPROC_PER_NODE it starts one process per GPU of the machine it runs on, which
+    the estimate does not see: the number stays unknown (the estimate asks for it). Before, the
+    environment's count was not read."""
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: m\ncutoff_len: 2048\n")
+    monkeypatch.setenv("NPROC_PER_NODE", "4")
+    monkeypatch.setenv("NNODES", "2")
+    for cli in ("llamafactory-cli", "lmf"):
+        launch = read_launch_command([cli, "train", "sft.yaml", "cutoff_len=4096"], str(tmp_path))
+        assert (launch.num_processes, launch.num_machines, launch.arguments["cutoff_len"]) == (8, 2, 4096), cli
+    monkeypatch.delenv("NNODES")
+    assert read_launch_command(["llamafactory-cli", "train", "sft.yaml"], str(tmp_path)).num_processes == 4
+    monkeypatch.delenv("NPROC_PER_NODE")
+    assert read_launch_command(["llamafactory-cli", "train", "sft.yaml"], str(tmp_path)).num_processes is None
