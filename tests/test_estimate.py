@@ -1413,3 +1413,32 @@ def test_a_distillation_teacher_is_counted_whole_in_its_own_dtype(models: dict[s
         fp32["teacher_params_bytes"] - bf16["teacher_params_bytes"]
     stored = json.loads((Path(models["llama"]) / "config.json").read_text()).get("dtype", "float32")
     assert teacher("float32", "auto")["teacher_params_bytes"] == teacher("float32", stored)["teacher_params_bytes"]
+
+
+def test_trl_distillations_head_holds_its_chunked_divergence_not_the_logits(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]):
+    """`trl distillation` never makes the logits: TRL runs the student's backbone and projects the
+    completion's hidden states through the output layer one float32 tile at a time
+    (`estimate/heads.py`, checked against TRL's code in tests/test_heads.py). Its estimate counts
+    no batch x sequence x vocabulary tensor after the last layer, and in the head's backward at
+    least TRL's float32 sum of the output layer's gradient and its two tiles. Before, the head was a
+    cross-entropy's: the logits saved (kept here as the comparison), and their gradients."""
+    from transformers import LlamaConfig
+
+    vocab, hidden, batch, seq, completion = 100_000, 256, 2, 1024, 256
+    LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                dtype="bfloat16").save_pretrained(tmp_path / "m")
+    recipe = tmp_path / "kd.yaml"
+    recipe.write_text(f"model_name_or_path: {tmp_path / 'm'}\nteacher_model_name_or_path: {tmp_path / 'm'}\n"
+                      f"max_completion_length: {completion}\nper_device_train_batch_size: {batch}\n"
+                      "gradient_checkpointing: false\nfsdp: full_shard\nfsdp_config:\n  version: 2\n")
+    run = ["--num-processes", "2", "--seq-len", str(seq), "--", "trl", "distillation", "--config", str(recipe)]
+    distilled = _command_estimate(capsys, *run)["activations"]
+    logits = batch * seq * vocab * 2  # bfloat16
+    assert distilled["after_last_group_bytes"] < logits / 10, distilled["after_last_group_bytes"]
+    weight_sum, tiles = vocab * hidden * 4, 2 * batch * completion * 32768 * 4
+    assert weight_sum + tiles <= distilled["head_backward_bytes"] <= 1.5 * (weight_sum + tiles), distilled
+    cross_entropy = estimate_memory(config(), str(tmp_path / "m"), seq_len=seq, batch_size=batch, device="cpu",
+                                    teacher_model=str(tmp_path / "m"))  # the model's own head
+    assert cross_entropy["activations"]["after_last_group_bytes"] >= logits

@@ -397,3 +397,16 @@ def test_a_teacher_init_kwargs_that_is_no_mapping_is_named():
     with pytest.raises(ConfigError, match=r"kd\.yaml.*teacher_model_init_kwargs.*expected a mapping"):
         run_arguments_of({"teacher_model_name_or_path": "t", "teacher_model_init_kwargs": "dtype=bf16"}, "kd.yaml",
                          "trl distillation")
+
+
+def test_trl_distillation_trains_on_its_completion_through_a_chunked_head():
+    """`trl distillation`'s loss runs over each sequence's last `max_completion_length` positions
+    (TRL's default 512), chunked (`estimate/heads.py`); no other run's head is TRL's."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    said = {"model_name_or_path": "m", "teacher_model_name_or_path": "t"}
+    assert run_arguments_of(said, "kd.yaml", "trl distillation").distilled_tokens == 512
+    assert run_arguments_of({**said, "max_completion_length": 128}, "kd.yaml", "trl distillation").distilled_tokens \
+        == 128
+    assert run_arguments_of({**said, "teacher_model": "t"}, "gkd.yaml", "swift rlhf").distilled_tokens is None
+    assert run_arguments_of(said, "sft.yaml", "trl sft").distilled_tokens is None

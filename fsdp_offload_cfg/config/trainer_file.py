@@ -124,6 +124,9 @@ class RunArguments:
     # loads both by ModelConfig's `dtype`); `swift rlhf`'s `--teacher_model` (GKD, GRPO)
     teacher_model: str | None = None
     teacher_dtype: str | None = None
+    # `trl distillation`'s loss: TRL's chunked divergence over each sequence's last `max_completion_length`
+    # positions, in place of a cross-entropy over the full logits (`estimate/heads.py`)
+    distilled_tokens: int | None = None
     # ms-swift shards its reward models and teacher beside the model (its `prepare_fsdp`), where TRL keeps them whole
     companions_sharded: bool = False
     lora_rank: int | None = None
@@ -353,15 +356,17 @@ class _Reader:
         path = self.first(("reward_model_name_or_path",), str, "reward_model")
         return () if path is None else (path,)
 
-    def teacher(self) -> dict[str, str | None]:
+    def teacher(self) -> dict[str, Any]:
         """`trl distillation`'s teacher (`teacher_model_name_or_path`) and the dtype its
         `teacher_model_init_kwargs` name (a mapping, or its JSON text from the command line); None
         where they name none: TRL's script then loads the teacher in ModelConfig's `dtype`, as the
-        model."""
+        model. And the positions its chunked loss runs over (`max_completion_length`): TRL's
+        distillation only; ms-swift's GKD computes full logits."""
         if self.swift_rlhf in ("gkd", "grpo"):  # loaded in the model's dtype (`get_model_processor`)
-            return {"teacher_model": self.first(("teacher_model",), str, "teacher_model"), "teacher_dtype": None}
+            return {"teacher_model": self.first(("teacher_model",), str, "teacher_model"), "teacher_dtype": None,
+                    "distilled_tokens": None}
         if self.trl_verb != "distillation" or self.top.get("teacher_model_name_or_path") is None:
-            return {"teacher_model": None, "teacher_dtype": None}
+            return {"teacher_model": None, "teacher_dtype": None, "distilled_tokens": None}
         kwargs = self.top.get("teacher_model_init_kwargs") or {}
         if isinstance(kwargs, str):
             try:
@@ -374,7 +379,9 @@ class _Reader:
             kwargs = {}
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         return {"teacher_model": self.first(("teacher_model_name_or_path",), str, "teacher_model"),
-                "teacher_dtype": None if dtype is None else str(dtype)}
+                "teacher_dtype": None if dtype is None else str(dtype),
+                "distilled_tokens": self.first(("max_completion_length",), int, "distilled_tokens",
+                                               (512, "max_completion_length unset: TRL's default 512"))}
 
     def seq_len(self) -> int | None:
         """The longest sequence a forward takes: the file's length key, else the framework's

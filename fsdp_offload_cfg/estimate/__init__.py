@@ -45,7 +45,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None,
                     machines: int = 1, reference: bool = False, reward_model: str | Sequence[str] | None = None,
                     teacher_model: str | None = None, teacher_dtype: str | None = None,
-                    companions_sharded: bool = False) -> dict[str, Any]:
+                    companions_sharded: bool = False, distilled_tokens: int | None = None) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -61,7 +61,10 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     and RLOO); `teacher_model`: a distillation teacher's, held so too (TRL's `DistillationTrainer`),
     loaded in `teacher_dtype` (default: `dtype`, as TRL's script loads both; `auto`: its
     checkpoint's). `companions_sharded`: those sharded beside the model instead, frozen, as
-    ms-swift's `prepare_fsdp` shards its reward models and teacher."""
+    ms-swift's `prepare_fsdp` shards its reward models and teacher. `distilled_tokens` (with
+    `teacher_model`): the loss is TRL's distillation over the last that many positions of each
+    sequence (its completion, `max_completion_length`), chunked as TRL 1.16 computes it, in
+    place of a cross-entropy over the full logits (`estimate/heads.py`)."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
@@ -79,6 +82,9 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     for other in (*reward_models, teacher_model):
         if other is not None:
             model_config_file(other)
+    if distilled_tokens is not None and (teacher_model is None or distilled_tokens < 1):
+        raise EstimateError(f"distilled_tokens={distilled_tokens}: a distillation head needs a teacher_model and "
+                            "at least one completion token")
     teacher_dtype = dtype if teacher_dtype is None else None if teacher_dtype == "auto" else teacher_dtype
     if teacher_dtype is not None:
         check_dtype_name(teacher_dtype)
@@ -92,7 +98,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         accumulating=gradient_accumulation_steps > 1, lora=lora, reference=reference,
                         reward_models=reward_models,
                         teacher=(teacher_model, teacher_dtype) if teacher_model is not None else None,
-                        companions_sharded=companions_sharded)
+                        companions_sharded=companions_sharded, distilled_tokens=distilled_tokens)
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:

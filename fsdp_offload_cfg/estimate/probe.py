@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_offload_cfg.compat.model_init import meta_forward
 from fsdp_offload_cfg.compat.model_output import output_cache
+from fsdp_offload_cfg.estimate.heads import ChunkedDistillation, head_replaced
 from fsdp_offload_cfg.offload.filter import _is_param_like
 from fsdp_offload_cfg.offload.groups import find_units, lift_to_boundaries
 
@@ -420,9 +421,10 @@ def offload_groups(model: nn.Module, layer_classes: list[str] | None) -> list[nn
 
 
 def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_classes: list[str] | None,
-                        target: str = "cuda") -> ActivationProfile:
+                        target: str = "cuda", head: ChunkedDistillation | None = None) -> ActivationProfile:
     """Run one training forward (loss included) of `model` on `meta` and record what it saves,
-    then its backward, for what each group's backward holds beyond its saves."""
+    then its backward, for what each group's backward holds beyond its saves. `head`: the loss
+    head the trainer runs instead of the model's (`heads.py`; `batch` then has no labels)."""
     groups = offload_groups(model, layer_classes)
     names = {id(m): n for n, m in model.named_modules()}
     recorder = _Recorder(model, [names[id(g)] for g in groups])
@@ -433,16 +435,16 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     was_training = model.training
     model.train()  # each parameter keeps its requires_grad: a LoRA's frozen base saves no input for its gradient
     try:
-        with meta_forward(), _attention_as_on(target, recorder.add_flops), recorder.counter, \
-                saved_tensors_hooks(recorder.pack, recorder.unpack), torch.enable_grad():
+        with meta_forward(), _attention_as_on(target, recorder.add_flops), head_replaced(model, head), \
+                recorder.counter, saved_tensors_hooks(recorder.pack, recorder.unpack), torch.enable_grad():
             output = model(**batch)
         recorder.release()
-        recorder.profile.trained = _parameters_reached(getattr(output, "loss", None))
+        root = _backward_root(output)
+        recorder.profile.trained = _parameters_reached(root)
         for t in _cache_tensors(output_cache(output)):
             if recorder.is_activation(t):
                 recorder.profile.held.setdefault(_storage_key(t), recorder.record(t))
         recorder.profile.output_bytes = _output_bytes(output, recorder)
-        root = _backward_root(output)
         del output  # the logits and the cache go, as a training step drops them before backward
         _measure_backward(recorder, root, [p for p in model.parameters() if p.requires_grad])
     finally:

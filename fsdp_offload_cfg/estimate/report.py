@@ -20,6 +20,7 @@ from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
 from fsdp_offload_cfg.estimate.adapters import Lora, gathered_in, with_lora
+from fsdp_offload_cfg.estimate.heads import ChunkedDistillation
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
@@ -55,7 +56,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
                  accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
                  reward_models: tuple[str, ...] = (), teacher: tuple[str, str | None] | None = None,
-                 companions_sharded: bool = False) -> dict[str, Any]:
+                 companions_sharded: bool = False, distilled_tokens: int | None = None) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
@@ -63,7 +64,9 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     sharded beside it (TRL's reference model). `reward_models`: the paths of reward models held
     whole on every rank (`reward_model_bytes`); `teacher`: a distillation teacher's path and load
     dtype (None: its checkpoint's), whole on every rank likewise; `companions_sharded`: both
-    sharded beside the model instead (ms-swift's)."""
+    sharded beside the model instead (ms-swift's); `distilled_tokens`: the loss is TRL's chunked
+    distillation against the teacher over that many last positions (`heads.py`), not the
+    model's cross-entropy."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -73,8 +76,12 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
     image = example_image(source.config, model)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute, image)
+    head = _distillation_head(config, teacher, distilled_tokens, seq_len)
+    if head is not None:  # TRL runs the backbone without a cache and its own loss head: no cross-entropy
+        del batch["labels"]
+        batch["use_cache"] = False
     with gathered_in(model, dtypes.compute if mixed_compute_dtype(config) else None):
-        profile = _measure(model, batch, layers, device)
+        profile = _measure(model, batch, layers, device, head)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
                             dtypes.frozen, units_stay_gathered(config), dtypes.load if reference else None)
     companions = _companions(config, dtype, reward_models, teacher, ranks if companions_sharded else 1)
@@ -115,12 +122,12 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "loading": _loading(config, source, states, dtypes, ranks, device,
                             others_whole=companions.reward.whole + companions.teacher.whole),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
-                                    image)
-        + _head_advice(profile, by_setting) + (_reference_said(dtypes) if reference else [])
+                                    image, head)
+        + _head_advice(profile, by_setting, head) + (_reference_said(dtypes) if reference else [])
         + (_companion_said("reward", ", ".join(reward_models), companions_sharded, "its no-grad forward scores "
                            "the completions before the training forward") if reward_models else [])
-        + (_companion_said("teacher", teacher[0], companions_sharded, "its no-grad forward's logits over the whole "
-                           "vocabulary are not counted") if teacher is not None else [])
+        + (_companion_said("teacher", teacher[0], companions_sharded, _teacher_forward_said(head))
+           if teacher is not None else [])
         + _companions_loading_said(states),
     }
     if plan is not None:
@@ -187,9 +194,9 @@ def _check_layer_classes(model: torch.nn.Module, layers: list[str], source: str)
 
 
 def _measure(model: torch.nn.Module, batch: dict[str, torch.Tensor], layers: list[str],
-             device: str) -> ActivationProfile:
+             device: str, head: ChunkedDistillation | None = None) -> ActivationProfile:
     try:
-        return measure_activations(model, batch, layers, target=device)
+        return measure_activations(model, batch, layers, target=device, head=head)
     except Exception as exc:  # any failure of the user's model code, reported with its class
         raise EstimateError(f"{type(model).__name__}: one forward on the meta device failed, so the activations "
                             f"cannot be measured ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
@@ -356,6 +363,26 @@ def _companions(config: FSDPOffloadConfig, dtype: str | None, reward_models: tup
         teacher=companion_bytes(teacher[0], config, teacher[1], False, world) if teacher else ModelBytes(0, 0))
 
 
+def _distillation_head(config: FSDPOffloadConfig, teacher: tuple[str, str | None] | None,
+                       distilled_tokens: int | None, seq_len: int) -> ChunkedDistillation | None:
+    """TRL's distillation head against `teacher` (its path and load dtype) over the last
+    `distilled_tokens` positions (at most the sequence); None without either."""
+    if teacher is None or distilled_tokens is None:
+        return None
+    source = read_model(teacher[0])
+    text = source.config.get_text_config() if hasattr(source.config, "get_text_config") else source.config
+    return ChunkedDistillation(min(distilled_tokens, seq_len), text.hidden_size,
+                               resolve_dtypes(config, source.config, teacher[1]).load)
+
+
+def _teacher_forward_said(head: ChunkedDistillation | None) -> str:
+    if head is None:
+        return "its no-grad forward's logits over the whole vocabulary are not counted"
+    return (f"TRL's chunked divergence against it over the last {head.completion_tokens} positions: the teacher's "
+            "hidden states there, the student's, their float32 tiles and gradient sums (no logits over the whole "
+            "vocabulary); the teacher's no-grad forward's own working set (one layer at a time) is not counted")
+
+
 def companion_bytes(path: str, config: FSDPOffloadConfig, dtype: str | None, reward: bool, world: int) -> ModelBytes:
     """The bytes of a frozen model loaded beside the trained one: a reward model (a one-label
     sequence classifier, `reward`) or a distillation teacher, loaded in `dtype` (None: its
@@ -391,7 +418,7 @@ def _reference_said(dtypes: Dtypes) -> list[str]:
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
                  batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile,
-                 lora: Lora | None, image: ExampleImage | None) -> list[str]:
+                 lora: Lora | None, image: ExampleImage | None, head: ChunkedDistillation | None) -> list[str]:
     batch_size = batch["input_ids"].shape[0]
     trained = ("full fine-tuning: every parameter the loss reaches gets a gradient" if lora is None else
                f"{lora.describe()} (PEFT's get_peft_model): only the adapters get gradients and optimizer state; the "
@@ -416,20 +443,24 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         + ("with gradient accumulation every gradient is there in backward too" if accumulating else
            "in backward only the gradients of the groups it has passed are there (no gradient accumulation: "
            "pass --gradient-accumulation-steps if the run accumulates)"),
-        "activations measured by one forward with labels on the meta device under saved-tensor hooks; "
+        "activations measured by one forward "
+        + ("with labels" if head is None else "without labels, TRL's distillation head in place of the loss")
+        + " on the meta device under saved-tensor hooks; "
         + ("attention as a fused SDPA kernel (flash / memory-efficient: saves q, k, v, output, log-sum-exp)"
            if device == "cuda" else "attention as torch's CPU SDPA backend for these shapes"),
         "use_cache as the model config says: with it on, checkpointed layers keep the KV cache (every layer's "
-        "keys and values) alive until backward; frameworks that turn use_cache off for training save that",
+        "keys and values) alive until backward; frameworks that turn use_cache off for training save that"
+        if head is None else "use_cache off, as TRL's distillation runs its backbone",
         "backward's working set measured by one backward on the meta device: what each layer's backward "
         "and the head's (the logits' gradient) hold beside the saves"
         + (f" (not measured: {profile.backward_error}; the head counts its largest save)"
            if profile.backward_error else ""),
         "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
         "and temporaries that live inside one op",
-        f"the forward's output ({show_size(profile.output_bytes)}: the logits) is dropped before backward, as the "
-        "Trainer drops it; a loop that keeps `outputs` through `backward(outputs.loss)` holds it at the peak too "
-        "(activation budget auto counts it)",
+        *([] if head is not None else [
+            f"the forward's output ({show_size(profile.output_bytes)}: the logits) is dropped before backward, as "
+            "the Trainer drops it; a loop that keeps `outputs` through `backward(outputs.loss)` holds it at the peak "
+            "too (activation budget auto counts it)"]),
         "loading figures are host RSS above each rank's baseline after imports; on a GPU run the shards and "
         "the broadcast buckets live on the device unless offload_params",
     ]
@@ -447,17 +478,22 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
     return out
 
 
-def _head_advice(profile: ActivationProfile, by_setting: dict[str, Residency]) -> list[str]:
+def _head_advice(profile: ActivationProfile, by_setting: dict[str, Residency],
+                 distillation: ChunkedDistillation | None) -> list[str]:
     """A line when the head's backward is most of what the leanest setting leaves on the device:
     the logits' float32 gradients (vocabulary x tokens) that no layer's choice touches, which a
-    user with a large vocabulary otherwise tries to checkpoint or offload away."""
+    user with a large vocabulary otherwise tries to checkpoint or offload away (under TRL's
+    chunked distillation: the float32 sum of the output layer's gradient, vocabulary x hidden)."""
     head = profile.head_backward_bytes()
     smallest = min(r.device_peak_bytes for r in by_setting.values())
     if not smallest or head * 2 < smallest:
         return []
-    return [f"the head's backward (the loss's gradients of the logits, float32) holds {show_size(head)}, "
-            f"{100 * head // smallest}% of the smallest activation peak any setting reaches "
-            f"({show_size(smallest)}); no layer's checkpointing or offload shrinks it: a chunked or fused "
+    share = (f"holds {show_size(head)}, {100 * head // smallest}% of the smallest activation peak any setting "
+             f"reaches ({show_size(smallest)}); no layer's checkpointing or offload shrinks it")
+    if distillation is not None:
+        return [f"the head's backward (TRL's chunked divergence: the float32 sum of the output layer's gradient, "
+                f"vocabulary x hidden, and its tiles) {share}: a LoRA, which leaves the output layer frozen, does"]
+    return [f"the head's backward (the loss's gradients of the logits, float32) {share}: a chunked or fused "
             "cross-entropy (Liger's fused linear cross entropy) or shorter sequences do"]
 
 
