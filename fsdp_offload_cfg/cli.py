@@ -423,6 +423,7 @@ def _estimate(args: argparse.Namespace) -> int:
                                  teacher_dtype=run.teacher_dtype if run and not args.teacher_model else None,
                                  companions_sharded=bool(run and run.companions_sharded),
                                  distilled_tokens=run.distilled_tokens if run else None,
+                                 fused_lm_head=bool(run and run.fused_lm_head),
                                  **_plan_inputs(args))
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "

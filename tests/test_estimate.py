@@ -1442,3 +1442,36 @@ def test_trl_distillations_head_holds_its_chunked_divergence_not_the_logits(tmp_
     cross_entropy = estimate_memory(config(), str(tmp_path / "m"), seq_len=seq, batch_size=batch, device="cpu",
                                     teacher_model=str(tmp_path / "m"))  # the model's own head
     assert cross_entropy["activations"]["after_last_group_bytes"] >= logits
+
+
+def test_trls_fused_lm_head_holds_its_tiles_and_the_heads_gradient_sum_not_the_logits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`trl sft` (and `dpo`, `kto`, `grpo`, `rloo`) scores each token through TRL's fused LM head
+    (`estimate/heads.py`, checked against TRL's code in tests/test_heads.py; that TRL's run never
+    calls the output layer: tests/test_trl_cli.py): no batch x sequence x vocabulary tensor after
+    the last layer, and in the head's backward at least the float32 sum of the output layer's
+    gradient and one tile. A long sequence's head is so far smaller than a cross-entropy's, a short
+    one's larger (the sum does not shrink with the tokens)."""
+    from transformers import LlamaConfig
+
+    vocab, hidden, batch = 100_000, 256, 2
+    LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                dtype="bfloat16").save_pretrained(tmp_path / "m")
+
+    def heads(seq: int) -> tuple[dict, dict]:
+        recipe = tmp_path / "sft.yaml"
+        recipe.write_text(f"model_name_or_path: {tmp_path / 'm'}\nmax_length: {seq}\n"
+                          f"per_device_train_batch_size: {batch}\nfsdp: full_shard\nfsdp_config:\n  version: 2\n")
+        fused = _command_estimate(capsys, "--num-processes", "2", "--", "trl", "sft", "--config", str(recipe))
+        own = estimate_memory(config(), str(tmp_path / "m"), seq_len=seq, batch_size=batch, device="cpu")
+        return fused, own
+
+    fused, own = heads(2048)
+    assert fused["inputs"]["loss_head"] == "trl_fused_lm_head" and own["inputs"]["loss_head"] == "cross_entropy"
+    logits = batch * 2048 * vocab * 2  # bfloat16
+    assert fused["activations"]["after_last_group_bytes"] < logits / 10 <= own["activations"]["after_last_group_bytes"]
+    floor = vocab * hidden * 4 + min(batch * 2047, 4096) * 32768 * 2
+    assert floor <= fused["activations"]["head_backward_bytes"] < own["activations"]["head_backward_bytes"]
+    short_fused, short_own = heads(64)
+    assert short_fused["activations"]["head_backward_bytes"] > short_own["activations"]["head_backward_bytes"]

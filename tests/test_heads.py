@@ -121,3 +121,71 @@ def test_the_stand_in_holds_what_trls_chunked_divergence_holds(trains_head: bool
     our_saved, our_backward = _measured(ours, [weight, teacher_weight], hidden_size)
     assert trl_saved > 0 and abs(our_saved - trl_saved) <= trl_saved / 100, (our_saved, trl_saved)
     assert abs(our_backward - trl_backward) <= trl_backward / 100, (our_backward, trl_backward)
+
+
+def _model_measured(model: torch.nn.Module, loss_of: Any) -> tuple[int, int]:
+    """A whole model's forward and backward on meta: bytes saved (not its parameters'), and the
+    most its backward holds beyond them."""
+    outside = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage()._cdata not in outside:
+            saved.setdefault(t.untyped_storage()._cdata, t)
+        return t
+
+    from torch.fx.experimental import _config
+
+    from fsdp_offload_cfg.compat.model_init import meta_forward  # transformers' mask checks, made meta-safe
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_forward(), \
+            _config.patch(meta_nonzero_assume_all_nonzero=True):  # every position labelled
+        loss = loss_of(model)
+    saved_bytes = sum(t.untyped_storage().nbytes() for t in saved.values())
+    live = _Live(list(saved.values()), outside)
+    saved.clear()
+    with live:
+        torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad][:1])  # the embedding's
+    return saved_bytes, live.peak - saved_bytes
+
+
+@pytest.mark.parametrize("hidden_size", [64, 1024])
+@pytest.mark.parametrize("trains_head", [True, False])
+def test_the_stand_in_holds_what_trls_fused_lm_head_holds(trains_head: bool, hidden_size: int,
+                                                         monkeypatch: pytest.MonkeyPatch):
+    """TRL's `add_fused_lm_head` (what `trl sft`, `dpo`, `kto`, `grpo`, `rloo` train through) on a
+    one-layer Llama on meta against the same model with the stand-in for its output layer: saved
+    bytes and the backward's bytes beyond them within 1%, the output layer trained and frozen."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp_offload_cfg.estimate.heads import FusedLogProbs, head_replaced
+
+    utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(utils, "add_fused_lm_head"):
+        pytest.skip("this TRL computes the logits whole")  # TRL < 1.15; the package needs 1.16
+    kernels = pytest.importorskip("trl.kernels.chunked_logprob")
+    monkeypatch.setattr(utils, "_use_triton", lambda device: True)  # the CUDA path's selection
+    for in_place in ("_forward_tile", "_backward_tile", "_addmm_fp32"):  # Triton kernels / out_dtype matmuls on CUDA
+        monkeypatch.setattr(kernels, in_place, lambda *args, **kwargs: None)
+    enabled = torch.is_autocast_enabled  # meta has no autocast of its own: none here
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a and a[0] == "meta" else enabled(*a))
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                         tie_word_embeddings=False)
+
+    def model() -> torch.nn.Module:
+        with torch.device("meta"):
+            built = LlamaForCausalLM(config).to(torch.bfloat16)
+        built.lm_head.weight.requires_grad_(trains_head)
+        return built
+
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    trls = model()
+    utils.add_fused_lm_head(trls, outputs=("log_probs", "entropy", "is_top1"))  # `trl sft`'s
+    trl_saved, trl_backward = _model_measured(
+        trls, lambda m: -m(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.sum())
+    ours = model()
+    with head_replaced(ours, FusedLogProbs()):
+        our_saved, our_backward = _model_measured(ours, lambda m: -m(input_ids=ids).logits.sum())
+    assert abs(our_saved - trl_saved) <= trl_saved / 100, (our_saved, trl_saved)
+    assert abs(our_backward - trl_backward) <= trl_backward / 100, (our_backward, trl_backward)

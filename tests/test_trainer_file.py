@@ -410,3 +410,21 @@ def test_trl_distillation_trains_on_its_completion_through_a_chunked_head():
         == 128
     assert run_arguments_of({**said, "teacher_model": "t"}, "gkd.yaml", "swift rlhf").distilled_tokens is None
     assert run_arguments_of(said, "sft.yaml", "trl sft").distilled_tokens is None
+
+
+def test_trls_trainers_score_their_tokens_through_its_fused_lm_head():
+    """TRL 1.15 on patches the model of its `sft`, `dpo`, `kto`, `grpo` and `rloo` trainers with a
+    fused LM head (no logits over the vocabulary); `sft` under label smoothing computes the logits;
+    a file of TRL's keys is read as one of those; ms-swift's, LlamaFactory's and a Trainer's file
+    keep the model's own head. Before, every run was estimated with the model's cross-entropy."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    said = {"model_name_or_path": "m"}
+    for verb in ("sft", "dpo", "kto", "grpo", "rloo"):
+        assert run_arguments_of(said, "run.yaml", f"trl {verb}").fused_lm_head, verb
+    assert not run_arguments_of({**said, "label_smoothing_factor": 0.1}, "sft.yaml", "trl sft").fused_lm_head
+    assert run_arguments_of({**said, "label_smoothing_factor": 0.1}, "dpo.yaml", "trl dpo").fused_lm_head
+    assert run_arguments_of({**said, "dataset_text_field": "text"}, "sft.yaml").fused_lm_head  # TRL's key
+    for other, cli in (({**said, "teacher_model_name_or_path": "t"}, "trl distillation"), (said, "trl reward"),
+                       (said, "swift sft"), ({**said, "stage": "sft", "cutoff_len": 8}, None), (said, None)):
+        assert not run_arguments_of(other, "run.yaml", cli).fused_lm_head, (other, cli)

@@ -185,6 +185,8 @@ def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_p
     assert real["batch_size"] == estimated["inputs"]["batch_size"] == 8  # TrainingArguments' default, kept by TRL
     assert real["param_dtypes"] == [estimated["inputs"]["storage_dtype"]] == ["float32"], (real, estimated["inputs"])
     assert estimated["per_rank"]["params_bytes"] == real["param_bytes"], (estimated["per_rank"], real)
+    # TRL scores the tokens through its fused LM head: the output layer's own forward never runs, no logits
+    assert (real["output_layer_training_forwards"], estimated["inputs"]["loss_head"]) == (0, "trl_fused_lm_head")
     lora = estimated["model"]["lora"]
     assert (lora["trainable_parameters"], lora["targets"], lora["dropout"]) == \
         (real["trainable"], real["targets"], real["dropout"]), (lora, real)
@@ -223,6 +225,7 @@ def test_the_estimate_of_trl_dpo_holds_its_reference_model_and_its_two_sequences
     assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
         (real, estimated["per_rank"])
     assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])
+    assert (real["output_layer_training_forwards"], estimated["inputs"]["loss_head"]) == (0, "trl_fused_lm_head")
     import trl
 
     script = str(Path(trl.__file__).parent / "scripts" / "dpo.py")  # what `trl dpo` launches, launched by hand
@@ -312,3 +315,5 @@ def test_the_estimate_holds_the_teacher_of_trl_distillation_whole_on_every_rank(
     estimated = json.loads(capsys.readouterr().out)
     assert real["teacher_bytes"] == estimated["per_rank"]["teacher_params_bytes"] > 0, (real, estimated["per_rank"])
     assert real["param_dtypes"] == [estimated["inputs"]["storage_dtype"]] == ["float32"], (real, estimated["inputs"])
+    # TRL projects the hidden states through the output layer's weight itself: its forward runs for generation only
+    assert (real["output_layer_training_forwards"], estimated["inputs"]["loss_head"]) == (0, "trl_chunked_distillation")

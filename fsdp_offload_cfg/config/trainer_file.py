@@ -124,6 +124,9 @@ class RunArguments:
     # loads both by ModelConfig's `dtype`); `swift rlhf`'s `--teacher_model` (GKD, GRPO)
     teacher_model: str | None = None
     teacher_dtype: str | None = None
+    # TRL's fused LM head (`add_fused_lm_head`): `trl sft`, `dpo`, `kto`, `grpo`, `rloo` score their tokens
+    # through it, without the full logits (`estimate/heads.py`)
+    fused_lm_head: bool = False
     # `trl distillation`'s loss: TRL's chunked divergence over each sequence's last `max_completion_length`
     # positions, in place of a cross-entropy over the full logits (`estimate/heads.py`)
     distilled_tokens: int | None = None
@@ -167,6 +170,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         "reward_models": reader.reward_models(),
         "companions_sharded": reader.swift,
         **reader.teacher(),
+        "fused_lm_head": reader.fused_lm_head(),
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),
@@ -382,6 +386,16 @@ class _Reader:
                 "teacher_dtype": None if dtype is None else str(dtype),
                 "distilled_tokens": self.first(("max_completion_length",), int, "distilled_tokens",
                                                (512, "max_completion_length unset: TRL's default 512"))}
+
+    def fused_lm_head(self) -> bool:
+        """Whether the run scores its tokens through TRL's fused LM head (TRL 1.15 on): its `sft`,
+        `dpo`, `kto`, `grpo` and `rloo` trainers patch the model with it, and a file of TRL's keys
+        is read as one of theirs (as its defaults are); `sft` computes the full logits instead
+        under label smoothing, which needs them."""
+        if self.trl_verb not in ("sft", "dpo", "kto", "grpo", "rloo") and not (self.trl and self.trl_verb is None):
+            return False
+        smoothing = self.top.get("label_smoothing_factor")
+        return self.trl_verb not in ("sft", None) or not (isinstance(smoothing, (int, float)) and smoothing > 0)
 
     def seq_len(self) -> int | None:
         """The longest sequence a forward takes: the file's length key, else the framework's

@@ -45,7 +45,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None,
                     machines: int = 1, reference: bool = False, reward_model: str | Sequence[str] | None = None,
                     teacher_model: str | None = None, teacher_dtype: str | None = None,
-                    companions_sharded: bool = False, distilled_tokens: int | None = None) -> dict[str, Any]:
+                    companions_sharded: bool = False, distilled_tokens: int | None = None,
+                    fused_lm_head: bool = False) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -64,7 +65,9 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     ms-swift's `prepare_fsdp` shards its reward models and teacher. `distilled_tokens` (with
     `teacher_model`): the loss is TRL's distillation over the last that many positions of each
     sequence (its completion, `max_completion_length`), chunked as TRL 1.16 computes it, in
-    place of a cross-entropy over the full logits (`estimate/heads.py`)."""
+    place of a cross-entropy over the full logits (`estimate/heads.py`). `fused_lm_head`: the
+    loss scores every token through TRL's fused LM head (its `sft`, `dpo`, `kto`, `grpo`,
+    `rloo`), which never makes the full logits either."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
@@ -98,7 +101,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         accumulating=gradient_accumulation_steps > 1, lora=lora, reference=reference,
                         reward_models=reward_models,
                         teacher=(teacher_model, teacher_dtype) if teacher_model is not None else None,
-                        companions_sharded=companions_sharded, distilled_tokens=distilled_tokens)
+                        companions_sharded=companions_sharded, distilled_tokens=distilled_tokens,
+                        fused_lm_head=fused_lm_head)
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:

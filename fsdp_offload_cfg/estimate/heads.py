@@ -1,28 +1,37 @@
-"""The loss head a trainer runs in place of the model's own, for the probe (`probe.measure_activations`).
+"""The loss heads TRL runs in place of the model's own, for the probe (`probe.measure_activations`).
 
 Why: the probe runs the model's forward with labels, whose head is the output layer over every
 position and a cross-entropy over the full logits (batch x sequence x vocabulary, upcast to
 float32): at long sequences the largest activation of all (a 3B Llama at 8k tokens: 7.8 GiB in
-the head's backward). TRL's distillation (`trl distillation`, `DistillationTrainer` of TRL 1.16)
-never makes those logits. It runs the student's backbone, keeps the hidden states of the last
-`max_completion_length` positions, and its `ChunkedDivergenceFunction`
-(`trl/kernels/chunked_divergence.py`) projects them, and the teacher's, through each model's
-output layer one tile at a time. What that holds instead, read from TRL's code (the CUDA path,
-where only the completion's positions are projected):
+the head's backward). TRL (1.15 on; this package takes 1.16) never makes those logits:
 
-- saved for backward: the student's selected hidden states (a copy, N x H in the compute dtype)
-  and their positions (the selection's boolean mask), the teacher's (N x H_teacher in the
-  teacher's dtype) and three float32 statistics a token;
-- in its backward, beside those: float32 accumulators of the hidden states' gradient (N x H)
-  and, where the output layer trains, of its weight's (vocabulary x H), two float32 tiles of
-  min(N, 4096) x 32768 logits, a tile's gradient cast to the compute dtype (two while one round
-  casts the next; the last round's, a partial tile where the vocabulary ends, as it returns),
-  and both gradients cast back to their dtypes as it returns.
+- `trl sft`, `dpo`, `kto`, `grpo`, `rloo` patch the model with a fused LM head
+  (`add_fused_lm_head`): the backbone runs, the hidden states of the labelled positions are
+  selected, and `ChunkedLogProbFunction` (`trl/kernels/chunked_logprob.py`) projects them
+  through the output layer one tile at a time, keeping each token's log-probability;
+- `trl distillation` runs the student's backbone, keeps the hidden states of the last
+  `max_completion_length` positions, and `ChunkedDivergenceFunction`
+  (`trl/kernels/chunked_divergence.py`) projects them, and the teacher's, through each model's
+  output layer one tile at a time.
 
-(N: the completion's tokens of the micro-batch, every one counted as valid.) A stand-in for the
-output layer saves and allocates exactly those on `meta`, so the probe's record of the forward
-and its measured backward hold them as they hold every other save: the estimate's head is then
-TRL's, not a cross-entropy's.
+What each holds instead, read from TRL's code (the CUDA path, where only the valid positions
+are projected; N: those of the micro-batch, every one counted as valid):
+
+- saved for backward: the selected hidden states (a copy, N x H in the compute dtype) and the
+  selection's boolean mask; the fused head also the N targets (int64) and two float32
+  statistics a token; the divergence the teacher's states (N x H_teacher in the teacher's
+  dtype) and three float32 statistics a token;
+- in the backward, beside those: float32 accumulators of the hidden states' gradient (N x H)
+  and, where the output layer trains, of its weight's (vocabulary x H), the tiles (the fused
+  head: one of min(N, 4096) x 32768 in the compute dtype; the divergence: two such in float32,
+  and a tile's gradient cast to the compute dtype, two while one round casts the next), each
+  weight chunk cast to the compute dtype where the weight is in another (a float32 teacher
+  under autocast), and both gradients cast back to their dtypes as it returns.
+
+A stand-in for the output layer saves and allocates exactly those on `meta`, so the probe's
+record of the forward and its measured backward hold them as they hold every other save: the
+estimate's head is then TRL's, not a cross-entropy's. Both are checked against TRL's own code
+run on meta (`tests/test_heads.py`).
 """
 
 from __future__ import annotations
@@ -35,9 +44,55 @@ from typing import Any
 import torch
 from torch import nn
 
-# TRL 1.16's tile of the chunked divergence: tokens by vocabulary entries (`chunked_divergence.py`)
+# TRL 1.16's tiles: tokens by vocabulary entries (`chunked_divergence.py`, `chunked_logprob.py`,
+# `trainer/utils.py`'s `_CHUNKED_LOGPROB_CHUNK_SIZE`)
 TOKEN_CHUNK_SIZE = 4096
 VOCAB_CHUNK_SIZE = 32768
+
+
+@dataclass(frozen=True)
+class FusedLogProbs:
+    """TRL's fused LM head (`add_fused_lm_head`) over every position but the last (all labelled);
+    `autocast`: the dtype mixed precision's autocast computes in (None without)."""
+
+    autocast: torch.dtype | None = None
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Stand-in for TRL's fused LM head on `meta` (module docstring): the selection, the saves of
+    `ChunkedLogProbFunction`, and its backward's allocations in its loop's order, no arithmetic.
+    Returns the per-token log-probabilities, batch x (sequence - 1), float32."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, head: FusedLogProbs) -> torch.Tensor:
+        kept = hidden[:, :-1, :]  # the last position predicts no label
+        selected = kept.reshape(-1, kept.shape[-1]).clone()  # the labelled positions: a copy
+        tokens = selected.shape[0]
+        mask = selected.new_empty(kept.shape[:2], dtype=torch.bool)  # the selection's, and the scatter's back
+        targets = selected.new_empty((tokens,), dtype=torch.int64)
+        stats = [selected.new_empty((tokens,), dtype=torch.float32) for _ in range(2)]  # log-partition, entropy
+        ctx.save_for_backward(selected, mask, targets, *stats)
+        ctx.head, ctx.hidden_shape, ctx.vocab_shape = head, hidden.shape, weight.shape
+        ctx.weight_dtype, ctx.weight_trains = weight.dtype, weight.requires_grad
+        return selected.new_empty(kept.shape[:2], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        selected = ctx.saved_tensors[0]
+        (vocab, width), tokens = ctx.vocab_shape, selected.shape[0]
+        dtype = ctx.head.autocast or selected.dtype  # TRL's compute dtype
+        hidden_sum = selected.new_empty(selected.shape, dtype=torch.float32)
+        weight_sum = selected.new_empty(ctx.vocab_shape, dtype=torch.float32) if ctx.weight_trains else None
+        tile = selected.new_empty((min(tokens, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=dtype)
+        chunk = None  # this token chunk's states in the compute dtype
+        for start in range(0, tokens, TOKEN_CHUNK_SIZE):
+            chunk = selected[start:start + TOKEN_CHUNK_SIZE].to(dtype)  # a copy where the dtypes differ
+            for first in range(0, vocab, VOCAB_CHUNK_SIZE):
+                _transient(selected, (min(VOCAB_CHUNK_SIZE, vocab - first), width), dtype, ctx.weight_dtype != dtype)
+        grad_selected = hidden_sum.to(selected.dtype)
+        grad_weight = weight_sum.to(ctx.weight_dtype) if weight_sum is not None else None
+        del hidden_sum, weight_sum, tile, chunk  # TRL returns the casts; the rest goes with it
+        return grad_selected.new_zeros(ctx.hidden_shape), grad_weight, None
 
 
 @dataclass(frozen=True)
@@ -104,18 +159,23 @@ def _transient(like: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, m
         like.new_empty(shape, dtype=dtype)
 
 
+Head = FusedLogProbs | ChunkedDistillation
+
+
 @contextmanager
-def head_replaced(model: nn.Module, head: ChunkedDistillation | None) -> Iterator[None]:
+def head_replaced(model: nn.Module, head: Head | None) -> Iterator[None]:
     """While the block runs, the model's output layer is `head`'s stand-in (nothing changes for
     None). The forward must run without labels: the model's output `logits` are then the
-    per-token divergence, whose sum is the loss TRL takes the backward of."""
+    per-token log-probabilities or divergence, whose sum stands for the loss TRL takes the
+    backward of."""
     layer = model.get_output_embeddings() if head is not None else None
     if layer is None:
         yield
         return
+    stand_in = _ChunkedLogProbs if isinstance(head, FusedLogProbs) else _ChunkedDivergence
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return _ChunkedDivergence.apply(hidden, layer.weight, head)
+        return stand_in.apply(hidden, layer.weight, head)
 
     layer.forward = forward
     try:

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_offload_cfg.compat.model_init import meta_forward
 from fsdp_offload_cfg.compat.model_output import output_cache
-from fsdp_offload_cfg.estimate.heads import ChunkedDistillation, head_replaced
+from fsdp_offload_cfg.estimate.heads import Head, head_replaced
 from fsdp_offload_cfg.offload.filter import _is_param_like
 from fsdp_offload_cfg.offload.groups import find_units, lift_to_boundaries
 
@@ -421,7 +421,7 @@ def offload_groups(model: nn.Module, layer_classes: list[str] | None) -> list[nn
 
 
 def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_classes: list[str] | None,
-                        target: str = "cuda", head: ChunkedDistillation | None = None) -> ActivationProfile:
+                        target: str = "cuda", head: Head | None = None) -> ActivationProfile:
     """Run one training forward (loss included) of `model` on `meta` and record what it saves,
     then its backward, for what each group's backward holds beyond its saves. `head`: the loss
     head the trainer runs instead of the model's (`heads.py`; `batch` then has no labels)."""

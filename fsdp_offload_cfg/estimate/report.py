@@ -20,7 +20,7 @@ from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
 from fsdp_offload_cfg.estimate.adapters import Lora, gathered_in, with_lora
-from fsdp_offload_cfg.estimate.heads import ChunkedDistillation
+from fsdp_offload_cfg.estimate.heads import ChunkedDistillation, FusedLogProbs, Head
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
@@ -56,7 +56,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
                  accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
                  reward_models: tuple[str, ...] = (), teacher: tuple[str, str | None] | None = None,
-                 companions_sharded: bool = False, distilled_tokens: int | None = None) -> dict[str, Any]:
+                 companions_sharded: bool = False, distilled_tokens: int | None = None,
+                 fused_lm_head: bool = False) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
@@ -66,7 +67,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     dtype (None: its checkpoint's), whole on every rank likewise; `companions_sharded`: both
     sharded beside the model instead (ms-swift's); `distilled_tokens`: the loss is TRL's chunked
     distillation against the teacher over that many last positions (`heads.py`), not the
-    model's cross-entropy."""
+    model's cross-entropy; `fused_lm_head`: TRL's fused LM head scores every token instead."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -76,7 +77,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
     image = example_image(source.config, model)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute, image)
-    head = _distillation_head(config, teacher, distilled_tokens, seq_len)
+    head = _trl_head(config, teacher, distilled_tokens, fused_lm_head, seq_len)
     if head is not None:  # TRL runs the backbone without a cache and its own loss head: no cross-entropy
         del batch["labels"]
         batch["use_cache"] = False
@@ -115,7 +116,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                   "groups": len(profile.groups), "layer_classes": layers, "lora": _lora(model, lora)},
         "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
                    "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),
-                   "compute_dtype": _name(dtypes.compute), "activation_setting": chosen},
+                   "compute_dtype": _name(dtypes.compute), "activation_setting": chosen,
+                   "loss_head": _head_key(head)},
         "per_rank": _per_rank(config, states, by_setting, chosen, at_peak),
         "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
@@ -194,7 +196,7 @@ def _check_layer_classes(model: torch.nn.Module, layers: list[str], source: str)
 
 
 def _measure(model: torch.nn.Module, batch: dict[str, torch.Tensor], layers: list[str],
-             device: str, head: ChunkedDistillation | None = None) -> ActivationProfile:
+             device: str, head: Head | None = None) -> ActivationProfile:
     try:
         return measure_activations(model, batch, layers, target=device, head=head)
     except Exception as exc:  # any failure of the user's model code, reported with its class
@@ -363,20 +365,35 @@ def _companions(config: FSDPOffloadConfig, dtype: str | None, reward_models: tup
         teacher=companion_bytes(teacher[0], config, teacher[1], False, world) if teacher else ModelBytes(0, 0))
 
 
-def _distillation_head(config: FSDPOffloadConfig, teacher: tuple[str, str | None] | None,
-                       distilled_tokens: int | None, seq_len: int) -> ChunkedDistillation | None:
-    """TRL's distillation head against `teacher` (its path and load dtype) over the last
-    `distilled_tokens` positions (at most the sequence); None without either."""
-    if teacher is None or distilled_tokens is None:
-        return None
-    source = read_model(teacher[0])
-    text = source.config.get_text_config() if hasattr(source.config, "get_text_config") else source.config
-    return ChunkedDistillation(min(distilled_tokens, seq_len), text.hidden_size,
-                               resolve_dtypes(config, source.config, teacher[1]).load)
+def _trl_head(config: FSDPOffloadConfig, teacher: tuple[str, str | None] | None, distilled_tokens: int | None,
+              fused_lm_head: bool, seq_len: int) -> Head | None:
+    """The loss head TRL runs instead of the model's (`heads.py`): its distillation against
+    `teacher` (its path and load dtype) over the last `distilled_tokens` positions (at most the
+    sequence), else its fused LM head; None for neither. Both compute in autocast's dtype under
+    mixed precision (accelerate wraps the forward in it)."""
+    compute = mixed_compute_dtype(config)
+    autocast = getattr(torch, compute) if compute is not None else None
+    if teacher is not None and distilled_tokens is not None:
+        source = read_model(teacher[0])
+        text = source.config.get_text_config() if hasattr(source.config, "get_text_config") else source.config
+        return ChunkedDistillation(min(distilled_tokens, seq_len), text.hidden_size,
+                                   resolve_dtypes(config, source.config, teacher[1]).load, autocast)
+    return FusedLogProbs(autocast) if fused_lm_head else None
 
 
-def _teacher_forward_said(head: ChunkedDistillation | None) -> str:
+def _head_key(head: Head | None) -> str:
+    """The JSON `inputs.loss_head`: what the estimate's head computes."""
     if head is None:
+        return "cross_entropy"
+    return "trl_fused_lm_head" if isinstance(head, FusedLogProbs) else "trl_chunked_distillation"
+
+
+def _head_named(head: Head) -> str:
+    return "TRL's fused LM head" if isinstance(head, FusedLogProbs) else "TRL's distillation head"
+
+
+def _teacher_forward_said(head: Head | None) -> str:
+    if not isinstance(head, ChunkedDistillation):
         return "its no-grad forward's logits over the whole vocabulary are not counted"
     return (f"TRL's chunked divergence against it over the last {head.completion_tokens} positions: the teacher's "
             "hidden states there, the student's, their float32 tiles and gradient sums (no logits over the whole "
@@ -418,7 +435,7 @@ def _reference_said(dtypes: Dtypes) -> list[str]:
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
                  batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile,
-                 lora: Lora | None, image: ExampleImage | None, head: ChunkedDistillation | None) -> list[str]:
+                 lora: Lora | None, image: ExampleImage | None, head: Head | None) -> list[str]:
     batch_size = batch["input_ids"].shape[0]
     trained = ("full fine-tuning: every parameter the loss reaches gets a gradient" if lora is None else
                f"{lora.describe()} (PEFT's get_peft_model): only the adapters get gradients and optimizer state; the "
@@ -444,13 +461,14 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
            "in backward only the gradients of the groups it has passed are there (no gradient accumulation: "
            "pass --gradient-accumulation-steps if the run accumulates)"),
         "activations measured by one forward "
-        + ("with labels" if head is None else "without labels, TRL's distillation head in place of the loss")
+        + ("with labels" if head is None else f"without labels, {_head_named(head)} in place of the loss (it "
+           "projects the hidden states tile by tile: no logits over the vocabulary)")
         + " on the meta device under saved-tensor hooks; "
         + ("attention as a fused SDPA kernel (flash / memory-efficient: saves q, k, v, output, log-sum-exp)"
            if device == "cuda" else "attention as torch's CPU SDPA backend for these shapes"),
         "use_cache as the model config says: with it on, checkpointed layers keep the KV cache (every layer's "
         "keys and values) alive until backward; frameworks that turn use_cache off for training save that"
-        if head is None else "use_cache off, as TRL's distillation runs its backbone",
+        if head is None else "use_cache off, as TRL runs its backbone for this loss",
         "backward's working set measured by one backward on the meta device: what each layer's backward "
         "and the head's (the logits' gradient) hold beside the saves"
         + (f" (not measured: {profile.backward_error}; the head counts its largest save)"
@@ -478,20 +496,19 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
     return out
 
 
-def _head_advice(profile: ActivationProfile, by_setting: dict[str, Residency],
-                 distillation: ChunkedDistillation | None) -> list[str]:
+def _head_advice(profile: ActivationProfile, by_setting: dict[str, Residency], trls: Head | None) -> list[str]:
     """A line when the head's backward is most of what the leanest setting leaves on the device:
     the logits' float32 gradients (vocabulary x tokens) that no layer's choice touches, which a
     user with a large vocabulary otherwise tries to checkpoint or offload away (under TRL's
-    chunked distillation: the float32 sum of the output layer's gradient, vocabulary x hidden)."""
+    chunked heads: the float32 sum of the output layer's gradient, vocabulary x hidden)."""
     head = profile.head_backward_bytes()
     smallest = min(r.device_peak_bytes for r in by_setting.values())
     if not smallest or head * 2 < smallest:
         return []
     share = (f"holds {show_size(head)}, {100 * head // smallest}% of the smallest activation peak any setting "
              f"reaches ({show_size(smallest)}); no layer's checkpointing or offload shrinks it")
-    if distillation is not None:
-        return [f"the head's backward (TRL's chunked divergence: the float32 sum of the output layer's gradient, "
+    if trls is not None:
+        return [f"the head's backward ({_head_named(trls)}: the float32 sum of the output layer's gradient, "
                 f"vocabulary x hidden, and its tiles) {share}: a LoRA, which leaves the output layer frozen, does"]
     return [f"the head's backward (the loss's gradients of the logits, float32) {share}: a chunked or fused "
             "cross-entropy (Liger's fused linear cross entropy) or shorter sequences do"]

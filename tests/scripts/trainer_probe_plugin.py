@@ -41,8 +41,16 @@ def _train_and_report(self: Trainer, *args, **kwargs):
             batches.append(ids.shape[0])
 
     hook = self.model.register_forward_pre_hook(record, with_kwargs=True)
+    # the output layer's own forwards with gradients (not generation's): none where TRL's fused heads
+    # project through its weight directly
+    head_calls = []
+    head = self.model.get_output_embeddings()
+    head_hook = head.register_forward_hook(lambda *_: head_calls.append(1) if torch.is_grad_enabled() else None) \
+        if head is not None else None
     result = train(self, *args, **kwargs)
     hook.remove()
+    if head_hook is not None:
+        head_hook.remove()
     params = list((self.model_wrapped or self.model).parameters())
     reference = getattr(self, "ref_model", None)
     reference_local = [p.to_local() if isinstance(p, DTensor) else p for p in reference.parameters()] \
@@ -67,6 +75,7 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         "targets": sorted(getattr(config, "target_modules", None) or []),
         "dropout": getattr(config, "lora_dropout", None),
         "forward_batch": max(batches, default=None),
+        "output_layer_training_forwards": len(head_calls),
         "reference_param_bytes": sum(t.numel() * t.element_size() for t in reference_local),
         "reward_bytes": sum(t.numel() * t.element_size() for t in reward_tensors),
         "teacher_bytes": sum(t.numel() * t.element_size() for t in teacher_tensors),
