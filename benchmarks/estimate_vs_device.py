@@ -22,6 +22,11 @@ run only checks that every setting trains through the plugin and that the two pl
     python benchmarks/estimate_vs_device.py --device cpu --layers 2 --hidden 64 --seq 64 --budget 1MiB
     python benchmarks/estimate_vs_device.py --layers 16 --hidden 2048 --seq 4096 --settings plain checkpointing \
         --reshard-after-forward false
+    python benchmarks/estimate_vs_device.py --vocab 128256 --settings plain checkpointing --loss-head trl-fused
+
+`--loss-head trl-fused` scores the tokens as `trl sft` does, through TRL's fused LM head
+(`add_fused_lm_head`, no logits over the vocabulary), against the estimate of a TRL run
+(`fused_lm_head=True`, `estimate/heads.py`).
 """
 
 from __future__ import annotations
@@ -104,6 +109,11 @@ def train(args: argparse.Namespace, path: str, setting: str, rates: tuple[float,
 
     accelerator = Accelerator()
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=args.attn)  # saved in float32
+    fused = getattr(args, "loss_head", "model") == "trl-fused"
+    if fused:  # as `trl sft` does before preparing: its tokens scored tile by tile, no logits
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
@@ -117,11 +127,15 @@ def train(args: argparse.Namespace, path: str, setting: str, rates: tuple[float,
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-        accelerator.backward(out.loss)
+        if fused:  # `trl sft`'s loss: the negative log-probability of each labelled token, averaged
+            out = model(input_ids=ids, labels=ids, use_cache=False, fused_lm_head=True)
+            step_loss = -out.log_probs.sum() / (ids.numel() - ids.shape[0])
+        else:
+            step_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        accelerator.backward(step_loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = out.loss.item()
+        loss = step_loss.item()
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     planner = planned(model)
@@ -148,7 +162,8 @@ def estimated(args: argparse.Namespace, path: str, setting: str, rates: tuple[fl
 
     return estimate_memory(load_config(plugin_config(args, setting, rates)), path, seq_len=args.seq,
                            batch_size=args.batch, device=args.device, dtype="float32",
-                           compute_flops=rates[0], copy_bytes=rates[1])
+                           compute_flops=rates[0], copy_bytes=rates[1],
+                           fused_lm_head=getattr(args, "loss_head", "model") == "trl-fused")
 
 
 def row(args: argparse.Namespace, path: str, setting: str, rates: tuple[float, float]) -> tuple[str, str]:
@@ -201,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reshard-after-forward", default="true", choices=["true", "false"],
                    help="false: every layer stays gathered from its forward to its backward")
     p.add_argument("--budget", nargs="*", default=[], metavar="SIZE", help="add a row per activation_memory_budget")
+    p.add_argument("--loss-head", default="model", choices=["model", "trl-fused"],
+                   help="trl-fused: the loss through TRL's fused LM head, as `trl sft` scores tokens (no logits)")
     args = p.parse_args(argv)
     args.mixed_precision = args.mixed_precision or ("bf16" if args.device == "cuda" else "no")
     rates = rates_here(args)
@@ -215,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
             plans += plan
             print(line, flush=True)  # a long run shows its progress
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (no device allocator: nothing measured)"
-    print(f"\nLlama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, mixed precision "
+    print(f"\nLlama {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}, seq {args.seq}, batch "
+          f"{args.batch}, loss head {args.loss_head}, mixed precision "
           f"{args.mixed_precision}, AdamW, FSDP2 (one rank, reshard_after_forward {args.reshard_after_forward}), "
           f"{args.steps} measured steps; device {device}; torch "
           f"{torch.__version__}; rates {rates[0] / 1e12:.3g} TFLOP/s, copies {rates[1] / 1e9:.3g} GB/s\n")

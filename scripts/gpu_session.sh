@@ -22,6 +22,7 @@
 #                 bash scripts/gpu_session.sh cudaload    # meta loading into CUDA shards (tests/test_loading_cuda.py alone)
 #                 bash scripts/gpu_session.sh expandable  # patch() turns expandable segments on: reserved vs allocated
 #                 bash scripts/gpu_session.sh noreshard   # the estimate under reshard_after_forward false (every layer kept gathered)
+#                 bash scripts/gpu_session.sh trlhead     # the estimate of TRL's fused LM head (trl sft's loss, no logits)
 #
 # With the device tool: carry [".whl"], command `bash scripts/gpu_session.sh suite`. Parts chain:
 # `bash scripts/gpu_session.sh suite+estimate offload` (suite and estimate at once, then offload).
@@ -282,15 +283,20 @@ noreshard() {  # the estimate's every-layer-gathered count (2026-12-06, checked 
     --reshard-after-forward false 2>&1 | tee "$OUT/noreshard.md"
 }
 
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+trlhead() {  # the estimate's stand-in for TRL's fused LM head (2026-12-06, checked against TRL's code on meta only)
+  python3 benchmarks/estimate_vs_device.py --device cuda "${SHAPE[@]}" --vocab 128256 --settings plain checkpointing \
+    --loss-head trl-fused 2>&1 | tee "$OUT/trlhead.md"
+}
+
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 versions | tee "$OUT/versions.txt"
 one_part() {
   case "$1" in
-    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4|faults|cudaload|expandable|noreshard) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
-    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4, faults, cudaload, expandable, noreshard)" >&2; exit 2 ;;
+    suite|rest|offload|estimate|profile|goals|leftover|tight|reserved|scale3b|auto|capped|load8b|load8b4|faults|cudaload|expandable|noreshard|trlhead) local start=$SECONDS; "$1"; echo "[gpu_session] $1: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $1 (wheels, suite, rest, offload, estimate, profile, goals, leftover, tight, reserved, scale3b, auto, capped, load8b, load8b4, faults, cudaload, expandable, noreshard, trlhead)" >&2; exit 2 ;;
   esac
 }
 # parts run one after the other; parts joined by '+' run at once (`suite+estimate`: the estimate
