@@ -369,6 +369,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     """What this model's layers save and compute at `shape`, measured on a `meta` twin as the
     estimate measures it, and the twin."""
     from fsdp_offload_cfg.estimate.adapters import adapters_like, gathered_in
+    from fsdp_offload_cfg.estimate.heads import FusedLogProbs, is_trl_fused_forward
     from fsdp_offload_cfg.estimate.model import (
         ModelSource,
         build_on_meta,
@@ -389,12 +390,19 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
     batch = example_batch(source, *shape, dtype, example_image(source.config, twin))
     target = handle.handler.device.type
+    # TRL's trainers score tokens tile by tile, no logits (`estimate/heads.py`): its forward is the
+    # model's own, or the one the offload's root forward wraps
+    fused = any(is_trl_fused_forward(f) for f in (vars(pretrained).get("forward"), handle._previous_forward))
+    head = FusedLogProbs(dtype if mixed_compute_dtype(cfg) else None) if fused else None
+    if head is not None:
+        batch.pop("labels")
+        batch["use_cache"] = False
     with gathered_in(twin, dtype if mixed_compute_dtype(cfg) else None):
         try:
-            profile = measure_activations(twin, batch, layers, target=target)
+            profile = measure_activations(twin, batch, layers, target=target, head=head)
         except Exception:  # noqa: BLE001 - a head whose labels are not token ids (a classifier, a reward model)
-            batch.pop("labels")  # its loss is a few bytes after the last layer; the layers are what is planned
-            profile = measure_activations(twin, batch, layers, target=target)
+            batch.pop("labels", None)  # its loss is a few bytes after the last layer; the layers are what is planned
+            profile = measure_activations(twin, batch, layers, target=target, head=head)
     if len(profile.groups) != len(handle.groups):
         raise ConfigError(f"{cfg.source}: activation_memory_budget: the plan measured {len(profile.groups)} layers "
                           f"and the model has {len(handle.groups)}; set transformer_layer_cls_to_wrap to the decoder "

@@ -313,6 +313,41 @@ def test_a_plain_torch_fsdp2_script_plans_from_code_and_trains_exactly(model_dir
         assert ours[rank]["choices"] == [expected, expected, None], ours[rank]["choices"]
 
 
+def _fused_head_profile(rank: int, world: int, path: str, fused: bool) -> dict[str, Any]:
+    """A step of a budgeted run whose model TRL patched with its fused LM head (as its trainers
+    do), or not; what the plan measured at the head."""
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+    from fsdp_offload_cfg.budget import planned
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    if fused:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
+    model = shard_by_layer(model)
+    fsdp_offload_cfg.enable_activation_budget(model, 10**9, compute_tflops=0.05, copy_gb_per_s=5)
+    ids = torch.randint(1, 97, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    out = model(input_ids=ids, labels=ids, use_cache=False, **({"fused_lm_head": True} if fused else {}))
+    (-out.log_probs.sum() if fused else out.loss).backward()
+    profile = planned(model).profiled[1]
+    return {"head_backward": profile.head_backward_bytes(), "after_last": profile.bytes_per_group()[-1]}
+
+
+def test_a_budget_plans_trls_fused_lm_head_where_trl_patched_it(model_dir: str):
+    """TRL's trainers patch the model with a fused LM head before training (`add_fused_lm_head`):
+    no logits, a float32 sum of the output layer's gradient and a 4096 x 32768 tile in its
+    backward. The plan, made at the first step, measures that head where the model has it
+    (`estimate/heads.py`) and the cross-entropy's where not. Before, always the cross-entropy's."""
+    pytest.importorskip("trl.trainer.utils", reason="TRL's fused LM head needs trl").add_fused_lm_head  # noqa: B018
+    fused = run_workers(_fused_head_profile, 2, model_dir, True, timeout=300)[0]
+    own = run_workers(_fused_head_profile, 2, model_dir, False, timeout=300)[0]
+    tile = min(BATCH * (SEQ - 1), 4096) * 32768 * 4  # float32: this run has no mixed precision
+    assert fused["head_backward"] >= tile > own["head_backward"], (fused, own)
+    assert fused["after_last"] < own["after_last"], (fused, own)  # the labelled states, not the logits
+
+
 def test_fsdp1_is_refused_saying_why():
     """FSDP1 wraps only on an accelerator; the refusal reads the module's class, so an FSDP1 unit
     is made here without its init (which needs one)."""

@@ -36,6 +36,7 @@ run on meta (`tests/test_heads.py`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -160,6 +161,15 @@ def _transient(like: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, m
 
 
 Head = FusedLogProbs | ChunkedDistillation
+
+
+def is_trl_fused_forward(forward: Any) -> bool:
+    """Whether `forward` (a model's instance `forward`) is the one TRL's `add_fused_lm_head` sets,
+    as its trainers do before training (so the activation budget, planning at the first step,
+    finds it): made from its `_fused_forward`, which `functools.wraps` names as the model's own;
+    its code keeps TRL's name and file."""
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename.split(os.sep)
 
 
 @contextmanager
