@@ -26,7 +26,7 @@ run only checks that every setting trains through the plugin and that the two pl
 
 `--loss-head trl-fused` scores the tokens as `trl sft` does, through TRL's fused LM head
 (`add_fused_lm_head`, no logits over the vocabulary), against the estimate of a TRL run
-(`fused_lm_head=True`, `estimate/heads.py`).
+(`loss_head="trl_fused_lm_head"`, `estimate/heads.py`).
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ def estimated(args: argparse.Namespace, path: str, setting: str, rates: tuple[fl
     return estimate_memory(load_config(plugin_config(args, setting, rates)), path, seq_len=args.seq,
                            batch_size=args.batch, device=args.device, dtype="float32",
                            compute_flops=rates[0], copy_bytes=rates[1],
-                           fused_lm_head=getattr(args, "loss_head", "model") == "trl-fused")
+                           loss_head="trl_fused_lm_head" if getattr(args, "loss_head", "model") == "trl-fused"
+                           else "cross_entropy")
 
 
 def row(args: argparse.Namespace, path: str, setting: str, rates: tuple[float, float]) -> tuple[str, str]:

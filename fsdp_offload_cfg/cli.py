@@ -170,6 +170,13 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--teacher-model", metavar="MODEL",
                           help="a distillation teacher held whole on every rank in its checkpoint's dtype, as TRL's "
                                "distillation holds one (default: the run's teacher_model_name_or_path)")
+    estimate.add_argument("--loss-head", choices=("cross_entropy", "trl_fused_lm_head", "trl_chunked_distillation"),
+                          help="what the loss goes through: the model's own cross-entropy over the full logits, TRL's "
+                               "fused LM head (its SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer in a "
+                               "script of your own) or its distillation (default: as the run's command says)")
+    estimate.add_argument("--completion-tokens", type=_count, metavar="N",
+                          help="the positions the loss scores at each sequence's end (a generated completion's, "
+                               "GRPO's max_completion_length; default: as the run's command says, else every one)")
     _add_set(estimate)
     estimate.set_defaults(run=_estimate)
 
@@ -422,8 +429,9 @@ def _estimate(args: argparse.Namespace) -> int:
                                  teacher_model=_given_or(args.teacher_model, run.teacher_model if run else None),
                                  teacher_dtype=run.teacher_dtype if run and not args.teacher_model else None,
                                  companions_sharded=bool(run and run.companions_sharded),
-                                 distilled_tokens=run.distilled_tokens if run else None,
-                                 fused_lm_head=bool(run and run.fused_lm_head),
+                                 loss_head=_given_or(args.loss_head, run.loss_head if run else "cross_entropy"),
+                                 completion_tokens=_given_or(args.completion_tokens,
+                                                             run.completion_tokens if run else None),
                                  **_plan_inputs(args))
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "

@@ -1475,3 +1475,48 @@ def test_trls_fused_lm_head_holds_its_tiles_and_the_heads_gradient_sum_not_the_l
     assert floor <= fused["activations"]["head_backward_bytes"] < own["activations"]["head_backward_bytes"]
     short_fused, short_own = heads(64)
     assert short_fused["activations"]["head_backward_bytes"] > short_own["activations"]["head_backward_bytes"]
+    for said, error in (({"loss_head": "liger"}, "loss_head: expected one of cross_entropy"),
+                        ({"loss_head": "trl_chunked_distillation"}, "needs its teacher"),
+                        ({"loss_head": "trl_fused_lm_head", "completion_tokens": 0}, "completion_tokens must be")):
+        with pytest.raises(EstimateError, match=error):
+            estimate_memory(config(), str(tmp_path / "m"), seq_len=64, batch_size=batch, device="cpu", **said)
+
+
+def test_grpos_fused_head_scores_only_the_completion(tmp_path: Path):
+    """GRPO and RLOO label only the completion (`max_completion_length`): its hidden states are
+    the ones the fused head selects and its backward sums, not the prompt's."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, dtype="bfloat16").save_pretrained(tmp_path / "m")
+
+    def after_last(completion: int | None) -> int:
+        return estimate_memory(config(), str(tmp_path / "m"), seq_len=4096, batch_size=2, device="cpu",
+                               loss_head="trl_fused_lm_head", completion_tokens=completion)["activations"][
+            "after_last_group_bytes"]
+
+    every, completion = after_last(None), after_last(512)
+    selected = 2 * 256 * 2  # a position's bfloat16 hidden state, 2 sequences
+    assert every - completion >= selected * (4095 - 512), (every, completion)
+
+
+def test_the_loss_head_flags_say_what_a_script_of_ones_own_trains_through(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]):
+    """A script of the user's own that trains with TRL's SFTTrainer runs TRL's fused head, which the
+    estimate cannot read from the script: `--loss-head` says it, and wins over the command's
+    (accelerate's order); `--completion-tokens` narrows it to the completion."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, dtype="bfloat16").save_pretrained(tmp_path / "m")
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(f"model_name_or_path: {tmp_path / 'm'}\nmax_length: 256\nper_device_train_batch_size: 2\n"
+                      "fsdp: full_shard\nfsdp_config:\n  version: 2\n")
+    own = ["--num-processes", "2", "--", "python", "train.py", "--config", str(recipe)]
+    assert _command_estimate(capsys, *own)["inputs"]["loss_head"] == "cross_entropy"
+    fused = _command_estimate(capsys, "--loss-head", "trl_fused_lm_head", *own)
+    assert fused["inputs"]["loss_head"] == "trl_fused_lm_head"
+    narrowed = _command_estimate(capsys, "--loss-head", "trl_fused_lm_head", "--completion-tokens", "16", *own)
+    assert narrowed["activations"]["after_last_group_bytes"] < fused["activations"]["after_last_group_bytes"]
+    trl = ["--num-processes", "2", "--", "trl", "sft", "--config", str(recipe)]
+    assert _command_estimate(capsys, "--loss-head", "cross_entropy", *trl)["inputs"]["loss_head"] == "cross_entropy"

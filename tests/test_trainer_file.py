@@ -401,15 +401,16 @@ def test_a_teacher_init_kwargs_that_is_no_mapping_is_named():
 
 def test_trl_distillation_trains_on_its_completion_through_a_chunked_head():
     """`trl distillation`'s loss runs over each sequence's last `max_completion_length` positions
-    (TRL's default 512), chunked (`estimate/heads.py`); no other run's head is TRL's."""
+    (TRL's default 512), chunked (`estimate/heads.py`); ms-swift's GKD keeps the model's head."""
     from fsdp_offload_cfg.config.trainer_file import run_arguments_of
 
     said = {"model_name_or_path": "m", "teacher_model_name_or_path": "t"}
-    assert run_arguments_of(said, "kd.yaml", "trl distillation").distilled_tokens == 512
-    assert run_arguments_of({**said, "max_completion_length": 128}, "kd.yaml", "trl distillation").distilled_tokens \
-        == 128
-    assert run_arguments_of({**said, "teacher_model": "t"}, "gkd.yaml", "swift rlhf").distilled_tokens is None
-    assert run_arguments_of(said, "sft.yaml", "trl sft").distilled_tokens is None
+    run = run_arguments_of(said, "kd.yaml", "trl distillation")
+    assert (run.loss_head, run.completion_tokens) == ("trl_chunked_distillation", 512)
+    run = run_arguments_of({**said, "max_completion_length": 128}, "kd.yaml", "trl distillation")
+    assert (run.loss_head, run.completion_tokens) == ("trl_chunked_distillation", 128)
+    run = run_arguments_of({**said, "teacher_model": "t"}, "gkd.yaml", "swift rlhf")
+    assert (run.loss_head, run.completion_tokens) == ("cross_entropy", None)
 
 
 def test_trls_trainers_score_their_tokens_through_its_fused_lm_head():
@@ -419,12 +420,19 @@ def test_trls_trainers_score_their_tokens_through_its_fused_lm_head():
     keep the model's own head. Before, every run was estimated with the model's cross-entropy."""
     from fsdp_offload_cfg.config.trainer_file import run_arguments_of
 
+    def head(said: dict, cli: str | None) -> tuple[str, int | None]:
+        run = run_arguments_of(said, "run.yaml", cli)
+        return run.loss_head, run.completion_tokens
+
     said = {"model_name_or_path": "m"}
-    for verb in ("sft", "dpo", "kto", "grpo", "rloo"):
-        assert run_arguments_of(said, "run.yaml", f"trl {verb}").fused_lm_head, verb
-    assert not run_arguments_of({**said, "label_smoothing_factor": 0.1}, "sft.yaml", "trl sft").fused_lm_head
-    assert run_arguments_of({**said, "label_smoothing_factor": 0.1}, "dpo.yaml", "trl dpo").fused_lm_head
-    assert run_arguments_of({**said, "dataset_text_field": "text"}, "sft.yaml").fused_lm_head  # TRL's key
-    for other, cli in (({**said, "teacher_model_name_or_path": "t"}, "trl distillation"), (said, "trl reward"),
-                       (said, "swift sft"), ({**said, "stage": "sft", "cutoff_len": 8}, None), (said, None)):
-        assert not run_arguments_of(other, "run.yaml", cli).fused_lm_head, (other, cli)
+    for verb in ("sft", "dpo", "kto"):  # every labelled position
+        assert head(said, f"trl {verb}") == ("trl_fused_lm_head", None), verb
+    for verb in ("grpo", "rloo"):  # the completion's: TRL labels the prompt -100
+        assert head(said, f"trl {verb}") == ("trl_fused_lm_head", 512), verb
+        assert head({**said, "max_completion_length": 64}, f"trl {verb}") == ("trl_fused_lm_head", 64), verb
+    assert head({**said, "label_smoothing_factor": 0.1}, "trl sft") == ("cross_entropy", None)
+    assert head({**said, "label_smoothing_factor": 0.1}, "trl dpo") == ("trl_fused_lm_head", None)
+    assert head({**said, "dataset_text_field": "text"}, None) == ("trl_fused_lm_head", None)  # TRL's key
+    for other, cli in ((said, "trl reward"), (said, "swift sft"), ({**said, "stage": "sft", "cutoff_len": 8}, None),
+                       (said, None)):
+        assert head(other, cli) == ("cross_entropy", None), (other, cli)

@@ -124,12 +124,11 @@ class RunArguments:
     # loads both by ModelConfig's `dtype`); `swift rlhf`'s `--teacher_model` (GKD, GRPO)
     teacher_model: str | None = None
     teacher_dtype: str | None = None
-    # TRL's fused LM head (`add_fused_lm_head`): `trl sft`, `dpo`, `kto`, `grpo`, `rloo` score their tokens
-    # through it, without the full logits (`estimate/heads.py`)
-    fused_lm_head: bool = False
-    # `trl distillation`'s loss: TRL's chunked divergence over each sequence's last `max_completion_length`
-    # positions, in place of a cross-entropy over the full logits (`estimate/heads.py`)
-    distilled_tokens: int | None = None
+    # the head the loss goes through (`estimate/heads.py`): the model's own `cross_entropy` over the full logits,
+    # TRL's `trl_fused_lm_head` (`trl sft`, `dpo`, `kto`, `grpo`, `rloo`) or `trl_chunked_distillation`; and the
+    # positions it scores at each sequence's end (a generated completion's: `max_completion_length`), None: all
+    loss_head: str = "cross_entropy"
+    completion_tokens: int | None = None
     # ms-swift shards its reward models and teacher beside the model (its `prepare_fsdp`), where TRL keeps them whole
     companions_sharded: bool = False
     lora_rank: int | None = None
@@ -170,7 +169,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -
         "reward_models": reader.reward_models(),
         "companions_sharded": reader.swift,
         **reader.teacher(),
-        "fused_lm_head": reader.fused_lm_head(),
+        **reader.loss_head(),
         "mixed_precision": reader.precision(),
         "precision_follows_dtype": reader.precision_follows_dtype,
         "optimizer": reader.optimizer(),
@@ -364,13 +363,11 @@ class _Reader:
         """`trl distillation`'s teacher (`teacher_model_name_or_path`) and the dtype its
         `teacher_model_init_kwargs` name (a mapping, or its JSON text from the command line); None
         where they name none: TRL's script then loads the teacher in ModelConfig's `dtype`, as the
-        model. And the positions its chunked loss runs over (`max_completion_length`): TRL's
-        distillation only; ms-swift's GKD computes full logits."""
+        model."""
         if self.swift_rlhf in ("gkd", "grpo"):  # loaded in the model's dtype (`get_model_processor`)
-            return {"teacher_model": self.first(("teacher_model",), str, "teacher_model"), "teacher_dtype": None,
-                    "distilled_tokens": None}
+            return {"teacher_model": self.first(("teacher_model",), str, "teacher_model"), "teacher_dtype": None}
         if self.trl_verb != "distillation" or self.top.get("teacher_model_name_or_path") is None:
-            return {"teacher_model": None, "teacher_dtype": None, "distilled_tokens": None}
+            return {"teacher_model": None, "teacher_dtype": None}
         kwargs = self.top.get("teacher_model_init_kwargs") or {}
         if isinstance(kwargs, str):
             try:
@@ -383,19 +380,29 @@ class _Reader:
             kwargs = {}
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         return {"teacher_model": self.first(("teacher_model_name_or_path",), str, "teacher_model"),
-                "teacher_dtype": None if dtype is None else str(dtype),
-                "distilled_tokens": self.first(("max_completion_length",), int, "distilled_tokens",
-                                               (512, "max_completion_length unset: TRL's default 512"))}
+                "teacher_dtype": None if dtype is None else str(dtype)}
 
-    def fused_lm_head(self) -> bool:
-        """Whether the run scores its tokens through TRL's fused LM head (TRL 1.15 on): its `sft`,
-        `dpo`, `kto`, `grpo` and `rloo` trainers patch the model with it, and a file of TRL's keys
-        is read as one of theirs (as its defaults are); `sft` computes the full logits instead
-        under label smoothing, which needs them."""
+    def loss_head(self) -> dict[str, Any]:
+        """The head the run's loss goes through (`estimate/heads.py`; TRL 1.15 on): `trl
+        distillation`'s chunked divergence; the fused LM head TRL's `sft`, `dpo`, `kto`, `grpo` and
+        `rloo` patch the model with (a file of TRL's keys read as one of theirs, as its defaults
+        are; `sft` computes the full logits instead under label smoothing, which needs them); else
+        the model's own cross-entropy. And the positions scored at each sequence's end where
+        only a generated completion is (`max_completion_length`, 512 unset: distillation, GRPO,
+        RLOO); None: every one."""
+        if self.trl_verb == "distillation" and self.top.get("teacher_model_name_or_path") is not None:
+            return {"loss_head": "trl_chunked_distillation", "completion_tokens": self._completion_tokens()}
         if self.trl_verb not in ("sft", "dpo", "kto", "grpo", "rloo") and not (self.trl and self.trl_verb is None):
-            return False
+            return {"loss_head": "cross_entropy", "completion_tokens": None}
         smoothing = self.top.get("label_smoothing_factor")
-        return self.trl_verb not in ("sft", None) or not (isinstance(smoothing, (int, float)) and smoothing > 0)
+        if self.trl_verb in ("sft", None) and isinstance(smoothing, (int, float)) and smoothing > 0:
+            return {"loss_head": "cross_entropy", "completion_tokens": None}
+        return {"loss_head": "trl_fused_lm_head",
+                "completion_tokens": self._completion_tokens() if self.trl_verb in ("grpo", "rloo") else None}
+
+    def _completion_tokens(self) -> int:
+        return self.first(("max_completion_length",), int, "completion_tokens",
+                          (512, "max_completion_length unset: TRL's default 512"))
 
     def seq_len(self) -> int | None:
         """The longest sequence a forward takes: the file's length key, else the framework's

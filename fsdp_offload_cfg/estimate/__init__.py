@@ -34,7 +34,10 @@ from fsdp_offload_cfg.estimate.inputs import (
 )
 from fsdp_offload_cfg.estimate.source import model_config_file
 
-__all__ = ["DEVICES", "OPTIMIZERS", "Dtypes", "EstimateError", "Lora", "estimate_memory", "resolve_dtypes"]
+# what a run's loss goes through: the model's own head, or one of TRL's (`estimate/heads.py`)
+LOSS_HEADS = ("cross_entropy", "trl_fused_lm_head", "trl_chunked_distillation")
+
+__all__ = ["DEVICES", "LOSS_HEADS", "OPTIMIZERS", "Dtypes", "EstimateError", "Lora", "estimate_memory", "resolve_dtypes"]
 
 
 def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batch_size: int,
@@ -45,8 +48,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     parallelism: Mapping[str, Any] | None = None, lora: Lora | None = None,
                     machines: int = 1, reference: bool = False, reward_model: str | Sequence[str] | None = None,
                     teacher_model: str | None = None, teacher_dtype: str | None = None,
-                    companions_sharded: bool = False, distilled_tokens: int | None = None,
-                    fused_lm_head: bool = False) -> dict[str, Any]:
+                    companions_sharded: bool = False, loss_head: str = "cross_entropy",
+                    completion_tokens: int | None = None) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -62,12 +65,12 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     and RLOO); `teacher_model`: a distillation teacher's, held so too (TRL's `DistillationTrainer`),
     loaded in `teacher_dtype` (default: `dtype`, as TRL's script loads both; `auto`: its
     checkpoint's). `companions_sharded`: those sharded beside the model instead, frozen, as
-    ms-swift's `prepare_fsdp` shards its reward models and teacher. `distilled_tokens` (with
-    `teacher_model`): the loss is TRL's distillation over the last that many positions of each
-    sequence (its completion, `max_completion_length`), chunked as TRL 1.16 computes it, in
-    place of a cross-entropy over the full logits (`estimate/heads.py`). `fused_lm_head`: the
-    loss scores every token through TRL's fused LM head (its `sft`, `dpo`, `kto`, `grpo`,
-    `rloo`), which never makes the full logits either."""
+    ms-swift's `prepare_fsdp` shards its reward models and teacher. `loss_head`: what the loss
+    goes through (`estimate/heads.py`): the model's own `cross_entropy` over the full logits,
+    `trl_fused_lm_head` (TRL's `sft`, `dpo`, `kto`, `grpo`, `rloo`: log-probabilities tile by
+    tile) or `trl_chunked_distillation` (its distillation against `teacher_model`);
+    `completion_tokens`: the positions it scores at each sequence's end (a generated
+    completion's), None: every one."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
     if gradient_accumulation_steps < 1:
@@ -85,9 +88,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     for other in (*reward_models, teacher_model):
         if other is not None:
             model_config_file(other)
-    if distilled_tokens is not None and (teacher_model is None or distilled_tokens < 1):
-        raise EstimateError(f"distilled_tokens={distilled_tokens}: a distillation head needs a teacher_model and "
-                            "at least one completion token")
+    _check_head(loss_head, completion_tokens, teacher_model)
     teacher_dtype = dtype if teacher_dtype is None else None if teacher_dtype == "auto" else teacher_dtype
     if teacher_dtype is not None:
         check_dtype_name(teacher_dtype)
@@ -101,8 +102,17 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         accumulating=gradient_accumulation_steps > 1, lora=lora, reference=reference,
                         reward_models=reward_models,
                         teacher=(teacher_model, teacher_dtype) if teacher_model is not None else None,
-                        companions_sharded=companions_sharded, distilled_tokens=distilled_tokens,
-                        fused_lm_head=fused_lm_head)
+                        companions_sharded=companions_sharded, loss_head=loss_head,
+                        completion_tokens=completion_tokens)
+
+
+def _check_head(loss_head: str, completion_tokens: int | None, teacher_model: str | None) -> None:
+    if loss_head not in LOSS_HEADS:
+        raise EstimateError(f"loss_head: expected one of {', '.join(LOSS_HEADS)}, got {loss_head!r}")
+    if loss_head == "trl_chunked_distillation" and teacher_model is None:
+        raise EstimateError("loss_head trl_chunked_distillation: the divergence needs its teacher (teacher_model)")
+    if completion_tokens is not None and completion_tokens < 1:
+        raise EstimateError(f"completion_tokens must be >= 1 (got {completion_tokens})")
 
 
 def _replicas(ranks: int, parallelism: Mapping[str, Any]) -> int:

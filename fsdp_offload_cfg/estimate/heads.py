@@ -53,10 +53,13 @@ VOCAB_CHUNK_SIZE = 32768
 
 @dataclass(frozen=True)
 class FusedLogProbs:
-    """TRL's fused LM head (`add_fused_lm_head`) over every position but the last (all labelled);
-    `autocast`: the dtype mixed precision's autocast computes in (None without)."""
+    """TRL's fused LM head (`add_fused_lm_head`) over the positions that predict the last
+    `completion_tokens` tokens (GRPO's and RLOO's labels: the completion), None: every position
+    but the last (all labelled); `autocast`: the dtype mixed precision's autocast computes in
+    (None without)."""
 
     autocast: torch.dtype | None = None
+    completion_tokens: int | None = None
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -67,7 +70,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, head: FusedLogProbs) -> torch.Tensor:
         kept = hidden[:, :-1, :]  # the last position predicts no label
-        selected = kept.reshape(-1, kept.shape[-1]).clone()  # the labelled positions: a copy
+        labelled = kept if head.completion_tokens is None else kept[:, -head.completion_tokens:, :]
+        selected = labelled.reshape(-1, kept.shape[-1]).clone()  # the labelled positions: a copy
         tokens = selected.shape[0]
         mask = selected.new_empty(kept.shape[:2], dtype=torch.bool)  # the selection's, and the scatter's back
         targets = selected.new_empty((tokens,), dtype=torch.int64)

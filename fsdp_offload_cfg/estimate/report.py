@@ -56,8 +56,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  device_memory: int | None = None, rates: tuple[float | None, float | None] = (None, None),
                  accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
                  reward_models: tuple[str, ...] = (), teacher: tuple[str, str | None] | None = None,
-                 companions_sharded: bool = False, distilled_tokens: int | None = None,
-                 fused_lm_head: bool = False) -> dict[str, Any]:
+                 companions_sharded: bool = False, loss_head: str = "cross_entropy",
+                 completion_tokens: int | None = None) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
@@ -65,9 +65,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     sharded beside it (TRL's reference model). `reward_models`: the paths of reward models held
     whole on every rank (`reward_model_bytes`); `teacher`: a distillation teacher's path and load
     dtype (None: its checkpoint's), whole on every rank likewise; `companions_sharded`: both
-    sharded beside the model instead (ms-swift's); `distilled_tokens`: the loss is TRL's chunked
-    distillation against the teacher over that many last positions (`heads.py`), not the
-    model's cross-entropy; `fused_lm_head`: TRL's fused LM head scores every token instead."""
+    sharded beside the model instead (ms-swift's); `loss_head`, `completion_tokens`: what the
+    loss goes through and the positions it scores (`estimate_memory`, `heads.py`)."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -77,7 +76,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     layers = layer_class_names(model, config.transformer_layer_cls_to_wrap, config.source)
     image = example_image(source.config, model)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute, image)
-    head = _trl_head(config, teacher, distilled_tokens, fused_lm_head, seq_len)
+    head = _trl_head(config, loss_head, teacher, completion_tokens, seq_len)
     if head is not None:  # TRL runs the backbone without a cache and its own loss head: no cross-entropy
         del batch["labels"]
         batch["use_cache"] = False
@@ -365,20 +364,21 @@ def _companions(config: FSDPOffloadConfig, dtype: str | None, reward_models: tup
         teacher=companion_bytes(teacher[0], config, teacher[1], False, world) if teacher else ModelBytes(0, 0))
 
 
-def _trl_head(config: FSDPOffloadConfig, teacher: tuple[str, str | None] | None, distilled_tokens: int | None,
-              fused_lm_head: bool, seq_len: int) -> Head | None:
-    """The loss head TRL runs instead of the model's (`heads.py`): its distillation against
-    `teacher` (its path and load dtype) over the last `distilled_tokens` positions (at most the
-    sequence), else its fused LM head; None for neither. Both compute in autocast's dtype under
-    mixed precision (accelerate wraps the forward in it)."""
+def _trl_head(config: FSDPOffloadConfig, loss_head: str, teacher: tuple[str, str | None] | None,
+              completion_tokens: int | None, seq_len: int) -> Head | None:
+    """The loss head TRL runs instead of the model's (`heads.py`), scoring the last
+    `completion_tokens` positions (at most the sequence's; None: every one): its distillation
+    against `teacher` (its path and load dtype), or its fused LM head; None for the model's own.
+    Both compute in autocast's dtype under mixed precision (accelerate wraps the forward in it)."""
     compute = mixed_compute_dtype(config)
     autocast = getattr(torch, compute) if compute is not None else None
-    if teacher is not None and distilled_tokens is not None:
+    scored = min(completion_tokens, seq_len - 1) if completion_tokens is not None else None
+    if loss_head == "trl_chunked_distillation" and teacher is not None:
         source = read_model(teacher[0])
         text = source.config.get_text_config() if hasattr(source.config, "get_text_config") else source.config
-        return ChunkedDistillation(min(distilled_tokens, seq_len), text.hidden_size,
+        return ChunkedDistillation(scored or seq_len - 1, text.hidden_size,
                                    resolve_dtypes(config, source.config, teacher[1]).load, autocast)
-    return FusedLogProbs(autocast) if fused_lm_head else None
+    return FusedLogProbs(autocast, scored) if loss_head == "trl_fused_lm_head" else None
 
 
 def _head_key(head: Head | None) -> str:
@@ -393,7 +393,7 @@ def _head_named(head: Head) -> str:
 
 
 def _teacher_forward_said(head: Head | None) -> str:
-    if not isinstance(head, ChunkedDistillation):
+    if not isinstance(head, ChunkedDistillation):  # ms-swift's GKD, or a teacher of the user's own script
         return "its no-grad forward's logits over the whole vocabulary are not counted"
     return (f"TRL's chunked divergence against it over the last {head.completion_tokens} positions: the teacher's "
             "hidden states there, the student's, their float32 tiles and gradient sums (no logits over the whole "
