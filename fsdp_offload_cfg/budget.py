@@ -392,7 +392,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     target = handle.handler.device.type
     # TRL's trainers score tokens tile by tile, no logits (`estimate/heads.py`): its forward is the
     # model's own, or the one the offload's root forward wraps
-    fused = any(is_trl_fused_forward(f) for f in (vars(pretrained).get("forward"), handle._previous_forward))
+    fused = any(is_trl_fused_forward(f) for f in (vars(pretrained).get("forward"), handle.model_forward))
     head = FusedLogProbs(dtype if mixed_compute_dtype(cfg) else None) if fused else None
     if head is not None:
         batch.pop("labels")

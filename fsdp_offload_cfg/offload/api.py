@@ -42,6 +42,12 @@ class OffloadHandle:
     def active(self) -> bool:
         return self.handler is not None
 
+    @property
+    def model_forward(self) -> Any:
+        """The model's own instance `forward` beneath the one installed here (TRL's fused LM head
+        patches one in; the activation budget looks for it), None where it had none."""
+        return self._previous_forward
+
     def remove(self) -> None:
         """Unhook the groups, restore the root's forward, free the idle pool (idempotent)."""
         if self._group_hooks is not None:
