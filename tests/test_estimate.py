@@ -1520,3 +1520,5 @@ def test_the_loss_head_flags_say_what_a_script_of_ones_own_trains_through(tmp_pa
     assert narrowed["activations"]["after_last_group_bytes"] < fused["activations"]["after_last_group_bytes"]
     trl = ["--num-processes", "2", "--", "trl", "sft", "--config", str(recipe)]
     assert _command_estimate(capsys, "--loss-head", "cross_entropy", *trl)["inputs"]["loss_head"] == "cross_entropy"
+    assert cli.main(["estimate", "--device", "cpu", *trl]) == 0  # the table's first line names TRL's head
+    assert capsys.readouterr().out.splitlines()[0].endswith(", loss through TRL's fused LM head")

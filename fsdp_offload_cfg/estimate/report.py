@@ -388,6 +388,11 @@ def _head_key(head: Head | None) -> str:
     return "trl_fused_lm_head" if isinstance(head, FusedLogProbs) else "trl_chunked_distillation"
 
 
+# the table's first line names a head that is not the model's own
+_HEAD_SHOWN = {"trl_fused_lm_head": ", loss through TRL's fused LM head",
+               "trl_chunked_distillation": ", loss through TRL's chunked distillation"}
+
+
 def _head_named(head: Head) -> str:
     return "TRL's fused LM head" if isinstance(head, FusedLogProbs) else "TRL's distillation head"
 
@@ -536,7 +541,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['ranks']} "
         f"ranks{_hybrid(report)}, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, "
         f"{inputs['optimizer']}, "
-        f"{inputs['device']}, compute {inputs['compute_dtype']}",
+        f"{inputs['device']}, compute {inputs['compute_dtype']}{_HEAD_SHOWN.get(inputs.get('loss_head'), '')}",
         "",
         "| per rank | bytes |",
         "|---|---|",
