@@ -394,9 +394,6 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     # model's own, or the one the offload's root forward wraps
     fused = any(is_trl_fused_forward(f) for f in (vars(pretrained).get("forward"), handle.model_forward))
     head = FusedLogProbs(dtype if mixed_compute_dtype(cfg) else None) if fused else None
-    if head is not None:
-        batch.pop("labels")
-        batch["use_cache"] = False
     with gathered_in(twin, dtype if mixed_compute_dtype(cfg) else None):
         try:
             profile = measure_activations(twin, batch, layers, target=target, head=head)

@@ -35,6 +35,7 @@ from fsdp_offload_cfg.config.trainer_file import (
     is_trainer_layout,
     run_arguments_of,
 )
+from fsdp_offload_cfg.estimate.inputs import LOSS_HEADS
 
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 
@@ -170,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--teacher-model", metavar="MODEL",
                           help="a distillation teacher held whole on every rank in its checkpoint's dtype, as TRL's "
                                "distillation holds one (default: the run's teacher_model_name_or_path)")
-    estimate.add_argument("--loss-head", choices=("cross_entropy", "trl_fused_lm_head", "trl_chunked_distillation"),
+    estimate.add_argument("--loss-head", choices=LOSS_HEADS,
                           help="what the loss goes through: the model's own cross-entropy over the full logits, TRL's "
                                "fused LM head (its SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer in a "
                                "script of your own) or its distillation (default: as the run's command says)")

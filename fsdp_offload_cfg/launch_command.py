@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
     config_file = str(named) if named is not None else None
     if is_launcher and not is_trl_cli(command):
         script_args, launched = _accelerate_launch(command)
-        return _with_arguments(command, script_args, cwd, config_file=config_file, cli=trl_script_cli(command),
+        return _with_arguments(command, script_args, cwd, config_file=config_file, cli=_trl_script_cli(command),
                                **launched)
     if is_launcher:  # TRL's CLI: `trl VERB ARGS`; launch flags (`--num_processes`) mixed in, or in its --config YAML
         verb_at = _trl_verb_at(command)
@@ -80,11 +81,11 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
         return _llamafactory(command, cwd)
     if _is_torchrun(command):
         script_args, launched = _torchrun(command)
-        return _with_arguments(command, script_args, cwd, cli=trl_script_cli(command), **launched)
-    return _with_arguments(command, _script_args(command), cwd, cli=trl_script_cli(command))
+        return _with_arguments(command, script_args, cwd, cli=_trl_script_cli(command), **launched)
+    return _with_arguments(command, _script_args(command), cwd, cli=_trl_script_cli(command))
 
 
-def trl_script_cli(command: list[str]) -> str | None:
+def _trl_script_cli(command: list[str]) -> str | None:
     """`trl dpo` where COMMAND runs the script `trl dpo` launches: `trl/scripts/dpo.py` (TRL's
     repository, or its installed package: TRL's scripts document `python trl/scripts/dpo.py`, and
     `accelerate launch` or torchrun of it is how they are spread over ranks) or the module
@@ -180,7 +181,13 @@ def _swift_processes(arguments: dict[str, Any]) -> int | None:
     environ = {**{str(k): str(v) for k, v in yaml_env.items()}, **os.environ}
     if "NPROC_PER_NODE" not in environ and "NNODES" not in environ:
         return 1
-    per_node, nodes = environ.get("NPROC_PER_NODE", "1"), environ.get("NNODES", "1")
+    return _nodes_times_processes(environ, "1")
+
+
+def _nodes_times_processes(environ: Mapping[str, str], per_node_unset: str) -> int | None:
+    """`NPROC_PER_NODE` (else `per_node_unset`) times `NNODES` (else 1), as a launcher hands them
+    to torchrun; None where either is no number."""
+    per_node, nodes = environ.get("NPROC_PER_NODE", per_node_unset), environ.get("NNODES", "1")
     return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
 
 
@@ -190,10 +197,10 @@ def _llamafactory(command: list[str], cwd: str) -> LaunchCommand:
     estimate cannot see) times `NNODES` processes (`llamafactory/launcher.py`). Those the
     environment names are counted; else the number is asked for."""
     found = _with_arguments(command, _script_args(command), cwd)
-    per_node, nodes = os.environ.get("NPROC_PER_NODE", ""), os.environ.get("NNODES", "1")
-    if not (per_node.isdigit() and nodes.isdigit()):
+    processes = _nodes_times_processes(os.environ, "")
+    if processes is None:
         return found
-    return dataclasses.replace(found, num_processes=int(per_node) * int(nodes), num_machines=int(nodes))
+    return dataclasses.replace(found, num_processes=processes, num_machines=int(os.environ.get("NNODES", "1")))
 
 
 def _axolotl(command: list[str], verb_at: int, cwd: str) -> LaunchCommand:

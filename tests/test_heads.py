@@ -48,29 +48,37 @@ class _Live(TorchDispatchMode):
         return out
 
 
-def _measured(loss_of: Any, weights: list[torch.Tensor], hidden_size: int) -> tuple[int, int]:
-    """Bytes the loss saves for backward (its own storages, not the input's nor the weights'),
-    and the most its backward holds beyond those saves."""
+def _measured(loss: Any, outside: list[torch.Tensor], asked: list[torch.Tensor]) -> tuple[int, int]:
+    """Bytes `loss()` saves for backward (its own storages, not those of `outside`: the weights,
+    the input), and the most its backward to `asked` holds beyond those saves. On meta, every
+    selected position counted valid (TRL selects the valid ones with a boolean mask)."""
     from torch.fx.experimental import _config
 
-    hidden = torch.empty(BATCH, SEQ, hidden_size, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    outside = {t.untyped_storage()._cdata for t in [hidden, *weights]}
+    from fsdp_offload_cfg.compat.model_init import meta_forward  # transformers' mask checks, made meta-safe
+
+    ignored = {t.untyped_storage()._cdata for t in outside}
     saved: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage()._cdata not in outside:
+        if t.untyped_storage()._cdata not in ignored:
             saved.setdefault(t.untyped_storage()._cdata, t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            _config.patch(meta_nonzero_assume_all_nonzero=True):  # every completion position is valid
-        loss = loss_of(hidden[:, -COMPLETION:, :])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_forward(), \
+            _config.patch(meta_nonzero_assume_all_nonzero=True):
+        result = loss()
     saved_bytes = sum(t.untyped_storage().nbytes() for t in saved.values())
-    live = _Live(list(saved.values()), outside)
+    live = _Live(list(saved.values()), ignored)
     saved.clear()
     with live:
-        torch.autograd.grad(loss, [hidden])
+        torch.autograd.grad(result, asked)
     return saved_bytes, live.peak - saved_bytes
+
+
+def _head_measured(loss_of: Any, weights: list[torch.Tensor], hidden_size: int) -> tuple[int, int]:
+    """`_measured` of a head given the last layer's hidden states, completion last."""
+    hidden = torch.empty(BATCH, SEQ, hidden_size, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    return _measured(lambda: loss_of(hidden[:, -COMPLETION:, :]), [hidden, *weights], [hidden])
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
@@ -117,36 +125,16 @@ def test_the_stand_in_holds_what_trls_chunked_divergence_holds(trains_head: bool
         full = torch.cat([kept.new_empty(BATCH, SEQ - COMPLETION, hidden_size), kept], dim=1)
         return _ChunkedDivergence.apply(full, weight, head).sum()
 
-    trl_saved, trl_backward = _measured(trls, [weight, teacher_weight], hidden_size)
-    our_saved, our_backward = _measured(ours, [weight, teacher_weight], hidden_size)
+    trl_saved, trl_backward = _head_measured(trls, [weight, teacher_weight], hidden_size)
+    our_saved, our_backward = _head_measured(ours, [weight, teacher_weight], hidden_size)
     assert trl_saved > 0 and abs(our_saved - trl_saved) <= trl_saved / 100, (our_saved, trl_saved)
     assert abs(our_backward - trl_backward) <= trl_backward / 100, (our_backward, trl_backward)
 
 
 def _model_measured(model: torch.nn.Module, loss_of: Any) -> tuple[int, int]:
-    """A whole model's forward and backward on meta: bytes saved (not its parameters'), and the
-    most its backward holds beyond them."""
-    outside = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, torch.Tensor] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage()._cdata not in outside:
-            saved.setdefault(t.untyped_storage()._cdata, t)
-        return t
-
-    from torch.fx.experimental import _config
-
-    from fsdp_offload_cfg.compat.model_init import meta_forward  # transformers' mask checks, made meta-safe
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), meta_forward(), \
-            _config.patch(meta_nonzero_assume_all_nonzero=True):  # every position labelled
-        loss = loss_of(model)
-    saved_bytes = sum(t.untyped_storage().nbytes() for t in saved.values())
-    live = _Live(list(saved.values()), outside)
-    saved.clear()
-    with live:
-        torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad][:1])  # the embedding's
-    return saved_bytes, live.peak - saved_bytes
+    """`_measured` of a whole model's forward, its backward to the embedding."""
+    trained = [p for p in model.parameters() if p.requires_grad][:1]
+    return _measured(lambda: loss_of(model), list(model.parameters()), trained)
 
 
 @pytest.mark.parametrize("hidden_size", [64, 1024])

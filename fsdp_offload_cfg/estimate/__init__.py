@@ -24,6 +24,7 @@ from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.estimate.adapters import Lora, check_lora
 from fsdp_offload_cfg.estimate.inputs import (
     DEVICES,
+    LOSS_HEADS,
     OPTIMIZERS,
     Dtypes,
     EstimateError,
@@ -33,9 +34,6 @@ from fsdp_offload_cfg.estimate.inputs import (
     resolve_dtypes,
 )
 from fsdp_offload_cfg.estimate.source import model_config_file
-
-# what a run's loss goes through: the model's own head, or one of TRL's (`estimate/heads.py`)
-LOSS_HEADS = ("cross_entropy", "trl_fused_lm_head", "trl_chunked_distillation")
 
 __all__ = ["DEVICES", "LOSS_HEADS", "OPTIMIZERS", "Dtypes", "EstimateError", "Lora", "estimate_memory", "resolve_dtypes"]
 

@@ -40,7 +40,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -58,46 +58,9 @@ class FusedLogProbs:
     but the last (all labelled); `autocast`: the dtype mixed precision's autocast computes in
     (None without)."""
 
+    key: ClassVar[str] = "trl_fused_lm_head"
     autocast: torch.dtype | None = None
     completion_tokens: int | None = None
-
-
-class _ChunkedLogProbs(torch.autograd.Function):
-    """Stand-in for TRL's fused LM head on `meta` (module docstring): the selection, the saves of
-    `ChunkedLogProbFunction`, and its backward's allocations in its loop's order, no arithmetic.
-    Returns the per-token log-probabilities, batch x (sequence - 1), float32."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, head: FusedLogProbs) -> torch.Tensor:
-        kept = hidden[:, :-1, :]  # the last position predicts no label
-        labelled = kept if head.completion_tokens is None else kept[:, -head.completion_tokens:, :]
-        selected = labelled.reshape(-1, kept.shape[-1]).clone()  # the labelled positions: a copy
-        tokens = selected.shape[0]
-        mask = selected.new_empty(kept.shape[:2], dtype=torch.bool)  # the selection's, and the scatter's back
-        targets = selected.new_empty((tokens,), dtype=torch.int64)
-        stats = [selected.new_empty((tokens,), dtype=torch.float32) for _ in range(2)]  # log-partition, entropy
-        ctx.save_for_backward(selected, mask, targets, *stats)
-        ctx.head, ctx.hidden_shape, ctx.vocab_shape = head, hidden.shape, weight.shape
-        ctx.weight_dtype, ctx.weight_trains = weight.dtype, weight.requires_grad
-        return selected.new_empty(kept.shape[:2], dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        selected = ctx.saved_tensors[0]
-        (vocab, width), tokens = ctx.vocab_shape, selected.shape[0]
-        dtype = ctx.head.autocast or selected.dtype  # TRL's compute dtype
-        hidden_sum = selected.new_empty(selected.shape, dtype=torch.float32)
-        weight_sum = selected.new_empty(ctx.vocab_shape, dtype=torch.float32) if ctx.weight_trains else None
-        tile = selected.new_empty((min(tokens, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=dtype)
-        chunk = None  # this token chunk's states in the compute dtype
-        for start in range(0, tokens, TOKEN_CHUNK_SIZE):
-            chunk = selected[start:start + TOKEN_CHUNK_SIZE].to(dtype)  # a copy where the dtypes differ
-            for first in range(0, vocab, VOCAB_CHUNK_SIZE):
-                _transient(selected, (min(VOCAB_CHUNK_SIZE, vocab - first), width), dtype, ctx.weight_dtype != dtype)
-        grad_selected = hidden_sum.to(selected.dtype)
-        grad_weight = weight_sum.to(ctx.weight_dtype) if weight_sum is not None else None
-        del hidden_sum, weight_sum, tile, chunk  # TRL returns the casts; the rest goes with it
-        return grad_selected.new_zeros(ctx.hidden_shape), grad_weight, None
 
 
 @dataclass(frozen=True)
@@ -107,10 +70,48 @@ class ChunkedDistillation:
     load dtype); `autocast`: the dtype mixed precision's autocast computes in (None without),
     which TRL projects both models' tiles in."""
 
+    key: ClassVar[str] = "trl_chunked_distillation"
     completion_tokens: int
     teacher_hidden: int
     teacher_dtype: torch.dtype
     autocast: torch.dtype | None = None
+
+
+Head = FusedLogProbs | ChunkedDistillation
+# each head's `key` (the JSON's `inputs.loss_head`), in words
+HEAD_WORDS = {FusedLogProbs.key: "TRL's fused LM head", ChunkedDistillation.key: "TRL's chunked distillation"}
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Stand-in for TRL's fused LM head on `meta` (module docstring): the selection, the saves of
+    `ChunkedLogProbFunction`, and its backward's allocations in its loop's order, no arithmetic.
+    Returns the per-token log-probabilities, batch x (sequence - 1), float32."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, head: FusedLogProbs) -> torch.Tensor:
+        selected = _selected(ctx, hidden, weight, head)
+        tokens = selected.shape[0]
+        mask = selected.new_empty((hidden.shape[0], hidden.shape[1] - 1), dtype=torch.bool)  # also the scatter's
+        targets = selected.new_empty((tokens,), dtype=torch.int64)
+        stats = [selected.new_empty((tokens,), dtype=torch.float32) for _ in range(2)]  # log-partition, entropy
+        ctx.save_for_backward(selected, mask, targets, *stats)
+        return selected.new_empty(mask.shape, dtype=torch.float32)  # scattered back over every position
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        selected = ctx.saved_tensors[0]
+        (vocab, width), tokens = ctx.vocab_shape, selected.shape[0]
+        dtype = ctx.head.autocast or selected.dtype  # TRL's compute dtype
+        sums = _gradient_sums(ctx, selected)
+        tile = selected.new_empty((min(tokens, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=dtype)
+        chunk = None  # this token chunk's states in the compute dtype
+        for start in range(0, tokens, TOKEN_CHUNK_SIZE):
+            chunk = selected[start:start + TOKEN_CHUNK_SIZE].to(dtype)  # a copy where the dtypes differ
+            for first in range(0, vocab, VOCAB_CHUNK_SIZE):
+                _transient(selected, (min(VOCAB_CHUNK_SIZE, vocab - first), width), dtype, ctx.weight_dtype != dtype)
+        returned = _cast_back(ctx, selected, *sums)
+        del sums, tile, chunk  # TRL returns the casts; the rest goes with it
+        return _scattered(ctx, *returned)
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -120,16 +121,13 @@ class _ChunkedDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, head: ChunkedDistillation) -> torch.Tensor:
-        kept = hidden[:, -head.completion_tokens:, :]
-        student = kept.reshape(-1, kept.shape[-1]).clone()  # the valid positions, selected: a copy
+        student = _selected(ctx, hidden, weight, head)
         tokens = student.shape[0]
         positions = student.new_empty((tokens,), dtype=torch.bool)  # the selection's mask, for its backward
         teacher = student.new_empty((tokens, head.teacher_hidden), dtype=head.teacher_dtype)
         stats = [student.new_empty((tokens,), dtype=torch.float32) for _ in range(3)]  # log-partitions, aux
         ctx.save_for_backward(student, positions, teacher, *stats)
-        ctx.head, ctx.hidden_shape, ctx.vocab_shape = head, hidden.shape, weight.shape
-        ctx.weight_dtype, ctx.weight_trains = weight.dtype, weight.requires_grad
-        return student.new_empty(kept.shape[:2], dtype=torch.float32)
+        return student.new_empty((tokens,), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -137,8 +135,7 @@ class _ChunkedDivergence(torch.autograd.Function):
         head, (vocab, width) = ctx.head, ctx.vocab_shape
         tokens = student.shape[0]
         s_dtype, t_dtype = head.autocast or student.dtype, head.autocast or teacher.dtype  # TRL's `_compute_dtype`
-        hidden_sum = student.new_empty(student.shape, dtype=torch.float32)
-        weight_sum = student.new_empty(ctx.vocab_shape, dtype=torch.float32) if ctx.weight_trains else None
+        sums = _gradient_sums(ctx, student)
         rows = min(tokens, TOKEN_CHUNK_SIZE)
         tiles = [student.new_empty((rows, VOCAB_CHUNK_SIZE), dtype=torch.float32) for _ in range(2)]
         tile_gradient = None  # each round's replaces the last's only once made: two are held meanwhile
@@ -151,20 +148,47 @@ class _ChunkedDivergence(torch.autograd.Function):
                 _transient(student, (chunk, width), s_dtype, ctx.weight_dtype != s_dtype)
                 _transient(student, (chunk, head.teacher_hidden), t_dtype, head.teacher_dtype != t_dtype)
                 tile_gradient = student.new_empty((n, chunk), dtype=s_dtype)
-        grad_student = hidden_sum.to(student.dtype)
-        grad_weight = weight_sum.to(ctx.weight_dtype) if weight_sum is not None else None
-        del hidden_sum, weight_sum, tiles, tile_gradient, h_s, h_t  # TRL returns the casts; the rest goes with it
-        grad_hidden = grad_student.new_zeros(ctx.hidden_shape)  # the selection's backward scatters into it
-        return grad_hidden, grad_weight, None
+        returned = _cast_back(ctx, student, *sums)
+        del sums, tiles, tile_gradient, h_s, h_t  # TRL returns the casts; the rest goes with it
+        return _scattered(ctx, *returned)
+
+
+def _selected(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, head: Head) -> torch.Tensor:
+    """The scored positions' hidden states, a copy (TRL's boolean selection), batch x positions
+    rows: every position but the last (it predicts no token), or the last `completion_tokens`
+    of those; and what the backward needs to know of the call, kept on `ctx`."""
+    kept = hidden[:, :-1, :]
+    if head.completion_tokens is not None:
+        kept = kept[:, -head.completion_tokens:, :]
+    ctx.head, ctx.hidden_shape, ctx.vocab_shape = head, hidden.shape, weight.shape
+    ctx.weight_dtype, ctx.weight_trains = weight.dtype, weight.requires_grad
+    return kept.reshape(-1, kept.shape[-1]).clone()
+
+
+def _gradient_sums(ctx: Any, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's float32 accumulators of the states' gradient and, where the output layer trains, of
+    its weight's (vocabulary x hidden)."""
+    weight_sum = states.new_empty(ctx.vocab_shape, dtype=torch.float32) if ctx.weight_trains else None
+    return states.new_empty(states.shape, dtype=torch.float32), weight_sum
+
+
+def _cast_back(ctx: Any, states: torch.Tensor, states_sum: torch.Tensor,
+               weight_sum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both sums cast to their tensors' dtypes, as TRL's backward returns them (while everything
+    its loop made is still held)."""
+    return states_sum.to(states.dtype), weight_sum.to(ctx.weight_dtype) if weight_sum is not None else None
+
+
+def _scattered(ctx: Any, grad_states: torch.Tensor, grad_weight: torch.Tensor | None) -> tuple:
+    """The backward's result: the selection's backward scatters the states' gradient into the
+    hidden states' shape."""
+    return grad_states.new_zeros(ctx.hidden_shape), grad_weight, None
 
 
 def _transient(like: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, made: bool) -> None:
     """A tensor that lives for one op (a weight chunk cast for a matmul), where it is `made`."""
     if made:
         like.new_empty(shape, dtype=dtype)
-
-
-Head = FusedLogProbs | ChunkedDistillation
 
 
 def is_trl_fused_forward(forward: Any) -> bool:

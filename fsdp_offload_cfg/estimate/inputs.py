@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = ("adamw", "adamw_fused", "sgd")
 DEVICES = ("cuda", "cpu")
+# what a run's loss goes through: the model's own head, or one of TRL's (`estimate/heads.py`)
+LOSS_HEADS = ("cross_entropy", "trl_fused_lm_head", "trl_chunked_distillation")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # a name --dtype takes: torch's name
 

@@ -424,7 +424,10 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
                         target: str = "cuda", head: Head | None = None) -> ActivationProfile:
     """Run one training forward (loss included) of `model` on `meta` and record what it saves,
     then its backward, for what each group's backward holds beyond its saves. `head`: the loss
-    head the trainer runs instead of the model's (`heads.py`; `batch` then has no labels)."""
+    head TRL runs instead of the model's (`heads.py`): the model then runs as TRL runs its
+    backbone, without labels (no cross-entropy) and without a cache."""
+    if head is not None:
+        batch = {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}
     groups = offload_groups(model, layer_classes)
     names = {id(m): n for n, m in model.named_modules()}
     recorder = _Recorder(model, [names[id(g)] for g in groups])

@@ -20,7 +20,7 @@ from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
 from fsdp_offload_cfg.estimate.adapters import Lora, gathered_in, with_lora
-from fsdp_offload_cfg.estimate.heads import ChunkedDistillation, FusedLogProbs, Head
+from fsdp_offload_cfg.estimate.heads import HEAD_WORDS, ChunkedDistillation, FusedLogProbs, Head
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import (
@@ -77,9 +77,6 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     image = example_image(source.config, model)
     batch = example_batch(source, batch_size, seq_len, dtypes.compute, image)
     head = _trl_head(config, loss_head, teacher, completion_tokens, seq_len)
-    if head is not None:  # TRL runs the backbone without a cache and its own loss head: no cross-entropy
-        del batch["labels"]
-        batch["use_cache"] = False
     with gathered_in(model, dtypes.compute if mixed_compute_dtype(config) else None):
         profile = _measure(model, batch, layers, device, head)
     states = sharded_states(model, layers, ranks, dtypes.storage, dtypes.compute, optimizer, profile.trained,
@@ -116,7 +113,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
         "inputs": {"seq_len": seq_len, "batch_size": batch_size, "optimizer": optimizer, "device": device,
                    "load_dtype": _name(dtypes.load), "storage_dtype": _name(dtypes.storage),
                    "compute_dtype": _name(dtypes.compute), "activation_setting": chosen,
-                   "loss_head": _head_key(head)},
+                   "loss_head": head.key if head is not None else "cross_entropy"},
         "per_rank": _per_rank(config, states, by_setting, chosen, at_peak),
         "device_by_setting": {name: _with_peak(at_peak(residency)) for name, residency in by_setting.items()},
         "activations": _activations(profile, by_setting),
@@ -381,22 +378,6 @@ def _trl_head(config: FSDPOffloadConfig, loss_head: str, teacher: tuple[str, str
     return FusedLogProbs(autocast, scored) if loss_head == "trl_fused_lm_head" else None
 
 
-def _head_key(head: Head | None) -> str:
-    """The JSON `inputs.loss_head`: what the estimate's head computes."""
-    if head is None:
-        return "cross_entropy"
-    return "trl_fused_lm_head" if isinstance(head, FusedLogProbs) else "trl_chunked_distillation"
-
-
-# the table's first line names a head that is not the model's own
-_HEAD_SHOWN = {"trl_fused_lm_head": ", loss through TRL's fused LM head",
-               "trl_chunked_distillation": ", loss through TRL's chunked distillation"}
-
-
-def _head_named(head: Head) -> str:
-    return "TRL's fused LM head" if isinstance(head, FusedLogProbs) else "TRL's distillation head"
-
-
 def _teacher_forward_said(head: Head | None) -> str:
     if not isinstance(head, ChunkedDistillation):  # ms-swift's GKD, or a teacher of the user's own script
         return "its no-grad forward's logits over the whole vocabulary are not counted"
@@ -466,7 +447,7 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
            "in backward only the gradients of the groups it has passed are there (no gradient accumulation: "
            "pass --gradient-accumulation-steps if the run accumulates)"),
         "activations measured by one forward "
-        + ("with labels" if head is None else f"without labels, {_head_named(head)} in place of the loss (it "
+        + ("with labels" if head is None else f"without labels, {HEAD_WORDS[head.key]} in place of the loss (it "
            "projects the hidden states tile by tile: no logits over the vocabulary)")
         + " on the meta device under saved-tensor hooks; "
         + ("attention as a fused SDPA kernel (flash / memory-efficient: saves q, k, v, output, log-sum-exp)"
@@ -513,7 +494,7 @@ def _head_advice(profile: ActivationProfile, by_setting: dict[str, Residency], t
     share = (f"holds {show_size(head)}, {100 * head // smallest}% of the smallest activation peak any setting "
              f"reaches ({show_size(smallest)}); no layer's checkpointing or offload shrinks it")
     if trls is not None:
-        return [f"the head's backward ({_head_named(trls)}: the float32 sum of the output layer's gradient, "
+        return [f"the head's backward ({HEAD_WORDS[trls.key]}: the float32 sum of the output layer's gradient, "
                 f"vocabulary x hidden, and its tiles) {share}: a LoRA, which leaves the output layer frozen, does"]
     return [f"the head's backward (the loss's gradients of the logits, float32) {share}: a chunked or fused "
             "cross-entropy (Liger's fused linear cross entropy) or shorter sequences do"]
@@ -531,6 +512,11 @@ def _hybrid(report: dict[str, Any]) -> str:
     return f" ({replicas} replicas x {report['ranks'] // replicas} shards, HSDP)" if replicas > 1 else ""
 
 
+def _loss_head_shown(key: str) -> str:
+    """The table's first line names a head that is not the model's own."""
+    return f", loss through {HEAD_WORDS[key]}" if key in HEAD_WORDS else ""
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report for people: per-rank memory, the four activation settings, loading."""
     r, inputs = report["per_rank"], report["inputs"]
@@ -541,7 +527,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['ranks']} "
         f"ranks{_hybrid(report)}, batch {inputs['batch_size']} x {inputs['seq_len']} tokens per rank, "
         f"{inputs['optimizer']}, "
-        f"{inputs['device']}, compute {inputs['compute_dtype']}{_HEAD_SHOWN.get(inputs.get('loss_head'), '')}",
+        f"{inputs['device']}, compute {inputs['compute_dtype']}{_loss_head_shown(inputs['loss_head'])}",
         "",
         "| per rank | bytes |",
         "|---|---|",
