@@ -75,6 +75,43 @@ def test_llamafactorys_preference_stages_load_a_reference_model_and_pair_the_res
     assert "per_device_train_batch_size, 1 sample x 2: DPO runs" in one.taken["batch_size"], one.taken
 
 
+@pytest.mark.parametrize("text, reference, batch", [
+    ("rl: dpo\n", "axolotl's rl: dpo", 4),
+    ("rl: ipo\n", "axolotl's rl: ipo", 4),
+    ("rl: dpo\nadapter: lora\nlora_r: 8\nlora_target_linear: true\n", None, 4),  # disabled adapters
+    ("rl: dpo\nadapter: lora\nlora_r: 8\nlora_target_linear: true\nrl_adapter_ref_model: true\n",
+     "axolotl's rl: dpo", 4),
+    ("rl: dpo\nprecompute_ref_log_probs: true\n", "axolotl's rl: dpo", 4),  # axolotl hands its copy to TRL
+    ("rl: orpo\n", None, 4),
+    ("rl: simpo\n", None, 4),
+    ("rl: kto\n", "axolotl's rl: kto", 2),
+    ("rl: kto\nadapter: lora\nlora_r: 8\nlora_target_linear: true\n", None, 2),
+    ("rl: grpo\n", None, 2),  # TRL's beta 0: no KL term
+    ("rl: grpo\ntrl:\n  beta: 0.04\n", "axolotl's rl: grpo, for its KL term (trl.beta 0.04)", 2),
+    ("rl: gdpo\nrl_beta: 0.001\n", "axolotl's rl: gdpo, for its KL term (rl_beta 0.001)", 2),
+    ("", None, 2),
+])
+def test_axolotls_rl_methods_load_a_reference_model_and_pair_the_completions(
+        tmp_path: Path, text: str, reference: str | None, batch: int):
+    """axolotl 0.19's `rl:` runs TRL 1.9's trainers under its own: DPO, IPO, ORPO and SimPO
+    batch each sample's chosen and rejected completions together; DPO and IPO hold the second
+    load axolotl hands TRL, KTO the copy TRL's KTOTrainer loads, GRPO one for a KL term, each
+    unless an adapter's disabled adapters stand for it. Before, every axolotl file was estimated
+    as fine-tuning: no reference model, half the sequences of a DPO forward."""
+    run = _read(tmp_path, "base_model: m\nmicro_batch_size: 2\nsequence_len: 512\n" + text + FSDP)
+    assert (run.reference_model, run.batch_size, run.caveats) == (reference, batch, ()), run
+    assert "micro_batch_size" in run.taken["batch_size"]
+
+
+def test_an_axolotl_rl_method_the_estimate_does_not_model_is_said_and_a_bad_beta_named(tmp_path: Path):
+    run = _read(tmp_path, "base_model: m\nmicro_batch_size: 2\nrl: ebft\n" + FSDP)
+    assert (run.reference_model, run.batch_size) == (None, 2)
+    assert run.caveats == ("rl: ebft is not modelled: estimated as fine-tuning (no reference model, one sequence "
+                           "a sample)",)
+    with pytest.raises(ConfigError, match=r"run\.yaml.*trl\.beta.*expected a number, got high"):
+        _read(tmp_path, "base_model: m\nrl: grpo\ntrl:\n  beta: high\n" + FSDP)
+
+
 def test_trl_and_llamafactory_keep_the_trainers_micro_batch_of_8(tmp_path: Path):
     """TRL's and LlamaFactory's configs are TrainingArguments that keep its
     `per_device_train_batch_size` of 8 (the estimate had asked for --batch-size); a plain

@@ -42,7 +42,9 @@ Each figure's key, as each framework spells it (the first the file has wins):
 A LlamaFactory file (one with `stage`, `finetuning_type`, `cutoff_len` or `template`) takes
 LlamaFactory's defaults where it is silent (0.9.5's `hparams`): LoRA, a cutoff of 2048 tokens,
 every layer checkpointed; `stage: dpo` pairs each sample's responses in one forward, and it and
-`stage: kto` load a reference model beside a full fine-tune. A TRL config (a key in `TRL_KEYS`, which only TRL's dataclasses define)
+`stage: kto` load a reference model beside a full fine-tune. An axolotl file's `rl` (`AXOLOTL_RL`)
+likewise: DPO, IPO, ORPO and SimPO pair them, DPO, IPO, KTO and GRPO with a KL term load one
+unless an adapter trains. A TRL config (a key in `TRL_KEYS`, which only TRL's dataclasses define)
 takes TRL's (0.24 to 1.16, `trl/trainer/*_config.py`): bf16 unless `fp16`, every layer
 checkpointed, and where it has a ModelConfig key the float32 load of TRL's scripts (0.29 and
 later). The arguments of a framework's CLI (`cli`: `trl sft`, `swift sft`, read from a launch
@@ -86,6 +88,9 @@ TRL_KEYS = ("use_peft", "model_revision", "accelerate_config", "dataset_train_sp
 # the TRL trainers that may load a reference model, and the KL coefficient `beta` each has unset (TRL 0.24 to
 # 1.16; DPO's and KTO's load one whatever their beta)
 REFERENCE_BETA = {"dpo": 0.1, "kto": 0.1, "grpo": 0.0, "rloo": 0.05}
+# axolotl 0.19's `rl` methods (its RLType) the estimate models, through the TRL 1.9 trainers it subclasses; any
+# other (`ebft`) is read as fine-tuning, saying so
+AXOLOTL_RL = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo")
 MODEL_CONFIG_KEYS = ("use_peft", "model_revision", "lora_task_type")  # TRL's ModelConfig: its scripts load by it
 
 
@@ -220,6 +225,16 @@ class _Reader:
         # TRL's configs: bf16 and checkpointing on where the file is silent (`trl/trainer/base_config.py`)
         self.trl = self.trl_verb is not None or (  # ms-swift's GRPO has `num_generations` and `reward_funcs`
             not self.llamafactory and not self.swift and "base_model" not in top and any(key in top for key in TRL_KEYS))
+        # an axolotl file's `rl` method (`rl: dpo`): None for fine-tuning, its default
+        self.axolotl_rl = self._axolotl_rl()
+
+    def _axolotl_rl(self) -> str | None:
+        said = self.top.get("rl") if "base_model" in self.top and not self.llamafactory and not self.swift else None
+        if said in (None, False) or said in AXOLOTL_RL:
+            return said or None
+        self.caveats.append(f"rl: {_show(said)} is not modelled: estimated as fine-tuning (no reference model, "
+                            "one sequence a sample)")
+        return None
 
     def optimizer(self) -> str:
         """The estimate's name for the run's optimizer: the Trainer's default (`adamw_torch_fused`
@@ -290,6 +305,8 @@ class _Reader:
         one for their KL term where `beta` is not 0 (0.0 and 0.05 unset), unless `use_peft`."""
         if self.swift_rlhf is not None:
             return self._swift_reference()
+        if self.axolotl_rl is not None:
+            return self._axolotl_reference()
         if self.llamafactory:
             return self._llamafactory_reference()
         if self.trl_verb not in REFERENCE_BETA or self.top.get("use_peft") is True:
@@ -310,6 +327,25 @@ class _Reader:
             return None
         return self._named_reference(f"LlamaFactory's stage {stage}")
 
+    def _axolotl_reference(self) -> str | None:
+        """axolotl 0.19 (`setup_reference_model`, then TRL 1.9's trainers) holds a reference
+        model for `rl: dpo` and `ipo` (a second load it hands TRL, which shards it, its log-probs
+        precomputed or not), `kto` (TRL's KTOTrainer loads its own) and `grpo` / `gdpo` where the
+        KL weight `trl.beta` (else `rl_beta`; 0 unset, TRL's) is not 0: each unless an `adapter`
+        trains, whose disabled adapters stand for it (DPO's and IPO's copy is loaded anyway under
+        `rl_adapter_ref_model: true`). ORPO and SimPO have none."""
+        rl, adapter = self.axolotl_rl, self.top.get("adapter") is not None
+        words = f"axolotl's rl: {rl}"
+        if rl in ("dpo", "ipo"):
+            return words if not adapter or self.top.get("rl_adapter_ref_model") is True else None
+        if adapter or rl not in ("kto", "grpo", "gdpo"):
+            return None
+        if rl == "kto":
+            return words
+        trl = self.top.get("trl") if isinstance(self.top.get("trl"), dict) else {}
+        key = "trl.beta" if trl.get("beta") is not None else "rl_beta"
+        return self._kl_term(words, 0.0, "TRL", key, trl.get("beta", self.top.get("rl_beta")))
+
     def _swift_reference(self) -> str | None:
         """`swift rlhf` loads a reference model for DPO, KTO, PPO and GRPO under a full fine-tune
         (`--tuner_type full`; LoRA's disabled adapters stand for it otherwise), GRPO's where `beta`
@@ -329,16 +365,17 @@ class _Reader:
             self.caveats.append(f"ref_model: {_show(self.top['ref_model'])} is counted as a copy of the model")
         return words
 
-    def _kl_term(self, whose: str, unset: float, framework: str) -> str | None:
-        """`whose` reference model, for a KL term weighted by `beta` (`unset` where the file says
-        none); None where beta is 0: no KL term, no reference model."""
-        said = self.top.get("beta")
+    def _kl_term(self, whose: str, unset: float, framework: str, key: str = "beta", said: Any = None) -> str | None:
+        """`whose` reference model, for a KL term weighted by `key` (the file's `beta` unless
+        `said` gives another's value; `unset` where none is said); None where it is 0: no KL
+        term, no reference model."""
+        said = self.top.get("beta") if key == "beta" else said
         beta = unset if said is None else _number(said)
         if beta is None:
-            self.problems.append(Problem(self.path, "beta", f"expected a number, got {_show(said)}"))
+            self.problems.append(Problem(self.path, key, f"expected a number, got {_show(said)}"))
         if not beta:
             return None
-        return f"{whose}, for its KL term (beta {_show(beta)}" + (")" if said is not None else f": {framework}'s default)")
+        return f"{whose}, for its KL term ({key} {_show(beta)}" + (")" if said is not None else f": {framework}'s default)")
 
     def reward_models(self) -> tuple[str, ...]:
         """`trl grpo` / `trl rloo`'s `reward_model_name_or_path` (their scripts' argument);
@@ -447,9 +484,9 @@ class _Reader:
         """The sequences one forward takes for `batch` samples: twice under `trl dpo`, `swift
         rlhf`'s DPO, CPO, SimPO and ORPO, and LlamaFactory's `stage: dpo`, whose collators put each
         sample's chosen and rejected completions in one batch (TRL's `concatenated_forward`,
-        which ms-swift's and LlamaFactory's keep)."""
-        method = "dpo" if self.trl_verb == "dpo" or self._llamafactory_pairs() else self.swift_rlhf
-        if method not in ("dpo", "cpo", "simpo", "orpo") or batch is None:
+        which ms-swift's, LlamaFactory's and axolotl's keep: its `rl: dpo`, `ipo`, `orpo`, `simpo`)."""
+        method = "dpo" if self.trl_verb == "dpo" or self._llamafactory_pairs() else self.swift_rlhf or self.axolotl_rl
+        if method not in ("dpo", "cpo", "simpo", "orpo", "ipo") or batch is None:
             return batch
         samples = f"{batch} sample" + ("s" if batch != 1 else "")
         self.taken["batch_size"] += f", {samples} x 2: {method.upper()} runs each sample's chosen and " \

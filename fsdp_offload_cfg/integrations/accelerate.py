@@ -35,6 +35,7 @@ from fsdp_offload_cfg.integrations.common import (
     load_through_loader,
     loader_enabled,
     logger,
+    stock_loading_off,
 )
 from fsdp_offload_cfg.layer_classes import defaults_per_model, present_classes_only
 from fsdp_offload_cfg.registry import LaunchContext, Patch
@@ -143,17 +144,6 @@ def _fsdp1_on_the_cpu(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
 
 
 @contextmanager
-def _stock_loading_off(plugin: Any) -> Iterator[None]:
-    """accelerate's own meta path crashes on persistent buffers; ours replaces it for the call."""
-    saved = plugin.cpu_ram_efficient_loading
-    plugin.cpu_ram_efficient_loading = False
-    try:
-        yield
-    finally:
-        plugin.cpu_ram_efficient_loading = saved
-
-
-@contextmanager
 def _ignored_modules_kept_on_meta() -> Iterator[None]:
     """accelerate (1.13 and later) moves each module `ignored_modules` names to the device with
     `module.to(device)` as it collects their parameters; on a loader-built model, on meta, that
@@ -235,7 +225,7 @@ def _prepare(original: Callable[..., Any], accelerator: Any, model: torch.nn.Mod
     if fill_through_loader(model, plugin, cfg):
 
         def shard(m: torch.nn.Module) -> torch.nn.Module:
-            with _stock_loading_off(plugin), _ignored_modules_kept_on_meta(), fsdp2_groups(m):
+            with stock_loading_off(plugin), _ignored_modules_kept_on_meta(), fsdp2_groups(m):
                 return original(accelerator, m)
 
         model = load_through_loader(model, shard, plugin, cfg)

@@ -9,7 +9,8 @@ Predicates take the config and the `LaunchContext`; nothing here patches anythin
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -311,6 +312,19 @@ def load_through_loader(
 
     cpu_offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     return load_into_sharded(model, shard, strategy=cfg.load_strategy, cpu_offload=cpu_offload).model
+
+
+@contextmanager
+def stock_loading_off(plugin: Any) -> Iterator[None]:
+    """For a call that shards a loader-built model: accelerate's own meta path (and its copies',
+    axolotl's) would broadcast rank 0's meta tensors, and crashes on persistent buffers; the
+    loader fills the model instead."""
+    saved = plugin.cpu_ram_efficient_loading
+    plugin.cpu_ram_efficient_loading = False
+    try:
+        yield
+    finally:
+        plugin.cpu_ram_efficient_loading = saved
 
 
 def frozen_reshards_after_forward(model: torch.nn.Module) -> None:

@@ -1,6 +1,7 @@
-"""TRL: reference and teacher models TRL shards itself (`prepare_fsdp`). Lazy: `patch()` never
-imports TRL; the replacement goes in as soon as `trl.models.utils` is imported, before TRL's
-trainers bind it (`from ..models import prepare_fsdp`)."""
+"""TRL: reference and teacher models TRL shards itself (`prepare_fsdp`), and axolotl's replacement
+of it. Lazy: `patch()` never imports TRL or axolotl; each replacement goes in as soon as its module
+is imported, before TRL's trainers bind it (`from ..models import prepare_fsdp`) and before axolotl
+installs its own into TRL."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from fsdp_offload_cfg.integrations.common import (
     fully_shard_swap,
     load_through_loader,
     reshard_every_unit_after_forward,
+    stock_loading_off,
 )
 from fsdp_offload_cfg.registry import LaunchContext, Patch
 from fsdp_offload_cfg.shard_groups import fsdp2_groups
@@ -34,6 +36,25 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
     compute dtype, on every rank (a Llama-3-8B: 15 GiB of bf16 beside the policy's step). Its
     layers are sharded first here (`_shard_layers`), each with TRL's own settings, so a forward
     gathers one layer at a time as the policy's does; the root then takes what is left, as in TRL."""
+    return _filled_and_resharded(original, cfg, layers_sharded_by_original=False)
+
+
+def build_axolotl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """axolotl (0.19, under `rl:`) replaces TRL's `prepare_fsdp` with its own, which shards through
+    its copy of accelerate's `fsdp2_prepare_model` (each layer, then the root). It goes into TRL
+    after ours, past it: a reference model the loader built (DPO's second load) reached axolotl's
+    copy still on meta, and every rank stopped ("still on the meta device"). Replaced where axolotl
+    defines it, ours is what axolotl installs into TRL (its `patch_trl_prepare_fsdp2` reads the
+    name from its module): the loader fills the model, axolotl's copy shards it with its own
+    loading off (it would broadcast rank 0's meta tensors), and every unit reshards after its
+    forward, as under TRL's."""
+    return _filled_and_resharded(original, cfg, layers_sharded_by_original=True)
+
+
+def _filled_and_resharded(original: Callable[..., Any], cfg: FSDPOffloadConfig,
+                          layers_sharded_by_original: bool) -> Callable[..., Any]:
+    """A `prepare_fsdp(model, accelerator)` whose sharding is `original`'s (after ours of each
+    layer, unless `original` shards them itself), a loader-built model filled through it."""
 
     @functools.wraps(original)
     def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
@@ -43,14 +64,18 @@ def build_trl_prepare_fsdp(original: Callable[..., Any], cfg: FSDPOffloadConfig)
 
         def shard(m: torch.nn.Module) -> torch.nn.Module:
             with fsdp2_groups(m):
-                if plugin.fsdp_version == 2:
+                if plugin.fsdp_version == 2 and not layers_sharded_by_original:
                     _shard_layers(m, accelerator)
                 return original(m, accelerator)
+
+        def shard_for_the_loader(m: torch.nn.Module) -> torch.nn.Module:
+            with stock_loading_off(plugin):
+                return shard(m)
 
         if isinstance(model, FSDPModule) or plugin.fsdp_version != 2 or not fill_through_loader(model, plugin, cfg):
             model = shard(model)
         else:
-            model = load_through_loader(model, shard, plugin, cfg)
+            model = load_through_loader(model, shard_for_the_loader, plugin, cfg)
         if plugin.fsdp_version == 2:  # TRL prepares here only models it does not train
             reshard_every_unit_after_forward(model)
         return model
@@ -89,16 +114,20 @@ def _shard_layers(model: torch.nn.Module, accelerator: Any) -> None:
             fsdp.fully_shard(module, **kwargs)
 
 
-def _trl_installed() -> bool:
+def _installed(name: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("trl") is not None
+    return importlib.util.find_spec(name) is not None
 
 
 def _trl_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     """Every FSDP2 run where TRL is installed: it fills loader-built models and splits dtype
     groups (lazy: TRL is patched when it is imported, never imported by `patch()`)."""
-    return fsdp2_prepare_needed(cfg, ctx) and _trl_installed()
+    return fsdp2_prepare_needed(cfg, ctx) and _installed("trl")
+
+
+def _axolotl_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return _trl_prepare_needed(cfg, ctx) and _installed("axolotl")
 
 
 PATCHES = [
@@ -107,4 +136,8 @@ PATCHES = [
           "reference/teacher models TRL shards itself: one unit per layer (TRL's is the whole model, gathered "
           "at once), loader-built ones filled, one group per dtype",
           swaps=fully_shard_swap, lazy=True),
+    Patch("axolotl-trl-prepare-fsdp", "axolotl.monkeypatch.trainer.trl", "prepare_fsdp", build_axolotl_prepare_fsdp,
+          _axolotl_prepare_needed, ("torch", "accelerate"),
+          "the prepare_fsdp axolotl puts into TRL for RL: loader-built reference models filled, every unit "
+          "resharded after its forward", lazy=True),
 ]

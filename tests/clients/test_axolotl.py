@@ -7,7 +7,8 @@ then validates with its schema), its plugin manager's `pre_model_load`, its trai
 training-argument kwargs and its `AxolotlTrainingArguments`. Each runs in a fresh process:
 `load_cfg` exports accelerate's variables and the plugin manager is a process-wide singleton.
 
-One runs `axolotl train` whole, on 2 gloo CPU ranks. axolotl 0.19 trains on CUDA only because it
+Some run `axolotl train` whole, on 2 gloo CPU ranks (one under `rl: dpo`, read after its
+training by the Trainer probe, for the estimate of its file). axolotl 0.19 trains on CUDA only because it
 builds its device mesh for "cuda" whatever the machine has; `axolotl_cpu/sitecustomize.py` builds
 that one mesh on the CPU where there is no CUDA, and changes nothing else.
 """
@@ -162,12 +163,6 @@ TRAIN = {"baseline": {"cpu_ram_efficient_loading": False},
 
 
 def _train(root: Path, variant: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """`axolotl train cfg.yml` as a user types it: axolotl execs `accelerate launch`, which reads
-    accelerate's default config (2 CPU processes) from `$HF_HOME/accelerate`."""
-    import yaml
-
-    from fsdp_offload_cfg.testing.dist import free_port
-
     out = root / f"out_{variant}"
     fsdp_config = {**BASE, "cpu_ram_efficient_loading": True, **TRAIN[variant]}
     cfg = {"base_model": str(root / "model"), "output_dir": str(out), "sequence_len": 64, "micro_batch_size": 1,
@@ -176,7 +171,18 @@ def _train(root: Path, variant: str) -> tuple[subprocess.CompletedProcess[str], 
            "datasets": [{"path": str(root / "data.jsonl"), "type": "alpaca", "ds_type": "json"}],
            "dataset_prepared_path": str(root / f"prepared_{variant}"),
            "plugins": [PLUGIN], "fsdp_version": 2, "fsdp_config": fsdp_config}
-    path = root / f"train_{variant}.yml"
+    return _axolotl_train(root, root / f"train_{variant}.yml", cfg), out
+
+
+def _axolotl_train(root: Path, path: Path, cfg: dict, probe: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`axolotl train PATH` (CFG written there) as a user types it: axolotl execs `accelerate
+    launch`, which reads accelerate's default config (2 CPU processes) from `$HF_HOME/accelerate`.
+    `probe`: where the Trainer probe writes, for a CFG that lists `axolotl_probe_plugin.TrainerProbe`
+    (in tests/scripts, put on the path)."""
+    import yaml
+
+    from fsdp_offload_cfg.testing.dist import free_port
+
     path.write_text(yaml.safe_dump(cfg))
     home = root / "hf"
     (home / "accelerate").mkdir(parents=True, exist_ok=True)
@@ -187,13 +193,17 @@ def _train(root: Path, variant: str) -> tuple[subprocess.CompletedProcess[str], 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HF_HOME=str(home),
                # before, not instead of, a PYTHONPATH the package may be reached through (`pip --target`)
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent / "axolotl_cpu"), env.get("PYTHONPATH")])),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent / "axolotl_cpu"),
+                                                        str(Path(__file__).parents[1] / "scripts") if probe else None,
+                                                        env.get("PYTHONPATH")])),
                AXOLOTL_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    if probe is not None:
+        env["PROBE_DIR"] = str(probe)
     proc = subprocess.run([str(Path(sys.executable).parent / "axolotl"), "train", str(path)], capture_output=True,
                           text=True, timeout=420, env=env, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc, out
+    return proc
 
 
 def _trained(out: Path) -> tuple[dict, list[float]]:
@@ -235,3 +245,47 @@ def test_axolotl_train_with_the_plugin_saves_what_the_run_without_it_saves(model
                          r"layer 0: offload; .*, from the config\)", text), text[-3000:]
     moved = re.search(r"activation offload moved .* \((\d+) tensors\)", text)
     assert moved and int(moved.group(1)) > 0, text[-3000:]
+
+
+def test_axolotl_dpo_with_the_plugin_fills_its_reference_model_and_the_estimate_counts_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`rl: dpo` of a full fine-tune, the whole `axolotl train` on 2 gloo ranks with our plugin
+    listed (meta loading auto), read after its training by the Trainer probe. axolotl loads the
+    model a second time and shards it for TRL's DPOTrainer through its own `prepare_fsdp`, which
+    it puts into TRL past ours: that reference model reached axolotl's sharding still on meta,
+    and every rank stopped ("still on the meta device"). Now the loader fills both: the first
+    step's loss is ln 2 and its rewards 0, as where policy and reference are the same weights.
+    And the estimate of that same file counts rank 0's reference and parameter bytes and the
+    forward's batch of 4 for a micro-batch of 2 (TRL's collator puts each sample's chosen and
+    rejected completions in one batch). Before, it read every axolotl file as fine-tuning."""
+    import math
+
+    from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.clients import save_char_llama
+
+    save_char_llama(tmp_path / "model")  # one token a character: the chatml prompt and its completions fit 64
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": "ab", "chosen": "cd", "rejected": "ef"}) + "\n"
+                                                  for _ in range(8)))
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    config = tmp_path / "dpo.yml"
+    proc = _axolotl_train(tmp_path, config, {
+        "base_model": str(tmp_path / "model"), "output_dir": str(tmp_path / "out"), "rl": "dpo", "sequence_len": 64,
+        "micro_batch_size": 2, "max_steps": 1, "learning_rate": 1e-3, "optimizer": "adamw_torch", "bf16": False,
+        "fp16": False, "datasets": [{"path": str(tmp_path / "pairs.jsonl"), "type": "chatml", "ds_type": "json",
+                                     "split": "train"}],
+        "dataset_prepared_path": str(tmp_path / "prepared"), "plugins": [PLUGIN, "axolotl_probe_plugin.TrainerProbe"],
+        "fsdp_version": 2, "fsdp_config": BASE}, probe)
+    real = json.loads((probe / "rank0.json").read_text())
+    assert (proc.stdout + proc.stderr).count("[fsdp_offload_cfg rank 0] sharded loading: rank 0 read") == 2
+    first = real["log_history"][0]
+    assert (first["rewards/chosen"], first["rewards/rejected"]) == (0.0, 0.0), first
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), first
+    assert cli.main(["estimate", str(config), "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 4, (real, estimated["inputs"])
+    assert real["reference_gathered"] == [], real
+    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
+        (real, estimated["per_rank"])
+    assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])
+    assert "a reference model: axolotl's rl: dpo" in estimated["assumptions"][0]

@@ -6,7 +6,7 @@ checked against (tests/clients/test_swift.py, and tests/scripts/trl_script_probe
 largest batch the model's forward took (DPO's holds each sample's chosen and rejected), and the
 local bytes of a reference model (DPO's), and the bytes of each reward model a rank holds
 (GRPO's, whole: parameters and buffers) and of a distillation teacher (whole under TRL, sharded
-under ms-swift), with the parameters of a sharded reference model or teacher held whole."""
+under ms-swift), with the parameters of a sharded reference model or teacher held whole, and the Trainer's log."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def _train_and_report(self: Trainer, *args, **kwargs):
         "reward_bytes": sum(t.numel() * t.element_size() for t in reward_tensors),
         "teacher_bytes": sum(t.numel() * t.element_size() for t in teacher_tensors),
         "reference_gathered": _held_whole(reference),
+        "log_history": self.state.log_history,  # the Trainer's logged losses and metrics (DPO's rewards)
         "teacher_gathered": _held_whole(teacher),
     }
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{report['rank']}.json"), "w") as f:
