@@ -631,12 +631,15 @@ def _given_or(flag: Any, from_the_run: Any) -> Any:
 
 
 def _unsaid(file: str, missing: list[str], run: RunArguments | None) -> str:
-    """Where each missing flag could have come from, for the usage error."""
+    """Where each missing flag could have come from, for the usage error: the length in the
+    run's own words where no key gives it (GRPO's: a prompt and its completion)."""
     keys = {"--model": MODEL_KEYS, "--seq-len": SEQ_LEN_KEYS, "--batch-size": BATCH_KEYS}
     if run is None:
         return f"{file} is not a Trainer's file, whose training arguments could give them"
-    said = f"{file} has none of " + "; none of ".join(", ".join(keys[flag]) for flag in missing)
-    return f"{said}; {run.seq_len_said}" if "--seq-len" in missing and run.seq_len_said else said
+    words = run.seq_len_said if "--seq-len" in missing else None
+    keyless = [flag for flag in missing if not (flag == "--seq-len" and words)]
+    said = [f"{file} has none of " + "; none of ".join(", ".join(keys[flag]) for flag in keyless)] if keyless else []
+    return "; ".join(said + ([words] if words else []))
 
 
 def _lora_input(args: argparse.Namespace) -> Any:

@@ -1201,8 +1201,15 @@ def test_what_neither_the_flags_nor_the_file_say_is_asked_for_by_name(models: di
                                           "fsdp: full_shard\n")
     assert cli.main(["estimate", "--", "trl", "grpo", "--config", str(tmp_path / "grpo.yaml")]) == 2
     assert capsys.readouterr().err.strip().endswith(  # GRPO's sequence: a prompt and what is generated for it
-        "trl grpo trains on a prompt and a completion of up to max_completion_length 256 generated tokens: "
-        "give --seq-len as your longest prompt plus that)")
+        "required: --seq-len (trl grpo trains on a prompt and a completion of up to max_completion_length 256 "
+        "generated tokens: give --seq-len as your longest prompt plus that)")
+    axolotl_grpo = _yaml(tmp_path, f"base_model: {models['llama']}\nsequence_len: 512\nmicro_batch_size: 1\n"
+                                   "rl: grpo\nfsdp_version: 2\nfsdp_config:\n  offload_params: false\n")
+    assert cli.main(["estimate", axolotl_grpo, "--num-processes", "2"]) == 2
+    err = capsys.readouterr().err.strip()  # its sequence_len is no length of its sequences: not said to be missing
+    assert err.endswith("required: --seq-len (axolotl's rl: grpo trains on a prompt and a generated completion "
+                        "(trl.max_completion_length unset: axolotl passes TRL None), neither cut to sequence_len: "
+                        "give --seq-len as your longest prompt plus the longest completion)"), err
     quantized = _trainer_file(tmp_path, models["llama"], "quantization_bit: 4\nfinetuning_type: lora\n")
     assert cli.main(["estimate", quantized, "--num-processes", "2"]) == 1
     assert "quantization_bit: 4: the estimate counts no 4- or 8-bit weights; pass --lora-rank R" in \

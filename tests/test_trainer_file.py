@@ -103,6 +103,21 @@ def test_axolotls_rl_methods_load_a_reference_model_and_pair_the_completions(
     assert "micro_batch_size" in run.taken["batch_size"]
 
 
+def test_axolotls_grpo_asks_for_the_length_its_sequence_len_does_not_give(tmp_path: Path):
+    """axolotl's GRPO drops no sample by `sequence_len` and cuts no prompt: its sequences are a
+    prompt and a generated completion of any length the file gives. The estimate asks for
+    --seq-len, saying so, where before it took `sequence_len` as the whole length."""
+    run = _read(tmp_path, "base_model: m\nmicro_batch_size: 2\nsequence_len: 512\nrl: grpo\n"
+                          "trl:\n  max_completion_length: 256\n" + FSDP)
+    assert run.seq_len is None and "seq_len" not in run.taken
+    assert run.seq_len_said == ("axolotl's rl: grpo trains on a prompt and a generated completion "
+                                "(trl.max_completion_length 256), neither cut to sequence_len: give --seq-len as your "
+                                "longest prompt plus the longest completion")
+    unset = _read(tmp_path, "base_model: m\nsequence_len: 512\nrl: gdpo\n" + FSDP)
+    assert "trl.max_completion_length unset: axolotl passes TRL None" in unset.seq_len_said
+    assert _read(tmp_path, "base_model: m\nsequence_len: 512\nrl: dpo\n" + FSDP).seq_len == 512
+
+
 def test_an_axolotl_rl_method_the_estimate_does_not_model_is_said_and_a_bad_beta_named(tmp_path: Path):
     run = _read(tmp_path, "base_model: m\nmicro_batch_size: 2\nrl: ebft\n" + FSDP)
     assert (run.reference_model, run.batch_size) == (None, 2)

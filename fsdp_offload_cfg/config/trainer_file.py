@@ -445,7 +445,11 @@ class _Reader:
         """The longest sequence a forward takes: the file's length key, else the framework's
         default. `swift rlhf --rlhf_type grpo` cuts the prompts to `max_length` and trains on each
         with its completion, encoded with no `max_length` (ms-swift 4.6's `_prepare_batch_inputs`
-        under `_template_context`): the key plus `max_completion_length`."""
+        under `_template_context`): the key plus `max_completion_length`. axolotl's GRPO filters
+        nothing by `sequence_len` and cuts no prompt (0.19's `_drop_long_sequences`, and
+        `max_prompt_length` withheld from TRL): no key gives its length (`generated_length`)."""
+        if self.axolotl_rl in ("grpo", "gdpo"):
+            return None
         length = self.first(SEQ_LEN_KEYS, int, "seq_len", default=self.default_seq_len())
         if self.swift_rlhf != "grpo" or length is None:
             return length
@@ -467,7 +471,15 @@ class _Reader:
         """`trl grpo`, `trl rloo` and `trl distillation` train on a prompt and the completion
         generated for it, up to `max_completion_length` tokens (512 unset in TRL 0.24 to 1.16); no
         key of theirs gives the whole length, so the estimate asks for it, saying this. So does
-        ms-swift's GRPO where `max_length`, which cuts its prompts, is unset (the model's longest)."""
+        ms-swift's GRPO where `max_length`, which cuts its prompts, is unset (the model's longest),
+        and axolotl's, whose `sequence_len` limits neither (its `trl.max_completion_length` unset
+        reaches TRL as None, not TRL's default 256)."""
+        if self.axolotl_rl in ("grpo", "gdpo"):
+            trl = self.top.get("trl") if isinstance(self.top.get("trl"), dict) else {}
+            completion = trl.get("max_completion_length")
+            return (f"axolotl's rl: {self.axolotl_rl} trains on a prompt and a generated completion (trl.max_completion_length "
+                    f"{'unset: axolotl passes TRL None' if completion is None else completion}), neither cut to sequence_len: give "
+                    "--seq-len as your longest prompt plus the longest completion")
         if self.swift_rlhf == "grpo":
             key, completion = self._swift_completion
             return (f"swift rlhf --rlhf_type grpo trains on a prompt (cut to max_length: unset, the model's longest) "
