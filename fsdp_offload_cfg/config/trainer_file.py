@@ -342,9 +342,7 @@ class _Reader:
             return None
         if rl == "kto":
             return words
-        trl = self.top.get("trl") if isinstance(self.top.get("trl"), dict) else {}
-        key = "trl.beta" if trl.get("beta") is not None else "rl_beta"
-        return self._kl_term(words, 0.0, "TRL", key, trl.get("beta", self.top.get("rl_beta")))
+        return self._kl_term(words, 0.0, "TRL", "trl.beta" if self._said("trl.beta") is not None else "rl_beta")
 
     def _swift_reference(self) -> str | None:
         """`swift rlhf` loads a reference model for DPO, KTO, PPO and GRPO under a full fine-tune
@@ -365,17 +363,23 @@ class _Reader:
             self.caveats.append(f"ref_model: {_show(self.top['ref_model'])} is counted as a copy of the model")
         return words
 
-    def _kl_term(self, whose: str, unset: float, framework: str, key: str = "beta", said: Any = None) -> str | None:
-        """`whose` reference model, for a KL term weighted by `key` (the file's `beta` unless
-        `said` gives another's value; `unset` where none is said); None where it is 0: no KL
-        term, no reference model."""
-        said = self.top.get("beta") if key == "beta" else said
+    def _kl_term(self, whose: str, unset: float, framework: str, key: str = "beta") -> str | None:
+        """`whose` reference model, for a KL term weighted by the file's `key` (`unset` where the
+        file says none); None where it is 0: no KL term, no reference model."""
+        said = self._said(key)
         beta = unset if said is None else _number(said)
         if beta is None:
             self.problems.append(Problem(self.path, key, f"expected a number, got {_show(said)}"))
         if not beta:
             return None
         return f"{whose}, for its KL term ({key} {_show(beta)}" + (")" if said is not None else f": {framework}'s default)")
+
+    def _said(self, key: str) -> Any:
+        """The file's value of `key`, a dotted one in a mapping (axolotl's `trl.beta`); None unsaid."""
+        value: Any = self.top
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
 
     def reward_models(self) -> tuple[str, ...]:
         """`trl grpo` / `trl rloo`'s `reward_model_name_or_path` (their scripts' argument);
@@ -475,8 +479,7 @@ class _Reader:
         and axolotl's, whose `sequence_len` limits neither (its `trl.max_completion_length` unset
         reaches TRL as None, not TRL's default 256)."""
         if self.axolotl_rl in ("grpo", "gdpo"):
-            trl = self.top.get("trl") if isinstance(self.top.get("trl"), dict) else {}
-            completion = trl.get("max_completion_length")
+            completion = self._said("trl.max_completion_length")
             return (f"axolotl's rl: {self.axolotl_rl} trains on a prompt and a generated completion (trl.max_completion_length "
                     f"{'unset: axolotl passes TRL None' if completion is None else completion}), neither cut to sequence_len: give "
                     "--seq-len as your longest prompt plus the longest completion")
