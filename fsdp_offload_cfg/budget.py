@@ -153,6 +153,9 @@ def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> BudgetPlanner:
     # before FSDP's own pre-forward (which gathers the root's parameters): what `auto` measures
     # as taken is then the sharded state, as the estimate counts it
     planner.hook = model.register_forward_pre_hook(planner, with_kwargs=True, prepend=True)
+    # before the offload's own (it reads the plan's kept groups)
+    planner.layer_hook = handle.groups[0].register_forward_pre_hook(planner.at_first_layer, with_kwargs=True,
+                                                                    prepend=True)
     summarize_offload_at_exit()
     return planner
 
@@ -175,14 +178,20 @@ class BudgetPlanner:
         self.room: Room | None = None  # with `auto`: the tightest rank's room, kept for every later plan
         self.profiled: tuple[tuple[int, int], ActivationProfile, Any] | None = None  # (shape, profile, twin), last
         self.hook: Any = None  # the forward pre-hook handle, until `remove`
+        self.in_pass = False  # the plan being made is made inside its forward's offload pass (`at_first_layer`)
+        # TRL's `_ForwardRedirection` called the root with its loss's arguments, not the model's: the
+        # batch shape shows at the first layer, whose pre-hook (`layer_hook`) plans in its place
+        self.redirected = False
+        self.layer_hook: Any = None
 
     def remove(self) -> None:
         """Stop planning: the hook and the offload removed; each layer back in its parent's place
         without the wrapper the budget put around it, and a wrapper the script put there itself
         checkpointing again, as it did before the budget took it over."""
-        if self.hook is not None:
-            self.hook.remove()
-            self.hook = None
+        for hook in (self.hook, self.layer_hook):
+            if hook is not None:
+                hook.remove()
+        self.hook = self.layer_hook = None
         self.handle.remove()
         names = {id(m): n for n, m in self.model.named_modules()}
         for wrapper in self.handle.groups:
@@ -204,7 +213,37 @@ class BudgetPlanner:
         if not torch.is_grad_enabled() or in_backward():
             return None
         self.refuse_a_bypassed_offload()
-        largest = _largest_over_ranks(batch_shape(args, kwargs), self.group)
+        if args and isinstance(args[0], nn.Module):  # TRL's redirection, on every rank alike: no collective skipped
+            self.redirected = True
+            return None
+        self.plan_for(batch_shape(args, kwargs))
+        # A checkpointed layer that appends to a KV cache appends again when it is recomputed, and
+        # the recomputation then differs from the forward (transformers 4.x: "recomputed metadata").
+        # transformers turns the cache off under its own gradient checkpointing, and so does a plan
+        # that checkpoints: a training forward has no use for the cache. (Only then: on 4.x the
+        # cache's attention mask path differs in the last bits, and a plan without checkpointing
+        # must train exactly what the run without a budget trains.)
+        return (args, {**kwargs, "use_cache": False}) if self.no_cache else None
+
+    @torch.compiler.disable
+    def at_first_layer(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The first layer's forward pre-hook: where TRL's redirection hid the batch from the root's
+        hook, plan from the layer's hidden states (batch, tokens, hidden), inside the offload's pass
+        that TRL's method runs in (`trl-forward-redirection`); its loss (TRL's chunked heads) asks for
+        no cache."""
+        from fsdp_offload_cfg.offload.handlers import in_backward
+
+        if not self.redirected or not torch.is_grad_enabled() or in_backward():
+            return
+        self.redirected = False
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        self.plan_for(batch_shape((hidden,), {}), in_pass=True)
+
+    def plan_for(self, shape: tuple[int, int] | None, in_pass: bool = False) -> None:
+        """Plan at the first training forward, and again where a rank's batch grew past the plan's.
+        `in_pass`: the offload's pass of this forward has begun (counted already)."""
+        largest = _largest_over_ranks(shape, self.group)
+        self.in_pass = in_pass
         if self.shape is None:
             self.rates = self.agreed_rates(largest)
             if self.auto is not None:
@@ -214,13 +253,6 @@ class BudgetPlanner:
         elif largest is not None and (grown := (max(largest[0], self.shape[0]), max(largest[1], self.shape[1]))) \
                 != self.shape:
             agreed("planning activation_memory_budget again, for a larger batch", lambda: self.make_plan(grown))
-        # A checkpointed layer that appends to a KV cache appends again when it is recomputed, and
-        # the recomputation then differs from the forward (transformers 4.x: "recomputed metadata").
-        # transformers turns the cache off under its own gradient checkpointing, and so does a plan
-        # that checkpoints: a training forward has no use for the cache. (Only then: on 4.x the
-        # cache's attention mask path differs in the last bits, and a plan without checkpointing
-        # must train exactly what the run without a budget trains.)
-        return (args, {**kwargs, "use_cache": False}) if self.no_cache else None
 
     def refuse_a_bypassed_offload(self) -> None:
         """A plan that offloads relies on the offload's hooks, which a model compiled whole bypasses
@@ -279,7 +311,8 @@ class BudgetPlanner:
         model_state.put(self.model, "planner", self)
         self.no_cache = _takes_use_cache(self.model) and any(c.startswith("checkpoint") for c in plan.choices)
         replanned = self.shape is not None
-        self.passes_at_plan = self.handle.handler.passes  # the plan's forward is about to run: it adds one
+        # the plan's forward is about to run, and adds one; or it runs already (TRL's redirection)
+        self.passes_at_plan = self.handle.handler.passes - self.in_pass
         self.shape, self.plan = shape, plan
         if is_rank0():
             logger.info("%s%s", "planned again, for a larger batch: " if replanned else "",

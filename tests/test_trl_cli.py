@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,9 +144,10 @@ def test_trl_sft_with_fsdp2s_default_state_dict_saves_its_final_model(files: Pat
     assert saved.keys() == loaded.keys() and (out / "config.json").exists()
 
 
-def _probed_trl_script(verb: str, recipe: Path, tmp_path: Path, cwd: Path) -> dict:
-    """TRL's own `VERB` script on 2 gloo ranks (torchrun) with `--config recipe`, one step; rank 0's
-    report from the Trainer probe (tests/scripts/trainer_probe_plugin.py)."""
+def _probed_trl_script(verb: str, recipe: Path, tmp_path: Path, cwd: Path, steps: int = 1) -> dict:
+    """TRL's own `VERB` script on 2 gloo ranks (torchrun) with `--config recipe`, `steps` steps;
+    rank 0's report from the Trainer probe (tests/scripts/trainer_probe_plugin.py), and the run's
+    output under "text"."""
     from fsdp_offload_cfg.testing.dist import free_port
 
     probe = Path(__file__).parent / "scripts" / "trl_script_probe.py"
@@ -156,11 +158,11 @@ def _probed_trl_script(verb: str, recipe: Path, tmp_path: Path, cwd: Path) -> di
                PROBE_DIR=str(out))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), str(probe), verb, "--config", str(recipe), "--output_dir",
-                           str(tmp_path / "out"), "--max_steps", "1", "--use_cpu", "--report_to", "none",
+                           str(tmp_path / "out"), "--max_steps", str(steps), "--use_cpu", "--report_to", "none",
                            "--save_strategy", "no", "--dataloader_num_workers", "0"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "rank0.json").read_text())
+    return {**json.loads((out / "rank0.json").read_text()), "text": proc.stdout + proc.stderr}
 
 
 def test_the_estimate_of_a_trl_config_holds_what_trl_sft_runs(files: Path, tmp_path: Path,
@@ -317,3 +319,70 @@ def test_the_estimate_holds_the_teacher_of_trl_distillation_whole_on_every_rank(
     assert real["param_dtypes"] == [estimated["inputs"]["storage_dtype"]] == ["float32"], (real, estimated["inputs"])
     # TRL projects the hidden states through the output layer's weight itself: its forward runs for generation only
     assert (real["output_layer_training_forwards"], estimated["inputs"]["loss_head"]) == (0, "trl_chunked_distillation")
+
+
+@pytest.fixture(scope="module")
+def distillation_baseline(files: Path, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[float, float]]:
+    """The losses and gradient norms `trl distillation` logs without the offload or a budget."""
+    return _distilled(files, tmp_path_factory.mktemp("distillation_baseline"), "")[0]
+
+
+def _distilled(files: Path, tmp_path: Path, fsdp_keys: str) -> tuple[list[tuple[float, float]], str]:
+    """TRL's own distillation script, 2 steps on 2 gloo ranks: each step's (loss, grad norm), and its output."""
+    _distillation_recipe(files, tmp_path, fsdp_keys)
+    run = _probed_trl_script("distillation", tmp_path / "kd.yaml", tmp_path, cwd=tmp_path, steps=2)
+    return [(h["loss"], h["grad_norm"]) for h in run["log_history"] if "loss" in h], run["text"]
+
+
+def test_trl_distillation_under_the_activation_offload_offloads_and_trains_what_it_trains_without(
+        files: Path, tmp_path: Path, distillation_baseline: list):
+    """TRL's distillation trainer runs its loss in place of the student's forward
+    (`_ForwardRedirection`: the model's `forward` swapped for one that calls the loss, then the
+    model called), which swapped out the offload's forward with it: the student's layers ran
+    outside any offload pass and nothing was offloaded, without a word (no `activation offload
+    moved` line). TRL's own script on 2 gloo ranks, 2 steps: with the offload on, it moves the
+    layers' saves and logs the losses and gradient norms of the run without it, bit for bit."""
+    logged, text = _distilled(files, tmp_path, "  activation_cpu_offload: true\n")
+    moved = re.search(r"activation offload moved .* \((\d+) tensors\)", text)
+    assert moved and int(moved.group(1)) > 0, text[-3000:]
+    assert len(logged) == 2 and logged == distillation_baseline, (logged, distillation_baseline)
+
+
+def test_an_activation_budget_under_trl_distillation_plans_at_the_first_layer(
+        files: Path, tmp_path: Path, distillation_baseline: list):
+    """The budget plans at the model's first training forward from its arguments' batch shape;
+    under TRL's `_ForwardRedirection` they are the trainer's loss arguments, not the model's, and
+    every rank stopped ("cannot tell the batch shape from the model's forward arguments"). It now
+    plans at the first layer, from its hidden states, at the 2 x 8 tokens a rank runs: offloading
+    (the budget leaves no room to keep both layers, on transformers 4.57 as on 5.x, whose layers
+    save different bytes), and the run logs what it logs without it."""
+    logged, text = _distilled(files, tmp_path, "  activation_memory_budget: 60000\n"
+                                                "  activation_budget_compute_tflops: 0.05\n"
+                                                "  activation_budget_copy_gb_per_s: 100\n")
+    assert re.search(r"\[fsdp_offload_cfg rank 0\] activation_memory_budget \S+ KiB at 2 x 8 tokens per rank: "
+                     r"[^\n]*: offload", text), text[-3000:]
+    moved = re.search(r"activation offload moved .* \((\d+) tensors\)", text)
+    assert moved and int(moved.group(1)) > 0, text[-3000:]
+    assert logged == distillation_baseline, (logged, distillation_baseline)
+
+
+def _distillation_recipe(files: Path, tmp_path: Path, fsdp_keys: str) -> None:
+    """`trl distillation`'s recipe in tmp_path/kd.yaml (its data and accelerate file beside it):
+    the tiny Llama as student and teacher, 2 samples a step, `fsdp_keys` added to fsdp_config."""
+    import numpy as np
+
+    from fsdp_offload_cfg.testing.models import words
+
+    if not (tmp_path / "data").exists():
+        rng = np.random.default_rng(0)
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(
+            {"prompt": words(rng, 4), "completion": words(rng, 4)}) + "\n" for _ in range(8)))
+        (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 2\n"
+                                            "use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
+                                            "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    (tmp_path / "kd.yaml").write_text(
+        f"model_name_or_path: {files / 'llama'}\nteacher_model_name_or_path: {files / 'llama'}\n"
+        "dataset_name: data\nmax_completion_length: 4\nper_device_train_batch_size: 2\n"
+        "gradient_checkpointing: false\nlogging_steps: 1\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
+        "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n" + fsdp_keys)

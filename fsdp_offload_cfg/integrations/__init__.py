@@ -30,7 +30,7 @@ _ORDER = [
     "cpu-fsdp-state", "cpu-fsdp-accelerator-state", "cpu-fsdp1-state-dict", "cpu-fsdp1-optim-state-dict",
     "loader-from-pretrained", "rank0-from-config",
     "prepare-model-alone", "prepare-fsdp2", "fsdp2-prepare-model", "fsdp2-prepare-model-utils", "fsdp2-prepare-model-utils-export",
-    "default-layer-classes", "trl-prepare-fsdp", "axolotl-trl-prepare-fsdp",
+    "default-layer-classes", "trl-prepare-fsdp", "axolotl-trl-prepare-fsdp", "trl-forward-redirection",
     "resize-token-embeddings", "peft-adapters-on-host", "peft-load-adapter-keys-only",
     "peft-save-pretrained-sharded",
     "prepare-model-eval-copy", "fsdp1-prepare-model",

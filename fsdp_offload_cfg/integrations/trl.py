@@ -18,6 +18,7 @@ from fsdp_offload_cfg.integrations.common import (
     fsdp2_prepare_needed,
     fully_shard_swap,
     load_through_loader,
+    offload_requested,
     reshard_every_unit_after_forward,
     stock_loading_off,
 )
@@ -114,6 +115,26 @@ def _shard_layers(model: torch.nn.Module, accelerator: Any) -> None:
             fsdp.fully_shard(module, **kwargs)
 
 
+def build_forward_redirection_call(original: Callable[..., Any], cfg: FSDPOffloadConfig) -> Callable[..., Any]:
+    """TRL's `_ForwardRedirection` (its distillation trainers) runs a method of the model in
+    place of its forward: it swaps the model's `forward` for one that calls the method and calls
+    the model. The offload's forward, which makes each call one pass of the offload, was swapped
+    out with it: the student's layers ran outside any pass, and the offload moved nothing, without
+    a word. The method now runs as the offload's forward runs."""
+
+    @functools.wraps(original)
+    def __call__(self: Any, wrapper_module: torch.nn.Module, original_module: torch.nn.Module,  # noqa: N807
+                 method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from fsdp_offload_cfg.offload import get_offload_handle
+
+        handle = get_offload_handle(original_module)
+        if handle is not None and handle.active:
+            method = functools.partial(handle.run_as_forward, method)
+        return original(self, wrapper_module, original_module, method, *args, **kwargs)
+
+    return __call__
+
+
 def _installed(name: str) -> bool:
     import importlib.util
 
@@ -130,6 +151,10 @@ def _axolotl_prepare_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
     return _trl_prepare_needed(cfg, ctx) and _installed("axolotl")
 
 
+def _redirection_needed(cfg: FSDPOffloadConfig, ctx: LaunchContext) -> bool:
+    return offload_requested(cfg) and _installed("trl")
+
+
 PATCHES = [
     Patch("trl-prepare-fsdp", "trl.models.utils", "prepare_fsdp", build_trl_prepare_fsdp,
           _trl_prepare_needed, ("torch", "accelerate"),
@@ -140,4 +165,7 @@ PATCHES = [
           _axolotl_prepare_needed, ("torch", "accelerate"),
           "the prepare_fsdp axolotl puts into TRL for RL: loader-built reference models filled, every unit "
           "resharded after its forward", lazy=True),
+    Patch("trl-forward-redirection", "trl.models.utils", "_ForwardRedirection.__call__", build_forward_redirection_call,
+          _redirection_needed, ("torch",), "a model method TRL runs in place of its forward (distillation) runs "
+          "as the activation offload's forward", lazy=True),
 ]

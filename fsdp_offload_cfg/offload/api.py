@@ -48,6 +48,31 @@ class OffloadHandle:
         patches one in; the activation budget looks for it), None where it had none."""
         return self._previous_forward
 
+    def run_as_forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` as the model's forward runs under the offload (one forward pass
+        of the handler): the root's forward installed here, and a method a trainer reroutes
+        through the model's `__call__` in its place (TRL's `_ForwardRedirection`)."""
+        if self.handler is None:  # removed while someone else's wrapper still calls us
+            return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # The whole model is being traced into compiled graphs (`model.compile()`). A graph
+            # saves its activations only when it ends, so per-layer groups do not exist inside
+            # it, and our hooks would split it (different kernels, different low bits). Step
+            # aside: the compiled model stays exactly as without offload. Compile per layer
+            # to offload. (Constant under tracing: this branch costs no graph break.)
+            _whole_model_compile_notice()
+            return fn(*args, **kwargs)
+        hooks = self._group_hooks
+        hooks.match_compilation(self.model)
+        with self.handler.forward_pass():
+            try:
+                return fn(*args, **kwargs)
+            except Exception as error:
+                explained = hooks.explain_compile_error(error, self.model)
+                if explained is None:
+                    raise
+                raise explained from error
+
     def remove(self) -> None:
         """Unhook the groups, restore the root's forward, free the idle pool (idempotent)."""
         if self._group_hooks is not None:
@@ -159,26 +184,12 @@ def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
     inner = model.forward
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if handle.handler is None:  # removed while someone else's wrapper still calls us
-            return inner(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            # The whole model is being traced into compiled graphs (`model.compile()`). A graph
-            # saves its activations only when it ends, so per-layer groups do not exist inside
-            # it, and our hooks would split it (different kernels, different low bits). Step
-            # aside: the compiled model stays exactly as without offload. Compile per layer
-            # to offload. (Constant under tracing: this branch costs no graph break.)
+        if handle.handler is not None and torch.compiler.is_compiling():
+            # said here, in the frame dynamo traces from the root: its reordering of the notice to
+            # after the graph did not reach the call one method deeper (the notice was lost)
             _whole_model_compile_notice()
             return inner(*args, **kwargs)
-        hooks = handle._group_hooks
-        hooks.match_compilation(self)
-        with handler.forward_pass():
-            try:
-                return inner(*args, **kwargs)
-            except Exception as error:
-                explained = hooks.explain_compile_error(error, self)
-                if explained is None:
-                    raise
-                raise explained from error
+        return handle.run_as_forward(inner, *args, **kwargs)
 
     bound = types.MethodType(forward, model)
     model.forward = bound
