@@ -178,7 +178,6 @@ class BudgetPlanner:
         self.room: Room | None = None  # with `auto`: the tightest rank's room, kept for every later plan
         self.profiled: tuple[tuple[int, int], ActivationProfile, Any] | None = None  # (shape, profile, twin), last
         self.hook: Any = None  # the forward pre-hook handle, until `remove`
-        self.in_pass = False  # the plan being made is made inside its forward's offload pass (`at_first_layer`)
         # TRL's `_ForwardRedirection` called the root with its loss's arguments, not the model's: the
         # batch shape shows at the first layer, whose pre-hook (`layer_hook`) plans in its place
         self.redirected = False
@@ -243,16 +242,15 @@ class BudgetPlanner:
         """Plan at the first training forward, and again where a rank's batch grew past the plan's.
         `in_pass`: the offload's pass of this forward has begun (counted already)."""
         largest = _largest_over_ranks(shape, self.group)
-        self.in_pass = in_pass
         if self.shape is None:
             self.rates = self.agreed_rates(largest)
             if self.auto is not None:
                 self.room = self.agreed_room(largest)
                 self.budget = self.room.budget_bytes
-            agreed("planning activation_memory_budget", lambda: self.make_plan(largest))
+            agreed("planning activation_memory_budget", lambda: self.make_plan(largest, in_pass))
         elif largest is not None and (grown := (max(largest[0], self.shape[0]), max(largest[1], self.shape[1]))) \
                 != self.shape:
-            agreed("planning activation_memory_budget again, for a larger batch", lambda: self.make_plan(grown))
+            agreed("planning activation_memory_budget again, for a larger batch", lambda: self.make_plan(grown, in_pass))
 
     def refuse_a_bypassed_offload(self) -> None:
         """A plan that offloads relies on the offload's hooks, which a model compiled whole bypasses
@@ -289,7 +287,7 @@ class BudgetPlanner:
         tokens = shape[0] * shape[1] if shape is not None else 1024
         return measure_rates(self.handle.handler.device, _compute_dtype(self.model, self.cfg), hidden, tokens)
 
-    def make_plan(self, shape: tuple[int, int] | None) -> None:
+    def make_plan(self, shape: tuple[int, int] | None, in_pass: bool = False) -> None:
         from fsdp_offload_cfg.estimate import EstimateError
         from fsdp_offload_cfg.estimate.plan import BudgetUnreachable, default_time_model, plan_to_budget
         from fsdp_offload_cfg.offload.handlers import AsyncHandler
@@ -312,7 +310,7 @@ class BudgetPlanner:
         self.no_cache = _takes_use_cache(self.model) and any(c.startswith("checkpoint") for c in plan.choices)
         replanned = self.shape is not None
         # the plan's forward is about to run, and adds one; or it runs already (TRL's redirection)
-        self.passes_at_plan = self.handle.handler.passes - self.in_pass
+        self.passes_at_plan = self.handle.handler.passes - in_pass
         self.shape, self.plan = shape, plan
         if is_rank0():
             logger.info("%s%s", "planned again, for a larger batch: " if replanned else "",

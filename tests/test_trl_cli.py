@@ -293,23 +293,9 @@ def test_the_estimate_holds_the_teacher_of_trl_distillation_whole_on_every_rank(
     prepares it in evaluation mode: whole on every rank. TRL's own script (2 gloo ranks, a probe on
     `Trainer.train`) against `estimate -- trl distillation`: the teacher's bytes on rank 0. Before,
     the estimate counted no teacher."""
-    import numpy as np
-
     from fsdp_offload_cfg import cli
-    from fsdp_offload_cfg.testing.models import words
 
-    rng = np.random.default_rng(0)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(
-        {"prompt": words(rng, 4), "completion": words(rng, 4)}) + "\n" for _ in range(8)))
-    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nnum_processes: 2\n"
-                                        "use_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
-                                        "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
-    (tmp_path / "kd.yaml").write_text(
-        f"model_name_or_path: {files / 'llama'}\nteacher_model_name_or_path: {files / 'llama'}\n"
-        "teacher_model_init_kwargs:\n  dtype: bfloat16\ndataset_name: data\nmax_completion_length: 4\n"
-        "per_device_train_batch_size: 2\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
-        "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n")
+    _distillation_recipe(files, tmp_path, "", "teacher_model_init_kwargs:\n  dtype: bfloat16\n")
     real = _probed_trl_script("distillation", tmp_path / "kd.yaml", tmp_path, cwd=tmp_path)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["estimate", "--device", "cpu", "--format", "json", "--seq-len", "16", "--",
@@ -366,9 +352,10 @@ def test_an_activation_budget_under_trl_distillation_plans_at_the_first_layer(
     assert logged == distillation_baseline, (logged, distillation_baseline)
 
 
-def _distillation_recipe(files: Path, tmp_path: Path, fsdp_keys: str) -> None:
+def _distillation_recipe(files: Path, tmp_path: Path, fsdp_keys: str, keys: str = "") -> None:
     """`trl distillation`'s recipe in tmp_path/kd.yaml (its data and accelerate file beside it):
-    the tiny Llama as student and teacher, 2 samples a step, `fsdp_keys` added to fsdp_config."""
+    the tiny Llama as student and teacher, 2 samples a step, `keys` added at the top and
+    `fsdp_keys` to fsdp_config."""
     import numpy as np
 
     from fsdp_offload_cfg.testing.models import words
@@ -385,4 +372,4 @@ def _distillation_recipe(files: Path, tmp_path: Path, fsdp_keys: str) -> None:
         f"model_name_or_path: {files / 'llama'}\nteacher_model_name_or_path: {files / 'llama'}\n"
         "dataset_name: data\nmax_completion_length: 4\nper_device_train_batch_size: 2\n"
         "gradient_checkpointing: false\nlogging_steps: 1\naccelerate_config: fsdp.yaml\nfsdp: full_shard auto_wrap\n"
-        "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n" + fsdp_keys)
+        + keys + "fsdp_config:\n  version: 2\n  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n" + fsdp_keys)

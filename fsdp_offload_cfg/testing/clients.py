@@ -37,3 +37,15 @@ def save_char_llama(path: str | Path, seed: int = 0, *, per_character: bool = Tr
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             unk_token="<unk>").save_pretrained(path)
     return path
+
+
+def assert_the_estimate_holds_the_preference_run(real: dict, estimated: dict, forward_batch: int) -> None:
+    """A preference run (DPO: a reference model, each sample's chosen and rejected completions in
+    one forward) as the Trainer probe read rank 0 after its training (`real`), against the
+    estimate's JSON of the same file (`estimated`): the forward's batch, the reference model's
+    bytes and the model's; and the reference holds nothing whole after its forwards."""
+    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == forward_batch, (real, estimated["inputs"])
+    assert real["reference_gathered"] == [], real
+    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
+        (real, estimated["per_rank"])
+    assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])

@@ -261,7 +261,7 @@ def test_axolotl_dpo_with_the_plugin_fills_its_reference_model_and_the_estimate_
     import math
 
     from fsdp_offload_cfg import cli
-    from fsdp_offload_cfg.testing.clients import save_char_llama
+    from fsdp_offload_cfg.testing.clients import assert_the_estimate_holds_the_preference_run, save_char_llama
 
     save_char_llama(tmp_path / "model")  # one token a character: the chatml prompt and its completions fit 64
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": "ab", "chosen": "cd", "rejected": "ef"}) + "\n"
@@ -283,9 +283,5 @@ def test_axolotl_dpo_with_the_plugin_fills_its_reference_model_and_the_estimate_
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), first
     assert cli.main(["estimate", str(config), "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0
     estimated = json.loads(capsys.readouterr().out)
-    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 4, (real, estimated["inputs"])
-    assert real["reference_gathered"] == [], real
-    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
-        (real, estimated["per_rank"])
-    assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])
+    assert_the_estimate_holds_the_preference_run(real, estimated, forward_batch=4)
     assert "a reference model: axolotl's rl: dpo" in estimated["assumptions"][0]

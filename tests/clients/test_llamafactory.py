@@ -199,6 +199,7 @@ def test_the_estimate_of_a_dpo_file_holds_its_reference_model_and_both_responses
     reference bytes and the forward's batch of 4 for a micro-batch of 2, and the reference model
     holds nothing whole after its forwards. Before, the estimate read the file as SFT: neither."""
     from fsdp_offload_cfg import cli
+    from fsdp_offload_cfg.testing.clients import assert_the_estimate_holds_the_preference_run
     from fsdp_offload_cfg.testing.dist import free_port
 
     config = tmp_path / "dpo.yaml"
@@ -218,11 +219,7 @@ def test_the_estimate_of_a_dpo_file_holds_its_reference_model_and_both_responses
     real = json.loads((probe / "rank0.json").read_text())
     assert cli.main(["estimate", str(config), "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0
     estimated = json.loads(capsys.readouterr().out)
-    assert real["forward_batch"] == estimated["inputs"]["batch_size"] == 4, (real, estimated["inputs"])
-    assert real["reference_gathered"] == [], real
-    assert real["reference_param_bytes"] == estimated["per_rank"]["reference_params_bytes"] > 0, \
-        (real, estimated["per_rank"])
-    assert real["param_bytes"] == estimated["per_rank"]["params_bytes"], (real, estimated["per_rank"])
+    assert_the_estimate_holds_the_preference_run(real, estimated, forward_batch=4)
 
 
 def test_a_typo_stops_every_rank_with_status_1(files: Path):
