@@ -421,10 +421,14 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
     batch = example_batch(source, *shape, dtype, example_image(source.config, twin))
     target = handle.handler.device.type
-    # TRL's trainers score tokens tile by tile, no logits (`estimate/heads.py`): its forward is the
-    # model's own, or the one the offload's root forward wraps
+    # TRL's trainers score tokens tile by tile, no logits (`estimate/heads.py`): its fused head is
+    # the model's own forward, or the one the offload's root forward wraps; its distillation loss
+    # runs in the forward's place (TRL's redirection), which puts its head on the model meanwhile
     fused = any(is_trl_fused_forward(f) for f in (vars(pretrained).get("forward"), handle.model_forward))
-    head = FusedLogProbs(dtype if mixed_compute_dtype(cfg) else None) if fused else None
+    autocast = dtype if mixed_compute_dtype(cfg) else None
+    redirected = model_state.get(model, "loss_head")
+    head = (dataclasses.replace(redirected, autocast=autocast) if redirected is not None
+            else FusedLogProbs(autocast) if fused else None)
     with gathered_in(twin, dtype if mixed_compute_dtype(cfg) else None):
         try:
             profile = measure_activations(twin, batch, layers, target=target, head=head)

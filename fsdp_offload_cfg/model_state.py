@@ -41,6 +41,10 @@ class ModuleState:
     vision_sync: Any = None
     # on the model a budget plans, from the first plan until the planner is removed (`budget.py`):
     planner: Any = None
+    # on a model whose forward TRL's redirection swaps for its distillation loss, for the length
+    # of that call (`integrations/trl.py`): the loss's head (`estimate.heads.ChunkedDistillation`),
+    # which a budget planning inside the call counts in place of the model's own head
+    loss_head: Any = None
     # on each layer's checkpoint wrapper a budget installs, for as long as the wrapper exists:
     checkpoint_fn: Any = None  # the wrapper's own checkpoint function, while it passes through
     budget_wrapper: bool = False  # made by the budget (not by the script): the budget's removal unwraps it

@@ -173,6 +173,21 @@ def active() -> PatchSession | None:
     return _ACTIVE
 
 
+def displaced() -> list[str]:
+    """The active session's patches that something replaced since they went in (a framework's own
+    copy, installed after `patch()`), each as "`module.attribute` (patch `name`) by `whose`":
+    where what a patch does did not happen, the cause is then outside this package, and the
+    error that says it names them. Where two of ours wrap one attribute (the Trainer's
+    `save_model`), the last one applied is the one there."""
+    if _ACTIVE is None:
+        return []
+    from fsdp_offload_cfg._signatures import qualified_name
+
+    last = {(id(a.owner), a.attr): a for a in _ACTIVE.applied}
+    return [f"{a.patch.module}.{a.patch.attribute} (patch `{a.patch.name}`) by {qualified_name(now)}"
+            for a in last.values() if (now := _current(a.owner, a.attr)) is not a.replacement]
+
+
 def environ_before_patching() -> dict[str, str]:
     """The environment as it was before the active session exported its variables: what the
     launcher and the user set. A second `patch()` must not read the first one's exports back as

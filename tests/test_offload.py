@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -38,10 +39,20 @@ from fsdp_offload_cfg.testing.offload_models import (
 ON = ActivationOffloadConfig(enabled=True)
 
 
+OUTSIDE = "ran a training forward outside the offload"
+
+
 @pytest.fixture(autouse=True)
-def _fresh() -> None:
+def _fresh() -> Iterator[None]:
+    """Fresh counters; and no test here, however it runs the model (checkpointed, compiled, under
+    no_grad, recomputing), meets the warning about a layer run outside the offload: every forward
+    of these tests is the model's own. Tests that expect it catch it themselves."""
     Probe.sink.clear()
     settle_offload_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not [w for w in caught if OUTSIDE in str(w.message)]
 
 
 def _run_net(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -456,6 +467,72 @@ def test_no_grad_and_inference_leave_no_state() -> None:
     net.train()
     ref = Net(n=3)
     assert all(torch.equal(a, b) for a, b in zip(_run_net(net, x), _run_net(ref, x), strict=True))
+
+
+def _forward_of_the_class(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A forward put on a model the way TRL's distillation trainers put theirs: it runs the
+    class's forward, not the instance's (where the offload's is)."""
+    return type(self).forward(self, *args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["forward_replaced", "submodule_called"])
+def test_a_layer_run_outside_the_offload_is_said_once_and_names_what_replaced_the_forward(how: str) -> None:
+    """The offload wraps the model's forward; a forward put on the model afterwards, or a trainer
+    calling the decoder directly, runs every layer outside it, and nothing moves. Before, nothing
+    said so (found under TRL's distillation, whose redirection swapped the forward): the run looked
+    offloaded. Now one warning per model says which layer, and what replaced the forward where
+    something did. The gradients are the plain run's: nothing else changes."""
+    ids = batch()
+    ref = tiny_llama(3)
+    model = tiny_llama(3)
+    enable_activation_offload(model, ON)
+    if how == "forward_replaced":
+        model.forward = types.MethodType(_forward_of_the_class, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            if how == "forward_replaced":
+                llama_step(model, ids)
+                llama_step(ref, ids)
+            else:
+                model.model(input_ids=ids).last_hidden_state.sum().backward()
+                ref.model(input_ids=ids).last_hidden_state.sum().backward()
+    said = [str(w.message) for w in caught if OUTSIDE in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith("activation offload: LlamaDecoderLayer of LlamaForCausalLM ran"), said[0]
+    if how == "forward_replaced":
+        assert f"replaced after the offload was enabled, by {__name__}._forward_of_the_class" in said[0], said[0]
+    else:
+        assert "model.model(...)" in said[0] and "replaced" not in said[0], said[0]
+    assert offload_stats()["offloaded_bytes"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(grads(model), grads(ref), strict=True))
+
+
+def test_the_layer_outside_the_offload_is_named_as_its_user_knows_it_under_fsdp2_and_checkpointing(
+        tmp_path: Any) -> None:
+    """Under FSDP2 (one gloo rank here) with checkpoint-wrapped layers, as accelerate prepares
+    them, and a forward put on the model afterwards, the classes are FSDP2's `FSDP<class>` subclasses and the wrapper: the warning names the
+    model's own classes (it read "FSDPCheckpointWrapper of FSDPLlamaForCausalLM")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = tiny_llama(2)
+        mesh = init_device_mesh("cpu", (1,))
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = fully_shard(checkpoint_wrapper(layer), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        enable_activation_offload(model, ON)
+        model.forward = types.MethodType(_forward_of_the_class, model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            llama_step(model, batch())
+    finally:
+        dist.destroy_process_group()
+    said = [str(w.message) for w in caught if OUTSIDE in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("activation offload: LlamaDecoderLayer of LlamaForCausalLM ran"), said
 
 
 def test_exception_mid_forward_leaves_no_state() -> None:

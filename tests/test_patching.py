@@ -153,6 +153,44 @@ def test_unpatch_leaves_a_frameworks_replacement_made_after_patch():
         acc.fsdp2_prepare_model = before["fsdp2-prepare-model"]
 
 
+def _prepare_of_a_framework(accelerator: Any, model: Any) -> Any:
+    """A framework's own `fsdp2_prepare_model`, installed after `patch()`, that fills nothing."""
+    return model
+
+
+def test_a_model_left_on_meta_names_the_patch_a_framework_replaced_after_patch(tmp_path):
+    """A framework that replaces one of our patches after `patch()` (axolotl's prepare before
+    `axolotl-trl-prepare-fsdp`) left a loader-built model on meta, and the error said only to
+    prepare it: the cause was outside this package and nothing named it. The error now names what
+    was replaced, and by whose function; nothing is named while every patch is in place."""
+    import accelerate.accelerator as acc
+    import torch
+    import torch.distributed as dist
+    import transformers.trainer  # noqa: F401 - its two patches of `Trainer.save_model` in force, one over the other
+
+    from fsdp_offload_cfg.loading.guard import guard_until_prepared
+
+    fsdp_offload_cfg.patch(EVERYTHING_ON)
+    assert registry.displaced() == []
+    original = acc.fsdp2_prepare_model
+    acc.fsdp2_prepare_model = _prepare_of_a_framework
+    with torch.device("meta"):
+        layer = torch.nn.Linear(4, 4)
+    guard_until_prepared(layer, "load test")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        named = (f"accelerate.accelerator.fsdp2_prepare_model (patch `fsdp2-prepare-model`) by "
+                 f"{__name__}._prepare_of_a_framework")
+        assert registry.displaced() == [named]
+        with pytest.raises(RuntimeError, match="still on the meta device on rank 0") as error:
+            layer(torch.ones(1, 4, device="meta"))
+        assert f"Replaced since fsdp_offload_cfg.patch(), so the loader's fill may never run: {named}." in str(
+            error.value), error.value
+    finally:
+        dist.destroy_process_group()
+        acc.fsdp2_prepare_model = original
+
+
 def test_classmethods_stay_classmethods_and_restore_exactly():
     from transformers.modeling_utils import PreTrainedModel
 

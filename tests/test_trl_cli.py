@@ -331,24 +331,29 @@ def test_trl_distillation_under_the_activation_offload_offloads_and_trains_what_
     logged, text = _distilled(files, tmp_path, "  activation_cpu_offload: true\n")
     moved = re.search(r"activation offload moved .* \((\d+) tensors\)", text)
     assert moved and int(moved.group(1)) > 0, text[-3000:]
+    assert "outside the offload" not in text, text[-3000:]  # no layer ran outside it (the guard of api)
     assert len(logged) == 2 and logged == distillation_baseline, (logged, distillation_baseline)
 
 
-def test_an_activation_budget_under_trl_distillation_plans_at_the_first_layer(
+def test_an_activation_budget_under_trl_distillation_plans_at_the_first_layer_with_trls_head(
         files: Path, tmp_path: Path, distillation_baseline: list):
     """The budget plans at the model's first training forward from its arguments' batch shape;
     under TRL's `_ForwardRedirection` they are the trainer's loss arguments, not the model's, and
     every rank stopped ("cannot tell the batch shape from the model's forward arguments"). It now
-    plans at the first layer, from its hidden states, at the 2 x 8 tokens a rank runs: offloading
-    (the budget leaves no room to keep both layers, on transformers 4.57 as on 5.x, whose layers
-    save different bytes), and the run logs what it logs without it."""
-    logged, text = _distilled(files, tmp_path, "  activation_memory_budget: 60000\n"
+    plans at the first layer, from its hidden states, at the 2 x 8 tokens a rank runs, and counts
+    the head TRL's loss runs: its chunked divergence, whose two float32 tiles of 8 x 32768 (2 MiB)
+    dwarf this tiny model's logits. The budget, 2150000 B, lies between the estimate's peaks of
+    `trl distillation` with the offload (2145788 B; 4.57: 2146300) and without it (2164220 B;
+    4.57: 2166780): the plan offloads. Counting the model's own head (full logits, a few KiB) the
+    budget planned every layer kept. The run logs what it logs without a budget."""
+    logged, text = _distilled(files, tmp_path, "  activation_memory_budget: 2150000\n"
                                                 "  activation_budget_compute_tflops: 0.05\n"
                                                 "  activation_budget_copy_gb_per_s: 100\n")
-    assert re.search(r"\[fsdp_offload_cfg rank 0\] activation_memory_budget \S+ KiB at 2 x 8 tokens per rank: "
+    assert re.search(r"\[fsdp_offload_cfg rank 0\] activation_memory_budget \S+ MiB at 2 x 8 tokens per rank: "
                      r"[^\n]*: offload", text), text[-3000:]
     moved = re.search(r"activation offload moved .* \((\d+) tensors\)", text)
     assert moved and int(moved.group(1)) > 0, text[-3000:]
+    assert "outside the offload" not in text, text[-3000:]
     assert logged == distillation_baseline, (logged, distillation_baseline)
 
 

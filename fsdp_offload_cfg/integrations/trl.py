@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._logging import get_logger, is_rank0
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.integrations.common import (
@@ -120,7 +121,10 @@ def build_forward_redirection_call(original: Callable[..., Any], cfg: FSDPOffloa
     place of its forward: it swaps the model's `forward` for one that calls the method and calls
     the model. The offload's forward, which makes each call one pass of the offload, was swapped
     out with it: the student's layers ran outside any pass, and the offload moved nothing, without
-    a word. The method now runs as the offload's forward runs."""
+    a word. The method now runs as the offload's forward runs. Where the method is the
+    distillation loss, the head it runs is on the model for the length of the call
+    (`model_state.loss_head`): an activation budget planning inside it counts that head, not the
+    full logits of the model's own."""
 
     @functools.wraps(original)
     def __call__(self: Any, wrapper_module: torch.nn.Module, original_module: torch.nn.Module,  # noqa: N807
@@ -128,11 +132,36 @@ def build_forward_redirection_call(original: Callable[..., Any], cfg: FSDPOffloa
         from fsdp_offload_cfg.offload import get_offload_handle
 
         handle = get_offload_handle(original_module)
-        if handle is not None and handle.active:
-            method = functools.partial(handle.run_as_forward, method)
-        return original(self, wrapper_module, original_module, method, *args, **kwargs)
+        if handle is None or not handle.active:
+            return original(self, wrapper_module, original_module, method, *args, **kwargs)
+        model_state.put(original_module, "loss_head", distillation_head(method, args))
+        try:
+            return original(self, wrapper_module, original_module, functools.partial(handle.run_as_forward, method),
+                            *args, **kwargs)
+        finally:
+            model_state.take(original_module, "loss_head")
 
     return __call__
+
+
+def distillation_head(method: Callable[..., Any], args: tuple) -> Any:
+    """The head of TRL's distillation loss when `method(*args)` is it
+    (`DistillationTrainer._compute_loss(student, inputs, num_items_in_batch)`, its trainer holding
+    the teacher): the divergence over the completion's positions against the teacher's hidden
+    states (`estimate.heads.ChunkedDistillation`, without autocast: the budget adds its own); None
+    for another method (the teacher's no-grad hidden states, another trainer's)."""
+    from fsdp_offload_cfg.estimate.heads import ChunkedDistillation
+
+    trainer = getattr(method, "__self__", None)
+    teacher = getattr(trainer, "teacher_model", None)
+    inputs = args[1] if len(args) > 1 else None
+    if not isinstance(teacher, torch.nn.Module) or not isinstance(inputs, dict) or "completion_ids" not in inputs:
+        return None
+    teacher = trainer.accelerator.unwrap_model(teacher)
+    text = teacher.config.get_text_config()
+    completion = inputs["completion_ids"].size(1)
+    total = completion + inputs["prompt_ids"].size(1)
+    return ChunkedDistillation(min(completion, total - 1), text.hidden_size, next(teacher.parameters()).dtype)
 
 
 def _installed(name: str) -> bool:

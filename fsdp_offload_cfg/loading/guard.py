@@ -73,8 +73,20 @@ def _fill_or_refuse(module: nn.Module, *_: Any, what: str, part: str = "") -> No
     raise RuntimeError(
         f"fsdp_offload_cfg: the model made by `{what}` is still on the meta device on rank {dist.get_rank()} "
         f"({shown}{counted(len(left), 'tensor')}, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
-        f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}"
+        f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}{_displaced_said()}"
     )
+
+
+def _displaced_said() -> str:
+    """Where the cause may be a framework that replaced one of our patches after `patch()` (a
+    prepare that no longer fills the model), the error names what replaced which."""
+    from fsdp_offload_cfg import registry
+
+    replaced = registry.displaced()
+    if not replaced:
+        return ""
+    return (" Replaced since fsdp_offload_cfg.patch(), so the loader's fill may never run: "
+            + "; ".join(replaced) + ". Where a framework does this, please report it to fsdp_offload_cfg.")
 
 
 def _fill_unless_keys_only(module: nn.Module, *args: Any, what: str) -> None:

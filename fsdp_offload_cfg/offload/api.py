@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_offload_cfg import model_state
+from fsdp_offload_cfg._signatures import qualified_name
 from fsdp_offload_cfg.offload.groups import GroupHooks, LayerClasses, find_units, lift_to_boundaries
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
@@ -37,6 +38,7 @@ class OffloadHandle:
         self._group_hooks: GroupHooks | None = None  # the boundaries' hooks, whose form follows compilation
         self._forward: Callable[..., Any] | None = None
         self._previous_forward: Any = None
+        self._said_outside_pass = False  # the warning of `_layer_outside_pass`, once per handle
 
     @property
     def active(self) -> bool:
@@ -72,6 +74,30 @@ class OffloadHandle:
                 if explained is None:
                     raise
                 raise explained from error
+
+    def _layer_outside_pass(self, layer: nn.Module) -> None:
+        """A layer recorded a forward for backward outside the forward installed here: nothing of it
+        moves, and the run would look offloaded while it is not (TRL's distillation trainers swap
+        the model's forward so, until `trl-forward-redirection`). Said once, with the culprit where
+        it can be named: a forward put on the model since the offload wrapped it."""
+        if self._said_outside_pass:
+            return
+        self._said_outside_pass = True
+        now = self.model.__dict__.get("forward")
+        if now is not None and now is not self._forward:
+            how = (f"the model's forward was replaced after the offload was enabled, by {qualified_name(now)}, "
+                   "which does not call the forward the offload installed")
+            fix = "Enable the offload after that replacement, or have the new forward call the one it replaced"
+        else:
+            how = ("the layers were called without the forward the offload installed (a trainer calling a submodule "
+                   "such as model.model(...) directly, or swapping the model's forward for the length of a call)")
+            fix = "Call the model itself"
+        warnings.warn(
+            f"activation offload: {_own_name(layer)} of {_own_name(self.model)} ran a training forward "
+            f"outside the offload: {how}. Its activations stay on the device. {fix}; where a framework does this, "
+            "please report it to fsdp_offload_cfg.",
+            stacklevel=2,
+        )
 
     def remove(self) -> None:
         """Unhook the groups, restore the root's forward, free the idle pool (idempotent)."""
@@ -145,6 +171,7 @@ def enable_activation_offload(
     handler = _make_handler(model, config, len(boundaries))
     handle = OffloadHandle(model, config, boundaries, handler)
     handle._group_hooks = GroupHooks(boundaries, handler.enter_group, handler.exit_group)
+    handler.on_layer_outside_pass = handle._layer_outside_pass
     _wrap_forward(handle, handler)
     model_state.put(model, "offload", handle)
     return handle
@@ -194,6 +221,15 @@ def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
     bound = types.MethodType(forward, model)
     model.forward = bound
     handle._forward = bound
+
+
+def _own_name(module: nn.Module) -> str:
+    """A module's class as its user knows it: the layer inside a checkpoint wrapper, without the
+    `FSDP<class>` subclass FSDP2 swaps in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    module = getattr(module, "_checkpoint_wrapped_module", module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _whole_model_compile_notice() -> None:

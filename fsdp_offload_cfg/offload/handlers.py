@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -41,6 +41,13 @@ _RESIDENT_REASONS = frozenset({"small", "non_float", "last_group", "outside_grou
 def in_backward() -> bool:
     """True while the autograd engine runs (where checkpoint recomputation happens)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _a_training_forward() -> bool:
+    """A forward the offload would act on had it run inside one of its passes: one that records
+    for backward, neither a recomputation in backward nor dynamo tracing a model compiled whole
+    (whose forward steps aside on purpose; constant under tracing, so it traces as nothing)."""
+    return not torch.compiler.is_compiling() and torch.is_grad_enabled() and not in_backward()
 
 
 class _Entry:
@@ -178,6 +185,10 @@ class OffloadHandler:
         # training forwards this handler hooked: a budget whose plan offloads checks it moves (a
         # model compiled whole bypasses the hooks, see api._wrap_forward); only ever grows
         self.passes = 0
+        # called with a layer that runs a training forward outside any pass (the model's forward
+        # the offload wraps was replaced or gone around, so nothing of that layer moves); set by
+        # `api`, which can say by what, for as long as the handler lives
+        self.on_layer_outside_pass: Callable[[nn.Module], None] | None = None
         # the saved-tensor hooks as autograd gets them, kept from dynamo. Autograd calls them from
         # C++, and under a torch.nn module compiled in place (accelerate's regional compilation
         # compiles embed_tokens and lm_head so) dynamo skips the module's own frames, as torch's,
@@ -209,7 +220,11 @@ class OffloadHandler:
 
     def enter_group(self, index: int, module: nn.Module) -> None:
         p = self._pass
-        if p is None or in_backward():
+        if p is None:
+            if self.on_layer_outside_pass is not None and _a_training_forward():
+                self.on_layer_outside_pass(module)
+            return
+        if in_backward():
             return
         refuse_other_offloader(f"inside {type(module).__name__}")
         COUNTS["groups_entered"] += 1
