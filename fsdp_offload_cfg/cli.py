@@ -415,6 +415,7 @@ def _estimate(args: argparse.Namespace) -> int:
         capacity = _plot_inputs(args)
         config, run = _config_and_run(args)
         config, taken = _with_the_files_run(args, config, run)
+        head, head_said = _loss_head(args, run)
         if missing := [flag for flag, value in (("--model", args.model), ("--seq-len", args.seq_len),
                                                 ("--batch-size", args.batch_size)) if value is None]:
             _print(f"fsdp-offload-cfg estimate: the following arguments are required: {', '.join(missing)} "
@@ -430,10 +431,12 @@ def _estimate(args: argparse.Namespace) -> int:
                                  teacher_model=_given_or(args.teacher_model, run.teacher_model if run else None),
                                  teacher_dtype=run.teacher_dtype if run and not args.teacher_model else None,
                                  companions_sharded=bool(run and run.companions_sharded),
-                                 loss_head=_given_or(args.loss_head, run.loss_head if run else "cross_entropy"),
+                                 loss_head=head,
                                  completion_tokens=_given_or(args.completion_tokens,
                                                              run.completion_tokens if run else None),
                                  **_plan_inputs(args))
+        if head_said:
+            report["assumptions"].insert(0, head_said)
         if taken:
             report["assumptions"].insert(0, f"from the training arguments in {run.file if run else args.file}: "
                                             f"{'; '.join(taken)}")
@@ -483,6 +486,7 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     args.num_processes = args.num_processes or launch.num_processes
     top = read_config_file(file)
     args.num_machines = launch.num_machines or _num_machines(top)
+    args.script_trainer = launch.script_trainer
     arguments = {**(top if is_trainer_layout(top) else {}), **launch.arguments}
     if not arguments and launch.cli is None:
         return config, None
@@ -623,6 +627,35 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
             from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
         said.append(f"LoRA {' '.join(from_file)} ({run.taken['lora']})")
     return said
+
+
+# TRL's trainers whose loss goes through its fused LM head (TRL 1.15 on), as their CLI verbs' do
+FUSED_HEAD_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer")
+
+
+def _loss_head(args: argparse.Namespace, run: RunArguments | None) -> tuple[str, str | None]:
+    """The head the loss goes through, and where the estimate chose it from a script's source,
+    the sentence that says so: --loss-head; else the run's (a TRL verb's, `trl sft`); else, for
+    a script of the user's own that builds one of TRL's trainers (`launch_command.trl_trainer_built`),
+    that trainer's head (its fused LM head; with --teacher-model, DistillationTrainer's divergence);
+    else the model's own cross-entropy. A user script building `SFTTrainer` was estimated with
+    full logits over the vocabulary, which TRL never makes."""
+    ran = run.loss_head if run else "cross_entropy"
+    trainer = getattr(args, "script_trainer", None)
+    if args.loss_head is not None or ran != "cross_entropy" or trainer is None:
+        return _given_or(args.loss_head, ran), None
+    if trainer in FUSED_HEAD_TRAINERS:
+        extra = {"DPOTrainer": "; its reference model counts with --reference-model",
+                 "KTOTrainer": "; its reference model counts with --reference-model",
+                 "GRPOTrainer": "; only the completion's positions with --completion-tokens",
+                 "RLOOTrainer": "; only the completion's positions with --completion-tokens"}.get(trainer, "")
+        return "trl_fused_lm_head", (f"the script builds TRL's {trainer}: its loss through TRL's fused LM head, no "
+                                     "logits over the whole vocabulary (--loss-head cross_entropy counts them)" + extra)
+    if args.teacher_model is not None:
+        return "trl_chunked_distillation", ("the script builds TRL's DistillationTrainer: its loss through TRL's "
+                                            "chunked divergence against --teacher-model")
+    return "cross_entropy", ("the script builds TRL's DistillationTrainer: --teacher-model counts its teacher and "
+                             "its chunked divergence; counted here: the model's own cross-entropy")
 
 
 def _given_or(flag: Any, from_the_run: Any) -> Any:

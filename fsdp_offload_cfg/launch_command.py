@@ -25,6 +25,7 @@ What is read, each as the launcher itself reads it:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import os
@@ -39,6 +40,9 @@ from fsdp_offload_cfg.discovery import dotted_key, is_trl_cli, launch_config_fil
 
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 TRL_SCRIPTS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")  # trl/scripts/VERB.py, run by `trl VERB`
+# TRL's trainers a script of the user's own may build, and the verb whose trainer each is
+TRL_TRAINERS = {"SFTTrainer": "sft", "DPOTrainer": "dpo", "KTOTrainer": "kto", "GRPOTrainer": "grpo",
+                "RLOOTrainer": "rloo", "DistillationTrainer": "distillation"}
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
 FRAMEWORK_VERBS = {"llamafactory-cli": "train", "lmf": "train", "axolotl": "train"}  # their training verb: the file follows it
 
@@ -56,6 +60,7 @@ class LaunchCommand:
     cli: str | None = None  # the framework's CLI and verb that run it, `trl sft`, `swift sft`: its defaults hold
     num_machines: int | None = None  # `accelerate launch --num_machines`, torchrun's `--nnodes`
     arguments_from: str = ""  # in words, for the estimate to say: `sft.yaml and the command line`
+    script_trainer: str | None = None  # the TRL trainer a script of the user's own builds (`SFTTrainer`)
 
 
 def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
@@ -64,7 +69,7 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
     config_file = str(named) if named is not None else None
     if is_launcher and not is_trl_cli(command):
         script_args, launched = _accelerate_launch(command)
-        return _with_arguments(command, script_args, cwd, config_file=config_file, cli=_trl_script_cli(command),
+        return _with_arguments(command, script_args, cwd, config_file=config_file, **_the_script(command, cwd),
                                **launched)
     if is_launcher:  # TRL's CLI: `trl VERB ARGS`; launch flags (`--num_processes`) mixed in, or in its --config YAML
         verb_at = _trl_verb_at(command)
@@ -81,8 +86,59 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
         return _llamafactory(command, cwd)
     if _is_torchrun(command):
         script_args, launched = _torchrun(command)
-        return _with_arguments(command, script_args, cwd, cli=_trl_script_cli(command), **launched)
-    return _with_arguments(command, _script_args(command), cwd, cli=_trl_script_cli(command))
+        return _with_arguments(command, script_args, cwd, **_the_script(command, cwd), **launched)
+    return _with_arguments(command, _script_args(command), cwd, **_the_script(command, cwd))
+
+
+def _the_script(command: list[str], cwd: str) -> dict[str, Any]:
+    """What COMMAND's script says of the run: `cli`, the TRL verb whose own script it is; else
+    `script_trainer`, the TRL trainer a script of the user's own builds (`trl_trainer_built`)."""
+    cli = _trl_script_cli(command)
+    at = _script_at(command)
+    own = cli is None and at is not None and command[at].endswith(".py")
+    return {"cli": cli, "script_trainer": trl_trainer_built(Path(cwd, command[at])) if own else None}
+
+
+def trl_trainer_built(script: Path) -> str | None:
+    """The TRL trainer class (`TRL_TRAINERS`) a script calls, read from its source, nothing run:
+    a name imported from `trl` or a `trl.*` module (under any alias), `trl.X` after `import trl`,
+    or a class of the script's own derived from one (`class MyTrainer(SFTTrainer)`); the first
+    called in the file. None where no such call is found or the file cannot be read."""
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names, modules = _trl_names(tree)
+    for node in ast.walk(tree):  # subclasses, as often as a class derives from one found before it
+        if isinstance(node, ast.ClassDef):
+            base = next(filter(None, (_trainer_named(b, names, modules) for b in node.bases)), None)
+            if base is not None:
+                names[node.name] = base
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    return next((found for call in calls if (found := _trainer_named(call.func, names, modules))), None)
+
+
+def _trl_names(tree: ast.AST) -> tuple[dict[str, str], set[str]]:
+    """The script's names for TRL's trainers (local name: TRL's class) and for TRL's modules."""
+    names: dict[str, str] = {}
+    modules: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trl":
+            names.update({a.asname or a.name: a.name for a in node.names if a.name in TRL_TRAINERS})
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "trl")
+    return names, modules
+
+
+def _trainer_named(expression: ast.expr, names: dict[str, str], modules: set[str]) -> str | None:
+    if isinstance(expression, ast.Name):
+        return names.get(expression.id)
+    if isinstance(expression, ast.Attribute) and expression.attr in TRL_TRAINERS:
+        root = expression.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return expression.attr if isinstance(root, ast.Name) and root.id in modules else None
+    return None
 
 
 def _trl_script_cli(command: list[str]) -> str | None:

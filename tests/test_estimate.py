@@ -1265,6 +1265,39 @@ def test_accelerate_launchs_typed_flags_count_over_its_file_and_set_over_both(mo
     assert code_wins["inputs"]["compute_dtype"] == "float32"
 
 
+def test_a_script_that_builds_trls_sft_trainer_is_estimated_with_trls_head(models: dict[str, str], tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str],
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    """`accelerate launch train.py`, train.py building TRL's `SFTTrainer`: TRL's fused LM head
+    makes no logits over the vocabulary, and the estimate counts it as `--loss-head
+    trl_fused_lm_head` does (the same figures), saying so after the training arguments it read. Before, a
+    script of the user's own was estimated with the full logits unless the flag was given (the
+    head's backward of a 3B Llama at 8k tokens: 7.8 GiB). The flag still wins; a script of the
+    Trainer's alone is estimated as before; one building DPOTrainer says how to count its
+    reference model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_version: 2\n")
+    launch = ["accelerate", "launch", "--config_file", "a.yaml", "--num_processes", "2", "train.py",
+              "--model_name_or_path", models["llama"], "--max_length", "48", "--per_device_train_batch_size", "2"]
+    (tmp_path / "train.py").write_text("from transformers import Trainer\nTrainer(model)\n")
+    trainer = _command_estimate(capsys, "--", *launch)
+    flagged = _command_estimate(capsys, "--loss-head", "trl_fused_lm_head", "--", *launch)
+    (tmp_path / "train.py").write_text("from trl import SFTTrainer\nSFTTrainer(model)\n")
+    sft = _command_estimate(capsys, "--", *launch)
+    assert trainer["inputs"]["loss_head"] == "cross_entropy"
+    assert not any("TRL's" in said for said in trainer["assumptions"]), trainer["assumptions"]
+    assert sft["inputs"] == flagged["inputs"] and sft["per_rank"] == flagged["per_rank"]
+    assert sft["inputs"]["loss_head"] == "trl_fused_lm_head"
+    # the head differs (at this tiny vocabulary TRL's 94 x 32768 tile outweighs the logits, at a 3B's the other way)
+    assert sft["per_rank"]["peak_device_bytes"] != trainer["per_rank"]["peak_device_bytes"]
+    assert sft["assumptions"][1] == ("the script builds TRL's SFTTrainer: its loss through TRL's fused LM head, no "
+                                     "logits over the whole vocabulary (--loss-head cross_entropy counts them)")
+    assert _command_estimate(capsys, "--loss-head", "cross_entropy", "--", *launch)["per_rank"] == trainer["per_rank"]
+    (tmp_path / "train.py").write_text("from trl import DPOTrainer\nDPOTrainer(model)\n")
+    assert _command_estimate(capsys, "--", *launch)["assumptions"][1].endswith(
+        "; its reference model counts with --reference-model")
+
+
 def test_a_command_whose_config_cannot_be_told_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                   monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no accelerate default config

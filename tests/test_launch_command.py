@@ -184,3 +184,34 @@ def test_llamafactory_cli_takes_its_processes_from_the_environment(tmp_path: Pat
     assert read_launch_command(["llamafactory-cli", "train", "sft.yaml"], str(tmp_path)).num_processes == 4
     monkeypatch.delenv("NPROC_PER_NODE")
     assert read_launch_command(["llamafactory-cli", "train", "sft.yaml"], str(tmp_path)).num_processes is None
+
+
+SCRIPTS = {
+    "from trl import SFTConfig, SFTTrainer\ntrainer = SFTTrainer(model=m, args=SFTConfig())\ntrainer.train()\n":
+        "SFTTrainer",
+    "from trl import DPOTrainer as Trainer\nTrainer(model)\n": "DPOTrainer",
+    "import trl\ntrl.GRPOTrainer(model)\n": "GRPOTrainer",
+    "import trl.trainer as tt\ntt.KTOTrainer(model)\n": "KTOTrainer",
+    "from trl import SFTTrainer\nclass Mine(SFTTrainer):\n    pass\nclass Ours(Mine):\n    pass\nOurs(model)\n":
+        "SFTTrainer",
+    "from trl.trainer.distillation_trainer import DistillationTrainer\nDistillationTrainer(model)\n":
+        "DistillationTrainer",
+    # imported, never built: the Trainer runs
+    "from trl import SFTTrainer\nfrom transformers import Trainer\nTrainer(model)\n": None,
+    "from mylib import SFTTrainer\nSFTTrainer(model)\n": None,  # not TRL's
+    "def broken(:\n": None,
+}
+
+
+@pytest.mark.parametrize("source", list(SCRIPTS), ids=range(len(SCRIPTS)))
+def test_a_script_of_the_users_own_names_the_trl_trainer_it_builds(tmp_path: Path, source: str):
+    """A script of the user's own that builds one of TRL's trainers runs TRL's loss (its fused LM
+    head, no logits); read from the script's source, under each launcher. TRL's own scripts are
+    their verbs (`cli`), not this."""
+    (tmp_path / "train.py").write_text(source)
+    for command in (["accelerate", "launch", "--config_file", "f.yaml", "train.py", "--max_length", "8"],
+                    ["torchrun", "--nproc_per_node", "2", "train.py"], ["python", "train.py"]):
+        launch = read_launch_command(command, str(tmp_path))
+        assert (launch.cli, launch.script_trainer) == (None, SCRIPTS[source]), command
+    assert read_launch_command(["python", "trl/scripts/sft.py"], str(tmp_path)).script_trainer is None
+    assert read_launch_command(["python", "gone.py"], str(tmp_path)).script_trainer is None
