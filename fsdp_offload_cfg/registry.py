@@ -188,6 +188,16 @@ def displaced() -> list[str]:
             for a in last.values() if (now := _current(a.owner, a.attr)) is not a.replacement]
 
 
+def displaced_said() -> str:
+    """`displaced()` as the loader's guard adds it to its error about a model left on meta (a
+    prepare replaced after `patch()` may never fill it); "" where every patch is in place."""
+    replaced = displaced()
+    if not replaced:
+        return ""
+    return (" Replaced since fsdp_offload_cfg.patch(), so the loader's fill may never run: "
+            + "; ".join(replaced) + ". Where a framework does this, please report it to fsdp_offload_cfg.")
+
+
 def environ_before_patching() -> dict[str, str]:
     """The environment as it was before the active session exported its variables: what the
     launcher and the user set. A second `patch()` must not read the first one's exports back as
@@ -289,7 +299,15 @@ def install(new: Plan) -> PatchSession:
     _ACTIVE = PatchSession(new.config, new.source, applied, env_before, new.replan,
                            expandable_segments=new.expandable_segments)
     _install_later(_ACTIVE, new.patches)
+    _tell_the_guard()
     return _ACTIVE
+
+
+def _tell_the_guard() -> None:
+    """The loader's guard, a floor below, says what `displaced_said` finds (it cannot import this)."""
+    from fsdp_offload_cfg.loading import guard
+
+    guard.left_on_meta_because = displaced_said
 
 
 def switch(new: Plan) -> PatchSession:

@@ -12,7 +12,7 @@ inside `local_loading()`. `load_into_sharded` releases the guard as it starts fi
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,6 +63,12 @@ def _holds_meta(module: nn.Module, recurse: bool) -> bool:
     return any(t.is_meta for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)])
 
 
+# What a floor above can tell about a model left on meta that this one cannot see: the registry
+# names the patches a framework replaced after `patch()` (`registry.displaced_said`), set when it
+# installs a session; nothing until then.
+left_on_meta_because: Callable[[], str] = str
+
+
 def _fill_or_refuse(module: nn.Module, *_: Any, what: str, part: str = "") -> None:
     """Before `module` runs: read its pending tensors (and compute DoRA magnitudes owed), or raise
     naming the tensors no file backs on this rank."""
@@ -73,20 +79,8 @@ def _fill_or_refuse(module: nn.Module, *_: Any, what: str, part: str = "") -> No
     raise RuntimeError(
         f"fsdp_offload_cfg: the model made by `{what}` is still on the meta device on rank {dist.get_rank()} "
         f"({shown}{counted(len(left), 'tensor')}, e.g. {left[0]}): the loader fills it in `accelerator.prepare(model)` "
-        f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}{_displaced_said()}"
+        f"(or `fsdp2_prepare_model`). Prepare it before calling it. {LOCAL_LOADING_HINT}{left_on_meta_because()}"
     )
-
-
-def _displaced_said() -> str:
-    """Where the cause may be a framework that replaced one of our patches after `patch()` (a
-    prepare that no longer fills the model), the error names what replaced which."""
-    from fsdp_offload_cfg import registry
-
-    replaced = registry.displaced()
-    if not replaced:
-        return ""
-    return (" Replaced since fsdp_offload_cfg.patch(), so the loader's fill may never run: "
-            + "; ".join(replaced) + ". Where a framework does this, please report it to fsdp_offload_cfg.")
 
 
 def _fill_unless_keys_only(module: nn.Module, *args: Any, what: str) -> None:
