@@ -409,6 +409,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
         layer_class_names,
     )
     from fsdp_offload_cfg.estimate.probe import measure_activations
+    from fsdp_offload_cfg.offload.groups import own_class
 
     pretrained = transformers_model(model)
     if pretrained is None:
@@ -416,7 +417,7 @@ def profile_layers(model: nn.Module, handle: Any, cfg: FSDPOffloadConfig,
                           "PreTrainedModel inside it")
     source = ModelSource("", pretrained.config, (), "")
     dtype = _compute_dtype(model, cfg)
-    twin = build_on_meta(source, dtype, cls=_original_class(pretrained))
+    twin = build_on_meta(source, dtype, cls=own_class(pretrained))
     twin = adapters_like(model, twin)  # a LoRA run: its adapters
     layers = layer_class_names(twin, cfg.transformer_layer_cls_to_wrap)
     batch = example_batch(source, *shape, dtype, example_image(source.config, twin))
@@ -537,13 +538,6 @@ def _takes_use_cache(model: nn.Module) -> bool:
 
     pretrained = transformers_model(model)  # its class's forward: the instance's is the offload's wrapper
     return pretrained is not None and "use_cache" in inspect.signature(type(pretrained).forward).parameters
-
-
-def _original_class(model: nn.Module) -> type[nn.Module]:
-    """The model's own class (FSDP2 swaps in a subclass named `FSDP<class>`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _compute_dtype(model: nn.Module, cfg: FSDPOffloadConfig) -> torch.dtype:

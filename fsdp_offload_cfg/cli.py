@@ -31,6 +31,8 @@ from fsdp_offload_cfg.config.trainer_file import (
     BATCH_KEYS,
     MODEL_KEYS,
     SEQ_LEN_KEYS,
+    TRL_COMPLETION_VERBS,
+    TRL_FUSED_HEAD_VERBS,
     RunArguments,
     is_trainer_layout,
     run_arguments_of,
@@ -629,10 +631,6 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
     return said
 
 
-# TRL's trainers whose loss goes through its fused LM head (TRL 1.15 on), as their CLI verbs' do
-FUSED_HEAD_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer")
-
-
 def _loss_head(args: argparse.Namespace, run: RunArguments | None) -> tuple[str, str | None]:
     """The head the loss goes through, and where the estimate chose it from a script's source,
     the sentence that says so: --loss-head; else the run's (a TRL verb's, `trl sft`); else, for
@@ -640,15 +638,16 @@ def _loss_head(args: argparse.Namespace, run: RunArguments | None) -> tuple[str,
     that trainer's head (its fused LM head; with --teacher-model, DistillationTrainer's divergence);
     else the model's own cross-entropy. A user script building `SFTTrainer` was estimated with
     full logits over the vocabulary, which TRL never makes."""
+    from fsdp_offload_cfg.launch_command import TRL_TRAINERS
+
     ran = run.loss_head if run else "cross_entropy"
     trainer = getattr(args, "script_trainer", None)
     if args.loss_head is not None or ran != "cross_entropy" or trainer is None:
         return _given_or(args.loss_head, ran), None
-    if trainer in FUSED_HEAD_TRAINERS:
-        extra = {"DPOTrainer": "; its reference model counts with --reference-model",
-                 "KTOTrainer": "; its reference model counts with --reference-model",
-                 "GRPOTrainer": "; only the completion's positions with --completion-tokens",
-                 "RLOOTrainer": "; only the completion's positions with --completion-tokens"}.get(trainer, "")
+    verb = TRL_TRAINERS[trainer]
+    if verb in TRL_FUSED_HEAD_VERBS:
+        extra = ("; its reference model counts with --reference-model" if verb in ("dpo", "kto") else
+                 "; only the completion's positions with --completion-tokens" if verb in TRL_COMPLETION_VERBS else "")
         return "trl_fused_lm_head", (f"the script builds TRL's {trainer}: its loss through TRL's fused LM head, no "
                                      "logits over the whole vocabulary (--loss-head cross_entropy counts them)" + extra)
     if args.teacher_model is not None:

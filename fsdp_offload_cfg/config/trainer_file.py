@@ -88,6 +88,10 @@ TRL_KEYS = ("use_peft", "model_revision", "accelerate_config", "dataset_train_sp
 # the TRL trainers that may load a reference model, and the KL coefficient `beta` each has unset (TRL 0.24 to
 # 1.16; DPO's and KTO's load one whatever their beta)
 REFERENCE_BETA = {"dpo": 0.1, "kto": 0.1, "grpo": 0.0, "rloo": 0.05}
+# the TRL verbs whose trainers patch the model with TRL's fused LM head (1.15 on), and those among them that
+# score a generated completion only (its `max_completion_length`) and may hold a reward model
+TRL_FUSED_HEAD_VERBS = ("sft", "dpo", "kto", "grpo", "rloo")
+TRL_COMPLETION_VERBS = ("grpo", "rloo")
 # axolotl 0.19's `rl` methods (its RLType) the estimate models, through the TRL 1.9 trainers it subclasses; any
 # other (`ebft`) is read as fine-tuning, saying so
 AXOLOTL_RL = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo", "gdpo")
@@ -395,7 +399,7 @@ class _Reader:
                 self.caveats.append("reward_model: PPO's value and reward models are not counted")
                 return ()
             return tuple(paths)
-        if self.trl_verb not in ("grpo", "rloo"):
+        if self.trl_verb not in TRL_COMPLETION_VERBS:
             return ()
         path = self.first(("reward_model_name_or_path",), str, "reward_model")
         return () if path is None else (path,)
@@ -433,13 +437,13 @@ class _Reader:
         RLOO); None: every one."""
         if self.trl_verb == "distillation" and self.top.get("teacher_model_name_or_path") is not None:
             return {"loss_head": "trl_chunked_distillation", "completion_tokens": self._completion_tokens()}
-        if self.trl_verb not in ("sft", "dpo", "kto", "grpo", "rloo") and not (self.trl and self.trl_verb is None):
+        if self.trl_verb not in TRL_FUSED_HEAD_VERBS and not (self.trl and self.trl_verb is None):
             return {"loss_head": "cross_entropy", "completion_tokens": None}
         smoothing = self.top.get("label_smoothing_factor")
         if self.trl_verb in ("sft", None) and isinstance(smoothing, (int, float)) and smoothing > 0:
             return {"loss_head": "cross_entropy", "completion_tokens": None}
         return {"loss_head": "trl_fused_lm_head",
-                "completion_tokens": self._completion_tokens() if self.trl_verb in ("grpo", "rloo") else None}
+                "completion_tokens": self._completion_tokens() if self.trl_verb in TRL_COMPLETION_VERBS else None}
 
     def _completion_tokens(self) -> int:
         return self.first(("max_completion_length",), int, "completion_tokens",

@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg._signatures import qualified_name
-from fsdp_offload_cfg.offload.groups import GroupHooks, LayerClasses, find_units, lift_to_boundaries
+from fsdp_offload_cfg.offload.groups import GroupHooks, LayerClasses, find_units, lift_to_boundaries, own_class
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.pool import HostPool
@@ -93,7 +93,7 @@ class OffloadHandle:
                    "such as model.model(...) directly, or swapping the model's forward for the length of a call)")
             fix = "Call the model itself"
         warnings.warn(
-            f"activation offload: {_own_name(layer)} of {_own_name(self.model)} ran a training forward "
+            f"activation offload: {own_class(layer).__name__} of {own_class(self.model).__name__} ran a training forward "
             f"outside the offload: {how}. Its activations stay on the device. {fix}; where a framework does this, "
             "please report it to fsdp_offload_cfg.",
             stacklevel=2,
@@ -221,15 +221,6 @@ def _wrap_forward(handle: OffloadHandle, handler: OffloadHandler) -> None:
     bound = types.MethodType(forward, model)
     model.forward = bound
     handle._forward = bound
-
-
-def _own_name(module: nn.Module) -> str:
-    """A module's class as its user knows it: the layer inside a checkpoint wrapper, without the
-    `FSDP<class>` subclass FSDP2 swaps in."""
-    from torch.distributed.fsdp import FSDPModule
-
-    module = getattr(module, "_checkpoint_wrapped_module", module)
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _whole_model_compile_notice() -> None:

@@ -45,6 +45,14 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
+def own_class(module: nn.Module) -> type[nn.Module]:
+    """The class its user wrote: inside any checkpoint/FSDP1 wrapper, without the `FSDP<class>`
+    subclass FSDP2 swaps in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(unwrap(module)).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _class_names(module: nn.Module) -> set[str]:
     """Names along the MRO: FSDP2 renames classes (`FSDPLlamaDecoderLayer`) but keeps the base."""
     return {c.__name__ for c in type(unwrap(module)).__mro__}
