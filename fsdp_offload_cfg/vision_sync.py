@@ -20,7 +20,8 @@ TRL have nothing. Here, at the model's forward:
 3. a rank without a modality some other rank has receives the lowest such rank's inputs for it
    and runs the model's own `get_image_features` (`get_video_features`) on them where the
    others run their tower: right after its text embedding (the models embed the text first,
-   and the embedding may be a unit of its own; with `inputs_embeds` given, before the forward).
+   and the embedding may be a unit of its own; with `inputs_embeds` given, before the forward,
+   inside the activation offload all the same).
    With gradients it adds `0 * sum(features)` to its input embeddings, so its backward runs the
    tower's backward where theirs does, with gradients of exactly zero: its loss and its text
    gradients are those of its forward without the stand-in (`x + 0.0` is `x`), and the tower's reduced
@@ -138,7 +139,7 @@ class _SyncState:
         if not towers:
             return None
         if kwargs.get("inputs_embeds") is not None:  # no embedding call: the towers come first
-            zero = _run_towers(vlm, towers)
+            zero = _run_towers_before_forward(vlm, towers)
             embeds = kwargs["inputs_embeds"]
             return args, {**kwargs, "inputs_embeds": embeds if zero is None else embeds + zero.to(embeds.dtype)}
         self.pending = vlm.get_input_embeddings().register_forward_hook(self._towers_after_embedding(vlm, towers))
@@ -171,6 +172,18 @@ def _run_towers(vlm: nn.Module, towers: list[tuple[Modality, dict[str, Any]]]) -
     if not torch.is_grad_enabled() or not carried:
         return None
     return sum(carried[1:], carried[0]) * 0.0
+
+
+def _run_towers_before_forward(vlm: nn.Module, towers: list[tuple[Modality, dict[str, Any]]]) -> torch.Tensor | None:
+    """`_run_towers` from the forward's pre-hook. Where the VLM is the activation offload's root, its
+    forward (the one the offload wraps) has not begun, so the towers run as a pass of the offload of
+    their own: their layers' activations move as the other ranks' do inside their forward, rather
+    than stay on the device (and the offload warn of a layer run outside it). Under an outer root
+    (a PEFT wrapper) the pre-hook runs inside that root's pass already."""
+    handle = model_state.get(vlm, "offload")
+    if handle is None:
+        return _run_towers(vlm, towers)
+    return handle.run_as_forward(_run_towers, vlm, towers)
 
 
 def _has(value: Any) -> bool:

@@ -213,6 +213,42 @@ def test_a_rank_passing_inputs_embeds_runs_the_tower_before_its_forward() -> Non
         np.testing.assert_allclose(result["vision_grad"], ranks[0]["rank0_grad"] / 2, rtol=1e-6)  # rank 1 adds 0
 
 
+def _embeds_offload_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """As `_embeds_worker`, with the activation offload on the VLM (its root) and the tower a group of
+    it: the stand-in runs in the forward's pre-hook, before the forward the offload wraps."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_offload_cfg import vision_sync
+    from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats
+    from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+
+    torch.manual_seed(0)
+    model = _TinyVLMWithFeatures()
+    fully_shard(model.vision)
+    fully_shard(model)
+    vision_sync.sync_vision(model)
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, min_tensor_bytes=0,
+                                                                      offload_last_group=True), groups=[model.vision])
+    embeds = torch.nn.Embedding(10, 8)
+    pixels = {"pixel_values": torch.ones(1, 4)} if rank == 0 else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(inputs_embeds=embeds(torch.tensor([[1, 2, 3]])), **pixels).backward()
+    handle.remove()
+    vision_sync.remove(model)
+    return {"offloaded": offload_stats()["offloaded_bytes"], "warnings": [str(w.message) for w in caught]}
+
+
+def test_a_rank_passing_inputs_embeds_runs_the_stand_in_tower_inside_the_offload() -> None:
+    """Before: rank 1's stand-in ran before the forward the offload installed, so its tower's
+    activations stayed on the device, and the offload warned that a layer ran outside it."""
+    for rank, result in enumerate(run_workers(_embeds_offload_worker, 2, timeout=120, pg_timeout=30)):
+        assert not [w for w in result["warnings"] if "outside the offload" in w], (rank, result["warnings"])
+        assert result["offloaded"] > 0, rank  # the tower's input (its one saved tensor) left the device
+
+
 def _refusal_worker(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
