@@ -662,10 +662,12 @@ def _given_or(flag: Any, from_the_run: Any) -> Any:
     return from_the_run if flag is None else flag
 
 
-def _unsaid(file: str, missing: list[str], run: RunArguments | None) -> str:
+def _unsaid(file: str | None, missing: list[str], run: RunArguments | None) -> str:
     """Where each missing flag could have come from, for the usage error: the length in the
     run's own words where no key gives it (GRPO's: a prompt and its completion)."""
     keys = {"--model": MODEL_KEYS, "--seq-len": SEQ_LEN_KEYS, "--batch-size": BATCH_KEYS}
+    if run is None and file is None:  # `estimate -- COMMAND` whose script gets no arguments
+        return "the command gives its script no training arguments that could give them"
     if run is None:
         return f"{file} is not a Trainer's file, whose training arguments could give them"
     words = run.seq_len_said if "--seq-len" in missing else None

@@ -1298,6 +1298,18 @@ def test_a_script_that_builds_trls_sft_trainer_is_estimated_with_trls_head(model
         "; its reference model counts with --reference-model")
 
 
+def test_a_command_whose_script_gets_no_arguments_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch):
+    """Before: "(None is not a Trainer's file, whose training arguments could give them)"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    (tmp_path / "train.py").write_text("print('training')\n")
+    assert cli.main(["estimate", "--", "accelerate", "launch", "--config_file", "a.yaml", "train.py"]) == 2
+    assert capsys.readouterr().err == (
+        "fsdp-offload-cfg estimate: the following arguments are required: --model, --seq-len, --batch-size (the "
+        "command gives its script no training arguments that could give them)\n")
+
+
 def test_a_command_whose_config_cannot_be_told_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                   monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no accelerate default config
