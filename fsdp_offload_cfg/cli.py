@@ -488,13 +488,17 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     args.num_processes = args.num_processes or launch.num_processes
     top = read_config_file(file)
     args.num_machines = launch.num_machines or _num_machines(top)
-    args.script_trainer = launch.script_trainer
+    args.script_trl = script = launch.script_trl
     arguments = {**(top if is_trainer_layout(top) else {}), **launch.arguments}
-    if not arguments and launch.cli is None:
+    cli, trl_config = launch.cli, None
+    if script is not None and script.trl_defaults:  # naming TRL's ModelConfig, it is one of TRL's scripts
+        cli, trl_config = (f"trl {script.verb}", None) if script.model_config else (None, script.verb)
+    if not arguments and cli is None and trl_config is None:
         return config, None
     base = file if is_trainer_layout(top) and file != launch.run_file else None
-    source = " and ".join(filter(None, (base, launch.arguments_from))) or " ".join(launch.command[:2])
-    return config, run_arguments_of(arguments, source, launch.cli)
+    source = " and ".join(filter(None, (base, launch.arguments_from))) or (
+        script.script if script is not None else " ".join(launch.command[:2]))
+    return config, run_arguments_of(arguments, source, cli, trl_config)
 
 
 def _num_machines(top: dict[Any, Any]) -> int | None:
@@ -632,29 +636,47 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
 
 
 def _loss_head(args: argparse.Namespace, run: RunArguments | None) -> tuple[str, str | None]:
-    """The head the loss goes through, and where the estimate chose it from a script's source,
-    the sentence that says so: --loss-head; else the run's (a TRL verb's, `trl sft`); else, for
-    a script of the user's own that builds one of TRL's trainers (`launch_command.trl_trainer_built`),
-    that trainer's head (its fused LM head; with --teacher-model, DistillationTrainer's divergence);
+    """The head the loss goes through, and, for a script of the user's own that builds one of
+    TRL's trainers (`config/trl_script.py`), the sentence that says how it was read:
+    --loss-head; else the run's (a TRL verb's, `trl sft`, or that of a script building its
+    trainer with TRL's config); else, for a script converting the Trainer's arguments, its
+    trainer's head (the fused LM head; with --teacher-model, DistillationTrainer's divergence);
     else the model's own cross-entropy. A user script building `SFTTrainer` was estimated with
     full logits over the vocabulary, which TRL never makes."""
-    from fsdp_offload_cfg.launch_command import TRL_TRAINERS
-
     ran = run.loss_head if run else "cross_entropy"
-    trainer = getattr(args, "script_trainer", None)
-    if args.loss_head is not None or ran != "cross_entropy" or trainer is None:
-        return _given_or(args.loss_head, ran), None
-    verb = TRL_TRAINERS[trainer]
-    if verb in TRL_FUSED_HEAD_VERBS:
-        extra = ("; its reference model counts with --reference-model" if verb in ("dpo", "kto") else
-                 "; only the completion's positions with --completion-tokens" if verb in TRL_COMPLETION_VERBS else "")
-        return "trl_fused_lm_head", (f"the script builds TRL's {trainer}: its loss through TRL's fused LM head, no "
-                                     "logits over the whole vocabulary (--loss-head cross_entropy counts them)" + extra)
-    if args.teacher_model is not None:
-        return "trl_chunked_distillation", ("the script builds TRL's DistillationTrainer: its loss through TRL's "
-                                            "chunked divergence against --teacher-model")
-    return "cross_entropy", ("the script builds TRL's DistillationTrainer: --teacher-model counts its teacher and "
-                             "its chunked divergence; counted here: the model's own cross-entropy")
+    script = getattr(args, "script_trl", None)
+    if args.loss_head is not None or script is None:
+        return _given_or(args.loss_head, ran), _script_said(script, None)
+    head = ran
+    if script.verb == "distillation" and ran == "cross_entropy" and args.teacher_model is not None:
+        head = "trl_chunked_distillation"
+    elif not script.trl_defaults and script.verb in TRL_FUSED_HEAD_VERBS and ran == "cross_entropy":
+        head = "trl_fused_lm_head"
+    return head, _script_said(script, head)
+
+
+def _script_said(script: Any, head: str | None) -> str | None:
+    """How the estimate read a script that builds a TRL trainer: whose defaults, the head it chose
+    (`head`, None where a flag chose it), what the source states in no literal."""
+    if script is None:
+        return None
+    said = f"{script.script} builds TRL's {script.trainer} ({script.config_from}): " + (
+        "TRL's defaults where neither the script nor the command line sets a value" if script.trl_defaults else
+        "the Trainer's defaults, which TRL keeps in converting them")
+    if head == "trl_fused_lm_head":
+        said += ("; its loss through TRL's fused LM head, no logits over the whole vocabulary (--loss-head "
+                 "cross_entropy counts them)")
+        if not script.trl_defaults:  # TRL's defaults count both (the reader's `reference_model`, `completion_tokens`)
+            said += ("; its reference model counts with --reference-model" if script.verb in ("dpo", "kto") else
+                     "; only the completion's positions with --completion-tokens" if script.verb in TRL_COMPLETION_VERBS
+                     else "")
+    elif head == "trl_chunked_distillation":
+        said += "; its loss through TRL's chunked divergence against its teacher"
+    elif script.verb == "distillation" and head is not None:
+        said += "; --teacher-model counts its teacher and its chunked divergence (counted here: the model's own loss)"
+    if script.unread:
+        said += f"; not literals in its source, so not read from it: {', '.join(script.unread)}"
+    return said
 
 
 def _given_or(flag: Any, from_the_run: Any) -> Any:

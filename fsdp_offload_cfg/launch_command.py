@@ -25,7 +25,6 @@ What is read, each as the launcher itself reads it:
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib.util
 import os
@@ -36,13 +35,11 @@ from typing import Any
 
 from fsdp_offload_cfg.config.model import ConfigError
 from fsdp_offload_cfg.config.reading import read_config_file
+from fsdp_offload_cfg.config.trl_script import TrlScript, read_trl_script
 from fsdp_offload_cfg.discovery import dotted_key, is_trl_cli, launch_config_file, launch_flag_keys, typed_launch_flags
 
 RUN_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 TRL_SCRIPTS = ("distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft")  # trl/scripts/VERB.py, run by `trl VERB`
-# TRL's trainers a script of the user's own may build, and the verb whose trainer each is
-TRL_TRAINERS = {"SFTTrainer": "sft", "DPOTrainer": "dpo", "KTOTrainer": "kto", "GRPOTrainer": "grpo",
-                "RLOOTrainer": "rloo", "DistillationTrainer": "distillation"}
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
 FRAMEWORK_VERBS = {"llamafactory-cli": "train", "lmf": "train", "axolotl": "train"}  # their training verb: the file follows it
 
@@ -60,7 +57,7 @@ class LaunchCommand:
     cli: str | None = None  # the framework's CLI and verb that run it, `trl sft`, `swift sft`: its defaults hold
     num_machines: int | None = None  # `accelerate launch --num_machines`, torchrun's `--nnodes`
     arguments_from: str = ""  # in words, for the estimate to say: `sft.yaml and the command line`
-    script_trainer: str | None = None  # the TRL trainer a script of the user's own builds (`SFTTrainer`)
+    script_trl: TrlScript | None = None  # the TRL run a script of the user's own builds (`config/trl_script.py`)
 
 
 def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
@@ -92,53 +89,11 @@ def read_launch_command(command: list[str], cwd: str) -> LaunchCommand:
 
 def _the_script(command: list[str], cwd: str) -> dict[str, Any]:
     """What COMMAND's script says of the run: `cli`, the TRL verb whose own script it is; else
-    `script_trainer`, the TRL trainer a script of the user's own builds (`trl_trainer_built`)."""
+    `script_trl`, the TRL run a script of the user's own builds (`read_trl_script`)."""
     cli = _trl_script_cli(command)
     at = _script_at(command)
     own = cli is None and at is not None and command[at].endswith(".py")
-    return {"cli": cli, "script_trainer": trl_trainer_built(Path(cwd, command[at])) if own else None}
-
-
-def trl_trainer_built(script: Path) -> str | None:
-    """The TRL trainer class (`TRL_TRAINERS`) a script calls, read from its source, nothing run:
-    a name imported from `trl` or a `trl.*` module (under any alias), `trl.X` after `import trl`,
-    or a class of the script's own derived from one (`class MyTrainer(SFTTrainer)`); the first
-    called in the file. None where no such call is found or the file cannot be read."""
-    try:
-        tree = ast.parse(script.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    names, modules = _trl_names(tree)
-    for node in ast.walk(tree):  # subclasses, as often as a class derives from one found before it
-        if isinstance(node, ast.ClassDef):
-            base = next(filter(None, (_trainer_named(b, names, modules) for b in node.bases)), None)
-            if base is not None:
-                names[node.name] = base
-    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
-    return next((found for call in calls if (found := _trainer_named(call.func, names, modules))), None)
-
-
-def _trl_names(tree: ast.AST) -> tuple[dict[str, str], set[str]]:
-    """The script's names for TRL's trainers (local name: TRL's class) and for TRL's modules."""
-    names: dict[str, str] = {}
-    modules: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trl":
-            names.update({a.asname or a.name: a.name for a in node.names if a.name in TRL_TRAINERS})
-        elif isinstance(node, ast.Import):
-            modules.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "trl")
-    return names, modules
-
-
-def _trainer_named(expression: ast.expr, names: dict[str, str], modules: set[str]) -> str | None:
-    if isinstance(expression, ast.Name):
-        return names.get(expression.id)
-    if isinstance(expression, ast.Attribute) and expression.attr in TRL_TRAINERS:
-        root = expression.value
-        while isinstance(root, ast.Attribute):
-            root = root.value
-        return expression.attr if isinstance(root, ast.Name) and root.id in modules else None
-    return None
+    return {"cli": cli, "script_trl": read_trl_script(command[at], cwd) if own else None}
 
 
 def _trl_script_cli(command: list[str]) -> str | None:
@@ -173,11 +128,17 @@ def _script_at(command: list[str]) -> int | None:
 
 
 def _with_arguments(command: list[str], script_args: list[str], cwd: str, **found: Any) -> LaunchCommand:
+    """The training arguments: the run file's, the command line's over them, and those a script
+    of the user's own states in its code over both (code wins, as in accelerate's order)."""
     run_file, items = _run_file(script_args, cwd)
     arguments = dict(read_config_file(run_file)) if run_file is not None else {}  # a mapping, or ConfigError
     flags = _flags(items)
     arguments.update(flags)
-    arguments_from = " and ".join(filter(None, (run_file, "the command line" if flags else None)))
+    script = found.get("script_trl")
+    coded = script.arguments if script is not None else {}
+    arguments.update(coded)
+    in_code = command[_script_at(command)] if coded else None
+    arguments_from = " and ".join(filter(None, (run_file, "the command line" if flags else None, in_code)))
     return LaunchCommand(tuple(command), run_file=run_file, arguments=arguments, arguments_from=arguments_from, **found)
 
 

@@ -1265,37 +1265,65 @@ def test_accelerate_launchs_typed_flags_count_over_its_file_and_set_over_both(mo
     assert code_wins["inputs"]["compute_dtype"] == "float32"
 
 
-def test_a_script_that_builds_trls_sft_trainer_is_estimated_with_trls_head(models: dict[str, str], tmp_path: Path,
-                                                                           capsys: pytest.CaptureFixture[str],
-                                                                           monkeypatch: pytest.MonkeyPatch):
-    """`accelerate launch train.py`, train.py building TRL's `SFTTrainer`: TRL's fused LM head
-    makes no logits over the vocabulary, and the estimate counts it as `--loss-head
-    trl_fused_lm_head` does (the same figures), saying so after the training arguments it read. Before, a
-    script of the user's own was estimated with the full logits unless the flag was given (the
-    head's backward of a 3B Llama at 8k tokens: 7.8 GiB). The flag still wins; a script of the
-    Trainer's alone is estimated as before; one building DPOTrainer says how to count its
-    reference model."""
+def test_a_script_that_builds_trls_sft_trainer_is_estimated_as_trl_sft(models: dict[str, str], tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """`accelerate launch train.py`, train.py building TRL's `SFTTrainer` with its own SFTConfig:
+    the run `trl sft` makes of the same arguments, TRL's defaults and all (bf16, every layer
+    checkpointed, its fused LM head: no logits over the vocabulary), whether the arguments come on
+    the command line or as literals in the script (its LoRA too, with PEFT's defaults). Before, such
+    a script was estimated as the Trainer's (float32, no checkpointing) and asked for the model,
+    length and batch it states. A script converting the Trainer's arguments keeps the Trainer's
+    defaults, with TRL's head; --loss-head still wins."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_version: 2\n")
-    launch = ["accelerate", "launch", "--config_file", "a.yaml", "--num_processes", "2", "train.py",
-              "--model_name_or_path", models["llama"], "--max_length", "48", "--per_device_train_batch_size", "2"]
-    (tmp_path / "train.py").write_text("from transformers import Trainer\nTrainer(model)\n")
-    trainer = _command_estimate(capsys, "--", *launch)
-    flagged = _command_estimate(capsys, "--loss-head", "trl_fused_lm_head", "--", *launch)
+    given = ["--model_name_or_path", models["llama"], "--max_length", "48", "--per_device_train_batch_size", "2"]
+    launch = ["accelerate", "launch", "--config_file", "a.yaml", "--num_processes", "2", "train.py"]
+    trl_sft = ["trl", "sft", "--accelerate_config", "a.yaml", "--num_processes", "2", *given]
     (tmp_path / "train.py").write_text("from trl import SFTTrainer\nSFTTrainer(model)\n")
-    sft = _command_estimate(capsys, "--", *launch)
+    sft = _command_estimate(capsys, "--", *launch, *given)
+    as_trl = _command_estimate(capsys, "--", *trl_sft)
+    assert sft["per_rank"] == as_trl["per_rank"] and sft["inputs"]["loss_head"] == "trl_fused_lm_head"
+    assert sft["inputs"]["compute_dtype"] == "bfloat16" and sft["inputs"]["activation_setting"] == "checkpointing"
+    assert sft["assumptions"][1] == (
+        "train.py builds TRL's SFTTrainer (no args=: SFTTrainer builds its own SFTConfig): TRL's defaults where neither "
+        "the script nor the command line sets a value; its loss through TRL's fused LM head, no logits over the whole "
+        "vocabulary (--loss-head cross_entropy counts them); not literals in its source, so not read from it: model")
+    # everything in the code, nothing on the command line
+    (tmp_path / "train.py").write_text(
+        "from peft import LoraConfig\nfrom trl import SFTConfig, SFTTrainer\n"
+        "args = SFTConfig(output_dir='o', max_length=48, per_device_train_batch_size=2, gradient_checkpointing=False)\n"
+        f"SFTTrainer(model={models['llama']!r}, args=args, peft_config=LoraConfig(r=4))\n")
+    coded = _command_estimate(capsys, "--", *launch)
+    as_trl = _command_estimate(capsys, "--", *trl_sft, "--gradient_checkpointing", "false", "--use_peft", "--lora_r",
+                               "4", "--lora_dropout", "0.0")
+    assert coded["per_rank"] == as_trl["per_rank"] and coded["model"]["lora"] == as_trl["model"]["lora"]
+    assert coded["inputs"]["activation_setting"] == "plain" and coded["model"]["lora"]["rank"] == 4
+    assert coded["assumptions"][0].startswith("from the training arguments in train.py: ")
+    # the Trainer's arguments, converted by TRL: the Trainer's defaults, TRL's head
+    (tmp_path / "train.py").write_text("from transformers import Trainer\nTrainer(model)\n")
+    trainer = _command_estimate(capsys, "--", *launch, *given)
+    flagged = _command_estimate(capsys, "--loss-head", "trl_fused_lm_head", "--", *launch, *given)
+    (tmp_path / "train.py").write_text("from transformers import TrainingArguments\nfrom trl import SFTTrainer\n"
+                                       "SFTTrainer(model, args=TrainingArguments('o'))\n")
+    converted = _command_estimate(capsys, "--", *launch, *given)
     assert trainer["inputs"]["loss_head"] == "cross_entropy"
     assert not any("TRL's" in said for said in trainer["assumptions"]), trainer["assumptions"]
-    assert sft["inputs"] == flagged["inputs"] and sft["per_rank"] == flagged["per_rank"]
-    assert sft["inputs"]["loss_head"] == "trl_fused_lm_head"
+    assert converted["inputs"] == flagged["inputs"] and converted["per_rank"] == flagged["per_rank"]
+    assert converted["inputs"]["compute_dtype"] == "float32"
     # the head differs (at this tiny vocabulary TRL's 94 x 32768 tile outweighs the logits, at a 3B's the other way)
-    assert sft["per_rank"]["peak_device_bytes"] != trainer["per_rank"]["peak_device_bytes"]
-    assert sft["assumptions"][1] == ("the script builds TRL's SFTTrainer: its loss through TRL's fused LM head, no "
-                                     "logits over the whole vocabulary (--loss-head cross_entropy counts them)")
-    assert _command_estimate(capsys, "--loss-head", "cross_entropy", "--", *launch)["per_rank"] == trainer["per_rank"]
-    (tmp_path / "train.py").write_text("from trl import DPOTrainer\nDPOTrainer(model)\n")
-    assert _command_estimate(capsys, "--", *launch)["assumptions"][1].endswith(
-        "; its reference model counts with --reference-model")
+    assert converted["per_rank"]["peak_device_bytes"] != trainer["per_rank"]["peak_device_bytes"]
+    assert converted["assumptions"][1] == (
+        "train.py builds TRL's SFTTrainer (its args= TrainingArguments(...)): the Trainer's defaults, which TRL keeps "
+        "in converting them; its loss through TRL's fused LM head, no logits over the whole vocabulary (--loss-head "
+        "cross_entropy counts them); not literals in its source, so not read from it: model")
+    assert _command_estimate(capsys, "--loss-head", "cross_entropy", "--", *launch, *given)["per_rank"] == \
+        _command_estimate(capsys, "--", "accelerate", "launch", "--config_file", "a.yaml", "--num_processes", "2",
+                          "other.py", *given)["per_rank"]
+    (tmp_path / "train.py").write_text("from transformers import TrainingArguments\nfrom trl import DPOTrainer\n"
+                                       "DPOTrainer(model, args=TrainingArguments('o'))\n")
+    assert "; its reference model counts with --reference-model; " in \
+        _command_estimate(capsys, "--", *launch, *given)["assumptions"][1]
 
 
 def test_a_command_whose_script_gets_no_arguments_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],

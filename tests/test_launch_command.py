@@ -212,6 +212,76 @@ def test_a_script_of_the_users_own_names_the_trl_trainer_it_builds(tmp_path: Pat
     for command in (["accelerate", "launch", "--config_file", "f.yaml", "train.py", "--max_length", "8"],
                     ["torchrun", "--nproc_per_node", "2", "train.py"], ["python", "train.py"]):
         launch = read_launch_command(command, str(tmp_path))
-        assert (launch.cli, launch.script_trainer) == (None, SCRIPTS[source]), command
-    assert read_launch_command(["python", "trl/scripts/sft.py"], str(tmp_path)).script_trainer is None
-    assert read_launch_command(["python", "gone.py"], str(tmp_path)).script_trainer is None
+        trainer = launch.script_trl.trainer if launch.script_trl else None
+        assert (launch.cli, trainer) == (None, SCRIPTS[source]), command
+    assert read_launch_command(["python", "trl/scripts/sft.py"], str(tmp_path)).script_trl is None
+    assert read_launch_command(["python", "gone.py"], str(tmp_path)).script_trl is None
+
+
+# TRL's quickstart, everything in the code; what the estimate reads of it
+QUICKSTART = """\
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+from trl import SFTConfig, SFTTrainer
+
+model_id = "Qwen/Qwen2.5-0.5B"
+model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16)
+args = SFTConfig(output_dir="out", max_length=2048, per_device_train_batch_size=2, learning_rate=lr,
+                 model_init_kwargs={"attn_implementation": "sdpa"})
+trainer = SFTTrainer(model=model, args=args, train_dataset=data,
+                     peft_config=LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+trainer.train()
+"""
+TRL_SCRIPTS_READ = {
+    QUICKSTART: ("SFTConfig", "its args= SFTConfig(...)", {
+        "output_dir": "out", "max_length": 2048, "per_device_train_batch_size": 2,
+        "model_init_kwargs": {"attn_implementation": "sdpa"}, "model_name_or_path": "Qwen/Qwen2.5-0.5B",
+        "dtype": "bfloat16", "use_peft": True, "lora_r": 16, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"]}, ("learning_rate",), False),
+    # no args=: the trainer builds its own config; a model by name
+    "import trl\ntrl.DPOTrainer('m', train_dataset=d)\n":
+        ("DPOConfig", "no args=: DPOTrainer builds its own DPOConfig", {"model_name_or_path": "m"}, (), False),
+    # TRL's script pattern: a parser of TRL's config and ModelConfig, everything from the command line
+    ("from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser\n"
+     "training_args, model_args = TrlParser((GRPOConfig, ModelConfig)).parse_args_and_config()\n"
+     "GRPOTrainer(model=model_args.model_name_or_path, args=training_args, peft_config=get_peft_config(model_args))\n"):
+        ("GRPOConfig", "the script names GRPOConfig", {}, ("model", "peft_config"), True),
+    # the Trainer's arguments, which TRL converts keeping their values
+    ("from transformers import TrainingArguments\nfrom trl import SFTTrainer as T\n"
+     "T('m', args=TrainingArguments(output_dir='o', bf16=True, **extra))\n"):
+        ("TrainingArguments", "its args= TrainingArguments(...)", {"output_dir": "o", "bf16": True,
+                                                                   "model_name_or_path": "m"}, ("**extra",), False),
+    # a distillation teacher loaded by name
+    ("from transformers import AutoModelForCausalLM as A\nfrom trl import DistillationTrainer\n"
+     "DistillationTrainer('s', A.from_pretrained('t', torch_dtype='bfloat16'), args=cfg)\n"):
+        ("DistillationConfig", "its args= cannot be told from the source: DistillationConfig assumed",
+         {"model_name_or_path": "s", "teacher_model_name_or_path": "t",
+          "teacher_model_init_kwargs": {"dtype": "bfloat16"}}, (), False),
+}
+
+
+@pytest.mark.parametrize("source", list(TRL_SCRIPTS_READ), ids=range(len(TRL_SCRIPTS_READ)))
+def test_a_trl_script_of_the_users_own_is_read_for_its_arguments(tmp_path: Path, source: str):
+    """Whose defaults hold (TRL's config's, or the Trainer's it converts), and the values the
+    source states as literals: the config's keywords, the model and its dtype, a LoraConfig with
+    PEFT's defaults (r 8, dropout 0) where it says nothing; what is not a literal, by name."""
+    from fsdp_offload_cfg.config.trl_script import read_trl_script
+
+    (tmp_path / "train.py").write_text(source)
+    read = read_trl_script("train.py", str(tmp_path))
+    config, config_from, arguments, unread, model_config = TRL_SCRIPTS_READ[source]
+    assert (read.config, read.config_from, read.arguments, read.unread, read.model_config) == \
+        (config, config_from, arguments, unread, model_config)
+    assert read.trl_defaults == (config != "TrainingArguments")
+
+
+def test_a_trl_scripts_literals_win_over_the_command_line(tmp_path: Path):
+    """Code over the command line over the run file, as accelerate orders what the user typed."""
+    (tmp_path / "train.py").write_text(QUICKSTART)
+    (tmp_path / "run.yaml").write_text("max_length: 512\nnum_train_epochs: 3\n")
+    launch = read_launch_command(["accelerate", "launch", "train.py", "run.yaml", "--max_length", "1024",
+                                  "--per_device_train_batch_size", "4", "--seed", "7"], str(tmp_path))
+    assert {k: launch.arguments[k] for k in ("max_length", "per_device_train_batch_size", "num_train_epochs", "seed")} \
+        == {"max_length": 2048, "per_device_train_batch_size": 2, "num_train_epochs": 3, "seed": 7}
+    assert launch.arguments_from == f"{tmp_path / 'run.yaml'} and the command line and train.py"

@@ -160,11 +160,14 @@ def run_arguments(path: str) -> RunArguments | None:
     return run_arguments_of(top, path)
 
 
-def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None) -> RunArguments:
+def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None,
+                     trl_config: str | None = None) -> RunArguments:
     """The run training arguments describe, wherever they were read (`source` names it in
     errors): a Trainer's file, or a launch command's (`launch_command.py`), where `cli`
-    (`trl sft`, `swift sft`) names the framework's CLI that runs them, whose defaults then hold."""
-    reader = _Reader(top, source, cli)
+    (`trl sft`, `swift sft`) names the framework's CLI that runs them, whose defaults then hold;
+    `trl_config` (`sft`), the verb of the TRL config a script of the user's own builds its trainer
+    with (`config/trl_script.py`): TRL's defaults hold, but not its scripts' ModelConfig."""
+    reader = _Reader(top, source, cli, trl_config)
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
         "seq_len": reader.seq_len(),
@@ -212,10 +215,12 @@ class _Reader:
     """The file's keys, type-checked; every wrong one is collected and said together, the file and
     key named, as `load_config` says its problems."""
 
-    def __init__(self, top: dict[Any, Any], path: str, cli: str | None = None):
+    def __init__(self, top: dict[Any, Any], path: str, cli: str | None = None, trl_config: str | None = None):
         self.top, self.path = top, path
         framework, _, verb = (cli or "").partition(" ")
-        self.trl_verb = verb if framework == "trl" else None
+        self.trl_verb = verb if framework == "trl" else trl_config
+        # TRL's own scripts load the model by its ModelConfig (float32 unset); a script of the user's own by its code
+        self.trl_scripts = framework == "trl"
         # ms-swift's CLI: LoRA, checkpointing and a micro-batch of 1 by default, precision by the load dtype
         self.swift = framework == "swift"
         # `swift rlhf`'s method (`--rlhf_type`, DPO unset; SimPO runs as CPO), whose defaults hold over sft's
@@ -284,7 +289,7 @@ class _Reader:
                 return str(mapping[key])
             if key is not None:
                 return None  # auto: the checkpoint's own, the estimate's default
-        if self.trl_verb is not None or (self.trl and any(key in self.top for key in MODEL_CONFIG_KEYS)):
+        if self.trl_scripts or (self.trl and self.trl_verb is None and any(key in self.top for key in MODEL_CONFIG_KEYS)):
             self.taken["dtype"] = "dtype unset: TRL's ModelConfig default float32"
             return "float32"
         return None
