@@ -490,15 +490,12 @@ def _config_and_run(args: argparse.Namespace) -> tuple[FSDPOffloadConfig, RunArg
     args.num_machines = launch.num_machines or _num_machines(top)
     args.script_trl = script = launch.script_trl
     arguments = {**(top if is_trainer_layout(top) else {}), **launch.arguments}
-    cli, trl_config = launch.cli, None
-    if script is not None and script.trl_defaults:  # naming TRL's ModelConfig, it is one of TRL's scripts
-        cli, trl_config = (f"trl {script.verb}", None) if script.model_config else (None, script.verb)
-    if not arguments and cli is None and trl_config is None:
+    if not arguments and launch.cli is None and not (script is not None and script.trl_defaults):
         return config, None
     base = file if is_trainer_layout(top) and file != launch.run_file else None
     source = " and ".join(filter(None, (base, launch.arguments_from))) or (
         script.script if script is not None else " ".join(launch.command[:2]))
-    return config, run_arguments_of(arguments, source, cli, trl_config)
+    return config, run_arguments_of(arguments, source, launch.cli, script)
 
 
 def _num_machines(top: dict[Any, Any]) -> int | None:

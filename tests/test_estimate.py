@@ -1289,17 +1289,26 @@ def test_a_script_that_builds_trls_sft_trainer_is_estimated_as_trl_sft(models: d
         "train.py builds TRL's SFTTrainer (no args=: SFTTrainer builds its own SFTConfig): TRL's defaults where neither "
         "the script nor the command line sets a value; its loss through TRL's fused LM head, no logits over the whole "
         "vocabulary (--loss-head cross_entropy counts them); not literals in its source, so not read from it: model")
-    # everything in the code, nothing on the command line
+    # everything in the code, nothing on the command line; a bf16 checkpoint given by name, which TRL (0.27 on)
+    # loads in float32 as `trl sft`'s ModelConfig does: under LoRA the frozen base is stored so
+    bf16 = save_llama(str(tmp_path / "bf16"), dtype=torch.bfloat16)
     (tmp_path / "train.py").write_text(
         "from peft import LoraConfig\nfrom trl import SFTConfig, SFTTrainer\n"
         "args = SFTConfig(output_dir='o', max_length=48, per_device_train_batch_size=2, gradient_checkpointing=False)\n"
-        f"SFTTrainer(model={models['llama']!r}, args=args, peft_config=LoraConfig(r=4))\n")
+        f"SFTTrainer(model={bf16!r}, args=args, peft_config=LoraConfig(r=4))\n")
     coded = _command_estimate(capsys, "--", *launch)
-    as_trl = _command_estimate(capsys, "--", *trl_sft, "--gradient_checkpointing", "false", "--use_peft", "--lora_r",
-                               "4", "--lora_dropout", "0.0")
+    as_trl = _command_estimate(capsys, "--", *trl_sft[:-6], "--model_name_or_path", bf16, "--max_length", "48",
+                               "--per_device_train_batch_size", "2", "--gradient_checkpointing", "false", "--use_peft",
+                               "--lora_r", "4", "--lora_dropout", "0.0")
     assert coded["per_rank"] == as_trl["per_rank"] and coded["model"]["lora"] == as_trl["model"]["lora"]
     assert coded["inputs"]["activation_setting"] == "plain" and coded["model"]["lora"]["rank"] == 4
+    assert coded["inputs"]["load_dtype"] == "float32"
     assert coded["assumptions"][0].startswith("from the training arguments in train.py: ")
+    assert "(dtype unset: TRL loads a model given by name in float32 (0.27 on))" in coded["assumptions"][0]
+    (tmp_path / "train.py").write_text(
+        "import torch\nfrom transformers import AutoModelForCausalLM\nfrom trl import SFTTrainer\n"
+        f"model = AutoModelForCausalLM.from_pretrained({bf16!r}, dtype=torch.bfloat16)\nSFTTrainer(model)\n")
+    assert _command_estimate(capsys, "--", *launch, *given[2:])["inputs"]["load_dtype"] == "bfloat16"
     # the Trainer's arguments, converted by TRL: the Trainer's defaults, TRL's head
     (tmp_path / "train.py").write_text("from transformers import Trainer\nTrainer(model)\n")
     trainer = _command_estimate(capsys, "--", *launch, *given)

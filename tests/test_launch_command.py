@@ -285,3 +285,16 @@ def test_a_trl_scripts_literals_win_over_the_command_line(tmp_path: Path):
     assert {k: launch.arguments[k] for k in ("max_length", "per_device_train_batch_size", "num_train_epochs", "seed")} \
         == {"max_length": 2048, "per_device_train_batch_size": 2, "num_train_epochs": 3, "seed": 7}
     assert launch.arguments_from == f"{tmp_path / 'run.yaml'} and the command line and train.py"
+
+
+def test_the_dtype_trl_loads_a_model_given_by_name_in_is_the_installed_trls():
+    """`named_model_dtype` against the installed TRL's own `create_model_from_path`: float32 where
+    its `dtype` defaults so (0.27 on), the checkpoint's own (None) where it passes "auto" or
+    nothing (0.24-0.26, read from their wheels)."""
+    import inspect
+
+    from fsdp_offload_cfg.config.trl_script import named_model_dtype
+
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    source = inspect.getsource(trl_utils.create_model_from_path)
+    assert (named_model_dtype() == "float32") == ('kwargs.get("dtype", "float32")' in source)

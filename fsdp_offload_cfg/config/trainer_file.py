@@ -69,6 +69,7 @@ from typing import Any
 from fsdp_offload_cfg.config.model import ConfigError, Problem
 from fsdp_offload_cfg.config.reading import read_config_file
 from fsdp_offload_cfg.config.sources import layout_of
+from fsdp_offload_cfg.config.trl_script import TrlScript, named_model_dtype
 
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head (`estimate --lora-targets`)
 # no `target_modules`: PEFT's own default for the model's type (q_proj,v_proj for a Llama), as TRL leaves it
@@ -161,13 +162,13 @@ def run_arguments(path: str) -> RunArguments | None:
 
 
 def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None,
-                     trl_config: str | None = None) -> RunArguments:
+                     script: TrlScript | None = None) -> RunArguments:
     """The run training arguments describe, wherever they were read (`source` names it in
     errors): a Trainer's file, or a launch command's (`launch_command.py`), where `cli`
-    (`trl sft`, `swift sft`) names the framework's CLI that runs them, whose defaults then hold;
-    `trl_config` (`sft`), the verb of the TRL config a script of the user's own builds its trainer
-    with (`config/trl_script.py`): TRL's defaults hold, but not its scripts' ModelConfig."""
-    reader = _Reader(top, source, cli, trl_config)
+    (`trl sft`, `swift sft`) names the framework's CLI that runs them, whose defaults then hold,
+    and `script` the TRL run a script of the user's own builds (`config/trl_script.py`): under a
+    TRL config, that trainer's defaults hold, as under `trl VERB`."""
+    reader = _Reader(top, source, cli, script)
     values: dict[str, Any] = {
         "model": reader.first(MODEL_KEYS, str, "model"),
         "seq_len": reader.seq_len(),
@@ -215,12 +216,14 @@ class _Reader:
     """The file's keys, type-checked; every wrong one is collected and said together, the file and
     key named, as `load_config` says its problems."""
 
-    def __init__(self, top: dict[Any, Any], path: str, cli: str | None = None, trl_config: str | None = None):
+    def __init__(self, top: dict[Any, Any], path: str, cli: str | None = None, script: TrlScript | None = None):
         self.top, self.path = top, path
         framework, _, verb = (cli or "").partition(" ")
-        self.trl_verb = verb if framework == "trl" else trl_config
-        # TRL's own scripts load the model by its ModelConfig (float32 unset); a script of the user's own by its code
-        self.trl_scripts = framework == "trl"
+        # a script of the user's own building a TRL trainer with TRL's config: that verb's defaults
+        self.script = script if script is not None and script.trl_defaults else None
+        self.trl_verb = verb if framework == "trl" else self.script.verb if self.script else None
+        # TRL's own scripts load the model by its ModelConfig (float32 unset), and so does a script naming it
+        self.trl_scripts = framework == "trl" or bool(self.script and self.script.model_config)
         # ms-swift's CLI: LoRA, checkpointing and a micro-batch of 1 by default, precision by the load dtype
         self.swift = framework == "swift"
         # `swift rlhf`'s method (`--rlhf_type`, DPO unset; SimPO runs as CPO), whose defaults hold over sft's
@@ -292,6 +295,9 @@ class _Reader:
         if self.trl_scripts or (self.trl and self.trl_verb is None and any(key in self.top for key in MODEL_CONFIG_KEYS)):
             self.taken["dtype"] = "dtype unset: TRL's ModelConfig default float32"
             return "float32"
+        if self.script is not None and self.script.model_by_name and (dtype := named_model_dtype()) is not None:
+            self.taken["dtype"] = "dtype unset: TRL loads a model given by name in float32 (0.27 on)"
+            return dtype
         return None
 
     def accumulation(self) -> dict[str, int | None]:
