@@ -1335,6 +1335,31 @@ def test_a_script_that_builds_trls_sft_trainer_is_estimated_as_trl_sft(models: d
         _command_estimate(capsys, "--", *launch, *given)["assumptions"][1]
 
 
+def test_a_grpo_script_is_estimated_as_trl_grpo_with_its_reward_models(models: dict[str, str], tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str],
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """`GRPOTrainer(model, reward_funcs=[path, my_function])` under GRPOConfig: the run `trl grpo`
+    makes with that `reward_model_name_or_path` (the reward model whole on every rank, the
+    completion's positions alone scored); two model paths among its reward_funcs, two reward models."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    launch = ["accelerate", "launch", "--config_file", "a.yaml", "--num_processes", "2", "train.py"]
+    (tmp_path / "train.py").write_text(
+        "from trl import GRPOConfig, GRPOTrainer\ndef length(completions, **kw):\n    return [0.0]\n"
+        "cfg = GRPOConfig(output_dir='o', per_device_train_batch_size=2, max_completion_length=16)\n"
+        f"GRPOTrainer(model={models['llama']!r}, reward_funcs=[{models['llama']!r}, length], args=cfg)\n")
+    script = _command_estimate(capsys, "--seq-len", "48", "--", *launch)
+    as_trl = _command_estimate(capsys, "--seq-len", "48", "--", "trl", "grpo", "--accelerate_config", "a.yaml",
+                               "--num_processes", "2", "--model_name_or_path", models["llama"],
+                               "--reward_model_name_or_path", models["llama"], "--per_device_train_batch_size", "2",
+                               "--max_completion_length", "16")
+    assert script["per_rank"] == as_trl["per_rank"] and script["per_rank"]["reward_params_bytes"] > 0
+    (tmp_path / "train.py").write_text((tmp_path / "train.py").read_text().replace(
+        "length]", f"length, {models['llama']!r}]"))
+    two = _command_estimate(capsys, "--seq-len", "48", "--", *launch)["per_rank"]["reward_params_bytes"]
+    assert two == 2 * script["per_rank"]["reward_params_bytes"]
+
+
 def test_a_command_whose_script_gets_no_arguments_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch):
     """Before: "(None is not a Trainer's file, whose training arguments could give them)"."""

@@ -252,6 +252,11 @@ TRL_SCRIPTS_READ = {
      "T('m', args=TrainingArguments(output_dir='o', bf16=True, **extra))\n"):
         ("TrainingArguments", "its args= TrainingArguments(...)", {"output_dir": "o", "bf16": True,
                                                                    "model_name_or_path": "m"}, ("**extra",), False),
+    # GRPO's reward models are the strings among its reward_funcs (a function is none)
+    ("from trl import GRPOTrainer\nrm = 'rm-b'\ndef length(completions, **kw):\n    return [0.0]\n"
+     "GRPOTrainer('m', ['rm-a', length, rm])\n"):
+        ("GRPOConfig", "no args=: GRPOTrainer builds its own GRPOConfig",
+         {"model_name_or_path": "m", "reward_model_name_or_path": ["rm-a", "rm-b"]}, (), False),
     # a distillation teacher loaded by name
     ("from transformers import AutoModelForCausalLM as A\nfrom trl import DistillationTrainer\n"
      "DistillationTrainer('s', A.from_pretrained('t', torch_dtype='bfloat16'), args=cfg)\n"):

@@ -412,6 +412,10 @@ class _Reader:
             return tuple(paths)
         if self.trl_verb not in TRL_COMPLETION_VERBS:
             return ()
+        said = self.top.get("reward_model_name_or_path")
+        if isinstance(said, list) and said and all(isinstance(p, str) for p in said):  # a script's `reward_funcs=[...]`
+            self.taken["reward_model"] = "reward_model_name_or_path"
+            return tuple(said)
         path = self.first(("reward_model_name_or_path",), str, "reward_model")
         return () if path is None else (path,)
 

@@ -17,7 +17,8 @@ Read here, nothing run (the script may need GPUs, data, a login), from the scrip
 - whether it names TRL's `ModelConfig`, whose `dtype` loads the model as TRL's own scripts do;
 - literal values only: the config call's keywords, the trainer's model (a string, or a name
   assigned one or a `from_pretrained("...")` call, whose `dtype` counts) and its `peft_config=`
-  LoraConfig (PEFT's defaults: r 8, dropout 0). A keyword whose value is not a literal is named in
+  LoraConfig (PEFT's defaults: r 8, dropout 0), and GRPO's and RLOO's reward models among its
+  `reward_funcs=` (the strings: a function is no model). A keyword whose value is not a literal is named in
   `unread`, for the estimate to ask for.
 """
 
@@ -83,6 +84,8 @@ def read_trl_script(script: str, cwd: str) -> TrlScript | None:
         _literal_keywords(config_call, arguments, unread)
     _model(trainer_call, names, assigned, arguments, unread)
     _lora(trainer_call, names, assigned, arguments, unread)
+    if TRL_TRAINERS[trainer] in ("grpo", "rloo"):
+        _reward_models(trainer_call, assigned, arguments)
     return TrlScript(script, trainer, config, config_from, arguments, tuple(unread),
                      model_config=names.named(tree, ("ModelConfig",)) is not None,
                      model_by_name=isinstance(_resolved(_argument(trainer_call, "model", 0), assigned), ast.Constant))
@@ -249,6 +252,16 @@ def _dtype(expression: ast.expr, names: _Names) -> str | None:
         return expression.attr
     ok, value = _literal(expression)
     return value if ok and isinstance(value, str) else None
+
+
+def _reward_models(call: ast.Call, assigned: dict[str, ast.expr], arguments: dict[str, Any]) -> None:
+    """GRPO's and RLOO's `reward_funcs=`: a string is a model the trainer loads (a sequence
+    classifier, whole on every rank), as `trl grpo`'s `reward_model_name_or_path`; a function is none."""
+    given = _resolved(_argument(call, "reward_funcs", 1), assigned)
+    items = given.elts if isinstance(given, (ast.List, ast.Tuple)) else [given] if given is not None else []
+    paths = [value for item in items for ok, value in [_literal(_resolved(item, assigned))] if ok and isinstance(value, str)]
+    if paths:
+        arguments["reward_model_name_or_path"] = paths[0] if len(paths) == 1 else paths
 
 
 def _lora(call: ast.Call, names: _Names, assigned: dict[str, ast.expr], arguments: dict[str, Any],
