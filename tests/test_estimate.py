@@ -1333,6 +1333,10 @@ def test_a_script_that_builds_trls_sft_trainer_is_estimated_as_trl_sft(models: d
                                        "DPOTrainer(model, args=TrainingArguments('o'))\n")
     assert "; its reference model counts with --reference-model; " in \
         _command_estimate(capsys, "--", *launch, *given)["assumptions"][1]
+    (tmp_path / "train.py").write_text("from trl import DPOConfig, DPOTrainer\nDPOTrainer(model, args=DPOConfig('o'))\n")
+    dpo = _command_estimate(capsys, "--", *launch, *given)
+    assert dpo["per_rank"]["reference_params_bytes"] > 0 and "; a reference model: TRL's DPOTrainer's" in \
+        dpo["assumptions"][0]
 
 
 def test_a_grpo_script_is_estimated_as_trl_grpo_with_its_reward_models(models: dict[str, str], tmp_path: Path,

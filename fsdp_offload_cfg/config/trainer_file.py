@@ -240,6 +240,11 @@ class _Reader:
         # an axolotl file's `rl` method (`rl: dpo`): None for fine-tuning, its default
         self.axolotl_rl = self._axolotl_rl()
 
+    @property
+    def _trl_run(self) -> str:
+        """What runs TRL's trainer, in words: `trl dpo`, or a script's `TRL's DPOTrainer`."""
+        return f"TRL's {self.script.trainer}" if self.script else f"trl {self.trl_verb}"
+
     def _axolotl_rl(self) -> str | None:
         said = self.top.get("rl") if "base_model" in self.top and not self.llamafactory and not self.swift else None
         if said in (None, False) or said in AXOLOTL_RL:
@@ -327,8 +332,8 @@ class _Reader:
         if self.trl_verb not in REFERENCE_BETA or self.top.get("use_peft") is True:
             return None
         if self.trl_verb in ("dpo", "kto"):
-            return None if self.top.get("precompute_ref_log_probs") is True else f"trl {self.trl_verb}'s"
-        return self._kl_term(f"trl {self.trl_verb}'s", REFERENCE_BETA[self.trl_verb], "TRL")
+            return None if self.top.get("precompute_ref_log_probs") is True else self._trl_run + "'s"
+        return self._kl_term(self._trl_run + "'s", REFERENCE_BETA[self.trl_verb], "TRL")
 
     def _llamafactory_reference(self) -> str | None:
         """LlamaFactory 0.9.5 loads a reference model for `stage: dpo` (unless `pref_loss` is
@@ -510,7 +515,7 @@ class _Reader:
         if self.trl_verb not in ("grpo", "rloo", "distillation"):
             return None
         completion = self.top.get("max_completion_length")
-        return (f"trl {self.trl_verb} trains on a prompt and a completion of up to max_completion_length "
+        return (f"{self._trl_run} trains on a prompt and a completion of up to max_completion_length "
                 f"{completion if completion is not None else '512 (unset)'} generated tokens: give --seq-len as "
                 "your longest prompt plus that")
 
