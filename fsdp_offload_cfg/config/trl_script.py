@@ -18,8 +18,8 @@ Read here, nothing run (the script may need GPUs, data, a login), from the scrip
 - literal values only: the config call's keywords, the trainer's model (a string, or a name
   assigned one or a `from_pretrained("...")` call, whose `dtype` counts) and its `peft_config=`
   LoraConfig (PEFT's defaults: r 8, dropout 0), and GRPO's and RLOO's reward models among its
-  `reward_funcs=` (the strings: a function is no model). A keyword whose value is not a literal is named in
-  `unread`, for the estimate to ask for.
+  `reward_funcs=` (the strings: a function is no model). A keyword whose value is not a literal
+  is named in `unread`: the estimate says so, and takes it from the command line or its flags.
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def read_trl_script(script: str, cwd: str) -> TrlScript | None:
     _lora(trainer_call, names, assigned, arguments, unread)
     if TRL_TRAINERS[trainer] in ("grpo", "rloo"):
         _reward_models(trainer_call, assigned, arguments)
+    model = _resolved(_argument(trainer_call, "model", 0), assigned)
     return TrlScript(script, trainer, config, config_from, arguments, tuple(unread),
                      model_config=names.named(tree, ("ModelConfig",)) is not None,
-                     model_by_name=isinstance(_resolved(_argument(trainer_call, "model", 0), assigned), ast.Constant))
+                     model_by_name=isinstance(model, ast.Constant) and isinstance(model.value, str))
 
 
 class _Names:
