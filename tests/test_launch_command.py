@@ -257,6 +257,19 @@ TRL_SCRIPTS_READ = {
      "GRPOTrainer('m', ['rm-a', length, rm])\n"):
         ("GRPOConfig", "no args=: GRPOTrainer builds its own GRPOConfig",
          {"model_name_or_path": "m", "reward_model_name_or_path": ["rm-a", "rm-b"]}, (), False),
+    # TRL's examples: a LoraConfig of ModelConfig's values, kept for the command line's (ModelConfig's defaults);
+    # a name assigned twice has no one value; torch's dtypes are literals; peft_config=None is no LoRA
+    ("import torch\nfrom peft import LoraConfig\nfrom trl import ModelConfig, SFTConfig, SFTTrainer\n"
+     "model_args = ModelConfig()\ncfg = LoraConfig(r=model_args.lora_r, lora_dropout=model_args.lora_dropout)\n"
+     "model = AutoModel.from_pretrained('a')\nmodel = other(model)\n"
+     "SFTTrainer(model, args=SFTConfig(model_init_kwargs={'dtype': torch.bfloat16}), peft_config=cfg)\n"):
+        ("SFTConfig", "its args= SFTConfig(...)", {"model_init_kwargs": {"dtype": "bfloat16"}, "use_peft": True},
+         ("model", "LoraConfig.r", "LoraConfig.lora_dropout"), True),
+    ("import torch as t\nimport trl\nfrom transformers import AutoModelForCausalLM\n"
+     "m = AutoModelForCausalLM.from_pretrained('a', torch_dtype=t.float16)\n"
+     "trl.SFTTrainer(m, args=trl.SFTConfig(model_init_kwargs={'dtype': t.bfloat16}), peft_config=None)\n"):
+        ("SFTConfig", "its args= SFTConfig(...)", {"model_init_kwargs": {"dtype": "bfloat16"}, "model_name_or_path": "a",
+                                                   "dtype": "float16"}, (), False),
     # a distillation teacher loaded by name
     ("from transformers import AutoModelForCausalLM as A\nfrom trl import DistillationTrainer\n"
      "DistillationTrainer('s', A.from_pretrained('t', torch_dtype='bfloat16'), args=cfg)\n"):

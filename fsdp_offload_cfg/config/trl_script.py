@@ -37,6 +37,8 @@ TRL_CONFIGS = {"SFTConfig": "sft", "DPOConfig": "dpo", "KTOConfig": "kto", "GRPO
 TRAINING_ARGUMENTS = "TrainingArguments"
 _PACKAGES = ("trl", "transformers", "peft", "torch")
 _DTYPE_KEYWORDS = ("dtype", "torch_dtype")
+_TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+                 "float": "float32", "float64": "float64", "double": "float64"}  # torch's attribute: the dtype's name
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ def read_trl_script(script: str, cwd: str) -> TrlScript | None:
     except (OSError, SyntaxError, ValueError):
         return None
     names = _Names(tree)
+    tree = _TorchDtypes(names.torch).visit(tree)
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
     trainer_call = next((c for c in calls if names.of(c.func, TRL_TRAINERS)), None)
     if trainer_call is None:
@@ -100,12 +103,15 @@ class _Names:
     def __init__(self, tree: ast.AST) -> None:
         self.classes: dict[str, str] = {}  # the script's name: the library's
         self.modules: set[str] = set()  # the script's names for those libraries' modules
+        self.torch: set[str] = set()  # its names for torch itself (`import torch`, `import torch as t`)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in _PACKAGES:
                 self.classes.update({a.asname or a.name: a.name for a in node.names})
             elif isinstance(node, ast.Import):
                 self.modules.update(a.asname or a.name.split(".")[0] for a in node.names
                                     if a.name.split(".")[0] in _PACKAGES)  # fmt: skip
+                self.torch.update(a.asname or "torch" for a in node.names if a.name == "torch" or
+                                  (a.asname is None and a.name.startswith("torch.")))  # fmt: skip
         for node in ast.walk(tree):  # as often as a class derives from one found before it
             if isinstance(node, ast.ClassDef):
                 base = next(filter(None, (self.of(b) for b in node.bases)), None)
@@ -136,16 +142,32 @@ def _root_name(expression: ast.expr) -> str | None:
 
 
 def _assignments(tree: ast.AST) -> dict[str, ast.expr]:
-    """Each plain name's first assigned value (`args = SFTConfig(...)`)."""
-    found: dict[str, ast.expr] = {}
+    """Each plain name assigned once, and its value (`args = SFTConfig(...)`). A name assigned
+    twice (`peft_config = LoraConfig(...)` under an `if`, `None` under its `else`) has no one value
+    the source states: left out, as is anything bound otherwise (a loop, a parser's result)."""
+    found: dict[str, ast.expr | None] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    found.setdefault(target.id, node.value)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            found.setdefault(node.target.id, node.value)
-    return found
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.NamedExpr)) else []
+        value = getattr(node, "value", None) if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        for target in targets:
+            if isinstance(target, ast.Name):
+                found[target.id] = value if target.id not in found else None
+    return {name: value for name, value in found.items() if value is not None}
+
+
+class _TorchDtypes(ast.NodeTransformer):
+    """`torch.bfloat16` (under the script's name for torch) as the literal `"bfloat16"`, wherever
+    a value holds one (`model_init_kwargs={"dtype": torch.bfloat16}`), as TRL and transformers
+    take either."""
+
+    def __init__(self, torch_names: set[str]) -> None:
+        self.torch_names = torch_names
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.expr:
+        if isinstance(node.value, ast.Name) and node.value.id in self.torch_names and node.attr in _TORCH_DTYPES:
+            return ast.copy_location(ast.Constant(_TORCH_DTYPES[node.attr]), node)
+        return self.generic_visit(node)
 
 
 def _argument(call: ast.Call, keyword: str, position: int | None = None) -> ast.expr | None:
@@ -241,16 +263,14 @@ def _loaded(given: ast.expr | None, names: _Names, assigned: dict[str, ast.expr]
     model = _resolved(given, assigned)
     dtype = None
     if isinstance(model, ast.Call) and isinstance(model.func, ast.Attribute) and model.func.attr == "from_pretrained":
-        dtype = next((d for k in model.keywords if k.arg in _DTYPE_KEYWORDS and (d := _dtype(k.value, names))), None)
+        dtype = next((d for k in model.keywords if k.arg in _DTYPE_KEYWORDS and (d := _dtype(k.value))), None)
         model = _resolved(_argument(model, "pretrained_model_name_or_path", 0), assigned)
     ok, value = _literal(model) if model is not None else (False, None)
     return (value, dtype) if ok and isinstance(value, str) else (None, None)
 
 
-def _dtype(expression: ast.expr, names: _Names) -> str | None:
-    """`torch.bfloat16`, `"bfloat16"`: the dtype's name (`auto` too)."""
-    if isinstance(expression, ast.Attribute) and _root_name(expression) in names.modules:
-        return expression.attr
+def _dtype(expression: ast.expr) -> str | None:
+    """`"bfloat16"` (or `torch.bfloat16`, made a literal by `_TorchDtypes`): the dtype's name (`auto` too)."""
     ok, value = _literal(expression)
     return value if ok and isinstance(value, str) else None
 
@@ -271,11 +291,16 @@ def _lora(call: ast.Call, names: _Names, assigned: dict[str, ast.expr], argument
     it says nothing (r 8, dropout 0, its per-model target modules)."""
     peft = _resolved(_argument(call, "peft_config"), assigned)
     if not (isinstance(peft, ast.Call) and names.of(peft.func, ("LoraConfig",))):
-        if peft is not None:
+        if peft is not None and not (isinstance(peft, ast.Constant) and peft.value is None):
             unread.append("peft_config")
         return
     said: dict[str, Any] = {}
     _literal_keywords(peft, said, unread, prefix="LoraConfig.")
-    arguments.update(use_peft=True, lora_r=said.get("r", 8), lora_dropout=said.get("lora_dropout", 0.0))
-    if said.get("target_modules") is not None:
-        arguments["lora_target_modules"] = said["target_modules"]
+    given = {k.arg for k in peft.keywords}
+    arguments["use_peft"] = True
+    for keyword, key, peft_default in (("r", "lora_r", 8), ("lora_dropout", "lora_dropout", 0.0),
+                                       ("target_modules", "lora_target_modules", None)):
+        if said.get(keyword) is not None:
+            arguments[key] = said[keyword]
+        elif keyword not in given and peft_default is not None:  # not a literal: the command line's, if any
+            arguments[key] = peft_default
