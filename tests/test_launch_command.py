@@ -311,8 +311,20 @@ def test_the_dtype_trl_loads_a_model_given_by_name_in_is_the_installed_trls():
     nothing (0.24-0.26, read from their wheels)."""
     import inspect
 
-    from fsdp_offload_cfg.config.trl_script import named_model_dtype
+    from fsdp_offload_cfg.config.trl_defaults import named_model_dtype
 
     trl_utils = pytest.importorskip("trl.trainer.utils")
     source = inspect.getsource(trl_utils.create_model_from_path)
     assert (named_model_dtype() == "float32") == ('kwargs.get("dtype", "float32")' in source)
+
+
+def test_grpos_vllm_mode_unset_is_the_installed_trls():
+    """`trl_defaults.vllm_mode` against the installed TRL's GRPOConfig and RLOOConfig: colocate
+    from 1.0, server before (0.24-0.29, read from their wheels)."""
+    import dataclasses
+
+    from fsdp_offload_cfg.config.trl_defaults import vllm_mode
+
+    trl = pytest.importorskip("trl")
+    for config in (trl.GRPOConfig, trl.RLOOConfig):
+        assert {f.name: f.default for f in dataclasses.fields(config)}["vllm_mode"] == vllm_mode(), config

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_offload_cfg.config import ConfigError
-from fsdp_offload_cfg.config.trainer_file import RunArguments, run_arguments
+from fsdp_offload_cfg.config.trainer_file import RunArguments, run_arguments, run_arguments_of
 
 FSDP = "fsdp: full_shard auto_wrap\nfsdp_config:\n  version: 2\n"
 
@@ -488,3 +488,25 @@ def test_trls_trainers_score_their_tokens_through_its_fused_lm_head():
     for other, cli in ((said, "trl reward"), (said, "swift sft"), ({**said, "stage": "sft", "cutoff_len": 8}, None),
                        (said, None)):
         assert head(other, cli) == ("cross_entropy", None), (other, cli)
+
+
+@pytest.mark.parametrize("verb, said, share", [
+    ("grpo", {"use_vllm": True}, "0.3"), ("rloo", {"use_vllm": True, "vllm_mode": "colocate"}, "0.3"),
+    ("grpo", {"use_vllm": True, "vllm_gpu_memory_utilization": 0.5, "vllm_enable_sleep_mode": True}, "0.5"),
+    ("grpo", {"use_vllm": True, "vllm_mode": "server"}, None), ("grpo", {}, None),
+    ("sft", {"use_vllm": True}, None),
+])
+def test_vllm_colocated_with_grpo_is_said_with_its_share_of_the_gpu(verb: str, said: dict, share: str | None):
+    """`use_vllm` under TRL's GRPO and RLOO, colocated (1.0 on, the mode unset): vLLM holds its
+    `vllm_gpu_memory_utilization` of each GPU beside the run, which the estimate's peak does not
+    count. Before, nothing said so: a run the estimate called fitting on 80 GB lost 24 GB to vLLM.
+    A server (its own GPUs) is no such share."""
+    from fsdp_offload_cfg.config.trl_defaults import vllm_mode
+
+    run = run_arguments_of({"model_name_or_path": "m", **said}, f"{verb}.yaml", f"trl {verb}")
+    lines = [c for c in run.caveats if c.startswith("use_vllm")]
+    if share is None or (vllm_mode() == "server" and "vllm_mode" not in said):
+        assert not lines, lines
+        return
+    assert len(lines) == 1 and f"vLLM holds {share} of each GPU's memory beside this run" in lines[0], lines
+    assert ("while vLLM is awake" in lines[0]) is bool(said.get("vllm_enable_sleep_mode"))

@@ -69,7 +69,8 @@ from typing import Any
 from fsdp_offload_cfg.config.model import ConfigError, Problem
 from fsdp_offload_cfg.config.reading import read_config_file
 from fsdp_offload_cfg.config.sources import layout_of
-from fsdp_offload_cfg.config.trl_script import TrlScript, named_model_dtype
+from fsdp_offload_cfg.config.trl_defaults import named_model_dtype, vllm_mode
+from fsdp_offload_cfg.config.trl_script import TrlScript
 
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head (`estimate --lora-targets`)
 # no `target_modules`: PEFT's own default for the model's type (q_proj,v_proj for a Llama), as TRL leaves it
@@ -192,6 +193,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None,
         "quantized": "adapter: qlora" if top.get("adapter") == "qlora" else next(
             (f"{k}: {_show(top[k])}" for k in QUANTIZED_KEYS if top.get(k) not in (None, False)), None),
     }
+    reader.colocated_vllm()
     reader.raise_problems()
     return RunArguments(source, **values, taken=reader.taken, caveats=tuple(reader.caveats))
 
@@ -464,6 +466,26 @@ class _Reader:
             return {"loss_head": "cross_entropy", "completion_tokens": None}
         return {"loss_head": "trl_fused_lm_head",
                 "completion_tokens": self._completion_tokens() if self.trl_verb in TRL_COMPLETION_VERBS else None}
+
+    def colocated_vllm(self) -> None:
+        """GRPO and RLOO generating with vLLM in the training processes (`use_vllm`, `vllm_mode`
+        colocate: unset, TRL 1.0 on): vLLM takes `vllm_gpu_memory_utilization` (0.3 unset) of each
+        GPU's whole memory for its weights and KV cache beside training, which the peak does not
+        count; said, with how much (a fraction of a device the estimate does not know)."""
+        if self.trl_verb not in ("grpo", "rloo") or self.top.get("use_vllm") is not True:
+            return
+        mode = self.top.get("vllm_mode") or vllm_mode()
+        if mode != "colocate":
+            return
+        share = self.top.get("vllm_gpu_memory_utilization")
+        said = [f"vllm_mode {'colocate' if self.top.get('vllm_mode') else 'unset: TRL 1.0 on colocates'}",
+                f"vllm_gpu_memory_utilization {_show(share) if share is not None else '0.3 unset'}"]
+        asleep = self.top.get("vllm_enable_sleep_mode") is True
+        self.caveats.append(
+            f"use_vllm ({', '.join(said)}): vLLM holds {_show(share) if share is not None else '0.3'} of each GPU's "
+            "memory beside this run, not counted here: the device needs this peak plus that share"
+            + (" while vLLM is awake (vllm_enable_sleep_mode: it releases most of it while training)" if asleep else
+               " (vllm_enable_sleep_mode: true releases most of it while training)"))
 
     def _completion_tokens(self) -> int:
         return self.first(("max_completion_length",), int, "completion_tokens",

@@ -53,7 +53,7 @@ class TrlScript:
     unread: tuple[str, ...] = ()  # keywords of those calls whose values are not literals
     # the script names TRL's ModelConfig, as TRL's own scripts do: its `dtype` (float32 unset) loads the model
     model_config: bool = False
-    model_by_name: bool = False  # the trainer is given its model as a string: TRL loads it (`named_model_dtype`)
+    model_by_name: bool = False  # the trainer is given its model as a string: TRL loads it (`trl_defaults.py`)
 
     @property
     def verb(self) -> str:
@@ -182,22 +182,6 @@ def _resolved(expression: ast.expr | None, assigned: dict[str, ast.expr]) -> ast
     if isinstance(expression, ast.Name) and expression.id in assigned:
         return assigned[expression.id]
     return expression
-
-
-def named_model_dtype() -> str | None:
-    """The dtype TRL's trainers load a model given by name in, where `model_init_kwargs` names
-    none (`create_model_from_path`); None: the checkpoint's own, the estimate's default. The one
-    place this version difference lives: TRL 0.27 on load in float32; 0.26 passes "auto"; 0.24 and
-    0.25 pass nothing, transformers' own default (5.x: the checkpoint's). Without TRL installed,
-    the newest's."""
-    from importlib import metadata
-
-    from packaging.version import Version
-
-    try:
-        return "float32" if Version(metadata.version("trl")) >= Version("0.27") else None
-    except metadata.PackageNotFoundError:
-        return "float32"
 
 
 def _config(trainer: str, call: ast.Call, names: _Names, assigned: dict[str, ast.expr],
