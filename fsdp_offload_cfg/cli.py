@@ -436,6 +436,7 @@ def _estimate(args: argparse.Namespace) -> int:
                                  loss_head=head,
                                  completion_tokens=_given_or(args.completion_tokens,
                                                              run.completion_tokens if run else None),
+                                 colocated_share=run.vllm_share if run else None,
                                  **_plan_inputs(args))
         if head_said:
             report["assumptions"].insert(0, head_said)

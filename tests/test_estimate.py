@@ -1364,6 +1364,29 @@ def test_a_grpo_script_is_estimated_as_trl_grpo_with_its_reward_models(models: d
     assert two == 2 * script["per_rank"]["reward_params_bytes"]
 
 
+def test_vllm_colocated_with_grpo_is_taken_from_autos_room(models: dict[str, str], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """`trl grpo --use_vllm` colocated: vLLM holds its `vllm_gpu_memory_utilization` of each GPU,
+    which `--activation-budget auto --device-memory` now takes from the room (the run's own `auto`
+    measures it taken on the device); said among the assumptions. Before, the plan filled a device
+    vLLM had a third of."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    grpo = ["--seq-len", "48", "--activation-budget", "auto", "--device-memory", "80MiB", "--", "trl", "grpo",
+            "--accelerate_config", "a.yaml", "--num_processes", "2", "--model_name_or_path", models["llama"],
+            "--per_device_train_batch_size", "2", "--max_completion_length", "16"]
+    alone = _command_estimate(capsys, *grpo)
+    beside = _command_estimate(capsys, *grpo, "--use_vllm", "--vllm_gpu_memory_utilization", "0.25")
+    share = 20 * 2**20  # a quarter of 80 MiB
+    assert beside["plan"]["room"]["colocated_bytes"] == share and alone["plan"]["room"]["colocated_bytes"] == 0
+    assert beside["plan"]["room"]["taken_bytes"] == alone["plan"]["room"]["taken_bytes"] + share
+    assert beside["plan"]["budget_bytes"] == alone["plan"]["budget_bytes"] - share
+    assert "auto: vLLM, colocated, holds 0.25 of the device (20.0 MiB), counted as taken" in beside["assumptions"]
+    server = _command_estimate(capsys, *grpo, "--use_vllm", "--vllm_mode", "server")
+    assert server["plan"]["budget_bytes"] == alone["plan"]["budget_bytes"]
+
+
 def test_a_command_whose_script_gets_no_arguments_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch):
     """Before: "(None is not a Trainer's file, whose training arguments could give them)"."""

@@ -146,6 +146,7 @@ class RunArguments:
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
     quantized: str | None = None  # the key that quantizes the base (`adapter: qlora`), which no estimate counts
+    vllm_share: float | None = None  # the fraction of each GPU vLLM holds colocated with GRPO / RLOO (`use_vllm`)
     taken: dict[str, str] = field(default_factory=dict)
     caveats: tuple[str, ...] = ()  # what the file asks that the estimate counts otherwise, in words
 
@@ -193,7 +194,7 @@ def run_arguments_of(top: dict[Any, Any], source: str, cli: str | None = None,
         "quantized": "adapter: qlora" if top.get("adapter") == "qlora" else next(
             (f"{k}: {_show(top[k])}" for k in QUANTIZED_KEYS if top.get(k) not in (None, False)), None),
     }
-    reader.colocated_vllm()
+    values["vllm_share"] = reader.colocated_vllm()
     reader.raise_problems()
     return RunArguments(source, **values, taken=reader.taken, caveats=tuple(reader.caveats))
 
@@ -467,17 +468,22 @@ class _Reader:
         return {"loss_head": "trl_fused_lm_head",
                 "completion_tokens": self._completion_tokens() if self.trl_verb in TRL_COMPLETION_VERBS else None}
 
-    def colocated_vllm(self) -> None:
+    def colocated_vllm(self) -> float | None:
         """GRPO and RLOO generating with vLLM in the training processes (`use_vllm`, `vllm_mode`
         colocate: unset, TRL 1.0 on): vLLM takes `vllm_gpu_memory_utilization` (0.3 unset) of each
         GPU's whole memory for its weights and KV cache beside training, which the peak does not
-        count; said, with how much (a fraction of a device the estimate does not know)."""
+        count; said, with how much (a fraction of a device the estimate knows under `auto` alone,
+        whose room takes it). The fraction, None where vLLM is not colocated."""
         if self.trl_verb not in ("grpo", "rloo") or self.top.get("use_vllm") is not True:
-            return
+            return None
         mode = self.top.get("vllm_mode") or vllm_mode()
         if mode != "colocate":
-            return
+            return None
         share = self.top.get("vllm_gpu_memory_utilization")
+        fraction = _number(share) if share is not None else 0.3
+        if fraction is None:
+            self.problems.append(Problem(self.path, "vllm_gpu_memory_utilization", f"expected a number, got {_show(share)}"))
+            return None
         said = [f"vllm_mode {'colocate' if self.top.get('vllm_mode') else 'unset: TRL 1.0 on colocates'}",
                 f"vllm_gpu_memory_utilization {_show(share) if share is not None else '0.3 unset'}"]
         asleep = self.top.get("vllm_enable_sleep_mode") is True
@@ -486,6 +492,7 @@ class _Reader:
             "memory beside this run, not counted here: the device needs this peak plus that share"
             + (" while vLLM is awake (vllm_enable_sleep_mode: it releases most of it while training)" if asleep else
                " (vllm_enable_sleep_mode: true releases most of it while training)"))
+        return fraction
 
     def _completion_tokens(self) -> int:
         return self.first(("max_completion_length",), int, "completion_tokens",

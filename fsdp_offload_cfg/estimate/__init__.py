@@ -47,7 +47,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                     machines: int = 1, reference: bool = False, reward_model: str | Sequence[str] | None = None,
                     teacher_model: str | None = None, teacher_dtype: str | None = None,
                     companions_sharded: bool = False, loss_head: str = "cross_entropy",
-                    completion_tokens: int | None = None) -> dict[str, Any]:
+                    completion_tokens: int | None = None, colocated_share: float | None = None) -> dict[str, Any]:
     """The estimate as the JSON document `fsdp-offload-cfg estimate --format json` prints; with
     `activation_budget` (bytes, or `auto`: what a device of `device_memory` bytes leaves, see
     `estimate/room.py`), also the per-layer plan that keeps activations within it
@@ -68,9 +68,13 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     `trl_fused_lm_head` (TRL's `sft`, `dpo`, `kto`, `grpo`, `rloo`: log-probabilities tile by
     tile) or `trl_chunked_distillation` (its distillation against `teacher_model`);
     `completion_tokens`: the positions it scores at each sequence's end (a generated
-    completion's), None: every one."""
+    completion's), None: every one. `colocated_share`: the fraction of each device an engine
+    colocated with the run holds (vLLM's `vllm_gpu_memory_utilization` under TRL's GRPO), which
+    `auto`'s room counts as taken."""
     ranks = num_processes or config.num_processes
     _check_inputs(ranks, seq_len, batch_size, optimizer, device, dtype, activation_budget)
+    if colocated_share is not None and not 0 <= colocated_share < 1:
+        raise EstimateError(f"vllm_gpu_memory_utilization: expected a fraction from 0 to 1, got {colocated_share:g}")
     if gradient_accumulation_steps < 1:
         raise EstimateError(f"--gradient-accumulation-steps must be >= 1, got {gradient_accumulation_steps}")
     if lora is not None:
@@ -101,7 +105,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         reward_models=reward_models,
                         teacher=(teacher_model, teacher_dtype) if teacher_model is not None else None,
                         companions_sharded=companions_sharded, loss_head=loss_head,
-                        completion_tokens=completion_tokens)
+                        completion_tokens=completion_tokens, colocated_share=colocated_share)
 
 
 def _check_head(loss_head: str, completion_tokens: int | None, teacher_model: str | None) -> None:

@@ -57,7 +57,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
                  reward_models: tuple[str, ...] = (), teacher: tuple[str, str | None] | None = None,
                  companions_sharded: bool = False, loss_head: str = "cross_entropy",
-                 completion_tokens: int | None = None) -> dict[str, Any]:
+                 completion_tokens: int | None = None, colocated_share: float | None = None) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
@@ -66,7 +66,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     whole on every rank (`reward_model_bytes`); `teacher`: a distillation teacher's path and load
     dtype (None: its checkpoint's), whole on every rank likewise; `companions_sharded`: both
     sharded beside the model instead (ms-swift's); `loss_head`, `completion_tokens`: what the
-    loss goes through and the positions it scores (`estimate_memory`, `heads.py`)."""
+    loss goes through and the positions it scores (`estimate_memory`, `heads.py`);
+    `colocated_share`: the device's fraction a colocated engine holds, taken in `auto`'s room."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -92,8 +93,10 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     by_setting = settings(profile, offload, async_reload)
     chosen = "plan" if the_run_plans_it else _setting_name(config)
     plan = room = None
+    colocated = 0
     if isinstance(activation_budget, AutoBudget):
-        room = _room(config, states, activation_budget, device_memory, profile.output_bytes)
+        colocated = int((colocated_share or 0) * device_memory)
+        room = _room(config, states, activation_budget, device_memory, profile.output_bytes, colocated)
         activation_budget = room.budget_bytes
     if activation_budget is not None:
         given = (r if r is not None else c for r, c in zip(rates, stated_rates(config)))  # command line over file
@@ -126,13 +129,16 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                            "the completions before the training forward") if reward_models else [])
         + (_companion_said("teacher", teacher[0], companions_sharded, _teacher_forward_said(head))
            if teacher is not None else [])
-        + _companions_loading_said(states),
+        + _companions_loading_said(states)
+        + ([f"auto: vLLM, colocated, holds {colocated_share:g} of the device ({show_size(colocated)}), counted as "
+            "taken"] if room is not None and colocated else []),
     }
     if plan is not None:
         report["plan"] = _plan(plan, uniform_plans(profile, offload, async_reload, plan.time))
         if room is not None:
             report["plan"]["room"] = {"device_bytes": room.device_bytes, "taken_bytes": room.taken_bytes,
-                                      "to_come_bytes": room.to_come_bytes, "margin_bytes": room.margin_bytes}
+                                      "to_come_bytes": room.to_come_bytes, "margin_bytes": room.margin_bytes,
+                                      "colocated_bytes": colocated}  # of taken: vLLM's, colocated
     return report
 
 
@@ -172,10 +178,11 @@ def _lora(model: torch.nn.Module, lora: Lora | None) -> dict[str, Any] | None:
 
 
 def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int,
-          output_bytes: int) -> Room:
-    """`auto`'s room on a device of `device_bytes`."""
+          output_bytes: int, colocated_bytes: int) -> Room:
+    """`auto`'s room on a device of `device_bytes`, `colocated_bytes` of it another engine's."""
     try:
-        return offline_room(states, auto, device_bytes, resident=not config.offload_params, output_bytes=output_bytes)
+        return offline_room(states, auto, device_bytes, resident=not config.offload_params, output_bytes=output_bytes,
+                            colocated_bytes=colocated_bytes)
     except EstimateError as error:
         raise EstimateError(f"activation budget {error}") from None
 
@@ -566,7 +573,9 @@ def _plan_table(plan: dict[str, Any]) -> list[str]:
     room = plan.get("room")
     lines = [] if room is None else [
         "", f"Activation budget auto: the device's {show_size(room['device_bytes'])}, less "
-        f"{show_size(room['taken_bytes'])} of parameters and buffers, {show_size(room['to_come_bytes'])} of gradients, "
+        f"{show_size(room['taken_bytes'] - room['colocated_bytes'])} of parameters and buffers, "
+        + (f"{show_size(room['colocated_bytes'])} vLLM holds beside the run, " if room["colocated_bytes"] else "")
+        + f"{show_size(room['to_come_bytes'])} of gradients, "
         f"optimizer state, gathered layers and the output a loop holds through backward, and a margin of {show_size(room['margin_bytes'])}"]
     lines += ["", f"Plan for an activation budget of {show_size(plan['budget_bytes'])}: activations peak at "
              f"{show_size(plan['device_peak_bytes'])} on the device, {show_size(plan['host_bytes'])} pinned on the host, "

@@ -76,7 +76,9 @@ def to_come(states: ShardedStates, resident: bool, output_bytes: int) -> int:
 
 
 def offline_room(states: ShardedStates, auto: AutoBudget, device_bytes: int, resident: bool,
-                 output_bytes: int) -> Room:
-    """The estimate's room on a device of `device_bytes`: nothing measured."""
-    taken = (states.params + states.frozen_shards if resident else 0) + states.held_whole + states.buffers
+                 output_bytes: int, colocated_bytes: int = 0) -> Room:
+    """The estimate's room on a device of `device_bytes`: nothing measured; `colocated_bytes` held
+    by an engine beside the run (vLLM colocated), taken as the run measures it taken."""
+    taken = (states.params + states.frozen_shards if resident else 0) + states.held_whole + states.buffers \
+        + colocated_bytes
     return Room(device_bytes, taken, to_come(states, resident, output_bytes), auto.margin(device_bytes)).checked()
