@@ -240,7 +240,7 @@ def test_cli_auto_plans_what_the_device_leaves(llama: str, tmp_path: Path, capsy
     logits = BATCH * SEQ * 1000 * 2
     assert room == {"device_bytes": 8 * 2**30, "taken_bytes": per_rank["params_bytes"] + per_rank["buffers_bytes"],
                     "to_come_bytes": states - per_rank["params_bytes"] - per_rank["buffers_bytes"] + logits,
-                    "margin_bytes": int(8 * 2**30 * 0.05)}
+                    "margin_bytes": int(8 * 2**30 * 0.05), "colocated_bytes": 0}
     assert report["plan"]["budget_bytes"] == 8 * 2**30 - states - logits - int(8 * 2**30 * 0.05)
     # what the estimate's own peaks leave out, said with its size
     assert f"the forward's output ({show_size(logits)}: the logits) is dropped before backward" in " ".join(
