@@ -510,3 +510,21 @@ def test_vllm_colocated_with_grpo_is_said_with_its_share_of_the_gpu(verb: str, s
         return
     assert len(lines) == 1 and f"vLLM holds {share} of each GPU's memory beside this run" in lines[0], lines
     assert ("while vLLM is awake" in lines[0]) is bool(said.get("vllm_enable_sleep_mode"))
+
+
+@pytest.mark.parametrize("said, share", [
+    ({"use_vllm": True, "vllm_mode": "colocate"}, "0.9"),
+    ({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.4, "sleep_level": 1}, "0.4"),
+    ({"use_vllm": True, "vllm_mode": "server"}, None), ({}, None),
+])
+def test_ms_swifts_colocated_vllm_is_said_with_its_share(said: dict, share: str | None):
+    """ms-swift's GRPO colocating vLLM (`--vllm_mode colocate`, which it requires with `--use_vllm`)
+    gives it `vllm_gpu_memory_utilization` of each GPU, 0.9 unset (ms-swift 4.6)."""
+    run = run_arguments_of({"model": "m", "rlhf_type": "grpo", **said}, "the command line", "swift rlhf")
+    lines = [c for c in run.caveats if c.startswith("use_vllm")]
+    assert run.vllm_share == (None if share is None else float(share))
+    if share is not None:
+        assert len(lines) == 1 and f"vLLM holds {share} of each GPU's memory" in lines[0], lines
+        assert ("while vLLM is awake" in lines[0]) is ("sleep_level" in said)
+    else:
+        assert not lines

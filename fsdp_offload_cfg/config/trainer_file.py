@@ -469,29 +469,35 @@ class _Reader:
                 "completion_tokens": self._completion_tokens() if self.trl_verb in TRL_COMPLETION_VERBS else None}
 
     def colocated_vllm(self) -> float | None:
-        """GRPO and RLOO generating with vLLM in the training processes (`use_vllm`, `vllm_mode`
-        colocate: unset, TRL 1.0 on): vLLM takes `vllm_gpu_memory_utilization` (0.3 unset) of each
-        GPU's whole memory for its weights and KV cache beside training, which the peak does not
-        count; said, with how much (a fraction of a device the estimate knows under `auto` alone,
-        whose room takes it). The fraction, None where vLLM is not colocated."""
-        if self.trl_verb not in ("grpo", "rloo") or self.top.get("use_vllm") is not True:
+        """GRPO and RLOO generating with vLLM in the training processes: TRL's `use_vllm` with
+        `vllm_mode` colocate (unset: colocate from TRL 1.0), ms-swift's `--use_vllm true
+        --vllm_mode colocate` (4.6 requires the mode). vLLM takes `vllm_gpu_memory_utilization` (TRL
+        0.3, ms-swift 0.9 unset) of each GPU's whole memory for its weights and KV cache beside
+        training, which the peak does not count; said, with how much, and the fraction returned (a
+        share of a device the estimate knows under `auto` alone, whose room takes it). None where
+        vLLM is not colocated."""
+        if self.swift_rlhf == "grpo":  # ms-swift 4.6's `RolloutTrainerArgumentsMixin`
+            framework, default, sleep_key, unset_mode = "ms-swift", 0.9, "sleep_level", None
+        elif self.trl_verb in ("grpo", "rloo"):
+            framework, default, sleep_key, unset_mode = "TRL", 0.3, "vllm_enable_sleep_mode", vllm_mode()
+        else:
             return None
-        mode = self.top.get("vllm_mode") or vllm_mode()
-        if mode != "colocate":
+        said_mode = self.top.get("vllm_mode")
+        if self.top.get("use_vllm") is not True or (said_mode or unset_mode) != "colocate":
             return None
         share = self.top.get("vllm_gpu_memory_utilization")
-        fraction = _number(share) if share is not None else 0.3
+        fraction = _number(share) if share is not None else default
         if fraction is None:
             self.problems.append(Problem(self.path, "vllm_gpu_memory_utilization", f"expected a number, got {_show(share)}"))
             return None
-        said = [f"vllm_mode {'colocate' if self.top.get('vllm_mode') else 'unset: TRL 1.0 on colocates'}",
-                f"vllm_gpu_memory_utilization {_show(share) if share is not None else '0.3 unset'}"]
-        asleep = self.top.get("vllm_enable_sleep_mode") is True
+        said = [f"vllm_mode {'colocate' if said_mode else 'unset: TRL 1.0 on colocates'}",
+                f"vllm_gpu_memory_utilization {_show(share) if share is not None else f'{default:g} unset'}"]
+        asleep = bool(self.top.get(sleep_key))  # TRL's flag; ms-swift's level, 0 unset
         self.caveats.append(
-            f"use_vllm ({', '.join(said)}): vLLM holds {_show(share) if share is not None else '0.3'} of each GPU's "
-            "memory beside this run, not counted here: the device needs this peak plus that share"
-            + (" while vLLM is awake (vllm_enable_sleep_mode: it releases most of it while training)" if asleep else
-               " (vllm_enable_sleep_mode: true releases most of it while training)"))
+            f"use_vllm ({', '.join(said)}): vLLM holds {fraction:g} of each GPU's memory beside this run, not counted "
+            "here: the device needs this peak plus that share"
+            + (f" while vLLM is awake ({sleep_key}: {framework} has it release most of it while training)" if asleep
+               else f" ({sleep_key}: {'true' if framework == 'TRL' else '1 or 2'} releases most of it while training)"))
         return fraction
 
     def _completion_tokens(self) -> int:
