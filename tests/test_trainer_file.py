@@ -528,3 +528,18 @@ def test_ms_swifts_colocated_vllm_is_said_with_its_share(said: dict, share: str 
         assert ("while vLLM is awake" in lines[0]) is ("sleep_level" in said)
     else:
         assert not lines
+
+
+@pytest.mark.parametrize("text, share", [
+    ("rl: grpo\ntrl:\n  use_vllm: true\n  vllm_mode: colocate\n", "0.9"),
+    ("rl: grpo\ntrl:\n  use_vllm: true\n  vllm_mode: colocate\nvllm:\n  gpu_memory_utilization: 0.35\n", "0.35"),
+    ("rl: grpo\ntrl:\n  use_vllm: true\n", None),  # axolotl 0.19 sets server where the mode is unset
+    ("rl: dpo\ntrl:\n  use_vllm: true\n  vllm_mode: colocate\n", None),
+])
+def test_axolotls_colocated_vllm_is_said_with_its_share(tmp_path: Path, text: str, share: str | None):
+    """axolotl's GRPO with `trl.vllm_mode: colocate` gives vLLM its `vllm.gpu_memory_utilization`
+    of each GPU, 0.9 unset (axolotl 0.19's `VllmConfig`, passed on to TRL's GRPOConfig)."""
+    run = _read(tmp_path, "base_model: m\nsequence_len: 64\nmicro_batch_size: 1\n" + text + FSDP)
+    assert run.vllm_share == (None if share is None else float(share))
+    lines = [c for c in run.caveats if c.startswith("trl.use_vllm")]
+    assert len(lines) == (share is not None) and (share is None or f"vLLM holds {share} of each GPU" in lines[0])

@@ -471,33 +471,39 @@ class _Reader:
     def colocated_vllm(self) -> float | None:
         """GRPO and RLOO generating with vLLM in the training processes: TRL's `use_vllm` with
         `vllm_mode` colocate (unset: colocate from TRL 1.0), ms-swift's `--use_vllm true
-        --vllm_mode colocate` (4.6 requires the mode). vLLM takes `vllm_gpu_memory_utilization` (TRL
-        0.3, ms-swift 0.9 unset) of each GPU's whole memory for its weights and KV cache beside
-        training, which the peak does not count; said, with how much, and the fraction returned (a
-        share of a device the estimate knows under `auto` alone, whose room takes it). None where
-        vLLM is not colocated."""
+        --vllm_mode colocate` (4.6 requires the mode), axolotl's `trl.use_vllm` with
+        `trl.vllm_mode: colocate` (0.19: server unset). vLLM takes its GPU memory utilization
+        (TRL's 0.3, ms-swift's and axolotl's 0.9 unset) of each GPU's whole memory for its weights
+        and KV cache beside training, which the peak does not count; said, with how much, and the
+        fraction returned (a share of a device the estimate knows under `auto` alone, whose room
+        takes it). None where vLLM is not colocated."""
+        keys = ("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")
         if self.swift_rlhf == "grpo":  # ms-swift 4.6's `RolloutTrainerArgumentsMixin`
             framework, default, sleep_key, unset_mode = "ms-swift", 0.9, "sleep_level", None
+        elif self.axolotl_rl == "grpo":  # axolotl 0.19's `TRLConfig`, `VllmConfig`
+            framework, default, sleep_key, unset_mode = "axolotl", 0.9, "trl.vllm_enable_sleep_mode", "server"
+            keys = ("trl.use_vllm", "trl.vllm_mode", "vllm.gpu_memory_utilization")
         elif self.trl_verb in ("grpo", "rloo"):
             framework, default, sleep_key, unset_mode = "TRL", 0.3, "vllm_enable_sleep_mode", vllm_mode()
         else:
             return None
-        said_mode = self.top.get("vllm_mode")
-        if self.top.get("use_vllm") is not True or (said_mode or unset_mode) != "colocate":
+        said_mode = self._said(keys[1])
+        if self._said(keys[0]) is not True or (said_mode or unset_mode) != "colocate":
             return None
-        share = self.top.get("vllm_gpu_memory_utilization")
+        share = self._said(keys[2])
         fraction = _number(share) if share is not None else default
         if fraction is None:
-            self.problems.append(Problem(self.path, "vllm_gpu_memory_utilization", f"expected a number, got {_show(share)}"))
+            self.problems.append(Problem(self.path, keys[2], f"expected a number, got {_show(share)}"))
             return None
-        said = [f"vllm_mode {'colocate' if said_mode else 'unset: TRL 1.0 on colocates'}",
-                f"vllm_gpu_memory_utilization {_show(share) if share is not None else f'{default:g} unset'}"]
-        asleep = bool(self.top.get(sleep_key))  # TRL's flag; ms-swift's level, 0 unset
+        said = [f"{keys[1]} {'colocate' if said_mode else 'unset: TRL 1.0 on colocates'}",
+                f"{keys[2]} {_show(share) if share is not None else f'{default:g} unset'}"]
+        asleep = bool(self._said(sleep_key))  # TRL's and axolotl's flag; ms-swift's level, 0 unset
         self.caveats.append(
-            f"use_vllm ({', '.join(said)}): vLLM holds {fraction:g} of each GPU's memory beside this run, not counted "
+            f"{keys[0]} ({', '.join(said)}): vLLM holds {fraction:g} of each GPU's memory beside this run, not counted "
             "here: the device needs this peak plus that share"
             + (f" while vLLM is awake ({sleep_key}: {framework} has it release most of it while training)" if asleep
-               else f" ({sleep_key}: {'true' if framework == 'TRL' else '1 or 2'} releases most of it while training)"))
+               else f" ({sleep_key}: {'1 or 2' if framework == 'ms-swift' else 'true'} releases most of it while "
+                    "training)"))
         return fraction
 
     def _completion_tokens(self) -> int:
