@@ -92,8 +92,18 @@ def _the_script(command: list[str], cwd: str) -> dict[str, Any]:
     `script_trl`, the TRL run a script of the user's own builds (`read_trl_script`)."""
     cli = _trl_script_cli(command)
     at = _script_at(command)
-    own = cli is None and at is not None and command[at].endswith(".py")
-    return {"cli": cli, "script_trl": read_trl_script(command[at], cwd) if own else None}
+    own = _own_file(command[at], cwd) if cli is None and at is not None else None
+    return {"cli": cli, "script_trl": read_trl_script(own, cwd) if own else None}
+
+
+def _own_file(script: str, cwd: str) -> str | None:
+    """The source file of a script of the user's own: a `.py` path as given, or a module run with
+    `-m` that lies in the project (`mypkg.train`: `mypkg/train.py`, a package's `__main__.py`),
+    where `python -m` finds it first; None for an installed module (a framework's)."""
+    if script.endswith(".py"):
+        return script
+    base = Path(*script.split("."))
+    return next((str(f) for f in (base.with_suffix(".py"), base / "__main__.py") if Path(cwd, f).is_file()), None)
 
 
 def _trl_script_cli(command: list[str]) -> str | None:

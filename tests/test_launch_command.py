@@ -328,3 +328,17 @@ def test_grpos_vllm_mode_unset_is_the_installed_trls():
     trl = pytest.importorskip("trl")
     for config in (trl.GRPOConfig, trl.RLOOConfig):
         assert {f.name: f.default for f in dataclasses.fields(config)}["vllm_mode"] == vllm_mode(), config
+
+
+def test_a_module_of_the_project_run_with_m_is_read_as_its_file(tmp_path: Path):
+    """`accelerate launch -m mypkg.train`, `python -m mypkg` (its `__main__.py`): the module's file in
+    the project is read as a `.py` script is; an installed module is not the user's source."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "train.py").write_text("from trl import SFTTrainer\nSFTTrainer('m')\n")
+    (tmp_path / "mypkg" / "__main__.py").write_text("import trl\ntrl.DPOTrainer('m')\n")
+    found = {tuple(command): read_launch_command(command, str(tmp_path)).script_trl
+             for command in (["accelerate", "launch", "-m", "mypkg.train"], ["python", "-m", "mypkg"],
+                             ["torchrun", "--nproc_per_node", "2", "-m", "mypkg.train"], ["python", "-m", "json.tool"])}
+    assert [(s.script, s.trainer) if s else None for s in found.values()] == [
+        (str(Path("mypkg", "train.py")), "SFTTrainer"), (str(Path("mypkg", "__main__.py")), "DPOTrainer"),
+        (str(Path("mypkg", "train.py")), "SFTTrainer"), None]
