@@ -147,7 +147,7 @@ def _with_arguments(command: list[str], script_args: list[str], cwd: str, **foun
     script = found.get("script_trl")
     coded = script.arguments if script is not None else {}
     arguments.update(coded)
-    in_code = command[_script_at(command)] if coded else None
+    in_code = script.script if coded else None
     arguments_from = " and ".join(filter(None, (run_file, "the command line" if flags else None, in_code)))
     return LaunchCommand(tuple(command), run_file=run_file, arguments=arguments, arguments_from=arguments_from, **found)
 

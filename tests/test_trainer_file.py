@@ -543,3 +543,14 @@ def test_axolotls_colocated_vllm_is_said_with_its_share(tmp_path: Path, text: st
     assert run.vllm_share == (None if share is None else float(share))
     lines = [c for c in run.caveats if c.startswith("trl.use_vllm")]
     assert len(lines) == (share is not None) and (share is None or f"vLLM holds {share} of each GPU" in lines[0])
+
+
+def test_a_vllm_share_that_is_no_fraction_is_named_with_its_file_and_key(tmp_path: Path):
+    """Before, `vllm_gpu_memory_utilization: 1.5` reached the estimate, whose error named the key
+    but not the file it came from."""
+    from fsdp_offload_cfg.config.trainer_file import run_arguments_of
+
+    for value in (1.5, "most"):
+        with pytest.raises(ConfigError, match=r"grpo\.yaml.*vllm_gpu_memory_utilization.*expected a fraction from 0 to 1"):
+            run_arguments_of({"model_name_or_path": "m", "use_vllm": True, "vllm_mode": "colocate",
+                              "vllm_gpu_memory_utilization": value}, "grpo.yaml", "trl grpo")

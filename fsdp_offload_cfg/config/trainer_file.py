@@ -492,8 +492,8 @@ class _Reader:
             return None
         share = self._said(keys[2])
         fraction = _number(share) if share is not None else default
-        if fraction is None:
-            self.problems.append(Problem(self.path, keys[2], f"expected a number, got {_show(share)}"))
+        if fraction is None or not 0 <= fraction < 1:
+            self.problems.append(Problem(self.path, keys[2], f"expected a fraction from 0 to 1, got {_show(share)}"))
             return None
         said = [f"{keys[1]} {'colocate' if said_mode else 'unset: TRL 1.0 on colocates'}",
                 f"{keys[2]} {_show(share) if share is not None else f'{default:g} unset'}"]

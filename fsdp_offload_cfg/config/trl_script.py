@@ -85,14 +85,12 @@ def read_trl_script(script: str, cwd: str) -> TrlScript | None:
     unread: list[str] = []
     if config_call is not None:
         _literal_keywords(config_call, arguments, unread)
-    _model(trainer_call, names, assigned, arguments, unread)
+    model_by_name = _model(trainer_call, names, assigned, arguments, unread)
     _lora(trainer_call, names, assigned, arguments, unread)
     if TRL_TRAINERS[trainer] in ("grpo", "rloo"):
         _reward_models(trainer_call, assigned, arguments)
-    model = _resolved(_argument(trainer_call, "model", 0), assigned)
     return TrlScript(script, trainer, config, config_from, arguments, tuple(unread),
-                     model_config=names.named(tree, ("ModelConfig",)) is not None,
-                     model_by_name=isinstance(model, ast.Constant) and isinstance(model.value, str))
+                     model_config=names.named(tree, ("ModelConfig",)) is not None, model_by_name=model_by_name)
 
 
 class _Names:
@@ -222,14 +220,16 @@ def _literal_keywords(call: ast.Call, arguments: dict[str, Any], unread: list[st
 
 
 def _model(call: ast.Call, names: _Names, assigned: dict[str, ast.expr], arguments: dict[str, Any],
-           unread: list[str]) -> None:
-    """The trainer's model (and DistillationTrainer's teacher), where the source states it."""
-    path, dtype = _loaded(_argument(call, "model", 0), names, assigned)
+           unread: list[str]) -> bool:
+    """The trainer's model (and DistillationTrainer's teacher), where the source states it; whether
+    the model is given by name (a string TRL loads, not a model the script loaded)."""
+    given = _argument(call, "model", 0)
+    path, dtype = _loaded(given, names, assigned)
     if path is not None:
         arguments["model_name_or_path"] = path
         if dtype is not None:
             arguments["dtype"] = dtype
-    elif _argument(call, "model", 0) is not None:
+    elif given is not None:
         unread.append("model")
     teacher = _argument(call, "teacher_model", 1) if names.of(call.func) == "DistillationTrainer" else None
     path, dtype = _loaded(teacher, names, assigned)
@@ -239,6 +239,7 @@ def _model(call: ast.Call, names: _Names, assigned: dict[str, ast.expr], argumen
             arguments["teacher_model_init_kwargs"] = {"dtype": dtype}
     elif teacher is not None:
         unread.append("teacher_model")
+    return isinstance(model := _resolved(given, assigned), ast.Constant) and isinstance(model.value, str)
 
 
 def _loaded(given: ast.expr | None, names: _Names, assigned: dict[str, ast.expr]) -> tuple[str | None, str | None]:
