@@ -23,7 +23,7 @@ from fsdp_offload_cfg.testing.models import (
     save_qwen2_tied,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.launches]
 
 HERE = Path(__file__).parent
 PROBE = HERE / "scripts" / "launch_probe.py"

@@ -256,6 +256,7 @@ except Exception as exc:
                          [(None, 1, "build"), ("sharded", 1, "build"), (None, 1, "script"), (None, 0, "build"),
                           (None, 0, "script")],
                          ids=["auto-build", "sharded-build", "auto-script", "rank0-auto-build", "rank0-auto-script"])  # fmt: skip
+@pytest.mark.launches
 def test_a_rank_that_fails_alone_before_prepare_stops_the_others_there_naming_it(
         llama: str, strategy: str | None, failing: int, fails_in: str, tmp_path: Any) -> None:
     """A load has no collective (a rank may load alone), so a rank whose build fails raises
@@ -341,6 +342,7 @@ def test_a_rank_that_comes_to_prepare_after_the_others_gave_up_stops_saying_so()
                      "had stopped waiting for it"), rank1
 
 
+@pytest.mark.launches
 def test_under_torchrun_rank_0_failed_at_its_load_does_not_stay(llama: str, tmp_path: Any) -> None:
     """Under torchrun (and `accelerate launch`, which runs it) the agent hosts the store, not rank 0
     (`TORCHELASTIC_USE_AGENT_STORE=True`): rank 0, failed at its load, exits with its error at

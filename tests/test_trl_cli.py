@@ -22,7 +22,7 @@ import pytest
 from fsdp_offload_cfg.testing.dist import free_port
 
 pytest.importorskip("trl.cli")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.launches]
 
 BIN = Path(sys.executable).parent
 YAML = """\

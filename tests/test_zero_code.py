@@ -15,6 +15,8 @@ import pytest
 from fsdp_offload_cfg.autopatch import PTH_NAME, SWITCH, is_launcher
 from fsdp_offload_cfg.testing.dist import free_port
 
+pytestmark = pytest.mark.launches
+
 HERE = Path(__file__).parent
 PROBE = HERE / "scripts" / "unpatched_probe.py"
 BIN = Path(sys.executable).parent
