@@ -150,12 +150,19 @@ def enable_budget(model: nn.Module, cfg: FSDPOffloadConfig) -> BudgetPlanner:
                           "layer class")
     handle.handler.kept_groups = frozenset(range(len(handle.groups)))
     planner = BudgetPlanner(model, handle, cfg, host_group())
+    # Both hooks are host-side bookkeeping (a collective, a meta forward, a plan), never part of a
+    # graph: under a model compiled whole dynamo would trace into them (transformers 4.57's meta
+    # init crashed it), so they are compiler-disabled. Here, not as decorators on the class:
+    # `torch.compiler.disable` imports dynamo (about 2 CPU-s, sympy with it), and a decorator ran
+    # it at this module's import, in every process `patch()` ran in, the launchers that start no
+    # training (`accelerate launch`, torchrun's agent, `swift sft` under `fsdp-offload-cfg run`).
+    disabled = torch.compiler.disable
     # before FSDP's own pre-forward (which gathers the root's parameters): what `auto` measures
     # as taken is then the sharded state, as the estimate counts it
-    planner.hook = model.register_forward_pre_hook(planner, with_kwargs=True, prepend=True)
+    planner.hook = model.register_forward_pre_hook(disabled(planner.__call__), with_kwargs=True, prepend=True)
     # before the offload's own (it reads the plan's kept groups)
-    planner.layer_hook = handle.groups[0].register_forward_pre_hook(planner.at_first_layer, with_kwargs=True,
-                                                                    prepend=True)
+    planner.layer_hook = handle.groups[0].register_forward_pre_hook(disabled(planner.at_first_layer),
+                                                                    with_kwargs=True, prepend=True)
     summarize_offload_at_exit()
     return planner
 
@@ -203,9 +210,6 @@ class BudgetPlanner:
                 self.model.set_submodule(names[id(wrapper)], wrapper._checkpoint_wrapped_module)
         model_state.take(self.model, "planner")
 
-    # Host-side bookkeeping (a collective, a meta forward, a plan), never part of a graph: under a
-    # model compiled whole dynamo would trace into it (transformers 4.57's meta init crashed dynamo).
-    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         from fsdp_offload_cfg.offload.handlers import in_backward
 
@@ -224,7 +228,6 @@ class BudgetPlanner:
         # must train exactly what the run without a budget trains.)
         return (args, {**kwargs, "use_cache": False}) if self.no_cache else None
 
-    @torch.compiler.disable
     def at_first_layer(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The first layer's forward pre-hook: where TRL's redirection hid the batch from the root's
         hook, plan from the layer's hidden states (batch, tokens, hidden), inside the offload's pass

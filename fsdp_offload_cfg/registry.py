@@ -102,10 +102,13 @@ class Patch:
     # The replacement does not depend on the config: a config switch leaves it installed. The
     # Trainer's patch is one, and switches the config from inside its own replacement.
     config_free: bool = False
-    # The target is a framework's (TRL, PEFT, the Trainer's modules): `patch()` never imports it;
-    # the replacement goes in when the module is first imported, by whoever imports it
-    # (`post_import`). The Trainer's `training_args` imports PEFT: about 1.7 s of imports a rank
-    # (`-X importtime`), for a script that never builds a Trainer.
+    # The target is a framework's (TRL, PEFT, the Trainer's modules, transformers' models):
+    # `patch()` never imports it; the replacement goes in when the module is first imported, by
+    # whoever imports it (`post_import`). The Trainer's `training_args` imports PEFT: about 1.7 s
+    # of imports a rank (`-X importtime`), for a script that never builds a Trainer; transformers'
+    # `modeling_utils` imports dynamo and its kernels' integrations: 3-4 CPU-s in each launcher
+    # process `patch()` runs in under `fsdp-offload-cfg run` (torchrun's agent, `swift sft`),
+    # which never loads a model. Its swaps are checked then too.
     lazy: bool = False
 
 
@@ -398,7 +401,10 @@ def _install_later(session: PatchSession, patches: list[Patch]) -> None:
             def on_import(module: Any, p: Patch = p) -> None:
                 session.pending[:] = [(q, cb) for q, cb in session.pending if q is not p]
                 if _ACTIVE is session:
-                    _apply(p, *resolve(p), session.config, session.applied)
+                    target = resolve(p)
+                    for swapped, attribute in p.swaps(session.config):
+                        _resolve_swap(p, swapped, attribute)
+                    _apply(p, *target, session.config, session.applied)
 
             session.pending.append((p, on_import))
             post_import.when_imported(p.module, on_import)

@@ -886,6 +886,77 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+def test_patch_in_a_launcher_imports_neither_the_models_nor_dynamo_until_a_model_is_loaded():
+    """Under `fsdp-offload-cfg run` `patch()` runs in every Python process, the launchers too
+    (torchrun's agent, `swift sft`), which never load a model. It imported transformers'
+    `modeling_utils` (and with it dynamo and the kernels' integrations) and, through a decorator
+    of the budget, dynamo again: torchrun's agent took 8.8-10.1 CPU-s with `patch()` against
+    2.8-3.2 s without it on this project's 2-core machine (5.5-6.1 s now: the check that FSDP2's
+    `fully_shard` is there imports FSDP2, DTensor with it). The models' patches now go in when
+    `modeling_utils` is imported, as a training script does next."""
+    import subprocess
+    import sys
+
+    code = """
+import os, sys
+os.environ.update(WORLD_SIZE="2", LOCAL_RANK="0")
+import torch.distributed.run  # what torchrun's agent imports
+before = set(sys.modules)
+import fsdp_offload_cfg
+session = fsdp_offload_cfg.patch({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,
+    "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_cpu_offload": True,
+    "fsdp_activation_memory_budget": "4GiB"}})
+heavy = {"transformers.modeling_utils", "torch._dynamo"}
+assert not heavy & (set(sys.modules) - before), sorted(heavy & set(sys.modules))
+names = {"loader-from-pretrained", "rank0-from-config", "resize-token-embeddings", "save-pretrained-sharded"}
+assert names <= set(session.patch_names), session.patch_names
+from transformers import PreTrainedModel
+assert PreTrainedModel.__dict__["from_pretrained"].__func__.__wrapped__ is not None
+assert hasattr(PreTrainedModel.__dict__["save_pretrained"], "__wrapped__")
+fsdp_offload_cfg.unpatch()
+assert not hasattr(PreTrainedModel.__dict__["from_pretrained"].__func__, "__wrapped__")
+assert not hasattr(PreTrainedModel.__dict__["save_pretrained"], "__wrapped__")
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_a_missing_swap_target_stops_the_import_that_installs_the_loader():
+    """The loader's patch goes in when `modeling_utils` is imported (the test above): the
+    functions it swaps during a load are checked then, as `patch()` checks them where
+    `modeling_utils` is already imported, and the import stops naming the missing one."""
+    import subprocess
+    import sys
+
+    from fsdp_offload_cfg.compat.checkpoint_reading import swap_targets
+
+    elsewhere = [(m, a) for m, a in swap_targets() if m != "transformers.modeling_utils"]
+    if not elsewhere:
+        pytest.skip("every function the loader swaps lives in modeling_utils in this transformers")
+    module, attribute = elsewhere[0]
+    code = f"""
+import importlib, sys
+owner = importlib.import_module({module!r})
+assert "transformers.modeling_utils" not in sys.modules
+delattr(owner, {attribute!r})
+import fsdp_offload_cfg
+fsdp_offload_cfg.patch({{"distributed_type": "FSDP", "fsdp_config": {{"fsdp_version": 2,
+    "fsdp_cpu_ram_efficient_loading": True, "load_strategy": "sharded"}}}})
+try:
+    import transformers.modeling_utils
+except fsdp_offload_cfg.UnsupportedVersionError as error:
+    print(error)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == (f"patch 'loader-from-pretrained' replaces or calls {module}.{attribute} during a "
+                                   "load, and the installed version does not have it; this release of "
+                                   "fsdp_offload_cfg does not support it"), proc.stdout + proc.stderr[-3000:]
+
+
 def test_our_loggers_keep_their_info_lines_under_a_framework_logger_class():
     """axolotl installs a logger class that filters every logger created afterwards to warnings
     (its `AxolotlLogger`): our loggers, created after it when axolotl imports our plugin, dropped
