@@ -911,11 +911,13 @@ assert not heavy & (set(sys.modules) - before), sorted(heavy & set(sys.modules))
 names = {"loader-from-pretrained", "rank0-from-config", "resize-token-embeddings", "save-pretrained-sharded"}
 assert names <= set(session.patch_names), session.patch_names
 from transformers import PreTrainedModel
-assert PreTrainedModel.__dict__["from_pretrained"].__func__.__wrapped__ is not None
-assert hasattr(PreTrainedModel.__dict__["save_pretrained"], "__wrapped__")
+ours = {name: PreTrainedModel.__dict__[name] for name in ("from_pretrained", "save_pretrained")}
+originals = {"from_pretrained": ours["from_pretrained"].__func__.__wrapped__,  # each wraps the original
+             "save_pretrained": ours["save_pretrained"].__wrapped__}
+assert [getattr(f, "__module__", "") for f in originals.values()] == ["transformers.modeling_utils"] * 2, originals
 fsdp_offload_cfg.unpatch()
-assert not hasattr(PreTrainedModel.__dict__["from_pretrained"].__func__, "__wrapped__")
-assert not hasattr(PreTrainedModel.__dict__["save_pretrained"], "__wrapped__")
+assert PreTrainedModel.__dict__["from_pretrained"].__func__ is originals["from_pretrained"]
+assert PreTrainedModel.__dict__["save_pretrained"] is originals["save_pretrained"]
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK"))}
