@@ -267,6 +267,15 @@ def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
         )
 
 
+def _checked(patch: Patch, cfg: FSDPOffloadConfig) -> tuple[Any, str, Any]:
+    """`resolve(patch)`, once every function it swaps under `cfg` is there too: at `plan()` for a
+    target already imported, at its import for a lazy one."""
+    target = resolve(patch)
+    for module, attribute in patch.swaps(cfg):
+        _resolve_swap(patch, module, attribute)
+    return target
+
+
 def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchContext,
          env: dict[str, str], replan: Callable[[FSDPOffloadConfig, str], Plan] | None = None,
          expandable_segments: bool = False) -> Plan:
@@ -276,9 +285,7 @@ def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchC
     for p in wanted:
         if p.lazy and p.module not in sys.modules:
             continue  # checked when its framework is imported
-        resolve(p)
-        for module, attribute in p.swaps(cfg):
-            _resolve_swap(p, module, attribute)
+        _checked(p, cfg)
     return Plan(cfg, source, wanted, env, replan, expandable_segments)
 
 
@@ -401,10 +408,7 @@ def _install_later(session: PatchSession, patches: list[Patch]) -> None:
             def on_import(module: Any, p: Patch = p) -> None:
                 session.pending[:] = [(q, cb) for q, cb in session.pending if q is not p]
                 if _ACTIVE is session:
-                    target = resolve(p)
-                    for swapped, attribute in p.swaps(session.config):
-                        _resolve_swap(p, swapped, attribute)
-                    _apply(p, *target, session.config, session.applied)
+                    _apply(p, *_checked(p, session.config), session.config, session.applied)
 
             session.pending.append((p, on_import))
             post_import.when_imported(p.module, on_import)
