@@ -97,7 +97,8 @@ class Patch:
     requires: tuple[str, ...]  # distributions whose version guards this patch
     description: str
     # (module, attribute) of functions the replacement swaps only while it runs (for the
-    # installed versions): checked to exist with the patch itself, before anything changes.
+    # installed versions): checked to exist with the patch itself, before anything changes, where
+    # their module is imported; else when it is (`Plan.waiting_swaps`); a lazy patch's, at its import.
     swaps: Callable[[FSDPOffloadConfig], list[tuple[str, str]]] = lambda cfg: []
     # The replacement does not depend on the config: a config switch leaves it installed. The
     # Trainer's patch is one, and switches the config from inside its own replacement.
@@ -108,7 +109,7 @@ class Patch:
     # of imports a rank (`-X importtime`), for a script that never builds a Trainer; transformers'
     # `modeling_utils` imports dynamo and its kernels' integrations: 3-4 CPU-s in each launcher
     # process `patch()` runs in under `fsdp-offload-cfg run` (torchrun's agent, `swift sft`),
-    # which never loads a model. Its swaps are checked then too.
+    # which never loads a model.
     lazy: bool = False
 
 
@@ -126,6 +127,12 @@ class Plan:
     # turn the CUDA allocator's expandable segments on while this plan is in force (decided by
     # `integrations.common.expandable_segments_wanted`)
     expandable_segments: bool = False
+    # (patch, module, attribute) of swapped functions whose module nobody had imported: checked
+    # when it is. Importing it to check would cost a launcher that never uses it the module: FSDP2's
+    # `fully_shard` brings DTensor and sympy, about 2.5 CPU-s (`benchmarks/launcher_patch.py`); a
+    # training process imports it with transformers' models or at `prepare`, and the check stops
+    # that import, before the patch that swaps it has run.
+    waiting_swaps: tuple[tuple[Patch, str, str], ...] = ()
 
 
 @dataclass
@@ -151,6 +158,8 @@ class PatchSession:
     undo: list[Callable[[], None]] = field(default_factory=list)
     # lazy patches whose module nobody has imported yet, with the callback that installs each
     pending: list[tuple[Patch, Callable[[Any], None]]] = field(default_factory=list)
+    # the plan's waiting swaps, with the callback that checks each at its module's import
+    swap_checks: list[tuple[str, Callable[[Any], None]]] = field(default_factory=list)
     # this session turned the CUDA allocator's expandable segments on: `uninstall` turns them off
     expandable_segments: bool = False
 
@@ -259,21 +268,21 @@ def _current(owner: Any, attr: str) -> Any:
     return owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
 
 
-def _resolve_swap(patch: Patch, module: str, attribute: str) -> None:
-    if not callable(getattr(importlib.import_module(module), attribute, None)):
-        raise UnsupportedVersionError(
-            f"patch {patch.name!r} replaces or calls {module}.{attribute} during a load, and the installed version does not "
-            "have it; this release of fsdp_offload_cfg does not support it"
-        )
-
-
 def _checked(patch: Patch, cfg: FSDPOffloadConfig) -> tuple[Any, str, Any]:
-    """`resolve(patch)`, once every function it swaps under `cfg` is there too: at `plan()` for a
-    target already imported, at its import for a lazy one."""
+    """`resolve(patch)` of a lazy patch at its framework's import, once every function it swaps
+    under `cfg` is there too (imported now: the framework's import is under way)."""
     target = resolve(patch)
     for module, attribute in patch.swaps(cfg):
-        _resolve_swap(patch, module, attribute)
+        _check_swap(patch, importlib.import_module(module), attribute)
     return target
+
+
+def _check_swap(patch: Patch, module: Any, attribute: str) -> None:
+    if not callable(getattr(module, attribute, None)):
+        raise UnsupportedVersionError(
+            f"patch {patch.name!r} replaces or calls {module.__name__}.{attribute} while it runs, and the installed "
+            "version does not have it; this release of fsdp_offload_cfg does not support it"
+        )
 
 
 def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchContext,
@@ -282,11 +291,17 @@ def plan(cfg: FSDPOffloadConfig, source: str, patches: list[Patch], ctx: LaunchC
     """The patches `cfg` needs in `ctx`, with versions in range and every target present."""
     wanted = [p for p in patches if p.enabled(cfg, ctx)]
     check_versions({dist for p in wanted for dist in p.requires})
-    for p in wanted:
-        if p.lazy and p.module not in sys.modules:
-            continue  # checked when its framework is imported
-        _checked(p, cfg)
-    return Plan(cfg, source, wanted, env, replan, expandable_segments)
+    now = [p for p in wanted if not (p.lazy and p.module not in sys.modules)]  # the others: `_checked` at their import
+    for p in now:
+        resolve(p)
+    waiting = []
+    for p in now:  # after every import the targets made
+        for module, attribute in p.swaps(cfg):
+            if module in sys.modules:
+                _check_swap(p, sys.modules[module], attribute)
+            else:
+                waiting.append((p, module, attribute))
+    return Plan(cfg, source, wanted, env, replan, expandable_segments, tuple(waiting))
 
 
 # -------------------------------------------------------------------------------------------
@@ -308,7 +323,7 @@ def install(new: Plan) -> PatchSession:
         raise
     _ACTIVE = PatchSession(new.config, new.source, applied, env_before, new.replan,
                            expandable_segments=new.expandable_segments)
-    _install_later(_ACTIVE, new.patches)
+    _install_later(_ACTIVE, new)
     _tell_the_guard()
     return _ACTIVE
 
@@ -347,7 +362,7 @@ def switch(new: Plan) -> PatchSession:
     order = {p.name: i for i, p in enumerate(new.patches)}
     session.applied = sorted(applied, key=lambda a: order[a.patch.name])
     session.config, session.source = new.config, new.source
-    _install_later(session, new.patches)
+    _install_later(session, new)
     return session
 
 
@@ -397,12 +412,13 @@ def _set_expandable_segments(now: bool, wanted: bool) -> None:
         allocator.set_expandable(wanted)
 
 
-def _install_later(session: PatchSession, patches: list[Patch]) -> None:
-    """Lazy patches whose framework is not imported yet go in right after its import."""
+def _install_later(session: PatchSession, new: Plan) -> None:
+    """Lazy patches whose framework is not imported yet go in right after its import; the swaps
+    whose module is not imported yet are checked right after its import."""
     from fsdp_offload_cfg import post_import
 
     installed = {a.patch for a in session.applied}
-    for p in patches:
+    for p in new.patches:
         if p.lazy and p not in installed:
 
             def on_import(module: Any, p: Patch = p) -> None:
@@ -412,6 +428,14 @@ def _install_later(session: PatchSession, patches: list[Patch]) -> None:
 
             session.pending.append((p, on_import))
             post_import.when_imported(p.module, on_import)
+    for p, name, attribute in new.waiting_swaps:
+
+        def check(module: Any, p: Patch = p, attribute: str = attribute) -> None:  # kept listed: cancel is a no-op once run
+            if _ACTIVE is session:
+                _check_swap(p, module, attribute)
+
+        session.swap_checks.append((name, check))
+        post_import.when_imported(name, check)
 
 
 def _cancel_pending(session: PatchSession) -> None:
@@ -419,7 +443,10 @@ def _cancel_pending(session: PatchSession) -> None:
 
     for p, callback in session.pending:
         post_import.cancel(p.module, callback)
+    for name, callback in session.swap_checks:
+        post_import.cancel(name, callback)
     session.pending.clear()
+    session.swap_checks.clear()
 
 
 def _export(env: Mapping[str, str]) -> dict[str, str | None]:

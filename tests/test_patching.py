@@ -104,7 +104,7 @@ def test_a_missing_swap_target_refuses_before_anything_changes(monkeypatch: pyte
 
     before = _snapshot()
     monkeypatch.delattr(mu, "_get_resolved_checkpoint_files")
-    with pytest.raises(patching.UnsupportedVersionError, match="_get_resolved_checkpoint_files during a load"):
+    with pytest.raises(patching.UnsupportedVersionError, match="_get_resolved_checkpoint_files while it runs"):
         fsdp_offload_cfg.patch(dataclasses.replace(EVERYTHING_ON, load_strategy="sharded"))
     assert _snapshot() == before and fsdp_offload_cfg.active_config() is None
 
@@ -889,11 +889,11 @@ print("ok")
 def test_patch_in_a_launcher_imports_neither_the_models_nor_dynamo_until_a_model_is_loaded():
     """Under `fsdp-offload-cfg run` `patch()` runs in every Python process, the launchers too
     (torchrun's agent, `swift sft`), which never load a model. It imported transformers'
-    `modeling_utils` (and with it dynamo and the kernels' integrations) and, through a decorator
-    of the budget, dynamo again: torchrun's agent took 8.8-10.1 CPU-s with `patch()` against
-    2.8-3.2 s without it on this project's 2-core machine (5.5-6.1 s now: the check that FSDP2's
-    `fully_shard` is there imports FSDP2, DTensor with it). The models' patches now go in when
-    `modeling_utils` is imported, as a training script does next."""
+    `modeling_utils` (and with it dynamo and the kernels' integrations), through a decorator
+    of the budget dynamo again, and to check that FSDP2's `fully_shard` is there FSDP2 and DTensor
+    (sympy with it). The models' patches now go in when `modeling_utils` is imported, as a training
+    script does next; `fully_shard` is checked when FSDP2 is imported. CPU-s per launcher process:
+    `benchmarks/launcher_patch.py` (docs/benchmarks.md)."""
     import subprocess
     import sys
 
@@ -901,12 +901,13 @@ def test_patch_in_a_launcher_imports_neither_the_models_nor_dynamo_until_a_model
 import os, sys
 os.environ.update(WORLD_SIZE="2", LOCAL_RANK="0")
 import torch.distributed.run  # what torchrun's agent imports
+import accelerate.accelerator, accelerate.utils.fsdp_utils  # what the accelerate patches' targets import
 before = set(sys.modules)
 import fsdp_offload_cfg
 session = fsdp_offload_cfg.patch({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2,
     "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_cpu_offload": True,
     "fsdp_activation_memory_budget": "4GiB"}})
-heavy = {"transformers.modeling_utils", "torch._dynamo"}
+heavy = {"transformers.modeling_utils", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "sympy"}
 assert not heavy & (set(sys.modules) - before), sorted(heavy & set(sys.modules))
 names = {"loader-from-pretrained", "rank0-from-config", "resize-token-embeddings", "save-pretrained-sharded"}
 assert names <= set(session.patch_names), session.patch_names
@@ -954,9 +955,48 @@ except fsdp_offload_cfg.UnsupportedVersionError as error:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == (f"patch 'loader-from-pretrained' replaces or calls {module}.{attribute} during a "
-                                   "load, and the installed version does not have it; this release of "
+    assert proc.stdout.strip() == (f"patch 'loader-from-pretrained' replaces or calls {module}.{attribute} while it "
+                                   "runs, and the installed version does not have it; this release of "
                                    "fsdp_offload_cfg does not support it"), proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("unpatched_first", [False, True], ids=["patched", "after-unpatch"])
+def test_a_swapped_function_of_a_module_not_yet_imported_is_checked_at_its_import(unpatched_first: bool):
+    """FSDP2's `fully_shard`, which the prepare patches swap, is checked when FSDP2 is imported
+    (in a training process: with transformers' models, or at `prepare`), not imported by
+    `patch()` to be checked (the launcher test above). A torch without it stops that import naming
+    the patch; after `unpatch()` nothing is checked any more."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import torch.distributed.run, accelerate.accelerator, accelerate.utils.fsdp_utils
+if "torch.distributed.fsdp" in sys.modules:
+    print("already imported")
+    sys.exit(0)
+import fsdp_offload_cfg
+from fsdp_offload_cfg import post_import
+post_import.when_imported("torch.distributed.fsdp", lambda m: delattr(m, "fully_shard"))  # a torch without it
+fsdp_offload_cfg.patch({{"distributed_type": "FSDP", "fsdp_config": {{"fsdp_version": 2}}}})
+if {unpatched_first}:
+    fsdp_offload_cfg.unpatch()
+try:
+    import torch.distributed.fsdp
+except fsdp_offload_cfg.UnsupportedVersionError as error:
+    print(error)
+else:
+    print("imported")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "WORLD_SIZE", "LOCAL_RANK"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.stdout.strip() == "already imported":
+        pytest.skip("accelerate's own modules import FSDP2 in this version: checked at patch() (the test above)")
+    expected = "imported" if unpatched_first else (
+        "patch 'fsdp2-prepare-model' replaces or calls torch.distributed.fsdp.fully_shard while it runs, and the "
+        "installed version does not have it; this release of fsdp_offload_cfg does not support it")
+    assert proc.stdout.strip() == expected, proc.stdout + proc.stderr[-3000:]
 
 
 def test_our_loggers_keep_their_info_lines_under_a_framework_logger_class():

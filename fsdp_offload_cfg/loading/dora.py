@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg.loading.pending import plain_meta
@@ -141,10 +140,14 @@ def fill_pending(model: nn.Module, names: list[str], rank: int, world_size: int)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor  # here: a launcher that imports this never loads (loading/layout.py)
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _own_rows(t: torch.Tensor, rank: int, world_size: int) -> slice:
+    from torch.distributed.tensor import DTensor
+
     if not isinstance(t, DTensor):
         return slice(0, t.shape[0])
     from fsdp_offload_cfg.loading.layout import dtensor_regions

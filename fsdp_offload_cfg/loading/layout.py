@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_offload_cfg.loading.spec import ModelSpec, TensorSpec, named_tensors
+
+if TYPE_CHECKING:  # imported where used: DTensor brings sympy, 2 CPU-s of a launcher that never loads (registry.Plan)
+    from torch.distributed.tensor import DTensor
 
 Region = tuple[slice, ...]
 
@@ -33,6 +36,8 @@ class Copies:
 def copies_of(t: torch.Tensor) -> Copies | None:
     """The replica group of `t`'s slice on this rank; None unless `t` is a DTensor replicated
     along exactly one mesh dim of more than one rank (HSDP)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
     if not isinstance(t, DTensor):
         return None
     dims = [d for d, p in enumerate(t.placements) if isinstance(p, Replicate)]
@@ -111,6 +116,8 @@ def _full(shape: tuple[int, ...]) -> Region:
 
 def dtensor_regions(t: DTensor, world_size: int) -> tuple[Region, ...]:
     """Region of `t`'s full tensor held by each global rank (torch.chunk semantics of `Shard`)."""
+    from torch.distributed.tensor import Replicate, Shard
+
     unsupported = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
     if unsupported or any(type(p) is not Shard and isinstance(p, Shard) for p in t.placements):
         raise NotImplementedError(f"placements {t.placements} are not supported (only Shard and Replicate)")
@@ -149,6 +156,8 @@ def _regions(
 
 def plan(model: nn.Module, spec: ModelSpec, rank: int, world_size: int) -> list[Target]:
     """One `Target` per tensor of `spec`, in `spec` order (sorted by name: the send order)."""
+    from torch.distributed.tensor import DTensor
+
     named = dict(named_tensors(model))
     targets = []
     for s in spec.tensors:
