@@ -129,7 +129,7 @@ class Plan:
     expandable_segments: bool = False
     # (patch, module, attribute) of swapped functions whose module nobody had imported: checked
     # when it is. Importing it to check would cost a launcher that never uses it the module: FSDP2's
-    # `fully_shard` brings DTensor and sympy, about 2.5 CPU-s (`benchmarks/launcher_patch.py`); a
+    # `fully_shard` brings DTensor and sympy, 2.6-3.2 CPU-s (`benchmarks/launcher_patch.py`); a
     # training process imports it with transformers' models or at `prepare`, and the check stops
     # that import, before the patch that swaps it has run.
     waiting_swaps: tuple[tuple[Patch, str, str], ...] = ()
