@@ -143,9 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--format", choices=("table", "json"), default="table")
     estimate.add_argument("--plot", metavar="PNG", help="also draw per-rank device memory per activation setting "
                           "(needs matplotlib: pip install 'fsdp-offload-cfg[plot]')")
-    estimate.add_argument("--device-memory", metavar="SIZE", help="the device's memory, e.g. 80GiB, for --plot "
-                          "and --activation-budget auto (default: the config's activation_budget_device_memory, "
-                          "else the visible GPU's, if any)")
+    estimate.add_argument("--device-memory", metavar="SIZE", help="the device's memory, e.g. 80GiB: says which "
+                          "activation settings fit it (a tenth kept free), draws --plot's line and sizes "
+                          "--activation-budget auto (default: the config's activation_budget_device_memory, "
+                          "else for --plot and auto the visible GPU's, if any)")
     estimate.add_argument("--activation-budget", metavar="SIZE",
                           help="plan each layer (keep, offload, checkpoint, both) so that activations on the device "
                                "stay within SIZE, e.g. 12GiB; or auto (auto-2GiB, auto-5%%: another margin than "
@@ -447,9 +448,6 @@ def _estimate(args: argparse.Namespace) -> int:
             _print("fsdp-offload-cfg estimate: --compute-tflops / --copy-gb-per-s time the activation budget's plan "
                    "(--activation-budget, or the config's activation_memory_budget); ignored without one",
                    file=sys.stderr)
-        if args.device_memory and not args.plot and "room" not in report.get("plan", {}):
-            _print("fsdp-offload-cfg estimate: --device-memory is read by --plot and --activation-budget auto; "
-                   "ignored without either", file=sys.stderr)
         if args.plot:
             from fsdp_offload_cfg.estimate.inputs import visible_device_bytes
             from fsdp_offload_cfg.estimate.plot import save_memory_plot

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fsdp_offload_cfg import cli, load_config
-from fsdp_offload_cfg._sizes import size_in_bytes
+from fsdp_offload_cfg._sizes import show_size, size_in_bytes
 from fsdp_offload_cfg.compat.master_weights import accelerate_upcast
 from fsdp_offload_cfg.estimate import EstimateError, Lora, estimate_memory
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
@@ -933,6 +933,37 @@ def test_the_plot_draws_each_setting_as_the_report_says(models: dict[str, str], 
                      "--batch-size", "1", "--plot", str(png), "--device-memory", "80GiB"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"drawn in {png}" in capsys.readouterr().err
+
+
+def test_device_memory_says_which_settings_fit_it_with_a_tenth_kept_free(models: dict[str, str], tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]):
+    """`--device-memory` alone was ignored (it drew --plot's line and sized `auto`): a user giving
+    it wants to know what fits. Each activation setting's peak is set against the device less a
+    tenth (the allocator reserves more than the step allocates), in the table and the JSON."""
+    base = ["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "32", "--batch-size", "1"]
+    assert cli.main([*base, "--format", "json"]) == 0
+    peaks = {name: s["peak_device_bytes"] for name, s in json.loads(capsys.readouterr().out)["device_by_setting"].items()}
+    low, high = min(peaks, key=peaks.get), max(peaks, key=peaks.get)
+    assert peaks[low] < peaks[high]
+    device = int((peaks[low] + peaks[high]) / 2 / 0.9)  # a tenth kept free: room for low, not for high
+    assert cli.main([*base, "--format", "json", "--device-memory", str(device)]) == 0
+    captured = capsys.readouterr()
+    fit = json.loads(captured.out)["device_fit"]
+    assert "ignored" not in captured.err
+    assert fit["device_bytes"] == device and fit["margin_bytes"] == device // 10
+    for name, setting_peak in peaks.items():
+        left = device - device // 10 - setting_peak
+        assert fit["by_setting"][name] == {"fits": left >= 0, "left_bytes": left}
+    assert fit["by_setting"][low]["fits"] and not fit["by_setting"][high]["fits"]
+    assert cli.main([*base, "--device-memory", str(device)]) == 0
+    table = capsys.readouterr().out
+    assert f"| peak device memory | fits {show_size(device)}, {show_size(device // 10)} kept free |" in table
+    settings = table[table.index("| activations | saved |"):].split("\n\n", 1)[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in settings.splitlines()}
+    assert rows[low.replace("_", " ")].endswith(f"| yes, {show_size(device - device // 10 - peaks[low])} to spare |")
+    assert rows[high.replace("_", " ")].endswith(f"| no, {show_size(peaks[high] - device + device // 10)} over |")
+    assert cli.main(base) == 0
+    assert "kept free" not in capsys.readouterr().out  # no device size, no column
 
 
 def test_plot_errors_come_before_the_estimate_and_name_what_to_fix(models: dict[str, str], tmp_path: Path,

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsdp_offload_cfg._sizes import AutoBudget, show_size
+from fsdp_offload_cfg._sizes import DEFAULT_MARGIN_FRACTION, AutoBudget, show_size
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
@@ -139,7 +139,21 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
             report["plan"]["room"] = {"device_bytes": room.device_bytes, "taken_bytes": room.taken_bytes,
                                       "to_come_bytes": room.to_come_bytes, "margin_bytes": room.margin_bytes,
                                       "colocated_bytes": colocated}  # of taken: vLLM's, colocated
+    if device_memory:
+        report["device_fit"] = _device_fit(report["device_by_setting"], device_memory)
     return report
+
+
+def _device_fit(by_setting: dict[str, dict[str, int]], device_bytes: int) -> dict[str, Any]:
+    """Each setting's peak against a device of `device_bytes` with a tenth of it kept free, as
+    `auto`'s default margin keeps: the peaks count what the step allocates, and a device fills up
+    at what the allocator reserves, more than that (1.02-1.12x measured with expandable segments,
+    which `patch()` turns on with the offload, 1.21-1.33x without: docs/benchmarks.md), besides
+    the CUDA context's few hundred MiB."""
+    margin = int(device_bytes * DEFAULT_MARGIN_FRACTION)
+    left = {name: device_bytes - margin - setting["peak_device_bytes"] for name, setting in by_setting.items()}
+    return {"device_bytes": device_bytes, "margin_bytes": margin,
+            "by_setting": {name: {"fits": bytes_left >= 0, "left_bytes": bytes_left} for name, bytes_left in left.items()}}
 
 
 def _plan(plan: Plan, uniform: dict[str, Plan]) -> dict[str, Any]:
@@ -553,10 +567,15 @@ def format_table(report: dict[str, Any]) -> str:
     if r.get("reference_params_bytes"):
         rows.insert(1, ("reference model (sharded, frozen)", "reference_params_bytes"))
     lines += [f"| {label} | {show_size(r[key])} |" for label, key in rows]
-    lines += ["", "| activations | saved | on the device at peak | host | peak device memory |", "|---|---|---|---|---|"]
+    fit = report.get("device_fit")
+    fit_header = (f" fits {show_size(fit['device_bytes'])}, {show_size(fit['margin_bytes'])} kept free |"
+                  if fit else "")
+    lines += ["", f"| activations | saved | on the device at peak | host | peak device memory |{fit_header}",
+              "|---|---|---|---|---|" + ("---|" if fit else "")]
     for name, s in report["activations"]["settings"].items():
         lines.append(f"| {name.replace('_', ' ')} | {show_size(s['saved_bytes'])} | {show_size(s['device_peak_bytes'])} "
-                     f"| {show_size(s['host_bytes'])} | {show_size(report['device_by_setting'][name]['peak_device_bytes'])} |")
+                     f"| {show_size(s['host_bytes'])} | {show_size(report['device_by_setting'][name]['peak_device_bytes'])} |"
+                     + (f" {_fits(fit['by_setting'][name])} |" if fit else ""))
     if "plan" in report:
         lines += _plan_table(report["plan"])
     loading = report["loading"]
@@ -566,6 +585,11 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"| {name}{mark} | {show_size(p['rank0_host_peak_bytes'])} | {show_size(p['other_host_peak_bytes'])} |")
     lines += ["", "Assumptions:"] + [f"- {a}" for a in report["assumptions"]]
     return "\n".join(lines)
+
+
+def _fits(setting: dict[str, Any]) -> str:
+    left = setting["left_bytes"]
+    return f"yes, {show_size(left)} to spare" if setting["fits"] else f"no, {show_size(-left)} over"
 
 
 def _plan_table(plan: dict[str, Any]) -> list[str]:
