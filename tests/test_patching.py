@@ -850,6 +850,7 @@ def test_unpatch_removes_the_offload_it_enabled_and_dynamos_registration():
     assert set(registered) == before
 
 
+@pytest.mark.fresh_python
 def test_patch_imports_no_framework_and_patches_it_when_it_is_imported():
     """`patch()` imported TRL (and PEFT) itself, before a framework imported later could
     set up what TRL caches at its import (LlamaFactory's shim of transformers' package checks).
@@ -886,6 +887,7 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.fresh_python
 def test_patch_in_a_launcher_imports_neither_the_models_nor_dynamo_until_a_model_is_loaded():
     """Under `fsdp-offload-cfg run` `patch()` runs in every Python process, the launchers too
     (torchrun's agent, `swift sft`), which never load a model. It imported transformers'
@@ -926,6 +928,7 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.fresh_python
 def test_a_missing_swap_target_stops_the_import_that_installs_the_loader():
     """The loader's patch goes in when `modeling_utils` is imported (the test above): the
     functions it swaps during a load are checked then, as `patch()` checks them where
@@ -960,6 +963,7 @@ except fsdp_offload_cfg.UnsupportedVersionError as error:
                                    "fsdp_offload_cfg does not support it"), proc.stdout + proc.stderr[-3000:]
 
 
+@pytest.mark.fresh_python
 @pytest.mark.parametrize("unpatched_first", [False, True], ids=["patched", "after-unpatch"])
 def test_a_swapped_function_of_a_module_not_yet_imported_is_checked_at_its_import(unpatched_first: bool):
     """FSDP2's `fully_shard`, which the prepare patches swap, is checked when FSDP2 is imported
