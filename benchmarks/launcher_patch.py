@@ -15,8 +15,8 @@ started the way `fsdp-offload-cfg run` starts it (the switch on, `_bootstrap` fi
 `PYTHONPATH`, the config named by `FSDP_OFFLOAD_CFG`) or without the plugin. `WORLD_SIZE=2`
 and `LOCAL_RANK=0` are set in both, so `patch()` plans what a rank's would (the most it does).
 
-CPU-seconds are the child's user + system time as the kernel reports it to its parent
-(`os.wait4`), not anything the plugin measures; "imported" lists which of the heavy modules a
+CPU-seconds are the child's user + system time as the kernel reports it to its parent (the
+growth of `getrusage(RUSAGE_CHILDREN)` across the child, which it starts no process of), not anything the plugin measures; "imported" lists which of the heavy modules a
 launcher has no use for the child ended up holding (transformers' models, dynamo, FSDP2).
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -64,20 +65,19 @@ def run_once(module: str, checkout: Path | None, config: Path) -> dict:
         bootstrap = checkout / "fsdp_offload_cfg" / "_bootstrap"
         env.update(FSDP_OFFLOAD_CFG_AUTOPATCH="1", FSDP_OFFLOAD_CFG=str(config),
                    PYTHONPATH=os.pathsep.join([str(bootstrap), str(checkout)]))
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD.format(module=module, heavy=HEAVY)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.monotonic() - start
-    out, err = proc.stdout.read(), proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: Popen must not wait again
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", CHILD.format(module=module, heavy=HEAVY)], env=env,
+                          capture_output=True, text=True)
+    wall, after = time.monotonic() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    out, err = proc.stdout, proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"the child importing {module} ({'plugin from ' + str(checkout) if checkout else 'no plugin'}) "
                          f"exited {proc.returncode}:\n{err[-3000:]}")
     facts = json.loads(out.strip().splitlines()[-1])
     if facts["patched"] != (checkout is not None):
         raise SystemExit(f"the child importing {module} was {'not ' if checkout else ''}patched; stderr:\n{err[-3000:]}")
-    return {**facts, "cpu": usage.ru_utime + usage.ru_stime, "wall": wall}
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {**facts, "cpu": cpu, "wall": wall}
 
 
 def measure(checkouts: list[Path], repeat: int) -> list[dict]:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = measure([ROOT, *(c.resolve() for c in args.checkout)], args.repeat)
     print(f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs; {args.repeat} runs a row; "
-          "CPU-s: the child's user + system time (os.wait4)")
+          "CPU-s: the child's user + system time (RUSAGE_CHILDREN)")
     print(table(rows))
     return 0
 

@@ -108,8 +108,8 @@ class Patch:
     # whoever imports it (`post_import`). The Trainer's `training_args` imports PEFT: about 1.7 s
     # of imports a rank (`-X importtime`), for a script that never builds a Trainer; transformers'
     # `modeling_utils` imports dynamo and its kernels' integrations: 3-4 CPU-s in each launcher
-    # process `patch()` runs in under `fsdp-offload-cfg run` (torchrun's agent, `swift sft`),
-    # which never loads a model.
+    # process `patch()` runs in under `fsdp-offload-cfg run` (a framework's front end: `swift sft`,
+    # `trl sft`), which never loads a model.
     lazy: bool = False
 
 
@@ -129,7 +129,7 @@ class Plan:
     expandable_segments: bool = False
     # (patch, module, attribute) of swapped functions whose module nobody had imported: checked
     # when it is. Importing it to check would cost a launcher that never uses it the module: FSDP2's
-    # `fully_shard` brings DTensor and sympy, 2.6-3.2 CPU-s (`benchmarks/launcher_patch.py`); a
+    # `fully_shard` brings DTensor and sympy, 2.5-3.2 CPU-s (`benchmarks/launcher_patch.py`); a
     # training process imports it with transformers' models or at `prepare`, and the check stops
     # that import, before the patch that swaps it has run.
     waiting_swaps: tuple[tuple[Patch, str, str], ...] = ()

@@ -889,8 +889,9 @@ print("ok")
 
 @pytest.mark.fresh_python
 def test_patch_in_a_launcher_imports_neither_the_models_nor_dynamo_until_a_model_is_loaded():
-    """Under `fsdp-offload-cfg run` `patch()` runs in every Python process, the launchers too
-    (torchrun's agent, `swift sft`), which never load a model. It imported transformers'
+    """Under `fsdp-offload-cfg run` `patch()` runs in every Python process but the launchers
+    themselves, the framework front ends that start them too (`swift sft`, `trl sft`), which never
+    load a model; torchrun's module stands for what such a front end imports. It imported transformers'
     `modeling_utils` (and with it dynamo and the kernels' integrations), through a decorator
     of the budget dynamo again, and to check that FSDP2's `fully_shard` is there FSDP2 and DTensor
     (sympy with it). The models' patches now go in when `modeling_utils` is imported, as a training
