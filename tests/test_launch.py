@@ -296,9 +296,13 @@ def test_activation_offload_with_accelerates_regional_compilation(tmp_path: Path
 def test_typo_in_plugin_key_stops_the_launch_naming_it(tmp_path: Path):
     """Every rank stops at `patch()`, before any model is built: the checkpoint named does not
     exist, and a rank that went on would stop in `from_pretrained` naming it (this test bounded
-    the launch's time instead, which says nothing on a machine slow enough)."""
+    the launch's time instead, which says nothing on a machine slow enough). torchrun's agent
+    looks at its workers every `--monitor_interval` seconds (accelerate's default 0.1) and
+    SIGTERMs the others once one has failed: a rank 1 that reached `patch()` a tenth of a second
+    after rank 0 had failed was killed before it could say why (seen once in CI on a loaded
+    machine). With 15 s, both ranks have stopped on their own before the agent first looks."""
     config = _write(tmp_path, "typo.yaml", extra="  fsdp_activaton_cpu_offload: true\n")
-    launch = _accelerate_launch(config, str(tmp_path / "never_read"))
+    launch = _accelerate_launch(config, str(tmp_path / "never_read"), flags=("--monitor_interval", "15"))
     assert launch.proc.returncode != 0
     output = launch.output
     assert "activaton_cpu_offload" in output and "did you mean" in output, output[-3000:]
