@@ -165,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--lora-dropout", type=float, metavar="P",
                           help="the adapters' dropout (default 0, PEFT's; ms-swift's is 0.05): each adapter then "
                                "saves a dropped copy of its input")
+    estimate.add_argument("--lora-dora", action=argparse.BooleanOptionalAction,
+                          help="the adapters are DoRA's (PEFT's use_dora): each adapted layer also saves its base "
+                               "output and its adapter's output, about twice LoRA's activations (default: as the "
+                               "run's file says, else LoRA)")
     estimate.add_argument("--reference-model", action=argparse.BooleanOptionalAction,
                           help="a reference model: a frozen copy of the model sharded beside it, as TRL's DPO and KTO "
                                "(and GRPO / RLOO with a KL term) hold one (default: as the run's command says)")
@@ -627,7 +631,9 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
         if args.lora_dropout is None:
             args.lora_dropout = run.lora_dropout
             from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
-        said.append(f"LoRA {' '.join(from_file)} ({run.taken['lora']})")
+        if args.lora_dora is None:
+            args.lora_dora = run.lora_dora
+        said.append(f"{'DoRA' if args.lora_dora else 'LoRA'} {' '.join(from_file)} ({run.taken['lora']})")
     return said
 
 
@@ -701,13 +707,13 @@ def _lora_input(args: argparse.Namespace) -> Any:
     from fsdp_offload_cfg.estimate.adapters import ALL_LINEAR
 
     if args.lora_rank is None:
-        given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-dropout", args.lora_dropout))
-                 if value is not None]
+        given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-dropout", args.lora_dropout),
+                                          ("--lora-dora", args.lora_dora)) if value is not None]
         if given:
             raise EstimateError(f"{' and '.join(given)} describe the adapters of --lora-rank, which is not given: "
                                 "pass --lora-rank R for a LoRA fine-tune")
         return None
-    return Lora(args.lora_rank, args.lora_targets or ALL_LINEAR, args.lora_dropout or 0.0)
+    return Lora(args.lora_rank, args.lora_targets or ALL_LINEAR, args.lora_dropout or 0.0, bool(args.lora_dora))
 
 
 def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def _config(budget: int | str | None, loader: bool = False, rates: bool = True, 
 
 
 def _train(rank: int, world: int, path: str, budget: int | str | None, loader: bool, no_cache: bool = False,
-           slow_copies: bool = False, device_memory: int | None = None, lora: bool = False,
+           slow_copies: bool = False, device_memory: int | None = None, lora: bool | str = False,
            dtype: torch.dtype = torch.float32, mixed: str = "no") -> dict[str, Any]:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
@@ -66,7 +66,7 @@ def _train(rank: int, world: int, path: str, budget: int | str | None, loader: b
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear"))
+        model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear", use_dora=lora == "dora"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
@@ -88,15 +88,16 @@ def _train(rank: int, world: int, path: str, budget: int | str | None, loader: b
 
 
 def _plan_for(path: str, budget: int, seq: int = SEQ, rates: tuple[float, float] | None = None,
-              lora: bool = False) -> list[str]:
+              lora: bool | str = False) -> list[str]:
     """The estimate's plan for the same model, config, batch and device (what the run must follow),
-    at the config's rates or at `rates` (FLOP/s, copy bytes/s); with `lora`, of the LoRA run."""
+    at the config's rates or at `rates` (FLOP/s, copy bytes/s); with `lora`, of the LoRA run (of
+    the DoRA run with "dora")."""
     from fsdp_offload_cfg import load_config
     from fsdp_offload_cfg.estimate import Lora, estimate_memory
 
     config = load_config(_config(budget, rates=rates is None) | {"num_processes": 2})
     report = estimate_memory(config, path, seq_len=seq, batch_size=BATCH, device="cpu", dtype="float32",
-                             lora=Lora(LORA_RANK) if lora else None,
+                             lora=Lora(LORA_RANK, dora=lora == "dora") if lora else None,
                              **({"compute_flops": rates[0], "copy_bytes": rates[1]} if rates else {}))
     return [layer["choice"] for layer in report["plan"]["layers"]]
 
@@ -225,6 +226,30 @@ def test_a_lora_run_plans_what_its_adapters_save_and_trains_exactly(lora_runs: d
         plain, ours = lora_runs["none"][rank], lora_runs["mix"][rank]
         assert ours["losses"] == plain["losses"] and ours["norms"] == plain["norms"], rank
     assert lora_runs["mix"][0]["state"] == lora_runs["none"][0]["state"]
+
+
+def test_a_dora_run_plans_what_its_adapters_save_and_trains_exactly(model_dir: str):
+    """DoRA's adapters save more than LoRA's (each adapted layer its base output and its adapter's
+    output, which the learned magnitude scales): the run's meta twin carries them, so the run
+    plans the estimate's DoRA plan (`Lora(dora=True)`, `--lora-dora`), where the twin was once the
+    full fine-tune's; and it trains bit for bit what the DoRA run without a budget trains."""
+    from fsdp_offload_cfg import load_config
+    from fsdp_offload_cfg.estimate import Lora, estimate_memory
+
+    report = estimate_memory(load_config(_config(None) | {"num_processes": 2}), model_dir, seq_len=SEQ,
+                             batch_size=BATCH, device="cpu", dtype="float32", activation_budget=10**12,
+                             lora=Lora(LORA_RANK, dora=True))
+    peaks = [u["device_peak_bytes"] for u in report["plan"]["uniform"].values()]
+    low, high = min(peaks), max(peaks)
+    budget = next(b for b in (low + (high - low) * i // 24 for i in range(1, 24))
+                  if _plan_for(model_dir, b, lora="dora") not in (_plan_for(model_dir, b, lora=True), _plan_for(model_dir, b))
+                  and {"offload", "keep"} <= set(_plan_for(model_dir, b, lora="dora")))
+    plain, mix = (run_workers(_train, 2, model_dir, b, False, False, False, None, "dora", timeout=400)
+                  for b in (None, budget))
+    for rank in (0, 1):
+        assert mix[rank]["choices"] == _plan_for(model_dir, budget, lora="dora"), rank
+        assert (mix[rank]["losses"], mix[rank]["norms"]) == (plain[rank]["losses"], plain[rank]["norms"]), rank
+    assert mix[0]["state"] == plain[0]["state"]
 
 
 @pytest.mark.parametrize("mixed", ["no", "bf16"])

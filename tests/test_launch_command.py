@@ -238,7 +238,11 @@ TRL_SCRIPTS_READ = {
         "output_dir": "out", "max_length": 2048, "per_device_train_batch_size": 2,
         "model_init_kwargs": {"attn_implementation": "sdpa"}, "model_name_or_path": "Qwen/Qwen2.5-0.5B",
         "dtype": "bfloat16", "use_peft": True, "lora_r": 16, "lora_dropout": 0.0,
-        "lora_target_modules": ["q_proj", "v_proj"]}, ("learning_rate",), False),
+        "lora_target_modules": ["q_proj", "v_proj"], "use_dora": False}, ("learning_rate",), False),
+    # DoRA: PEFT's use_dora, read as TRL's ModelConfig key of that name
+    "from peft import LoraConfig\nimport trl\ntrl.SFTTrainer('m', peft_config=LoraConfig(r=4, use_dora=True))\n":
+        ("SFTConfig", "no args=: SFTTrainer builds its own SFTConfig", {
+            "model_name_or_path": "m", "use_peft": True, "lora_r": 4, "lora_dropout": 0.0, "use_dora": True}, (), False),
     # no args=: the trainer builds its own config; a model by name
     "import trl\ntrl.DPOTrainer('m', train_dataset=d)\n":
         ("DPOConfig", "no args=: DPOTrainer builds its own DPOConfig", {"model_name_or_path": "m"}, (), False),
@@ -263,7 +267,8 @@ TRL_SCRIPTS_READ = {
      "model_args = ModelConfig()\ncfg = LoraConfig(r=model_args.lora_r, lora_dropout=model_args.lora_dropout)\n"
      "model = AutoModel.from_pretrained('a')\nmodel = other(model)\n"
      "SFTTrainer(model, args=SFTConfig(model_init_kwargs={'dtype': torch.bfloat16}), peft_config=cfg)\n"):
-        ("SFTConfig", "its args= SFTConfig(...)", {"model_init_kwargs": {"dtype": "bfloat16"}, "use_peft": True},
+        ("SFTConfig", "its args= SFTConfig(...)", {"model_init_kwargs": {"dtype": "bfloat16"}, "use_peft": True,
+                                                   "use_dora": False},
          ("model", "LoraConfig.r", "LoraConfig.lora_dropout"), True),
     ("import torch as t\nimport trl\nfrom transformers import AutoModelForCausalLM\n"
      "m = AutoModelForCausalLM.from_pretrained('a', torch_dtype=t.float16)\n"

@@ -32,9 +32,10 @@ Each figure's key, as each framework spells it (the first the file has wins):
   `lora_target` (default `all`: every linear layer) and `lora_dropout`; axolotl's
   `adapter: lora` with `lora_r`, `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
   TRL's `use_peft: true` with `lora_r` (16), `lora_target_modules` (PEFT's default for the model's
-  type) and `lora_dropout` (0.05);
+  type) and `lora_dropout` (0.05); DoRA where `use_dora` (LlamaFactory's, TRL's, ms-swift's) or
+  axolotl's `peft_use_dora` is true;
 - what the estimate counts otherwise, said as caveats: LlamaFactory's `freeze` and `oft` as a
-  full fine-tune, DoRA (`use_dora`, axolotl's `peft_use_dora`) as LoRA;
+  full fine-tune;
 - a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
   `quantization_bit`): the estimate counts no 4- or 8-bit weights, so it stops, saying so, unless
   `--lora-rank` asks for LoRA over the base as loaded.
@@ -145,6 +146,7 @@ class RunArguments:
     lora_rank: int | None = None
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
+    lora_dora: bool = False  # the adapters are DoRA's (`use_dora`, axolotl's `peft_use_dora`)
     quantized: str | None = None  # the key that quantizes the base (`adapter: qlora`), which no estimate counts
     vllm_share: float | None = None  # the fraction of each GPU vLLM holds colocated with GRPO / RLOO (`use_vllm`)
     taken: dict[str, str] = field(default_factory=dict)
@@ -686,12 +688,12 @@ class _Reader:
         return key, self.top[key] if key is not None else "lora"
 
     def _adapters(self, rank: int | None, targets: str | None, dropout: float | None, how: str) -> dict[str, Any]:
-        if self.top.get("use_dora") is True or self.top.get("peft_use_dora") is True:
-            self.caveats.append("DoRA (use_dora) is counted as LoRA: its weight norm's bytes are not")
         if rank is None or targets is None or dropout is None:
             return {}
-        self.taken["lora"] = how
-        return {"lora_rank": rank, "lora_targets": targets, "lora_dropout": dropout}
+        key = next((k for k in ("use_dora", "peft_use_dora") if self.top.get(k) is not None), None)
+        dora = key is not None and self._typed(key, bool) is True
+        self.taken["lora"] = how + (f", {key}: true" if dora else "")
+        return {"lora_rank": rank, "lora_targets": targets, "lora_dropout": dropout, "lora_dora": dora}
 
     def _names(self, key: str) -> str | None:
         value = self.top.get(key)

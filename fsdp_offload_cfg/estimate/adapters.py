@@ -40,6 +40,9 @@ class Lora:
     # as TRL's `use_peft` leaves it), or module names separated by commas
     targets: str = ALL_LINEAR
     dropout: float = 0.0  # PEFT's default; ms-swift's is 0.05, TRL's 0.05
+    # PEFT's `use_dora`: each adapted layer also saves its base output and its adapter's output
+    # (what the learned magnitude scales): about twice LoRA's activations
+    dora: bool = False
 
     def target_modules(self) -> str | list[str] | None:
         if self.targets in (ALL_LINEAR, PEFT_DEFAULT):
@@ -48,7 +51,8 @@ class Lora:
 
     def describe(self) -> str:
         on = "PEFT's default modules for the model's type" if self.targets == PEFT_DEFAULT else self.targets
-        return f"LoRA rank {self.rank} on {on}" + (f", dropout {self.dropout:g}" if self.dropout else "")
+        kind = "DoRA" if self.dora else "LoRA"
+        return f"{kind} rank {self.rank} on {on}" + (f", dropout {self.dropout:g}" if self.dropout else "")
 
 
 def check_lora(lora: Lora) -> None:
@@ -69,7 +73,8 @@ def with_lora(model: nn.Module, lora: Lora) -> nn.Module:
     PEFT keeps them in (float32): what the states count (`gathered_in` for the forward)."""
     from peft import LoraConfig
 
-    config = LoraConfig(r=lora.rank, target_modules=lora.target_modules(), lora_dropout=lora.dropout)
+    config = LoraConfig(r=lora.rank, target_modules=lora.target_modules(), lora_dropout=lora.dropout,
+                        use_dora=lora.dora)
     try:
         return _placed(model, config)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
@@ -77,23 +82,35 @@ def with_lora(model: nn.Module, lora: Lora) -> nn.Module:
 
 
 def adapters_like(trained: nn.Module, twin: nn.Module) -> nn.Module:
-    """`twin` (the run's meta twin, which an activation budget plans from) with the LoRA adapters
-    `trained` has, from its active adapter's config: a LoRA run then plans what it saves, not what
-    a full fine-tune would. `twin` itself where `trained` has none, or has adapters the probe does
-    not measure as the run saves (DoRA's weight norm saves a whole weight per layer in a graph the
-    forward drops, which the probe, holding every save for its backward, would count as kept; other
-    PEFT types). The adapters' init is PEFT's default: values are never read on meta, and an init
-    from the base weights (PiSSA's SVD, LoftQ) cannot run there."""
+    """`twin` (the run's meta twin, which an activation budget plans from) with the LoRA or DoRA
+    adapters `trained` has, from its active adapter's config: a LoRA run then plans what it saves,
+    not what a full fine-tune would. `twin` itself where `trained` has none, or has another PEFT
+    type. DoRA's weight norm runs a graph over a whole weight that its forward drops (the norm is
+    detached): the probe forgets the saves of a graph gone by the forward's end (`probe.release`),
+    so it counts what DoRA keeps. The adapters' init is PEFT's default: values are never read on
+    meta, and an init from the base weights (PiSSA's SVD, LoftQ) cannot run there."""
     wrapper = next((m for m in trained.modules() if isinstance(getattr(m, "peft_config", None), dict)
                     and hasattr(m, "active_adapter")), None)
     if wrapper is None:
         return twin
     active = wrapper.active_adapter
     config = copy.deepcopy(wrapper.peft_config[active[0] if isinstance(active, list) else active])
-    if getattr(config.peft_type, "value", config.peft_type) != "LORA" or getattr(config, "use_dora", False):
+    if getattr(config.peft_type, "value", config.peft_type) != "LORA":
         return twin
     config.init_lora_weights = True
     return _placed(twin, config)
+
+
+def dora_transient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The most one DoRA layer holds while its forward computes its weight's norm, beyond what it
+    saves (PEFT's `get_lora_weight` and `get_weight_norm`): an identity matrix of its input size
+    and the adapter's product (`lora_B(lora_A(eye))`, in by out), then the weight plus the
+    scaled product (two more). Freed within the forward; the probe sees none of it (it ends
+    inside one module and is saved by nothing), so the estimate says it beside its figures. 0
+    without DoRA layers."""
+    sizes = [m.in_features * (m.in_features + 3 * m.out_features) for m in model.modules()
+             if len(getattr(m, "lora_magnitude_vector", None) or ()) and hasattr(m, "in_features")]
+    return max(sizes, default=0) * dtype.itemsize
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from fsdp_offload_cfg._sizes import DEFAULT_MARGIN_FRACTION, AutoBudget, show_si
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
-from fsdp_offload_cfg.estimate.adapters import Lora, gathered_in, with_lora
+from fsdp_offload_cfg.estimate.adapters import Lora, dora_transient_bytes, gathered_in, with_lora
 from fsdp_offload_cfg.estimate.heads import HEAD_WORDS, ChunkedDistillation, FusedLogProbs, Head
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
@@ -124,6 +124,7 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                             others_whole=companions.reward.whole + companions.teacher.whole),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
                                     image, head)
+        + _dora_said(model, dtypes.compute)
         + _head_advice(profile, by_setting, head) + (_reference_said(dtypes) if reference else [])
         + (_companion_said("reward", ", ".join(reward_models), companions_sharded, "its no-grad forward scores "
                            "the completions before the training forward") if reward_models else [])
@@ -188,7 +189,8 @@ def _lora(model: torch.nn.Module, lora: Lora | None) -> dict[str, Any] | None:
     if targets is None:  # PEFT's default for the model's type: the names it chose
         config = next(iter(getattr(model, "peft_config", {}).values()), None)
         targets = sorted(getattr(config, "target_modules", None) or [])
-    return {"rank": lora.rank, "targets": targets, "dropout": lora.dropout, "trainable_parameters": trainable}
+    return {"rank": lora.rank, "targets": targets, "dropout": lora.dropout, "dora": lora.dora,
+            "trainable_parameters": trainable}
 
 
 def _room(config: FSDPOffloadConfig, states: ShardedStates, auto: AutoBudget, device_bytes: int,
@@ -440,6 +442,17 @@ def _reference_said(dtypes: Dtypes) -> list[str]:
             "prepare_fsdp gathers it whole)"]
 
 
+def _dora_said(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """The DoRA norm's temporaries (`dora_transient_bytes`), which the figures leave out."""
+    transient = dora_transient_bytes(model, dtype)
+    if not transient:
+        return []
+    return [f"DoRA: while each adapted layer's forward (and a checkpointed layer's recompute in backward) computes "
+            f"its weight's norm, it holds an identity matrix of its input size and three of its weight's size "
+            f"({_name(dtype)}), freed within the forward and not counted above: {show_size(transient)} at most "
+            "(the largest adapted layer)"]
+
+
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
                  batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile,
                  lora: Lora | None, image: ExampleImage | None, head: Head | None) -> list[str]:
@@ -542,7 +555,8 @@ def format_table(report: dict[str, Any]) -> str:
     """The report for people: per-rank memory, the four activation settings, loading."""
     r, inputs = report["per_rank"], report["inputs"]
     lora = report["model"].get("lora")
-    trains = (f"; LoRA rank {lora['rank']}: {lora['trainable_parameters'] / 1e6:,.1f}M trained" if lora else "")
+    trains = (f"; {'DoRA' if lora['dora'] else 'LoRA'} rank {lora['rank']}: "
+              f"{lora['trainable_parameters'] / 1e6:,.1f}M trained" if lora else "")
     lines = [
         f"{report['model']['class']} ({report['model']['parameters'] / 1e6:,.1f}M parameters{trains}) on "
         f"{report['ranks']} "

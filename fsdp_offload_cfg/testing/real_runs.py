@@ -101,12 +101,14 @@ class _AllocatorPeak(TorchDispatchMode):
         return out
 
 
-def allocator_peak_in_backward(model: nn.Module, batch: dict[str, Any]) -> int:
+def allocator_peak_in_backward(model: nn.Module, batch: dict[str, Any], adapters: bool = False) -> int:
     """The most the C allocator holds, above what it held before the forward, at any op of one
     training forward and backward: the activations' own peak with backward's temporaries, as
     the allocator sees it. Backward stops at the embeddings' output, so no weight gradient is
-    made (the estimate counts those with the parameters, not the activations). The second of
-    two steps is measured, so one-time allocations are not counted."""
+    made (the estimate counts those with the parameters, not the activations); with `adapters`
+    (a LoRA over a frozen embedding, whose output needs no gradient) it runs to the trainable
+    parameters, whose gradients are small. The second of two steps is measured, so one-time
+    allocations are not counted."""
     embeddings: list[torch.Tensor] = []
     hook = model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: embeddings.append(out))
     try:
@@ -116,7 +118,7 @@ def allocator_peak_in_backward(model: nn.Module, batch: dict[str, Any]) -> int:
             base = _allocated_bytes()
             with _AllocatorPeak(base) as watch:
                 loss = model(**batch).loss
-                torch.autograd.grad(loss, embeddings)
+                torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad] if adapters else embeddings)
             del loss
     finally:
         hook.remove()
