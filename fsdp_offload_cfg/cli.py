@@ -165,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--lora-dropout", type=float, metavar="P",
                           help="the adapters' dropout (default 0, PEFT's; ms-swift's is 0.05): each adapter then "
                                "saves a dropped copy of its input")
+    estimate.add_argument("--lora-modules-to-save", metavar="NAMES",
+                          help="modules trained whole beside the adapters (PEFT's modules_to_save), e.g. "
+                               "embed_tokens,lm_head as a run adding tokens trains them; input-output-embeddings names "
+                               "the model's embeddings whatever they are called (default: as the run's file says)")
     estimate.add_argument("--lora-dora", action=argparse.BooleanOptionalAction,
                           help="the adapters are DoRA's (PEFT's use_dora): each adapted layer also saves its base "
                                "output and its adapter's output, about twice LoRA's activations (default: as the "
@@ -633,6 +637,9 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
             from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
         if args.lora_dora is None:
             args.lora_dora = run.lora_dora
+        if args.lora_modules_to_save is None and run.lora_modules_to_save:
+            args.lora_modules_to_save = run.lora_modules_to_save
+            from_file.append(f"with {run.lora_modules_to_save} trained whole")
         said.append(f"{'DoRA' if args.lora_dora else 'LoRA'} {' '.join(from_file)} ({run.taken['lora']})")
     return said
 
@@ -708,12 +715,14 @@ def _lora_input(args: argparse.Namespace) -> Any:
 
     if args.lora_rank is None:
         given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-dropout", args.lora_dropout),
-                                          ("--lora-dora", args.lora_dora)) if value is not None]
+                                          ("--lora-dora", args.lora_dora),
+                                          ("--lora-modules-to-save", args.lora_modules_to_save)) if value is not None]
         if given:
             raise EstimateError(f"{' and '.join(given)} describe the adapters of --lora-rank, which is not given: "
                                 "pass --lora-rank R for a LoRA fine-tune")
         return None
-    return Lora(args.lora_rank, args.lora_targets or ALL_LINEAR, args.lora_dropout or 0.0, bool(args.lora_dora))
+    return Lora(args.lora_rank, args.lora_targets or ALL_LINEAR, args.lora_dropout or 0.0, bool(args.lora_dora),
+                args.lora_modules_to_save or "")
 
 
 def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:

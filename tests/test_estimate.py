@@ -1121,18 +1121,28 @@ def test_a_lora_runs_activations_match_what_the_allocator_holds_after_a_forward(
 
 
 @pytest.mark.distributed
-def test_a_lora_runs_states_are_those_of_a_real_accelerate_lora_step(models: dict[str, str]):
+@pytest.mark.parametrize("saved", ["", "embed_tokens,lm_head"], ids=["adapters", "modules_to_save"])
+def test_a_lora_runs_states_are_those_of_a_real_accelerate_lora_step(models: dict[str, str], saved: str):
     """Gradients and AdamW's moments for the adapters alone; the frozen base in the dtype the
     installed accelerate keeps it in (bf16 since 1.14, which upcasts only what trains; float32
-    with 1.10-1.12, which upcast all): against a model prepared by accelerate and one step."""
+    with 1.10-1.12, which upcast all): against a model prepared by accelerate and one step. With
+    modules trained whole (PEFT's `modules_to_save`, the embeddings of a run that adds tokens): a
+    trained copy of each beside the frozen one, with its gradients and moments (the estimate
+    counted them frozen: 0.4x the gradient bytes on this model, 0.06x with a 1000-token vocabulary)."""
     report = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu", dtype="bfloat16",
-                             lora=Lora(4))
-    real = run_workers(states_after_accelerate_step, 2, models["llama"], report["model"]["layer_classes"], 1, 4)[0]
+                             lora=Lora(4, modules_to_save=saved))
+    real = run_workers(states_after_accelerate_step, 2, models["llama"], report["model"]["layer_classes"], 1, 4,
+                       saved.split(",") if saved else None)[0]
     per_rank = report["per_rank"]
     assert (per_rank["params_bytes"], per_rank["grads_bytes"], per_rank["optimizer_bytes"]) == (
         real["params"], real["grads"], real["optimizer"]), (per_rank, real)
+    assert report["model"]["lora"]["modules_to_save"] == sorted(filter(None, saved.split(",")))
     full = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu", dtype="bfloat16")
     assert 0 < per_rank["grads_bytes"] < full["per_rank"]["grads_bytes"] / 2, "the test tells nothing apart"
+    if saved:
+        adapters = estimate_memory(config(), models["llama"], seq_len=SEQ, batch_size=BATCH, device="cpu",
+                                   dtype="bfloat16", lora=Lora(4))
+        assert per_rank["grads_bytes"] > 2 * adapters["per_rank"]["grads_bytes"], "the test tells nothing apart"
 
 
 def test_lora_targets_no_module_has_are_said_with_the_flag(models: dict[str, str]):
@@ -1159,12 +1169,28 @@ def test_cli_lora_flags_reach_the_estimate_and_the_table_says_what_trains(models
     assert "DoRA rank 4:" in out.splitlines()[0] and "- DoRA rank 4 on all-linear (PEFT's get_peft_model)" in out, out
 
 
-def test_lora_dora_without_lora_rank_is_refused(models: dict[str, str], tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]):
+@pytest.mark.parametrize("flag", [["--lora-dora"], ["--lora-modules-to-save", "lm_head"]])
+def test_an_adapter_flag_without_lora_rank_is_refused(models: dict[str, str], tmp_path: Path, flag: list[str],
+                                                      capsys: pytest.CaptureFixture[str]):
     """It would silently estimate a full fine-tune, as --lora-targets and --lora-dropout would."""
     assert cli.main(["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "32",
-                     "--batch-size", "1", "--lora-dora"]) != 0
-    assert "--lora-dora describe the adapters of --lora-rank, which is not given" in capsys.readouterr().err
+                     "--batch-size", "1", *flag]) != 0
+    assert f"{flag[0]} describe the adapters of --lora-rank, which is not given" in capsys.readouterr().err
+
+
+def test_modules_to_save_name_the_models_embeddings_and_refuse_a_name_it_lacks(models: dict[str, str],
+                                                                              tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]):
+    """`input-output-embeddings` (LlamaFactory's `resize_vocab`) are the model's own embeddings
+    whatever their names; a name no module has would train nothing more, silently: refused."""
+    args = ["estimate", _yaml(tmp_path, CONFIG_YAML), "--model", models["llama"], "--seq-len", "32", "--batch-size",
+            "1", "--lora-rank", "4", "--format", "json", "--lora-modules-to-save"]
+    assert cli.main([*args, "input-output-embeddings"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["lora"]["modules_to_save"] == ["embed_tokens", "lm_head"]
+    assert "the input and output embeddings trained whole (modules_to_save)" in report["assumptions"][2]
+    assert cli.main([*args, "embed,lm_head"]) == 1
+    assert "--lora-modules-to-save embed,lm_head: the model has no module named embed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("adapter", ["lora", "pissa", "dora", "ia3", "none"])

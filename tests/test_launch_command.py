@@ -239,10 +239,12 @@ TRL_SCRIPTS_READ = {
         "model_init_kwargs": {"attn_implementation": "sdpa"}, "model_name_or_path": "Qwen/Qwen2.5-0.5B",
         "dtype": "bfloat16", "use_peft": True, "lora_r": 16, "lora_dropout": 0.0,
         "lora_target_modules": ["q_proj", "v_proj"], "use_dora": False}, ("learning_rate",), False),
-    # DoRA: PEFT's use_dora, read as TRL's ModelConfig key of that name
-    "from peft import LoraConfig\nimport trl\ntrl.SFTTrainer('m', peft_config=LoraConfig(r=4, use_dora=True))\n":
+    # DoRA and modules trained whole: PEFT's use_dora and modules_to_save, read as TRL's ModelConfig keys
+    ("from peft import LoraConfig\nimport trl\n"
+     "trl.SFTTrainer('m', peft_config=LoraConfig(r=4, use_dora=True, modules_to_save=['lm_head']))\n"):
         ("SFTConfig", "no args=: SFTTrainer builds its own SFTConfig", {
-            "model_name_or_path": "m", "use_peft": True, "lora_r": 4, "lora_dropout": 0.0, "use_dora": True}, (), False),
+            "model_name_or_path": "m", "use_peft": True, "lora_r": 4, "lora_dropout": 0.0, "use_dora": True,
+            "lora_modules_to_save": ["lm_head"]}, (), False),
     # no args=: the trainer builds its own config; a model by name
     "import trl\ntrl.DPOTrainer('m', train_dataset=d)\n":
         ("DPOConfig", "no args=: DPOTrainer builds its own DPOConfig", {"model_name_or_path": "m"}, (), False),

@@ -229,6 +229,26 @@ def test_dora_is_read_as_dora_not_counted_as_lora(tmp_path: Path, text: str, how
     assert _swift("use_dora: true\n").lora_dora is True and _swift("model: m\n").lora_dora is False
 
 
+@pytest.mark.parametrize(("text", "saved", "how"), [
+    ("finetuning_type: lora\nadditional_target: embed_tokens,lm_head\n", "embed_tokens,lm_head",
+     "finetuning_type: lora, additional_target: embed_tokens,lm_head"),  # LlamaFactory
+    ("finetuning_type: lora\nresize_vocab: true\n", "input-output-embeddings",  # LlamaFactory's own choice
+     "finetuning_type: lora, resize_vocab: true, with which LlamaFactory trains the embeddings whole"),
+    ("adapter: lora\nlora_target_linear: true\nlora_modules_to_save: [embed_tokens, lm_head]\n", "embed_tokens,lm_head",
+     "adapter: lora, lora_modules_to_save: embed_tokens,lm_head"),  # axolotl
+    ("use_peft: true\nlora_modules_to_save: [lm_head]\n", "lm_head", "use_peft: true, lora_modules_to_save: lm_head"),
+    ("adapter: lora\nlora_target_linear: true\nlora_modules_to_save: []\n", "", "adapter: lora"),
+])
+def test_the_modules_a_lora_run_trains_whole_are_read(tmp_path: Path, text: str, saved: str, how: str):
+    """PEFT's `modules_to_save` under each framework's name: whole modules (the embeddings, when a
+    run adds tokens) that get gradients and optimizer state beside the adapters, which the
+    estimate counted as frozen."""
+    run = _read(tmp_path, text + FSDP)
+    assert (run.lora_modules_to_save, run.taken["lora"]) == (saved, how), run
+    assert _swift("modules_to_save: [embed_tokens]\n").lora_modules_to_save == "embed_tokens"
+    assert _read(tmp_path, "finetuning_type: lora\n" + FSDP).lora_modules_to_save == ""
+
+
 def test_a_dora_switch_that_is_no_boolean_is_named(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"run\.yaml: use_dora: expected true or false, got yes please"):
         _read(tmp_path, "finetuning_type: lora\nuse_dora: yes please\n" + FSDP)

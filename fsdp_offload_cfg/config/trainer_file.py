@@ -33,7 +33,9 @@ Each figure's key, as each framework spells it (the first the file has wins):
   `adapter: lora` with `lora_r`, `lora_target_linear` / `lora_target_modules` and `lora_dropout`;
   TRL's `use_peft: true` with `lora_r` (16), `lora_target_modules` (PEFT's default for the model's
   type) and `lora_dropout` (0.05); DoRA where `use_dora` (LlamaFactory's, TRL's, ms-swift's) or
-  axolotl's `peft_use_dora` is true;
+  axolotl's `peft_use_dora` is true; modules trained whole beside the adapters (PEFT's
+  `modules_to_save`): LlamaFactory's `additional_target` (its embeddings after `resize_vocab: true`
+  where that is unset), axolotl's and TRL's `lora_modules_to_save`, ms-swift's `modules_to_save`;
 - what the estimate counts otherwise, said as caveats: LlamaFactory's `freeze` and `oft` as a
   full fine-tune;
 - a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
@@ -76,6 +78,9 @@ from fsdp_offload_cfg.config.trl_script import TrlScript
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head (`estimate --lora-targets`)
 # no `target_modules`: PEFT's own default for the model's type (q_proj,v_proj for a Llama), as TRL leaves it
 PEFT_DEFAULT = "peft-default"
+# the model's input and output embeddings, whatever their names: what LlamaFactory trains whole
+# beside its adapters after `resize_vocab` (its `adapter.py`), `estimate --lora-modules-to-save`
+EMBEDDINGS = "input-output-embeddings"
 MODEL_KEYS = ("model_name_or_path", "base_model", "model")  # `model`: ms-swift's
 SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
 BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
@@ -147,6 +152,7 @@ class RunArguments:
     lora_targets: str | None = None  # PEFT's target_modules: all-linear, or names joined by commas
     lora_dropout: float | None = None
     lora_dora: bool = False  # the adapters are DoRA's (`use_dora`, axolotl's `peft_use_dora`)
+    lora_modules_to_save: str = ""  # PEFT's modules_to_save, names joined by commas (or EMBEDDINGS)
     quantized: str | None = None  # the key that quantizes the base (`adapter: qlora`), which no estimate counts
     vllm_share: float | None = None  # the fraction of each GPU vLLM holds colocated with GRPO / RLOO (`use_vllm`)
     taken: dict[str, str] = field(default_factory=dict)
@@ -692,8 +698,22 @@ class _Reader:
             return {}
         key = next((k for k in ("use_dora", "peft_use_dora") if self.top.get(k) is not None), None)
         dora = key is not None and self._typed(key, bool) is True
-        self.taken["lora"] = how + (f", {key}: true" if dora else "")
-        return {"lora_rank": rank, "lora_targets": targets, "lora_dropout": dropout, "lora_dora": dora}
+        saved, saved_said = self._modules_to_save()
+        self.taken["lora"] = ", ".join([how] + ([f"{key}: true"] if dora else []) + ([saved_said] if saved else []))
+        return {"lora_rank": rank, "lora_targets": targets, "lora_dropout": dropout, "lora_dora": dora,
+                "lora_modules_to_save": saved}
+
+    def _modules_to_save(self) -> tuple[str, str]:
+        """The modules the run trains whole beside its adapters (PEFT's `modules_to_save`), names
+        joined by commas, and the words saying whence; nothing where the file names none."""
+        key = next((k for k in ("additional_target", "lora_modules_to_save", "modules_to_save")
+                    if self.top.get(k) not in (None, [], "")), None)
+        if key is not None:
+            names = self._names(key) or ""
+            return names, f"{key}: {names}"
+        if self.llamafactory and self.top.get("resize_vocab") is True:
+            return EMBEDDINGS, "resize_vocab: true, with which LlamaFactory trains the embeddings whole"
+        return "", ""
 
     def _names(self, key: str) -> str | None:
         value = self.top.get(key)

@@ -284,7 +284,8 @@ def _lora(call: ast.Call, names: _Names, assigned: dict[str, ast.expr], argument
     given = {k.arg for k in peft.keywords}
     arguments["use_peft"] = True
     for keyword, key, peft_default in (("r", "lora_r", 8), ("lora_dropout", "lora_dropout", 0.0),
-                                       ("target_modules", "lora_target_modules", None), ("use_dora", "use_dora", False)):
+                                       ("target_modules", "lora_target_modules", None), ("use_dora", "use_dora", False),
+                                       ("modules_to_save", "lora_modules_to_save", None)):
         if said.get(keyword) is not None:
             arguments[key] = said[keyword]
         elif keyword not in given and peft_default is not None:  # not a literal: the command line's, if any

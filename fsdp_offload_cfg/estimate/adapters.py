@@ -18,6 +18,7 @@ No torch at import: `check_lora` runs with the other input checks, before torch'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import warnings
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fsdp_offload_cfg.config.trainer_file import ALL_LINEAR, PEFT_DEFAULT
+from fsdp_offload_cfg.config.trainer_file import ALL_LINEAR, EMBEDDINGS, PEFT_DEFAULT
 from fsdp_offload_cfg.estimate.inputs import EstimateError
 
 if TYPE_CHECKING:
@@ -43,16 +44,26 @@ class Lora:
     # PEFT's `use_dora`: each adapted layer also saves its base output and its adapter's output
     # (what the learned magnitude scales): about twice LoRA's activations
     dora: bool = False
+    # PEFT's `modules_to_save`, names joined by commas: modules trained whole beside the adapters
+    # (a copy of each, the original kept frozen), as runs that add tokens train `embed_tokens` and
+    # `lm_head`; their gradients and optimizer state are a full fine-tune's for those modules.
+    # EMBEDDINGS stands for the model's input and output embeddings, whatever their names
+    modules_to_save: str = ""
 
     def target_modules(self) -> str | list[str] | None:
         if self.targets in (ALL_LINEAR, PEFT_DEFAULT):
             return None if self.targets == PEFT_DEFAULT else ALL_LINEAR
         return [name.strip() for name in self.targets.split(",") if name.strip()]
 
+    def saved_modules(self) -> list[str] | None:
+        return [name.strip() for name in self.modules_to_save.split(",") if name.strip()] or None
+
     def describe(self) -> str:
         on = "PEFT's default modules for the model's type" if self.targets == PEFT_DEFAULT else self.targets
         kind = "DoRA" if self.dora else "LoRA"
-        return f"{kind} rank {self.rank} on {on}" + (f", dropout {self.dropout:g}" if self.dropout else "")
+        saved = [("the input and output embeddings" if name == EMBEDDINGS else name) for name in self.saved_modules() or ()]
+        return (f"{kind} rank {self.rank} on {on}" + (f", dropout {self.dropout:g}" if self.dropout else "")
+                + (f", {', '.join(saved)} trained whole (modules_to_save)" if saved else ""))
 
 
 def check_lora(lora: Lora) -> None:
@@ -73,12 +84,37 @@ def with_lora(model: nn.Module, lora: Lora) -> nn.Module:
     PEFT keeps them in (float32): what the states count (`gathered_in` for the forward)."""
     from peft import LoraConfig
 
+    saved = lora.saved_modules()
+    if saved and EMBEDDINGS in saved:
+        saved = [name for name in saved if name != EMBEDDINGS] + _embedding_names(model)
+        lora = dataclasses.replace(lora, modules_to_save=",".join(saved))
     config = LoraConfig(r=lora.rank, target_modules=lora.target_modules(), lora_dropout=lora.dropout,
-                        use_dora=lora.dora)
+                        use_dora=lora.dora, modules_to_save=saved)
     try:
-        return _placed(model, config)
+        placed = _placed(model, config)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         raise EstimateError(f"--lora-targets {lora.targets}: {error}") from None
+    _check_saved_modules(placed, lora)
+    return placed
+
+
+def _embedding_names(model: nn.Module) -> list[str]:
+    """The last names of the model's input and output embeddings, as LlamaFactory gives PEFT them."""
+    embeddings = [model.get_input_embeddings(), model.get_output_embeddings()]
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if any(m is e for e in embeddings if e is not None)})
+
+
+def _check_saved_modules(model: nn.Module, lora: Lora) -> None:
+    """A name of --lora-modules-to-save that no module has: PEFT says nothing and trains nothing
+    more, so the estimate would quietly be the LoRA's alone."""
+    from peft.utils import ModulesToSaveWrapper
+
+    wrapped = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)}
+    missing = [name for name in lora.saved_modules() or () if name.rsplit(".", 1)[-1] not in wrapped]
+    if missing:
+        raise EstimateError(f"--lora-modules-to-save {lora.modules_to_save}: the model has no module named "
+                            f"{', '.join(missing)}")
 
 
 def adapters_like(trained: nn.Module, twin: nn.Module) -> nn.Module:
@@ -136,5 +172,7 @@ def _placed(model: nn.Module, config: Any) -> nn.Module:
 
     with warnings.catch_warnings():  # PEFT reads transformers 5's deprecated `is_gradient_checkpointing`
         warnings.simplefilter("ignore", FutureWarning)
+        # tied embeddings under modules_to_save: PEFT warns the run itself; the estimate's copy says nothing
+        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
         return get_peft_model(model, config)
 

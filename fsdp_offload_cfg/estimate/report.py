@@ -190,6 +190,8 @@ def _lora(model: torch.nn.Module, lora: Lora | None) -> dict[str, Any] | None:
         config = next(iter(getattr(model, "peft_config", {}).values()), None)
         targets = sorted(getattr(config, "target_modules", None) or [])
     return {"rank": lora.rank, "targets": targets, "dropout": lora.dropout, "dora": lora.dora,
+            "modules_to_save": sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                                       if type(m).__name__ == "ModulesToSaveWrapper"}),
             "trainable_parameters": trainable}
 
 
@@ -458,7 +460,8 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
                  lora: Lora | None, image: ExampleImage | None, head: Head | None) -> list[str]:
     batch_size = batch["input_ids"].shape[0]
     trained = ("full fine-tuning: every parameter the loss reaches gets a gradient" if lora is None else
-               f"{lora.describe()} (PEFT's get_peft_model): only the adapters get gradients and optimizer state; the "
+               f"{lora.describe()} (PEFT's get_peft_model): only the adapters"
+               f"{' and the modules trained whole' if lora.saved_modules() else ''} get gradients and optimizer state; the "
                f"frozen base is stored in {_name(dtypes.frozen)}")
     out = [
         f"per rank = rank 0, which holds the largest dim-0 shard of every parameter (FSDP2 Shard(0)); "

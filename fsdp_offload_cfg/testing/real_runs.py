@@ -205,13 +205,15 @@ def states_after_one_step(rank: int, world: int, path: str, layers: list[str]) -
 
 
 def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[str],
-                                 replicas: int = 1, lora_rank: int = 0) -> dict[str, Any]:
+                                 replicas: int = 1, lora_rank: int = 0,
+                                 modules_to_save: list[str] | None = None) -> dict[str, Any]:
     """On each gloo rank, what a user's run holds: the model loaded in bf16, prepared by the
     installed accelerate (FSDP2, `mixed_precision: bf16`, the loader off; with `replicas` > 1,
     hybrid sharding through its `ParallelismConfig`), one AdamW step; this rank's parameter,
     gradient and optimizer-state bytes and the dtypes accelerate keeps the parameters in (the
     estimate's master-weight dtype is checked against these, not assumed). With `lora_rank`,
-    PEFT's LoRA of that rank on every linear layer but the head, the optimizer over the adapters."""
+    PEFT's LoRA of that rank on every linear layer but the head (and `modules_to_save` trained
+    whole), the optimizer over what trains."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -230,7 +232,8 @@ def states_after_accelerate_step(rank: int, world: int, path: str, layers: list[
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear"))
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear",
+                                                 modules_to_save=modules_to_save))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     model, optimizer = accelerator.prepare(model, optimizer)
     ids = torch.randint(1, 90, (2, 16), generator=torch.Generator().manual_seed(rank))

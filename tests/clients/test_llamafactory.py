@@ -198,14 +198,42 @@ def test_the_estimate_of_a_dpo_file_holds_its_reference_model_and_both_responses
     read after its training by the Trainer probe), the estimate of that same file counts rank 0's
     reference bytes and the forward's batch of 4 for a micro-batch of 2, and the reference model
     holds nothing whole after its forwards. Before, the estimate read the file as SFT: neither."""
-    from fsdp_offload_cfg import cli
     from fsdp_offload_cfg.testing.clients import assert_the_estimate_holds_the_preference_run
+
+    real, estimated = _probed_and_estimated(files, tmp_path, capsys, stage="dpo", adapter="", dataset="pairs")
+    assert_the_estimate_holds_the_preference_run(real, estimated, forward_batch=4)
+
+
+def test_the_estimate_of_a_dora_file_with_new_tokens_trains_what_the_run_trains(
+        files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """LoRA with `use_dora: true` and `resize_vocab: true` (new special tokens), with which
+    LlamaFactory trains the embeddings whole beside the adapters (PEFT's `modules_to_save`).
+    Against the run (LlamaFactory's `run_exp` on 2 gloo ranks, read by the Trainer probe), the
+    estimate of that same file is DoRA's, trains the same modules whole, and counts the same
+    trainable parameters but the rows the resize added (the estimate reads the checkpoint's
+    vocabulary). Before, it counted LoRA on the two targets alone: DoRA's magnitudes and the
+    embeddings' gradients and AdamW state left out."""
+    real, estimated = _probed_and_estimated(files, tmp_path, capsys, stage="sft", adapter=LORA, dataset="count")
+    lora = estimated["model"]["lora"]
+    assert (lora["dora"], lora["modules_to_save"]) == (real["dora"], real["modules_to_save"]) == \
+        (True, ["embed_tokens", "lm_head"]), (lora, real)
+    hidden = json.loads((files / "model" / "config.json").read_text())["hidden_size"]
+    checkpoint_vocab = json.loads((files / "model" / "config.json").read_text())["vocab_size"]
+    added = 2 * (real["vocab"] - checkpoint_vocab) * hidden  # the trained embed_tokens and lm_head copies' new rows
+    assert real["vocab"] > checkpoint_vocab and lora["trainable_parameters"] + added == real["trainable"], (lora, real)
+
+
+def _probed_and_estimated(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], stage: str, adapter: str,
+                          dataset: str) -> tuple[dict, dict]:
+    """One step of LlamaFactory's `run_exp` on 2 gloo ranks with the Trainer probe (rank 0's
+    report), and `fsdp-offload-cfg estimate` of the same file (its JSON)."""
+    from fsdp_offload_cfg import cli
     from fsdp_offload_cfg.testing.dist import free_port
 
-    config = tmp_path / "dpo.yaml"
-    config.write_text(CONFIG.format(model=files / "model", stage="dpo", data=files / "data", out=tmp_path / "out",
-                                    adapter="", dataset="pairs", plugin=PLUGIN["auto_offload"])
-                      .replace("max_steps: 4", "max_steps: 1"))
+    config = tmp_path / f"{stage}.yaml"
+    text = CONFIG.format(model=files / "model", stage=stage, data=files / "data", out=tmp_path / "out", adapter=adapter,
+                         dataset=dataset, plugin=PLUGIN["auto_offload"]).replace("max_steps: 4", "max_steps: 1")
+    config.write_text(text.replace("finetuning_type: full\n", "") if adapter else text)
     probe = tmp_path / "probe"
     probe.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
@@ -218,8 +246,7 @@ def test_the_estimate_of_a_dpo_file_holds_its_reference_model_and_both_responses
     assert proc.returncode == 0, proc.stderr[-4000:]
     real = json.loads((probe / "rank0.json").read_text())
     assert cli.main(["estimate", str(config), "--num-processes", "2", "--device", "cpu", "--format", "json"]) == 0
-    estimated = json.loads(capsys.readouterr().out)
-    assert_the_estimate_holds_the_preference_run(real, estimated, forward_batch=4)
+    return real, json.loads(capsys.readouterr().out)
 
 
 def test_a_typo_stops_every_rank_with_status_1(files: Path):
