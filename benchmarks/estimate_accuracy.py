@@ -25,7 +25,9 @@ For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two se
                   saved bytes of PEFT on the real model (its float32 adapters in bf16, as FSDP2's
                   mixed precision gathers them) and the C allocator after a forward against
                   `activations_bytes`; 2 gloo ranks prepared by the installed accelerate (bf16
-                  mixed precision, AdamW over the adapters, one step) against the states;
+                  mixed precision, AdamW over the adapters, one step) against the states; the
+                  same for DoRA (`--lora-dora`, and the LoRA figure it was estimated with before)
+                  and for LoRA with the embeddings trained whole (`--lora-modules-to-save`);
   loading         `benchmarks/load_memory.py` (~320M Llama, peak RSS above baseline, broadcast
                   and sharded, fp32 and bf16->fp32 checkpoints) against the loading peaks.
 
@@ -177,13 +179,37 @@ def allocator_rows(work: Path, seq_lens: list[int]) -> list[str]:
 LORA_RANK = 8
 
 
+LORA_VARIANTS = {  # name: the estimate's adapters, PEFT's config beyond rank and targets
+    "LoRA": ({}, {}),
+    "DoRA": ({"dora": True}, {"use_dora": True}),
+    "LoRA + embeddings": ({"modules_to_save": "embed_tokens,lm_head"}, {"modules_to_save": ["embed_tokens", "lm_head"]}),
+}
+
+
 def lora_rows(work: Path, seq_lens: list[int]) -> list[str]:
     """`--lora-rank` against PEFT on the real model, the allocator and accelerate (module docstring)."""
+    model_dir = _lora_llama(work)
+    rows = []
+    for variant, (ours, peft) in LORA_VARIANTS.items():
+        rows += _adapter_rows(model_dir, variant, ours, peft, seq_lens)
+    return rows
+
+
+def _lora_llama(work: Path) -> str:
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    return save_llama(str(work / "llama-lora"), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=2048)
+
+
+def _adapter_rows(model_dir: str, variant: str, ours: dict, peft: dict, seq_lens: list[int]) -> list[str]:
+    """One adapter variant's rows: activations against PEFT's saves and the allocator, states
+    against accelerate (but DoRA's); for DoRA's activations and the embeddings' states, also the
+    plain LoRA figure they were estimated with before 2026-12-07."""
     from peft import LoraConfig, get_peft_model
 
     from fsdp_offload_cfg.estimate import Lora, estimate_memory
     from fsdp_offload_cfg.testing.dist import run_workers
-    from fsdp_offload_cfg.testing.models import save_llama
     from fsdp_offload_cfg.testing.real_runs import (
         MALLINFO2,
         allocator_held_after_forward,
@@ -192,30 +218,40 @@ def lora_rows(work: Path, seq_lens: list[int]) -> list[str]:
         states_after_accelerate_step,
     )
 
-    name = "llama-h256-gqa LoRA"
-    model_dir = save_llama(str(work / "llama-lora"), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=2048)
+    name = f"llama-h256-gqa {variant}"
     rows = []
+
+    def estimated(seq: int, **adapters: object) -> dict:
+        return estimate_memory(bench_config(), model_dir, seq_len=seq, batch_size=BATCH, num_processes=RANKS,
+                               device="cpu", dtype="bfloat16", lora=Lora(LORA_RANK, **adapters))
+
     for seq in seq_lens:
-        report = estimate_memory(bench_config(), model_dir, seq_len=seq, batch_size=BATCH, num_processes=RANKS,
-                                 device="cpu", dtype="bfloat16", lora=Lora(LORA_RANK))
-        measured = {}
+        report = estimated(seq, **ours)
+        before = estimated(seq)["per_rank"]["activations_bytes"] if ours.get("dora") else None
         for figure, measure in (("saved-tensor hooks", saved_bytes), ("allocator", allocator_held_after_forward)):
             if figure == "allocator" and MALLINFO2 is None:
                 continue
             model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq)
-            model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear"))
+            model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear", **peft))
             for p in model.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)  # as FSDP2's MixedPrecisionPolicy gathers them
-            measured[figure] = measure(model, batch)
-        rows += [row(name, seq, f"activations_bytes vs {figure}", report["per_rank"]["activations_bytes"], real, 0.10)
-                 for figure, real in measured.items()]
+            real = measure(model, batch)
+            rows.append(row(name, seq, f"activations_bytes vs {figure}", report["per_rank"]["activations_bytes"],
+                            real, 0.10))
+            if before is not None:
+                rows.append(row(name, seq, f"as LoRA (before 2026-12-07) vs {figure}", before, real, 0.10))
+    if ours.get("dora"):
+        return rows
     states = run_workers(states_after_accelerate_step, RANKS, model_dir, report["model"]["layer_classes"], 1,
-                         LORA_RANK, timeout=300)[0]
+                         LORA_RANK, peft.get("modules_to_save"), timeout=300)[0]
+    before = estimated(seq_lens[-1])["per_rank"] if ours.get("modules_to_save") else None
     for figure in ("params", "grads", "optimizer"):
         rows.append(row(name, "-", f"{figure}_bytes (accelerate-prepared)", report["per_rank"][f"{figure}_bytes"],
                         states[figure], 0.10))
+        if before is not None:
+            rows.append(row(name, "-", f"as LoRA (before 2026-12-07): {figure}_bytes", before[f"{figure}_bytes"],
+                            states[figure], 0.10))
     return rows
 
 
