@@ -232,7 +232,10 @@ def test_a_dora_run_plans_what_its_adapters_save_and_trains_exactly(model_dir: s
     """DoRA's adapters save more than LoRA's (each adapted layer its base output and its adapter's
     output, which the learned magnitude scales): the run's meta twin carries them, so the run
     plans the estimate's DoRA plan (`Lora(dora=True)`, `--lora-dora`), where the twin was once the
-    full fine-tune's; and it trains bit for bit what the DoRA run without a budget trains."""
+    full fine-tune's; and, with meta loading, it trains bit for bit what the DoRA run without a
+    budget and without the loader trains. (With the loader, a budget stopped the run at prepare:
+    the magnitudes each rank computes after the load were named with the layers' checkpoint
+    wrappers in them, and wanted from rank 0, where they are on meta.)"""
     from fsdp_offload_cfg import load_config
     from fsdp_offload_cfg.estimate import Lora, estimate_memory
 
@@ -244,8 +247,8 @@ def test_a_dora_run_plans_what_its_adapters_save_and_trains_exactly(model_dir: s
     budget = next(b for b in (low + (high - low) * i // 24 for i in range(1, 24))
                   if _plan_for(model_dir, b, lora="dora") not in (_plan_for(model_dir, b, lora=True), _plan_for(model_dir, b))
                   and {"offload", "keep"} <= set(_plan_for(model_dir, b, lora="dora")))
-    plain, mix = (run_workers(_train, 2, model_dir, b, False, False, False, None, "dora", timeout=400)
-                  for b in (None, budget))
+    plain, mix = (run_workers(_train, 2, model_dir, b, loader, False, False, None, "dora", timeout=400)
+                  for b, loader in ((None, False), (budget, True)))
     for rank in (0, 1):
         assert mix[rank]["choices"] == _plan_for(model_dir, budget, lora="dora"), rank
         assert (mix[rank]["losses"], mix[rank]["norms"]) == (plain[rank]["losses"], plain[rank]["norms"]), rank

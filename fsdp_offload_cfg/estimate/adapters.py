@@ -168,11 +168,16 @@ def gathered_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
 
 
 def _placed(model: nn.Module, config: Any) -> nn.Module:
+    """PEFT's `get_peft_model` on the meta model, as PEFT places adapters (under `patch()` with
+    meta loading, the loader's placement keeps new adapters on the host: not for a twin)."""
     from peft import get_peft_model
+
+    from fsdp_offload_cfg.loading.adapters import adapters_on_meta
 
     with warnings.catch_warnings():  # PEFT reads transformers 5's deprecated `is_gradient_checkpointing`
         warnings.simplefilter("ignore", FutureWarning)
         # tied embeddings under modules_to_save: PEFT warns the run itself; the estimate's copy says nothing
         warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
-        return get_peft_model(model, config)
+        with adapters_on_meta():
+            return get_peft_model(model, config)
 

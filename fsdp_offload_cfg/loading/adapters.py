@@ -30,7 +30,9 @@ the init and what works.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -44,6 +46,21 @@ from fsdp_offload_cfg.loading.pending import plain_meta
 logger = get_logger("fsdp_offload_cfg.loading")
 
 _INITS_DRAWN_ALONE = (True, "gaussian")  # LoRA inits that need no base weight
+# set while adapters go on a model that stays on meta and is never loaded (the meta twin an
+# activation budget plans from): PEFT places them as it does, on meta, nothing kept on the host
+_ALL_ON_META: ContextVar[bool] = ContextVar("fsdp_offload_cfg_adapters_all_on_meta", default=False)
+
+
+@contextmanager
+def adapters_on_meta() -> Iterator[None]:
+    """PEFT's own placement for the adapters injected meanwhile, on a model nothing will load:
+    a twin whose adapters were kept on the host beside its meta base (a DoRA layer then mixed
+    devices in its forward: "Tensor on device cpu is not on the expected device meta")."""
+    token = _ALL_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _ALL_ON_META.reset(token)
 
 
 class _KeepOffMeta(TorchFunctionMode):
@@ -64,7 +81,7 @@ def build_inject_adapter(original: Callable[..., Any], cfg: Any) -> Callable[...
     @functools.wraps(original)
     def inject_adapter(self: Any, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
         config = (getattr(self, "peft_config", None) or {}).get(adapter_name)
-        if not any(p.is_meta for p in model.parameters()):
+        if _ALL_ON_META.get() or not any(p.is_meta for p in model.parameters()):
             return original(self, model, adapter_name, *args, **kwargs)
         if _needs_base_weights(self, model, config):
             _refuse_init_computed_before_placement(config, adapter_name)

@@ -37,7 +37,7 @@ from torch import nn
 
 from fsdp_offload_cfg import model_state
 from fsdp_offload_cfg.loading.pending import plain_meta
-from fsdp_offload_cfg.loading.spec import unwrapped
+from fsdp_offload_cfg.loading.spec import canonical_name, unwrapped
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,11 @@ def _take_loaded_magnitude(module: nn.Module, state_dict: dict[str, Any], prefix
 
 
 def pending_names(model: nn.Module) -> list[str]:
-    """Names of the magnitudes still to compute (on meta, with a record), sorted."""
-    return sorted(f"{path}.weight" for path, m in model.named_modules()
+    """Names of the magnitudes still to compute (on meta, with a record), sorted; canonical, as
+    the spec names them (an activation budget wraps each layer in a checkpoint wrapper before the
+    load: with the wrapper's segment in them, the names matched no tensor of rank 0's spec, which
+    then wanted the magnitudes from rank 0, where they are on meta)."""
+    return sorted(canonical_name(f"{path}.weight") for path, m in model.named_modules()
                   if model_state.get(m, "dora_pending") is not None and m.weight.is_meta)
 
 
