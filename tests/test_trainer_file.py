@@ -234,6 +234,9 @@ def test_dora_is_read_as_dora_not_counted_as_lora(tmp_path: Path, text: str, how
      "finetuning_type: lora, additional_target: embed_tokens,lm_head"),  # LlamaFactory
     ("finetuning_type: lora\nresize_vocab: true\n", "input-output-embeddings",  # LlamaFactory's own choice
      "finetuning_type: lora, resize_vocab: true, with which LlamaFactory trains the embeddings whole"),
+    ("finetuning_type: lora\nadd_special_tokens: <tool>,<think>\n", "input-output-embeddings",  # new tokens resize
+     "finetuning_type: lora, add_special_tokens: <tool>,<think>, with which LlamaFactory trains the embeddings whole"),
+    ("finetuning_type: lora\nresize_vocab: false\n", "", "finetuning_type: lora"),
     ("adapter: lora\nlora_target_linear: true\nlora_modules_to_save: [embed_tokens, lm_head]\n", "embed_tokens,lm_head",
      "adapter: lora, lora_modules_to_save: embed_tokens,lm_head"),  # axolotl
     ("use_peft: true\nlora_modules_to_save: [lm_head]\n", "lm_head", "use_peft: true, lora_modules_to_save: lm_head"),

@@ -34,8 +34,8 @@ Each figure's key, as each framework spells it (the first the file has wins):
   TRL's `use_peft: true` with `lora_r` (16), `lora_target_modules` (PEFT's default for the model's
   type) and `lora_dropout` (0.05); DoRA where `use_dora` (LlamaFactory's, TRL's, ms-swift's) or
   axolotl's `peft_use_dora` is true; modules trained whole beside the adapters (PEFT's
-  `modules_to_save`): LlamaFactory's `additional_target` (its embeddings after `resize_vocab: true`
-  where that is unset), axolotl's and TRL's `lora_modules_to_save`, ms-swift's `modules_to_save`;
+  `modules_to_save`): LlamaFactory's `additional_target` (where that is unset, its embeddings after
+  `resize_vocab: true` or new tokens: `add_tokens`, `add_special_tokens`, `new_special_tokens_config`), axolotl's and TRL's `lora_modules_to_save`, ms-swift's `modules_to_save`;
 - what the estimate counts otherwise, said as caveats: LlamaFactory's `freeze` and `oft` as a
   full fine-tune;
 - a quantized base (axolotl's `adapter: qlora`, `load_in_4bit`, `load_in_8bit`; LlamaFactory's
@@ -81,6 +81,8 @@ PEFT_DEFAULT = "peft-default"
 # the model's input and output embeddings, whatever their names: what LlamaFactory trains whole
 # beside its adapters after `resize_vocab` (its `adapter.py`), `estimate --lora-modules-to-save`
 EMBEDDINGS = "input-output-embeddings"
+# LlamaFactory's keys that add tokens to the tokenizer: new ones turn its `resize_vocab` on
+NEW_TOKEN_KEYS = ("add_tokens", "add_special_tokens", "new_special_tokens_config")
 MODEL_KEYS = ("model_name_or_path", "base_model", "model")  # `model`: ms-swift's
 SEQ_LEN_KEYS = ("cutoff_len", "sequence_len", "max_length", "max_seq_length")
 BATCH_KEYS = ("per_device_train_batch_size", "micro_batch_size")
@@ -711,8 +713,11 @@ class _Reader:
         if key is not None:
             names = self._names(key) or ""
             return names, f"{key}: {names}"
-        if self.llamafactory and self.top.get("resize_vocab") is True:
-            return EMBEDDINGS, "resize_vocab: true, with which LlamaFactory trains the embeddings whole"
+        if self.llamafactory:
+            # new tokens make LlamaFactory resize the vocabulary whatever resize_vocab says (its `patch_tokenizer`)
+            key = next((k for k in ("resize_vocab", *NEW_TOKEN_KEYS) if self.top.get(k) not in (None, False, "")), None)
+            if key is not None:
+                return EMBEDDINGS, f"{key}: {_show(self.top[key])}, with which LlamaFactory trains the embeddings whole"
         return "", ""
 
     def _names(self, key: str) -> str | None:
