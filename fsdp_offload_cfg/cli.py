@@ -169,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="modules trained whole beside the adapters (PEFT's modules_to_save), e.g. "
                                "embed_tokens,lm_head as a run adding tokens trains them; input-output-embeddings names "
                                "the model's embeddings whatever they are called (default: as the run's file says)")
+    # where the adapters' module names were given, for an error naming one the model lacks: these
+    # flags, or the run file's keys (`_lora_from_file`)
+    estimate.set_defaults(lora_said=("--lora-targets", "--lora-modules-to-save"))
     estimate.add_argument("--lora-dora", action=argparse.BooleanOptionalAction,
                           help="the adapters are DoRA's (PEFT's use_dora): each adapted layer also saves its base "
                                "output and its adapter's output, about twice LoRA's activations (default: as the "
@@ -632,6 +635,7 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
         if args.lora_targets is None:
             args.lora_targets = run.lora_targets
             from_file.append(f"on {run.lora_targets}")
+            args.lora_said = (run.lora_keys[0] or args.lora_said[0], args.lora_said[1])
         if args.lora_dropout is None:
             args.lora_dropout = run.lora_dropout
             from_file += [f"dropout {run.lora_dropout:g}"] if run.lora_dropout else []
@@ -640,6 +644,7 @@ def _lora_from_file(args: argparse.Namespace, run: RunArguments) -> list[str]:
         if args.lora_modules_to_save is None and run.lora_modules_to_save:
             args.lora_modules_to_save = run.lora_modules_to_save
             from_file.append(f"with {run.lora_modules_to_save} trained whole")
+            args.lora_said = (args.lora_said[0], run.lora_keys[1] or args.lora_said[1])
         said.append(f"{'DoRA' if args.lora_dora else 'LoRA'} {' '.join(from_file)} ({run.taken['lora']})")
     return said
 
@@ -722,7 +727,7 @@ def _lora_input(args: argparse.Namespace) -> Any:
                                 "pass --lora-rank R for a LoRA fine-tune")
         return None
     return Lora(args.lora_rank, args.lora_targets or ALL_LINEAR, args.lora_dropout or 0.0, bool(args.lora_dora),
-                args.lora_modules_to_save or "")
+                args.lora_modules_to_save or "", said=args.lora_said)
 
 
 def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:

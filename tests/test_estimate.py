@@ -1298,6 +1298,20 @@ def test_a_trainer_files_run_arguments_stand_for_the_flags_and_the_flags_win(mod
     assert as_lora["per_rank"]["activations_bytes"] < from_file["per_rank"]["activations_bytes"]
 
 
+@pytest.mark.parametrize(("extra", "error"), [
+    ("lora_target: q_projection\n", "sft.yaml: lora_target: q_projection: "),
+    ("additional_target: embed,lm_head\n", "sft.yaml: additional_target: embed,lm_head: the model has no module named embed"),
+])
+def test_a_module_name_the_file_gives_and_the_model_lacks_is_named_with_its_key(
+        models: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, error: str):
+    """The user wrote the key, not a flag: the error names the file and the key (it named
+    --lora-targets, which the user never typed)."""
+    file = _trainer_file(tmp_path, models["llama"], "finetuning_type: lora\n" + extra)
+    assert cli.main(["estimate", file, "--num-processes", "2", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / error}" in err and "--lora" not in err, err
+
+
 def test_what_neither_the_flags_nor_the_file_say_is_asked_for_by_name(models: dict[str, str], tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]):
     bare = tmp_path / "bare.yaml"

@@ -155,6 +155,9 @@ class RunArguments:
     lora_dropout: float | None = None
     lora_dora: bool = False  # the adapters are DoRA's (`use_dora`, axolotl's `peft_use_dora`)
     lora_modules_to_save: str = ""  # PEFT's modules_to_save, names joined by commas (or EMBEDDINGS)
+    # where the targets and the modules to save were read ("sft.yaml: lora_target:"), for an error
+    # naming a module the model lacks; "" where a default holds
+    lora_keys: tuple[str, str] = ("", "")
     quantized: str | None = None  # the key that quantizes the base (`adapter: qlora`), which no estimate counts
     vllm_share: float | None = None  # the fraction of each GPU vLLM holds colocated with GRPO / RLOO (`use_vllm`)
     taken: dict[str, str] = field(default_factory=dict)
@@ -700,25 +703,29 @@ class _Reader:
             return {}
         key = next((k for k in ("use_dora", "peft_use_dora") if self.top.get(k) is not None), None)
         dora = key is not None and self._typed(key, bool) is True
-        saved, saved_said = self._modules_to_save()
+        saved, saved_said, saved_key = self._modules_to_save()
         self.taken["lora"] = ", ".join([how] + ([f"{key}: true"] if dora else []) + ([saved_said] if saved else []))
+        targets_key = next((k for k in ("lora_target", "lora_target_modules", "target_modules") if k in self.top), None)
+        keys = tuple(f"{self.path}: {k}:" if k else "" for k in (targets_key, saved_key))
         return {"lora_rank": rank, "lora_targets": targets, "lora_dropout": dropout, "lora_dora": dora,
-                "lora_modules_to_save": saved}
+                "lora_modules_to_save": saved, "lora_keys": keys}
 
-    def _modules_to_save(self) -> tuple[str, str]:
+    def _modules_to_save(self) -> tuple[str, str, str | None]:
         """The modules the run trains whole beside its adapters (PEFT's `modules_to_save`), names
-        joined by commas, and the words saying whence; nothing where the file names none."""
+        joined by commas, the words saying whence, and the key that names them; nothing where
+        the file names none."""
         key = next((k for k in ("additional_target", "lora_modules_to_save", "modules_to_save")
                     if self.top.get(k) not in (None, [], "")), None)
         if key is not None:
             names = self._names(key) or ""
-            return names, f"{key}: {names}"
+            return names, f"{key}: {names}", key
         if self.llamafactory:
             # new tokens make LlamaFactory resize the vocabulary whatever resize_vocab says (its `patch_tokenizer`)
             key = next((k for k in ("resize_vocab", *NEW_TOKEN_KEYS) if self.top.get(k) not in (None, False, "")), None)
             if key is not None:
-                return EMBEDDINGS, f"{key}: {_show(self.top[key])}, with which LlamaFactory trains the embeddings whole"
-        return "", ""
+                return (EMBEDDINGS, f"{key}: {_show(self.top[key])}, with which LlamaFactory trains the embeddings whole",
+                        None)
+        return "", "", None
 
     def _names(self, key: str) -> str | None:
         value = self.top.get(key)

@@ -49,6 +49,9 @@ class Lora:
     # `lm_head`; their gradients and optimizer state are a full fine-tune's for those modules.
     # EMBEDDINGS stands for the model's input and output embeddings, whatever their names
     modules_to_save: str = ""
+    # how the targets and the modules to save were given, for an error naming one the model lacks:
+    # the flags, or the key of the run's file ("sft.yaml: lora_target:")
+    said: tuple[str, str] = ("--lora-targets", "--lora-modules-to-save")
 
     def target_modules(self) -> str | list[str] | None:
         if self.targets in (ALL_LINEAR, PEFT_DEFAULT):
@@ -93,7 +96,7 @@ def with_lora(model: nn.Module, lora: Lora) -> nn.Module:
     try:
         placed = _placed(model, config)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
-        raise EstimateError(f"--lora-targets {lora.targets}: {error}") from None
+        raise EstimateError(f"{lora.said[0]} {lora.targets}: {error}") from None
     _check_saved_modules(placed, lora)
     return placed
 
@@ -113,7 +116,7 @@ def _check_saved_modules(model: nn.Module, lora: Lora) -> None:
     wrapped = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)}
     missing = [name for name in lora.saved_modules() or () if name.rsplit(".", 1)[-1] not in wrapped]
     if missing:
-        raise EstimateError(f"--lora-modules-to-save {lora.modules_to_save}: the model has no module named "
+        raise EstimateError(f"{lora.said[1]} {lora.modules_to_save}: the model has no module named "
                             f"{', '.join(missing)}")
 
 
