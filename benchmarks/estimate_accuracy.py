@@ -26,7 +26,9 @@ For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two se
                   mixed precision gathers them) and the C allocator after a forward against
                   `activations_bytes`; 2 gloo ranks prepared by the installed accelerate (bf16
                   mixed precision, AdamW over the adapters, one step) against the states; the
-                  same for DoRA (`--lora-dora`, and the LoRA figure it was estimated with before)
+                  same for DoRA (`--lora-dora`, and the LoRA figure it was estimated with before;
+                  checkpointed, the allocator's peak in backward, where the recompute's norm
+                  temporaries count)
                   and for LoRA with the embeddings trained whole (`--lora-modules-to-save`);
   loading         `benchmarks/load_memory.py` (~320M Llama, peak RSS above baseline, broadcast
                   and sharded, fp32 and bf16->fp32 checkpoints) against the loading peaks.
@@ -188,21 +190,25 @@ LORA_VARIANTS = {  # name: the estimate's adapters, PEFT's config beyond rank an
 
 def lora_rows(work: Path, seq_lens: list[int]) -> list[str]:
     """`--lora-rank` against PEFT on the real model, the allocator and accelerate (module docstring)."""
-    model_dir = _lora_llama(work)
+    model_dir = _lora_llama(work, "llama-lora")
+    # checkpointed, without a cache, as training runs it (a recompute appends to a cache again)
+    no_cache = _lora_llama(work, "llama-lora-no-cache", use_cache=False)
     rows = []
     for variant, (ours, peft) in LORA_VARIANTS.items():
-        rows += _adapter_rows(model_dir, variant, ours, peft, seq_lens)
+        rows += _adapter_rows(model_dir, no_cache, variant, ours, peft, seq_lens)
     return rows
 
 
-def _lora_llama(work: Path) -> str:
+def _lora_llama(work: Path, name: str, **config: object) -> str:
     from fsdp_offload_cfg.testing.models import save_llama
 
-    return save_llama(str(work / "llama-lora"), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=2048)
+    return save_llama(str(work / name), hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=2048,
+                      **config)
 
 
-def _adapter_rows(model_dir: str, variant: str, ours: dict, peft: dict, seq_lens: list[int]) -> list[str]:
+def _adapter_rows(model_dir: str, no_cache: str, variant: str, ours: dict, peft: dict,
+                  seq_lens: list[int]) -> list[str]:
     """One adapter variant's rows: activations against PEFT's saves and the allocator, states
     against accelerate (but DoRA's); for DoRA's activations and the embeddings' states, also the
     plain LoRA figure they were estimated with before 2026-12-07."""
@@ -213,6 +219,8 @@ def _adapter_rows(model_dir: str, variant: str, ours: dict, peft: dict, seq_lens
     from fsdp_offload_cfg.testing.real_runs import (
         MALLINFO2,
         allocator_held_after_forward,
+        allocator_peak_in_backward,
+        checkpoint_every_group,
         real_model,
         saved_bytes,
         states_after_accelerate_step,
@@ -221,8 +229,8 @@ def _adapter_rows(model_dir: str, variant: str, ours: dict, peft: dict, seq_lens
     name = f"llama-h256-gqa {variant}"
     rows = []
 
-    def estimated(seq: int, **adapters: object) -> dict:
-        return estimate_memory(bench_config(), model_dir, seq_len=seq, batch_size=BATCH, num_processes=RANKS,
+    def estimated(seq: int, path: str = model_dir, **adapters: object) -> dict:
+        return estimate_memory(bench_config(), path, seq_len=seq, batch_size=BATCH, num_processes=RANKS,
                                device="cpu", dtype="bfloat16", lora=Lora(LORA_RANK, **adapters))
 
     for seq in seq_lens:
@@ -241,6 +249,17 @@ def _adapter_rows(model_dir: str, variant: str, ours: dict, peft: dict, seq_lens
                             real, 0.10))
             if before is not None:
                 rows.append(row(name, seq, f"as LoRA (before 2026-12-07) vs {figure}", before, real, 0.10))
+        if ours.get("dora") and MALLINFO2 is not None:  # the recompute's norm temporaries: checkpointed, the peak
+            report = estimated(seq, no_cache, **ours)
+            model, batch = real_model(no_cache, torch.bfloat16, BATCH, seq)
+            model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear", **peft))
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+            checkpoint_every_group(model, report["model"]["layer_classes"])
+            rows.append(row(f"{name}, no cache", seq, "checkpointing device_peak_bytes vs allocator peak in backward",
+                            report["activations"]["settings"]["checkpointing"]["device_peak_bytes"],
+                            allocator_peak_in_backward(model, batch, adapters=True), 0.10))
     if ours.get("dora"):
         return rows
     states = run_workers(states_after_accelerate_step, RANKS, model_dir, report["model"]["layer_classes"], 1,

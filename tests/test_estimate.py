@@ -244,26 +244,31 @@ def test_the_activation_peak_matches_the_allocators_peak_in_backward(wide_mlp_ll
 
 
 @pytest.mark.skipif(MALLINFO2 is None, reason="needs glibc's mallinfo2 to read the allocator")
-def test_dora_norms_temporaries_are_what_the_checkpointed_peak_holds_beyond_the_estimate(wide_mlp_llama: str):
+@pytest.mark.parametrize("seq", [256, 512])
+def test_a_checkpointed_dora_layers_recompute_holds_its_norms_temporaries(wide_mlp_llama: str, seq: int,
+                                                                           monkeypatch: pytest.MonkeyPatch):
     """A checkpointed DoRA layer's recompute computes its weight's norm again in backward: an
-    identity of its input size and weight-sized temporaries the figures leave out and the
-    assumptions state (`dora_transient_bytes`). Against the allocator's peak of a real DoRA
-    forward and backward, at a length short enough that they decide the peak: the estimate is
-    below it, and the temporaries said cover the difference."""
-    from fsdp_offload_cfg.estimate.adapters import dora_transient_bytes
+    identity of its input size and weight-sized temporaries beside its saves, which at short
+    lengths decide the peak. The probe's forward measures what each layer's forward holds at
+    once (`forward_peak`), and a recomputed layer's moment holds that where it is more than its
+    saves and backward's working set. Against the allocator's peak of a real DoRA forward and
+    backward: within 5%; without the recompute's peak the figure was 0.85x of it at 256 tokens
+    (0.95x at 512)."""
+    from fsdp_offload_cfg.estimate import activations
 
-    seq = 256
     report = estimate(wide_mlp_llama, seq_len=seq, lora=Lora(4, dora=True))
     estimated = report["activations"]["settings"]["checkpointing"]["device_peak_bytes"]
-    said = [line for line in report["assumptions"] if line.startswith("DoRA: ")]
     model, batch = real_model(wide_mlp_llama, torch.bfloat16, BATCH, seq)
     model = _real_lora(model, torch.bfloat16, dora=True)
-    transient = dora_transient_bytes(model, torch.bfloat16)
-    assert len(said) == 1 and show_size(transient) in said[0], said
     checkpoint_every_group(model, report["model"]["layer_classes"])
     measured = allocator_peak_in_backward(model, batch, adapters=True)
-    assert estimated < measured <= estimated + transient, (estimated, measured, transient)
-    assert measured - estimated > transient / 2, (estimated, measured, transient)  # they are what is missing
+    assert close(estimated, measured, tolerance=0.05), (estimated, measured, estimated / measured)
+    if seq == 256:  # the same estimate without the recompute's peak: its temporaries missing
+        residency = activations.residency
+        monkeypatch.setattr(activations, "residency", lambda *a, **k: residency(*a[:8], **k))  # no recompute_peak
+        without = estimate(wide_mlp_llama, seq_len=seq, lora=Lora(4, dora=True))
+        figure = without["activations"]["settings"]["checkpointing"]["device_peak_bytes"]
+        assert figure < estimated and not close(figure, measured, tolerance=0.10), (figure, measured)
 
 
 def test_every_middle_layer_holds_the_same_backward_working_set(larger_llama: str):

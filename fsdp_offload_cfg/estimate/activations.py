@@ -15,8 +15,9 @@ replay exactly:
 
 What is replayed is the device-resident activation bytes at the head's backward (every save kept,
 plus the logits' gradients) and at each group of backward (its saves and the gradients of its
-intermediates that its backward holds beside them), both measured by the probe's meta backward;
-the peak is the largest of those.
+intermediates that its backward holds beside them), both measured by the probe's meta backward,
+or, for a checkpointed group, its recompute's worst moment where that is more (its saves and its
+forward's temporaries, measured by the probe's forward: DoRA's norm); the peak is the largest.
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[i
 def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOffloadConfig | None,
               async_reload: bool, recompute: list[int] | None = None,
               offloaded_groups: Collection[int] | None = None, backward_extra: list[int] | None = None,
-              head_extra: int = 0) -> Residency:
+              head_extra: int = 0, recompute_peak: list[int] | None = None) -> Residency:
     """Replay the offload's keep/offload decisions and backward's walk over the groups (the
     offload on `offloaded_groups`; default: every group it offloads when on for the whole model),
     from the head's backward (`head_extra` beyond every save) down, each group's backward holding
-    `backward_extra` more than its saves (`probe`)."""
+    `backward_extra` more than its saves (`probe`), and a checkpointed group's recompute
+    `recompute_peak` at its worst moment (its saves and its forward's temporaries), if more."""
     kept = [0] * (n_groups + 1)
     offloaded = [0] * (n_groups + 1)
     pool = 0
@@ -87,11 +89,13 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
     extra = backward_extra or [0] * n_groups
+    recompute_peak = recompute_peak or [0] * n_groups
     # the head's backward first: everything kept is still there, beside the logits' gradients
     moments = [(sum(kept) + head_extra, 0)]
     for i in range(n_groups - 1, -1, -1):  # backward at group i: later groups' saves are freed
         reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
-        moments.append((sum(kept[: i + 1]) + reloaded + recompute[i] + extra[i], n_groups - 1 - i))
+        moments.append((sum(kept[: i + 1]) + reloaded + max(recompute[i] + extra[i], recompute_peak[i]),
+                        n_groups - 1 - i))
     peak = max(now for now, _ in moments)
     return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, tuple(moments))
 
@@ -100,9 +104,12 @@ def replay(profile: ActivationProfile, storages: list[SavedStorage], offload: Ac
            async_reload: bool, recompute: list[int] | None = None,
            offloaded_groups: Collection[int] | None = None) -> Residency:
     """`residency` of `storages` (the profile's saves, or what checkpointing leaves of them) with
-    the profile's own backward figures: each setting and each plan reads them from here alone."""
+    the profile's own backward figures, and its forward's for the recomputed groups: each setting
+    and each plan reads them from here alone."""
+    peaks = profile.forward_peak or [0] * len(profile.groups)
+    recompute_peak = [peak if done else 0 for peak, done in zip(peaks, recompute or [0] * len(profile.groups))]
     return residency(storages, len(profile.groups), offload, async_reload, recompute, offloaded_groups,
-                     profile.backward_extra, profile.head_backward_bytes())
+                     profile.backward_extra, profile.head_backward_bytes(), recompute_peak)
 
 
 def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async_reload: bool) -> dict[str, Residency]:

@@ -144,9 +144,9 @@ def dora_transient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The most one DoRA layer holds while its forward computes its weight's norm, beyond what it
     saves (PEFT's `get_lora_weight` and `get_weight_norm`): an identity matrix of its input size
     and the adapter's product (`lora_B(lora_A(eye))`, in by out), then the weight plus the
-    scaled product (two more). Freed within the forward; the probe sees none of it (it ends
-    inside one module and is saved by nothing), so the estimate says it beside its figures. 0
-    without DoRA layers."""
+    scaled product (two more). Freed within the forward: the probe's forward measures them where
+    a checkpointed layer's recompute holds them (`ActivationProfile.forward_peak`); the forward's
+    own moments are not replayed, so the estimate says their size. 0 without DoRA layers."""
     sizes = [m.in_features * (m.in_features + 3 * m.out_features) for m in model.modules()
              if len(getattr(m, "lora_magnitude_vector", None) or ()) and hasattr(m, "in_features")]
     return max(sizes, default=0) * dtype.itemsize

@@ -32,6 +32,7 @@ offload's device/host split can be replayed on the record (`offload_model.py`).
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,6 +84,11 @@ class ActivationProfile:
     # beyond the saves of it and the frames before it, at its worst moment (the gradients of its
     # intermediates; the logits' gradient in the head); empty where the meta backward failed
     backward_extra: list[int] = field(default_factory=list)
+    # per group, the most its forward holds at once of what it makes (its saves and its
+    # temporaries, each while alive): a checkpointed group's recompute in backward holds that on
+    # top of what is kept (DoRA's norm: an identity of the input size and weight-sized
+    # temporaries, more than the layer's saves where sequences are short)
+    forward_peak: list[int] = field(default_factory=list)
     backward_error: str | None = None  # why the backward was not measured, for the assumptions
     # the forward's outputs beside the loss that nothing saves (the logits): a loop that keeps
     # `outputs = model(...)` through `backward(outputs.loss)`, as accelerate's examples do, holds
@@ -232,7 +238,8 @@ class _Recorder:
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
-        self.profile = ActivationProfile(names, flops=[0] * len(names))
+        self.profile = ActivationProfile(names, flops=[0] * len(names), forward_peak=[0] * len(names))
+        self.watch: _ForwardWatch | None = None  # entered around the forward by the caller
         self.counter = FlopCounterMode(display=False)  # entered around the forward by the caller
         self.flops_at_entry = 0
         self.param_keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
@@ -292,6 +299,8 @@ class _Recorder:
 
     def enter(self, index: int, args: tuple, kwargs: dict) -> None:
         self.current, self.inside = index, True
+        if self.watch is not None:
+            self.watch.begin_group()
         self.flops_at_entry = self.counter.get_total_flops()
         for t in _tensors((args, kwargs)):
             if self.is_activation(t) and _storage_key(t) not in self.profile.inputs:
@@ -313,6 +322,42 @@ class _Recorder:
         asking for every layer's input would keep one hidden state per layer that a real
         backward frees."""
         return [edge for key, edge in self.entries.items() if key not in self.outputs]
+
+
+class _ForwardWatch(TorchDispatchMode):
+    """After each op of the probe's forward inside a group: the live bytes of the activation
+    storages made since the group began, the group's `forward_peak` the most of them. A save
+    counts while autograd's graph holds it (its token), not while `_hold` keeps its storage; a
+    temporary while its storage lives."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes), this group's
+
+    def begin_group(self) -> None:
+        self.made.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        recorder = self.recorder
+        if recorder.inside:
+            for t in _tensors(out):
+                if recorder.is_activation(t):
+                    storage = t.untyped_storage()
+                    known = self.made.get(storage._cdata)
+                    if known is None or known[0].expired():  # new, or a freed storage's key given again
+                        self.made[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+            peaks = recorder.profile.forward_peak
+            peaks[recorder.current] = max(peaks[recorder.current], self._live())
+        return out
+
+    def _live(self) -> int:
+        tokens, saved = self.recorder.tokens, self.recorder.seen
+        gone = [k for k, (ref, _) in self.made.items() if (k not in tokens if k in saved else ref.expired())]
+        for key in gone:  # a save the graph let go, a temporary freed: its key may come back for a new storage
+            del self.made[key]
+        return sum(nbytes for _, nbytes in self.made.values())
 
 
 class _BackwardWatch(TorchDispatchMode):
@@ -415,6 +460,21 @@ def _parameters_reached(loss: torch.Tensor | None) -> set[int]:
     return reached
 
 
+@contextmanager
+def _no_collection_meanwhile() -> Iterator[None]:
+    """Python's cycle collector off for the probe's forward, after a collection: a storage that a
+    reference cycle holds is freed when the collector happens to run, so the forward watch's live
+    bytes would change from one probe to the next (the first estimate in a process differed)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def offload_groups(model: nn.Module, layer_classes: list[str] | None) -> list[nn.Module]:
     """The groups the activation offload (and checkpointing) would use on this model."""
     return lift_to_boundaries(model, find_units(model, layer_classes or None))
@@ -431,6 +491,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     groups = offload_groups(model, layer_classes)
     names = {id(m): n for n, m in model.named_modules()}
     recorder = _Recorder(model, [names[id(g)] for g in groups])
+    recorder.watch = _ForwardWatch(recorder)
     hooks = []
     for i, g in enumerate(groups):
         hooks.append(g.register_forward_pre_hook(lambda _m, a, k, i=i: recorder.enter(i, a, k), with_kwargs=True))
@@ -439,7 +500,8 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     model.train()  # each parameter keeps its requires_grad: a LoRA's frozen base saves no input for its gradient
     try:
         with meta_forward(), _attention_as_on(target, recorder.add_flops), head_replaced(model, head), \
-                recorder.counter, saved_tensors_hooks(recorder.pack, recorder.unpack), torch.enable_grad():
+                recorder.counter, recorder.watch, saved_tensors_hooks(recorder.pack, recorder.unpack), \
+                torch.enable_grad(), _no_collection_meanwhile():
             output = model(**batch)
         recorder.release()
         root = _backward_root(output)

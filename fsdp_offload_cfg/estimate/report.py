@@ -445,14 +445,14 @@ def _reference_said(dtypes: Dtypes) -> list[str]:
 
 
 def _dora_said(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """The DoRA norm's temporaries (`dora_transient_bytes`), which the figures leave out."""
+    """The DoRA norm's temporaries (`dora_transient_bytes`): which moments count them."""
     transient = dora_transient_bytes(model, dtype)
     if not transient:
         return []
-    return [f"DoRA: while each adapted layer's forward (and a checkpointed layer's recompute in backward) computes "
-            f"its weight's norm, it holds an identity matrix of its input size and three of its weight's size "
-            f"({_name(dtype)}), freed within the forward and not counted above: {show_size(transient)} at most "
-            "(the largest adapted layer)"]
+    return [f"DoRA: while each adapted layer's forward computes its weight's norm, it holds an identity matrix of its "
+            f"input size and three of its weight's size ({_name(dtype)}; {show_size(transient)} at most, the largest "
+            "adapted layer): counted where a checkpointed layer's recompute holds them in backward; in the forward "
+            "itself, on top of the saves made so far, they are not among the moments the peak is taken from"]
 
 
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
@@ -495,7 +495,8 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         "backward's working set measured by one backward on the meta device: what each layer's backward "
         "and the head's (the logits' gradient) hold beside the saves"
         + (f" (not measured: {profile.backward_error}; the head counts its largest save)"
-           if profile.backward_error else ""),
+           if profile.backward_error else "")
+        + "; a checkpointed layer's recompute holds the most its forward held at once, measured by the forward",
         "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
         "and temporaries that live inside one op",
         *([] if head is not None else [
