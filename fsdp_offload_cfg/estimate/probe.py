@@ -24,6 +24,13 @@ every storage (saved, or made by a backward op) is held by a weak reference, and
 the live bytes are summed. The backward asks only for the gradient of the first group's input,
 so no weight gradient is made (the estimate counts those with the parameters: `states`).
 
+A checkpointed layer's recompute. Backward runs a checkpointed layer's forward again, and its worst
+moment there can be above its saves plus backward's working set: temporaries that live inside
+the layer's forward (DoRA's norm: an identity of the input size and weight-sized products). The
+probe's forward measures the most each layer's forward holds at once (`forward_peak`: what the
+layer makes, a save while autograd's graph holds it, a temporary while it lives), with Python's
+cycle collector off so that a storage a cycle holds is freed at the same point on every probe.
+
 The groups are found and numbered exactly as the activation offload numbers them
 (`offload.groups`), and each saved storage is assigned to a group by the offload's own rule
 (a tensor saved between groups belongs to the next one; after the last, to none), so the
@@ -239,7 +246,7 @@ class _Recorder:
         from torch.utils.flop_counter import FlopCounterMode
 
         self.profile = ActivationProfile(names, flops=[0] * len(names), forward_peak=[0] * len(names))
-        self.watch: _ForwardWatch | None = None  # entered around the forward by the caller
+        self.watch = _ForwardWatch(self)  # entered around the forward by the caller
         self.counter = FlopCounterMode(display=False)  # entered around the forward by the caller
         self.flops_at_entry = 0
         self.param_keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
@@ -299,8 +306,7 @@ class _Recorder:
 
     def enter(self, index: int, args: tuple, kwargs: dict) -> None:
         self.current, self.inside = index, True
-        if self.watch is not None:
-            self.watch.begin_group()
+        self.watch.begin_group()
         self.flops_at_entry = self.counter.get_total_flops()
         for t in _tensors((args, kwargs)):
             if self.is_activation(t) and _storage_key(t) not in self.profile.inputs:
@@ -491,7 +497,6 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     groups = offload_groups(model, layer_classes)
     names = {id(m): n for n, m in model.named_modules()}
     recorder = _Recorder(model, [names[id(g)] for g in groups])
-    recorder.watch = _ForwardWatch(recorder)
     hooks = []
     for i, g in enumerate(groups):
         hooks.append(g.register_forward_pre_hook(lambda _m, a, k, i=i: recorder.enter(i, a, k), with_kwargs=True))
