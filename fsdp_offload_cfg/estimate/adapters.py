@@ -108,12 +108,17 @@ def _embedding_names(model: nn.Module) -> list[str]:
                    if any(m is e for e in embeddings if e is not None)})
 
 
+def saved_module_names(model: nn.Module) -> list[str]:
+    """The last names of the modules PEFT trains whole in `model` (its `ModulesToSaveWrapper`s)."""
+    from peft.utils import ModulesToSaveWrapper
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)})
+
+
 def _check_saved_modules(model: nn.Module, lora: Lora) -> None:
     """A name of --lora-modules-to-save that no module has: PEFT says nothing and trains nothing
     more, so the estimate would quietly be the LoRA's alone."""
-    from peft.utils import ModulesToSaveWrapper
-
-    wrapped = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)}
+    wrapped = set(saved_module_names(model))
     missing = [name for name in lora.saved_modules() or () if name.rsplit(".", 1)[-1] not in wrapped]
     if missing:
         raise EstimateError(f"{lora.said[1]} {lora.modules_to_save}: the model has no module named "
@@ -138,18 +143,6 @@ def adapters_like(trained: nn.Module, twin: nn.Module) -> nn.Module:
         return twin
     config.init_lora_weights = True
     return _placed(twin, config)
-
-
-def dora_transient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """The most one DoRA layer holds while its forward computes its weight's norm, beyond what it
-    saves (PEFT's `get_lora_weight` and `get_weight_norm`): an identity matrix of its input size
-    and the adapter's product (`lora_B(lora_A(eye))`, in by out), then the weight plus the
-    scaled product (two more). Freed within the forward: the probe's forward measures them where
-    a checkpointed layer's recompute holds them (`ActivationProfile.forward_peak`); the forward's
-    own moments are not replayed, so the estimate says their size. 0 without DoRA layers."""
-    sizes = [m.in_features * (m.in_features + 3 * m.out_features) for m in model.modules()
-             if len(getattr(m, "lora_magnitude_vector", None) or ()) and hasattr(m, "in_features")]
-    return max(sizes, default=0) * dtype.itemsize
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from fsdp_offload_cfg._sizes import DEFAULT_MARGIN_FRACTION, AutoBudget, show_si
 from fsdp_offload_cfg.config import FSDPOffloadConfig
 from fsdp_offload_cfg.config.derived import mixed_compute_dtype, stated_rates
 from fsdp_offload_cfg.estimate.activations import Residency, settings
-from fsdp_offload_cfg.estimate.adapters import Lora, dora_transient_bytes, gathered_in, with_lora
+from fsdp_offload_cfg.estimate.adapters import Lora, gathered_in, saved_module_names, with_lora
 from fsdp_offload_cfg.estimate.heads import HEAD_WORDS, ChunkedDistillation, FusedLogProbs, Head
 from fsdp_offload_cfg.estimate.inputs import Dtypes, EstimateError, resolve_dtypes
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
@@ -124,7 +124,6 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                             others_whole=companions.reward.whole + companions.teacher.whole),
         "assumptions": _assumptions(config, source, dtypes, device, optimizer, batch, accumulating, profile, lora,
                                     image, head)
-        + _dora_said(model, dtypes.compute)
         + _head_advice(profile, by_setting, head) + (_reference_said(dtypes) if reference else [])
         + (_companion_said("reward", ", ".join(reward_models), companions_sharded, "its no-grad forward scores "
                            "the completions before the training forward") if reward_models else [])
@@ -190,8 +189,7 @@ def _lora(model: torch.nn.Module, lora: Lora | None) -> dict[str, Any] | None:
         config = next(iter(getattr(model, "peft_config", {}).values()), None)
         targets = sorted(getattr(config, "target_modules", None) or [])
     return {"rank": lora.rank, "targets": targets, "dropout": lora.dropout, "dora": lora.dora,
-            "modules_to_save": sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                                       if type(m).__name__ == "ModulesToSaveWrapper"}),
+            "modules_to_save": saved_module_names(model),
             "trainable_parameters": trainable}
 
 
@@ -444,17 +442,6 @@ def _reference_said(dtypes: Dtypes) -> list[str]:
             "prepare_fsdp gathers it whole)"]
 
 
-def _dora_said(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """The DoRA norm's temporaries (`dora_transient_bytes`): which moments count them."""
-    transient = dora_transient_bytes(model, dtype)
-    if not transient:
-        return []
-    return [f"DoRA: while each adapted layer's forward computes its weight's norm, it holds an identity matrix of its "
-            f"input size and three of its weight's size ({_name(dtype)}; {show_size(transient)} at most, the largest "
-            "adapted layer): counted where a checkpointed layer's recompute holds them in backward; in the forward "
-            "itself, on top of the saves made so far, they are not among the moments the peak is taken from"]
-
-
 def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes, device: str, optimizer: str,
                  batch: dict[str, torch.Tensor], accumulating: bool, profile: ActivationProfile,
                  lora: Lora | None, image: ExampleImage | None, head: Head | None) -> list[str]:
@@ -496,7 +483,8 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         "and the head's (the logits' gradient) hold beside the saves"
         + (f" (not measured: {profile.backward_error}; the head counts its largest save)"
            if profile.backward_error else "")
-        + "; a checkpointed layer's recompute holds the most its forward held at once, measured by the forward",
+        + "; a checkpointed layer's recompute holds the most its forward held at once (its saves and its "
+        "temporaries, measured by the forward); the forward's own moments are not replayed",
         "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
         "and temporaries that live inside one op",
         *([] if head is not None else [
