@@ -249,17 +249,19 @@ def _adapter_rows(model_dir: str, no_cache: str, variant: str, ours: dict, peft:
                             real, 0.10))
             if before is not None:
                 rows.append(row(name, seq, f"as LoRA (before 2026-12-07) vs {figure}", before, real, 0.10))
-        if ours.get("dora") and MALLINFO2 is not None:  # the recompute's norm temporaries: checkpointed, the peak
+        if ours.get("dora") and MALLINFO2 is not None:  # the norm's temporaries in forward, and in a recompute
             report = estimated(seq, no_cache, **ours)
-            model, batch = real_model(no_cache, torch.bfloat16, BATCH, seq)
-            model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear", **peft))
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.to(torch.bfloat16)
-            checkpoint_every_group(model, report["model"]["layer_classes"])
-            rows.append(row(f"{name}, no cache", seq, "checkpointing device_peak_bytes vs allocator peak in backward",
-                            report["activations"]["settings"]["checkpointing"]["device_peak_bytes"],
-                            allocator_peak_in_backward(model, batch, adapters=True), 0.10))
+            for setting in ("plain", "checkpointing"):
+                model, batch = real_model(no_cache, torch.bfloat16, BATCH, seq)
+                model = get_peft_model(model, LoraConfig(r=LORA_RANK, target_modules="all-linear", **peft))
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.data = p.data.to(torch.bfloat16)
+                if setting == "checkpointing":
+                    checkpoint_every_group(model, report["model"]["layer_classes"])
+                rows.append(row(f"{name}, no cache", seq, f"{setting} device_peak_bytes vs allocator peak in backward",
+                                report["activations"]["settings"][setting]["device_peak_bytes"],
+                                allocator_peak_in_backward(model, batch, adapters=True), 0.10))
     if ours.get("dora"):
         return rows
     states = run_workers(states_after_accelerate_step, RANKS, model_dir, report["model"]["layer_classes"], 1,
@@ -308,6 +310,8 @@ def loading_rows(work: Path, ranks: list[int]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs=2, default=[128, 512])
+    parser.add_argument("--lora-seq-lens", type=int, nargs="+", default=[128, 512, 1024],
+                        help="the adapter rows' lengths: at short ones DoRA's weight-sized temporaries decide the peak")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--loading-ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--skip-loading", action="store_true")
@@ -326,7 +330,7 @@ def main() -> None:
             for line in model_rows(name, paths[name], args.seq_lens):
                 print(line, flush=True)
                 lines.append(line)
-        for line in allocator_rows(work, [512, 1024]) + lora_rows(work, [512, 1024]):
+        for line in allocator_rows(work, [512, 1024]) + lora_rows(work, args.lora_seq_lens):
             print(line, flush=True)
             lines.append(line)
         if not args.skip_loading:

@@ -17,7 +17,10 @@ What is replayed is the device-resident activation bytes at the head's backward 
 plus the logits' gradients) and at each group of backward (its saves and the gradients of its
 intermediates that its backward holds beside them), both measured by the probe's meta backward,
 or, for a checkpointed group, its recompute's worst moment where that is more (its saves and its
-forward's temporaries, measured by the probe's forward: DoRA's norm); the peak is the largest.
+forward's temporaries, measured by the probe's forward: DoRA's norm); and at each group's forward
+(the saves kept from the groups before it, the previous group's copies still in flight, its
+inputs, and the most its own forward holds at once): DoRA's weight-sized temporaries make that
+the peak of a short sequence. The peak is the largest.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class Residency:
     # gradients): the step's worst moment adds the finished groups' gradients to each, so it can
     # be a later moment than the activations' own peak (`report.device_at_peak`)
     moments: tuple[tuple[int, int], ...]
+    # each group's worst moment in forward, in forward order (0 for a recomputed group: its
+    # recompute in backward holds that and its kept input more); no gradient exists then, unless
+    # accumulating
+    forward_moments: tuple[int, ...] = ()
 
 
 def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[int] | None = None) -> list[SavedStorage]:
@@ -65,14 +72,17 @@ def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[i
 def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOffloadConfig | None,
               async_reload: bool, recompute: list[int] | None = None,
               offloaded_groups: Collection[int] | None = None, backward_extra: list[int] | None = None,
-              head_extra: int = 0, recompute_peak: list[int] | None = None) -> Residency:
+              head_extra: int = 0, recompute_peak: list[int] | None = None,
+              forward_peak: list[int] | None = None, entry: list[dict[int, int]] | None = None) -> Residency:
     """Replay the offload's keep/offload decisions and backward's walk over the groups (the
     offload on `offloaded_groups`; default: every group it offloads when on for the whole model),
     from the head's backward (`head_extra` beyond every save) down, each group's backward holding
     `backward_extra` more than its saves (`probe`), and a checkpointed group's recompute
-    `recompute_peak` at its worst moment (its saves and its forward's temporaries), if more."""
+    `recompute_peak` at its worst moment (its saves and its forward's temporaries), if more; and
+    each group's forward, holding `forward_peak` beside its `entry` storages (its inputs)."""
     kept = [0] * (n_groups + 1)
     offloaded = [0] * (n_groups + 1)
+    on_device: list[set[int]] = [set() for _ in range(n_groups + 1)]  # keys of the kept saves, by group
     pool = 0
     if offloaded_groups is None:
         offloaded_groups = () if offload is None else range(n_groups if offload.offload_last_group else n_groups - 1)
@@ -86,8 +96,10 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
             offloaded[s.group] += s.nbytes
         else:
             kept[s.group] += s.nbytes
+            on_device[s.group].add(s.key)
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
+    forward = _forward_moments(kept, offloaded, on_device, recompute, forward_peak, entry, in_flight=window > 1)
     extra = backward_extra or [0] * n_groups
     recompute_peak = recompute_peak or [0] * n_groups
     # the head's backward first: everything kept is still there, beside the logits' gradients
@@ -96,8 +108,28 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
         reloaded = sum(offloaded[max(0, i - window + 1): i + 1])
         moments.append((sum(kept[: i + 1]) + reloaded + max(recompute[i] + extra[i], recompute_peak[i]),
                         n_groups - 1 - i))
-    peak = max(now for now, _ in moments)
-    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, tuple(moments))
+    peak = max([now for now, _ in moments] + forward)
+    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, tuple(moments), tuple(forward))
+
+
+def _forward_moments(kept: list[int], offloaded: list[int], on_device: list[set[int]], recompute: list[int],
+                     forward_peak: list[int] | None, entry: list[dict[int, int]] | None, in_flight: bool) -> list[int]:
+    """Each group's worst moment in forward: the saves kept from the groups before it, the
+    previous group's offloaded saves while their copies run (the async handler drops them when
+    this group ends: `offload/handlers.py`), its inputs where no earlier save already counts
+    them, and the most its forward holds at once. A recomputed group's is left out (0): its
+    recompute in backward holds as much, and its input kept besides."""
+    n_groups = len(recompute)
+    if not forward_peak:
+        return [0] * n_groups
+    entry = entry or [{} for _ in range(n_groups)]
+    moments, counted = [], set()
+    for i in range(n_groups):
+        inputs = sum(n for key, n in entry[i].items() if key not in counted)
+        copying = offloaded[i - 1] if in_flight and i else 0
+        moments.append(0 if recompute[i] else sum(kept[:i]) + copying + inputs + forward_peak[i])
+        counted |= on_device[i]
+    return moments
 
 
 def replay(profile: ActivationProfile, storages: list[SavedStorage], offload: ActivationOffloadConfig | None,
@@ -107,9 +139,12 @@ def replay(profile: ActivationProfile, storages: list[SavedStorage], offload: Ac
     the profile's own backward figures, and its forward's for the recomputed groups: each setting
     and each plan reads them from here alone."""
     peaks = profile.forward_peak or [0] * len(profile.groups)
-    recompute_peak = [peak if done else 0 for peak, done in zip(peaks, recompute or [0] * len(profile.groups))]
+    flowing = profile.backward_entry or [0] * len(profile.groups)
+    recompute_peak = [peak + grads if done else 0
+                      for peak, grads, done in zip(peaks, flowing, recompute or [0] * len(profile.groups))]
     return residency(storages, len(profile.groups), offload, async_reload, recompute, offloaded_groups,
-                     profile.backward_extra, profile.head_backward_bytes(), recompute_peak)
+                     profile.backward_extra, profile.head_backward_bytes(), recompute_peak,
+                     profile.forward_peak, profile.entry)
 
 
 def settings(profile: ActivationProfile, offload: ActivationOffloadConfig, async_reload: bool) -> dict[str, Residency]:

@@ -51,6 +51,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from fsdp_offload_cfg.compat.model_init import meta_forward
 from fsdp_offload_cfg.compat.model_output import output_cache
@@ -84,8 +85,8 @@ class ActivationProfile:
     # run with use_cache. Under checkpointing each layer's frame keeps its kwargs, the cache among
     # them, until backward, so every layer's keys and values stay (measured with the allocator).
     held: dict[int, SavedStorage] = field(default_factory=dict)
-    # forward FLOPs of each group (matmuls, convolutions and attention, as torch's FlopCounterMode
-    # counts them): what checkpointing recomputes and what an offload's copy can hide under
+    # forward FLOPs of each group (matmuls, convolutions and attention, by torch's own formulas:
+    # `_ForwardWatch`): what checkpointing recomputes and what an offload's copy can hide under
     flops: list[int] = field(default_factory=list)
     # per offload frame (each group, then the head after the last): what its backward holds
     # beyond the saves of it and the frames before it, at its worst moment (the gradients of its
@@ -96,6 +97,14 @@ class ActivationProfile:
     # top of what is kept (DoRA's norm: an identity of the input size and weight-sized
     # temporaries, more than the layer's saves where sequences are short)
     forward_peak: list[int] = field(default_factory=list)
+    # per offload frame, what backward holds beyond the same saves as `backward_extra` when the
+    # frame's backward begins (the gradients flowing into it): beside a checkpointed group's
+    # recompute, which runs then
+    backward_entry: list[int] = field(default_factory=list)
+    # per group, the activation storages its forward is given (storage key -> bytes: the hidden
+    # state, the position embeddings, the mask), alive beside what it makes: with the saves of the
+    # groups before it and `forward_peak`, the group's worst moment in forward (`activations`)
+    entry: list[dict[int, int]] = field(default_factory=list)
     backward_error: str | None = None  # why the backward was not measured, for the assumptions
     # the forward's outputs beside the loss that nothing saves (the logits): a loop that keeps
     # `outputs = model(...)` through `backward(outputs.loss)`, as accelerate's examples do, holds
@@ -243,12 +252,9 @@ class _Recorder:
     """The pack hook and the group hooks of one probe forward."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        self.profile = ActivationProfile(names, flops=[0] * len(names), forward_peak=[0] * len(names))
+        self.profile = ActivationProfile(names, flops=[0] * len(names), forward_peak=[0] * len(names),
+                                         entry=[{} for _ in names])
         self.watch = _ForwardWatch(self)  # entered around the forward by the caller
-        self.counter = FlopCounterMode(display=False)  # entered around the forward by the caller
-        self.flops_at_entry = 0
         self.param_keys = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
         self.seen: set[int] = set()
         self.current = 0  # offload frame of what is saved now
@@ -306,17 +312,17 @@ class _Recorder:
 
     def enter(self, index: int, args: tuple, kwargs: dict) -> None:
         self.current, self.inside = index, True
-        self.watch.begin_group()
-        self.flops_at_entry = self.counter.get_total_flops()
         for t in _tensors((args, kwargs)):
+            if self.is_activation(t):
+                self.profile.entry[index][_storage_key(t)] = t.untyped_storage().nbytes()
             if self.is_activation(t) and _storage_key(t) not in self.profile.inputs:
                 self.profile.inputs[_storage_key(t)] = self.record(t)
             if t.requires_grad:
                 edge = get_gradient_edge(t)
                 self.entries[_edge_key(edge)] = edge
+        self.watch.begin_group()  # after `record`'s detach: an input is the group's entry, not made by it
 
     def exit(self, index: int, output: Any) -> None:
-        self.profile.flops[index] += self.counter.get_total_flops() - self.flops_at_entry
         self.current, self.inside = index + 1, False
         for t in _tensors(output):
             if t.requires_grad:
@@ -332,9 +338,16 @@ class _Recorder:
 
 class _ForwardWatch(TorchDispatchMode):
     """After each op of the probe's forward inside a group: the live bytes of the activation
-    storages made since the group began, the group's `forward_peak` the most of them. A save
-    counts while autograd's graph holds it (its token), not while `_hold` keeps its storage; a
-    temporary while its storage lives."""
+    storages made since the group began, the group's `forward_peak` the most of them, and the
+    op's FLOPs by torch's own formulas (`flop_registry`, what `FlopCounterMode` counts with). A
+    save counts while autograd's graph holds it (its token), not while `_hold` keeps its storage;
+    a temporary while its storage lives.
+
+    Not `FlopCounterMode` itself: its module tracker hooks the gradient function of every module's
+    input and output for the whole forward, which keeps alive graphs a real forward frees as it
+    goes (DoRA's weight product through its adapters, an identity of the input size in each):
+    their saves counted as held, each later layer's peak 0.13 MB high per adapted layer before it
+    in the test's Llama."""
 
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
@@ -348,6 +361,9 @@ class _ForwardWatch(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         recorder = self.recorder
         if recorder.inside:
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                recorder.profile.flops[recorder.current] += formula(*args, **(kwargs or {}), out_val=out)
             for t in _tensors(out):
                 if recorder.is_activation(t):
                     storage = t.untyped_storage()
@@ -368,7 +384,9 @@ class _ForwardWatch(TorchDispatchMode):
 
 class _BackwardWatch(TorchDispatchMode):
     """After each op of a meta backward: the live bytes of every storage it tracks (the saves,
-    and what backward ops make), over what the replay counts for the group whose backward runs."""
+    and what backward ops make), over what the replay counts for the group whose backward runs;
+    and before a group's first op, what it is then (the gradients flowing into the group: where
+    a checkpointed group's recompute runs, at its first unpack)."""
 
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
@@ -378,6 +396,7 @@ class _BackwardWatch(TorchDispatchMode):
         # what `activations.residency` counts at frame i's backward: the saves of frames <= i
         self.counted = [sum(per_group[: i + 1]) for i in range(len(per_group))]
         self.extra = [0] * len(per_group)
+        self.at_entry: list[int | None] = [None] * len(per_group)
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes)
         for t in recorder._hold:
             self.track(t)
@@ -388,18 +407,21 @@ class _BackwardWatch(TorchDispatchMode):
             self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        group = self.recorder.in_backward
+        if self.at_entry[group] is None:
+            self.at_entry[group] = self.over(group)
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out):
             self.track(t)
-        self.check()
+        group = self.recorder.in_backward
+        self.extra[group] = max(self.extra[group], self.over(group))
         return out
 
-    def check(self) -> None:
-        group = self.recorder.in_backward
+    def over(self, group: int) -> int:
+        """The live bytes now, over what the replay counts at `group`'s backward."""
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
             del self.live[key]  # freed: its key may come back for a new storage
-        live = sum(nbytes for _, nbytes in self.live.values())
-        self.extra[group] = max(self.extra[group], live - self.counted[group])
+        return sum(nbytes for _, nbytes in self.live.values()) - self.counted[group]
 
 
 def _measure_backward(recorder: _Recorder, root: torch.Tensor | None, trainable: list[nn.Parameter]) -> None:
@@ -422,6 +444,7 @@ def _measure_backward(recorder: _Recorder, root: torch.Tensor | None, trainable:
         profile.backward_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return
     profile.backward_extra = watch.extra
+    profile.backward_entry = [max(entry or 0, 0) for entry in watch.at_entry]
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -505,7 +528,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
     model.train()  # each parameter keeps its requires_grad: a LoRA's frozen base saves no input for its gradient
     try:
         with meta_forward(), _attention_as_on(target, recorder.add_flops), head_replaced(model, head), \
-                recorder.counter, recorder.watch, saved_tensors_hooks(recorder.pack, recorder.unpack), \
+                recorder.watch, saved_tensors_hooks(recorder.pack, recorder.unpack), \
                 torch.enable_grad(), _no_collection_meanwhile():
             output = model(**batch)
         recorder.release()

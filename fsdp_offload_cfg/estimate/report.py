@@ -276,7 +276,8 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
       of them when `accumulating`: micro-batches before this one left theirs). The moment is the
       worst of activations and gradients together: where the activations are small beside the
       gradients (short sequences, a MoE's experts), a late moment outweighs the activations' own
-      peak;
+      peak. A layer's forward is such a moment too, without gradients unless `accumulating`
+      (DoRA's weight-sized temporaries at short sequences);
     - the optimizer step's: every gradient, no activation, and the step's own transient.
     """
     resident = not config.offload_params
@@ -288,15 +289,19 @@ def device_at_peak(config: FSDPOffloadConfig, states: ShardedStates, residency: 
     def gathered(done: int) -> int:  # kept gathered after forward, the units backward has not yet passed
         return states.gathered_in_backward(left=1 - min(done, groups) / groups)
 
-    worst = max(range(len(residency.moments)),
-                key=lambda i: residency.moments[i][0] + grads(residency.moments[i][1]) + gathered(residency.moments[i][1]))
-    activations, done = residency.moments[worst]
-    at_head = worst == 0 and activations > residency.forward_end_device_bytes  # the head's backward, logits' grads
+    # (activations, gradients, gathered, at the head's backward) at each moment: backward's, then
+    # each group's forward, where gradients exist only when accumulating and the units gathered
+    # are those up to it (as many as at that group's backward)
+    candidates = [(now, grads(done), gathered(done), i == 0 and now > residency.forward_end_device_bytes)
+                  for i, (now, done) in enumerate(residency.moments)]
+    candidates += [(now, grads(0), gathered(len(residency.forward_moments) - 1 - i), False)
+                   for i, now in enumerate(residency.forward_moments)]
+    activations, gradients, gathered_now, at_head = max(candidates, key=lambda c: c[0] + c[1] + c[2])
     backward = {
         "params": (states.params + states.frozen_shards if resident else 0) + states.held_whole,
-        "grads": grads(done),
+        "grads": gradients,
         "optimizer": states.optimizer if resident else 0,
-        "buffers_and_gathered": states.buffers + gathered(done),
+        "buffers_and_gathered": states.buffers + gathered_now,
         "activations": residency.forward_end_device_bytes if at_head else activations,
         "logits_grad": activations - residency.forward_end_device_bytes if at_head else 0,
         "optimizer_step": 0,
@@ -313,7 +318,8 @@ def _activations(profile: ActivationProfile, by_setting: dict[str, Residency]) -
     extra = profile.backward_extra or [0] * len(per_group)
     return {
         "per_group": [{"name": name, "saved_bytes": per_group[i], "inside_bytes": inside[i],
-                       "backward_extra_bytes": extra[i], "forward_flops": profile.flops[i]}
+                       "backward_extra_bytes": extra[i], "forward_flops": profile.flops[i],
+                       "forward_peak_bytes": profile.forward_peak[i] if profile.forward_peak else 0}
                       for i, name in enumerate(profile.groups)],
         "after_last_group_bytes": per_group[-1],
         "head_backward_bytes": profile.head_backward_bytes(),
@@ -483,8 +489,8 @@ def _assumptions(config: FSDPOffloadConfig, source: ModelSource, dtypes: Dtypes,
         "and the head's (the logits' gradient) hold beside the saves"
         + (f" (not measured: {profile.backward_error}; the head counts its largest save)"
            if profile.backward_error else "")
-        + "; a checkpointed layer's recompute holds the most its forward held at once (its saves and its "
-        "temporaries, measured by the forward); the forward's own moments are not replayed",
+        + "; a layer's forward, and a checkpointed layer's recompute, hold the most that forward held at once "
+        "(its saves and its temporaries, measured by the forward) beside what is kept by then",
         "peak_device_bytes leaves out the CUDA context, allocator fragmentation, communication buffers "
         "and temporaries that live inside one op",
         *([] if head is not None else [

@@ -129,7 +129,7 @@ def estimated_saves_only(path: str, report: dict[str, Any], offload: ActivationO
     """The estimate's replay of the saves alone, per setting, for the report's model, batch and
     device: what the offload's counters see (saved tensors, not backward's working set, which
     the report's device figures add). Not a real run: the report's own probe, its backward
-    figures set to nothing."""
+    figures and its forwards' temporaries set to nothing."""
     from fsdp_offload_cfg.estimate.activations import settings
     from fsdp_offload_cfg.estimate.model import build_on_meta
     from fsdp_offload_cfg.estimate.probe import measure_activations
@@ -142,6 +142,7 @@ def estimated_saves_only(path: str, report: dict[str, Any], offload: ActivationO
     batch = example_batch(source, inputs["batch_size"], inputs["seq_len"], compute, image)
     profile = measure_activations(model, batch, report["model"]["layer_classes"], target=inputs["device"])
     profile.backward_extra = [0] * (len(profile.groups) + 1)  # measured as nothing: the head adds none either
+    profile.forward_peak = []  # no forward moment: the counters see saves, not a layer's temporaries
     return settings(profile, offload, offload.resolved_mode(inputs["device"]) == "async")
 
 
