@@ -24,12 +24,16 @@ every storage (saved, or made by a backward op) is held by a weak reference, and
 the live bytes are summed. The backward asks only for the gradient of the first group's input,
 so no weight gradient is made (the estimate counts those with the parameters: `states`).
 
-A checkpointed layer's recompute. Backward runs a checkpointed layer's forward again, and its worst
-moment there can be above its saves plus backward's working set: temporaries that live inside
-the layer's forward (DoRA's norm: an identity of the input size and weight-sized products). The
-probe's forward measures the most each layer's forward holds at once (`forward_peak`: what the
-layer makes, a save while autograd's graph holds it, a temporary while it lives), with Python's
-cycle collector off so that a storage a cycle holds is freed at the same point on every probe.
+A layer's forward, and a checkpointed layer's recompute. A layer's worst moment can be in its
+forward, above its saves plus backward's working set: temporaries that live inside it (DoRA's
+norm: an identity of the input size and weight-sized products), beside every save of the layers
+before it; backward runs a checkpointed layer's forward again, beside the gradients flowing into
+it. The probe's forward measures the most each layer's forward holds at once (`forward_peak`:
+what the layer makes, a save while autograd's graph holds it, a temporary while it lives) and
+what it is given (`entry`); the meta backward, what flows into each group (`backward_entry`).
+Python's cycle collector is off during the forward, so that a storage a cycle holds is freed at
+the same point on every probe, and nothing else holds what the model lets go: no
+`FlopCounterMode` (`_ForwardWatch`).
 
 The groups are found and numbered exactly as the activation offload numbers them
 (`offload.groups`), and each saved storage is assigned to a group by the offload's own rule
