@@ -271,7 +271,13 @@ class _Recorder:
         # where backward stops: the gradient edges of the groups' inputs, held as edges, not
         # tensors, so that each input is freed when backward is done with it, as in a real step
         self.entries: dict[tuple[int, int], Any] = {}
-        self.outputs: set[tuple[int, int]] = set()  # the groups' outputs' edges (next groups' inputs)
+        # the groups' outputs' edges (next groups' inputs), held until the forward ends: an edge's key
+        # is the id() of its node's Python object, which torch 2.11 frees with the last reference
+        # to it and makes anew, under another id, for the next group's input (every layer's input
+        # then looked like one no group made, and backward asked for each: one hidden state per
+        # layer held to the end). Not after: a branch the model drops must be freed (`release`)
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self.stops: list[Any] = []  # `stopping_points`, found when the forward ends
         self.in_backward = len(names)  # frame whose backward runs now (the last saved-tensor unpack's)
 
     def is_activation(self, t: torch.Tensor) -> bool:
@@ -330,14 +336,21 @@ class _Recorder:
         self.current, self.inside = index + 1, False
         for t in _tensors(output):
             if t.requires_grad:
-                self.outputs.add(_edge_key(get_gradient_edge(t)))
+                edge = get_gradient_edge(t)
+                self.outputs[_edge_key(edge)] = edge
+
+    def end_forward(self) -> None:
+        """Find where backward stops (`stopping_points`) while every output's edge is held, then
+        let go of them."""
+        self.stops = [edge for key, edge in self.entries.items() if key not in self.outputs]
+        self.outputs.clear()
 
     def stopping_points(self) -> list[Any]:
         """The groups' inputs that no group made (the first decoder layer's, the first vision
         layer's): backward stops there. Each edge asked for holds its gradient to the end, so
         asking for every layer's input would keep one hidden state per layer that a real
         backward frees."""
-        return [edge for key, edge in self.entries.items() if key not in self.outputs]
+        return self.stops
 
 
 class _ForwardWatch(TorchDispatchMode):
@@ -573,6 +586,7 @@ def measure_activations(model: nn.Module, batch: dict[str, torch.Tensor], layer_
                 recorder.watch, saved_tensors_hooks(recorder.pack, recorder.unpack), \
                 torch.enable_grad(), _no_collection_meanwhile():
             output = model(**batch)
+        recorder.end_forward()
         recorder.release()
         root = _backward_root(output)
         recorder.profile.trained = _parameters_reached(root)
