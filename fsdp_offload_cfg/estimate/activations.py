@@ -99,7 +99,8 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
             on_device[s.group].add(s.key)
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
-    forward = _forward_moments(kept, offloaded, on_device, recompute, forward_peak, entry, in_flight=window > 1)
+    forward = _forward_moments(kept, offloaded, on_device, recompute, forward_peak, entry,
+                               in_flight=offload is not None and async_reload)
     extra = backward_extra or [0] * n_groups
     recompute_peak = recompute_peak or [0] * n_groups
     # the head's backward first: everything kept is still there, beside the logits' gradients

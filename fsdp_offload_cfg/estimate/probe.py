@@ -324,9 +324,10 @@ class _Recorder:
         self.current, self.inside = index, True
         for t in _tensors((args, kwargs)):
             if self.is_activation(t):
-                self.profile.entry[index][_storage_key(t)] = t.untyped_storage().nbytes()
-            if self.is_activation(t) and _storage_key(t) not in self.profile.inputs:
-                self.profile.inputs[_storage_key(t)] = self.record(t)
+                key = _storage_key(t)
+                self.profile.entry[index][key] = t.untyped_storage().nbytes()
+                if key not in self.profile.inputs:
+                    self.profile.inputs[key] = self.record(t)
             if t.requires_grad:
                 edge = get_gradient_edge(t)
                 self.entries[_edge_key(edge)] = edge

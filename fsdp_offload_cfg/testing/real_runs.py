@@ -143,6 +143,7 @@ def estimated_saves_only(path: str, report: dict[str, Any], offload: ActivationO
     profile = measure_activations(model, batch, report["model"]["layer_classes"], target=inputs["device"])
     profile.backward_extra = [0] * (len(profile.groups) + 1)  # measured as nothing: the head adds none either
     profile.forward_peak = []  # no forward moment: the counters see saves, not a layer's temporaries
+    profile.backward_entry = []  # nor the gradients beside a recompute
     return settings(profile, offload, offload.resolved_mode(inputs["device"]) == "async")
 
 
