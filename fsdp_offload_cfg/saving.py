@@ -4,9 +4,10 @@ Two stock paths wrote nothing, or stopped, at the end of a run that had trained 
 
 - `model.save_pretrained(dir)` (transformers' and PEFT's) of a model accelerate sharded with
   FSDP2: transformers 5 gathers sharded weights for saving only for a model it sharded itself
-  (`distributed_config`), PEFT never; both handed `DTensor`s to safetensors, which stopped on
-  every rank with "Attempted to access the data pointer on an invalid python storage"
-  (transformers 4.x gathered each weight itself, on every rank).
+  (`distributed_config`), PEFT before 0.22 never; both handed `DTensor`s to safetensors, which
+  stopped on every rank with "Attempted to access the data pointer on an invalid python storage"
+  (transformers 4.x gathered each weight itself, on every rank; PEFT 0.22 gathers what it writes,
+  on every rank, each rank what it chose).
 - `trainer.save_model(dir)` under `SHARDED_STATE_DICT`, accelerate's default for FSDP2: it wrote
   nothing at all, silently (transformers #30491).
 
@@ -266,9 +267,9 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
 
     Why: PEFT picks its adapters out of a whole state dict, so accelerate's recipe gathered the
     frozen base as well, on rank 0's host, only for PEFT to drop it. Which entries PEFT writes is
-    asked of PEFT itself (`get_peft_model_state_dict`, with the save's own arguments) over this
-    rank's shards, which costs nothing; the entries it picks are then gathered, in the state
-    dict's order, the same on every rank (a collective each). A PEFT type whose saved values are
+    asked of PEFT itself (`get_peft_model_state_dict`, with the save's own arguments) over
+    stand-ins of the entries (`_stand_in`), which costs nothing; those it picks are then
+    gathered, in the state dict's order, the same on every rank (a collective each). A PEFT type whose saved values are
     computed rather than picked (prompt learning, AdaLoRA's rank pattern) gathers the whole model,
     as before."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -279,10 +280,11 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     from peft.utils import get_peft_model_state_dict
 
     shards = get_model_state_dict(model, options=StateDictOptions())  # this rank's shards, named as when gathered
-    name_of = {id(value): name for name, value in shards.items()}
+    stand_ins = {name: _stand_in(value) for name, value in shards.items()}
+    name_of = {id(value): name for name, value in stand_ins.items()}
     picked: set[str] | None = set()
     for adapter in selected_adapters or list(model.peft_config):
-        written = get_peft_model_state_dict(model, state_dict=shards, adapter_name=adapter,
+        written = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter,
                                             save_embedding_layers=save_embedding_layers)  # fmt: skip
         tensors = [value for value in written.values() if isinstance(value, torch.Tensor)]
         if any(id(value) not in name_of for value in tensors):
@@ -298,6 +300,19 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     chosen = set(choice[0])
     gathered = {name: gathered_whole(value) for name, value in shards.items() if name in chosen}
     return gathered if dist.get_rank() == 0 else {}
+
+
+def _stand_in(value: Any) -> Any:
+    """A tensor of `value`'s whole shape and dtype backed by one zero, for asking PEFT what it
+    writes without gathering: PEFT 0.22 gathers every sharded entry it picks itself (each
+    `DTensor` through `full_tensor()`, a collective), so handing it the shards made the question
+    a gather, of different entries where ranks chose apart, and its answers new tensors that no
+    longer named an entry. A plain tensor is left to PEFT as it is; zeros, not meta or this rank's
+    shard, so that a PEFT type that computes from the values (an index, a top-k) runs the same on
+    every rank and on the whole shape."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.zeros((), dtype=value.dtype).expand(value.shape)
 
 
 def _every_rank_or_raise(what: str, how: str) -> None:
