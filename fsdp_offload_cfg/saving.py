@@ -244,15 +244,21 @@ def build_checkpoint_folder(original: Callable[..., Any], cfg: Any) -> Callable[
 
 
 def gathered_state_dict(model: torch.nn.Module, **peft_selection: Any) -> dict[str, torch.Tensor]:
-    """What a save writes from, on rank 0's host, empty elsewhere (a collective: every rank calls
-    it): a PEFT model's adapters (`gathered_peft_state_dict`), any other model whole, as
-    `accelerator.get_state_dict` gives it under FSDP2."""
+    """What `save_pretrained` writes from (a collective: every rank calls it): on rank 0's host, a
+    PEFT model's adapters (`gathered_peft_state_dict`), any other model whole, as
+    `accelerator.get_state_dict` gives it under FSDP2; elsewhere, where nothing is written,
+    stand-ins of every entry (`_stand_in`). Not the empty dict the gather leaves there: PEFT's
+    `save_pretrained` picks its entries on every rank, writing or not, and a `modules_to_save` or
+    trainable-tokens wrapper raised KeyError on a rank whose dict lacked its entries."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     adapters = gathered_peft_state_dict(model, **peft_selection)
-    if adapters is not None:
+    if adapters is None:
+        adapters = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
         return adapters
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    shards = get_model_state_dict(model, options=StateDictOptions())  # named as when gathered
+    return {name: _stand_in(value) for name, value in shards.items()}
 
 
 # The arguments of PEFT's `save_pretrained` that choose what it writes (its defaults: every

@@ -500,6 +500,55 @@ def test_ranks_that_would_pick_apart_gather_what_rank_0_picked(tmp_path: Any) ->
     assert rank0 == rank1 and rank0 and all("lora_" in k for k in rank0), rank0
 
 
+def _whole_modules_worker(rank: int, world_size: int, path: str, out: str) -> None:
+    """One step of LoRA with a layer trained whole (`modules_to_save`) and new token rows
+    (`trainable_token_indices`), then `save_pretrained` on every rank; then the recipe's gather,
+    written by rank 0 alone (stock PEFT raises on the other ranks too, given the empty dict
+    accelerate's gather leaves there)."""
+    import torch
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_offload_cfg
+
+    fsdp_offload_cfg.patch(loader_config("broadcast"))
+    accelerator = Accelerator(cpu=True)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                           LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                      trainable_token_indices=[1, 2]))  # fmt: skip
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ids = torch.arange(24).reshape(2, 12) % 90 + 1
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(os.path.join(out, "every_rank"))
+    whole = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(os.path.join(out, "recipe"), state_dict=whole)
+
+
+def test_a_lora_model_with_layers_trained_whole_saves_from_every_rank(tmp_path: Any) -> None:
+    """PEFT's `save_pretrained` picks the entries it writes on every rank, writing or not; a
+    `modules_to_save` or trainable-tokens wrapper raised KeyError on ranks other than 0, whose
+    state dict (the gather's, empty there) lacked its entries, and rank 0 was left alone in the
+    next collective. Those ranks now pick from stand-ins; rank 0 writes what the recipe writes,
+    the whole layer and the new token rows included."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fsdp_offload_cfg.testing.models import save_llama
+
+    out = tmp_path / "out"
+    run_workers(_whole_modules_worker, 2, save_llama(str(tmp_path / "llama")), str(out), pg_timeout=30, timeout=180)
+    saved, recipe = (load_file(out / way / "adapter_model.safetensors") for way in ("every_rank", "recipe"))
+    assert saved.keys() == recipe.keys(), (sorted(saved), sorted(recipe))
+    assert "base_model.model.lm_head.weight" in saved, sorted(saved)  # the layer trained whole
+    assert "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta" in saved, sorted(saved)
+    assert all(torch.equal(t, recipe[k]) for k, t in saved.items())
+
+
 # Wide enough that gathering the model whole shows against gathering one weight at a time: 16
 # layers of 1 MiB weights, the largest two (the embeddings) 4 MiB each, 80 MiB in all.
 _WIDE = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=16)
