@@ -246,19 +246,26 @@ def build_checkpoint_folder(original: Callable[..., Any], cfg: Any) -> Callable[
 def gathered_state_dict(model: torch.nn.Module, **peft_selection: Any) -> dict[str, torch.Tensor]:
     """What `save_pretrained` writes from (a collective: every rank calls it): on rank 0's host, a
     PEFT model's adapters (`gathered_peft_state_dict`), any other model whole, as
-    `accelerator.get_state_dict` gives it under FSDP2; elsewhere, where nothing is written,
-    stand-ins of every entry (`_stand_in`). Not the empty dict the gather leaves there: PEFT's
-    `save_pretrained` picks its entries on every rank, writing or not, and a `modules_to_save` or
-    trainable-tokens wrapper raised KeyError on a rank whose dict lacked its entries."""
+    `accelerator.get_state_dict` gives it under FSDP2; elsewhere the empty dict the gather leaves,
+    but for a PEFT model stand-ins of every entry (`_stand_in`). PEFT's `save_pretrained` picks its
+    entries on every rank, writing only on the main one, and a `modules_to_save` or
+    trainable-tokens wrapper raised KeyError on a rank whose dict lacked its entries.
+    transformers 4.x writes its files on every rank, main or not: stand-ins there would be
+    written over rank 0's weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    adapters = gathered_peft_state_dict(model, **peft_selection)
-    if adapters is None:
-        adapters = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        return adapters
+    written = gathered_peft_state_dict(model, **peft_selection)
+    if written is None:
+        written = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0 or not _is_peft_model(model):
+        return written
     shards = get_model_state_dict(model, options=StateDictOptions())  # named as when gathered
     return {name: _stand_in(value) for name, value in shards.items()}
+
+
+def _is_peft_model(model: torch.nn.Module) -> bool:
+    peft = sys.modules.get("peft")  # never imported here: a PEFT model means PEFT is imported
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 # The arguments of PEFT's `save_pretrained` that choose what it writes (its defaults: every
@@ -280,8 +287,7 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     as before."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    peft = sys.modules.get("peft")
-    if peft is None or not isinstance(model, peft.PeftModel) or not sharded_by_fully_shard(model):
+    if not _is_peft_model(model) or not sharded_by_fully_shard(model):
         return None
     from peft.utils import get_peft_model_state_dict
 

@@ -723,10 +723,11 @@ def test_a_save_that_fails_on_rank_0_stops_every_rank_saying_where(tmp_path: Any
 
 
 def _fully_sharded_save_worker(rank: int, world_size: int, cls: str, path: str, out: str,
-                               mesh_shape: tuple[int, ...]) -> None:  # fmt: skip
+                               mesh_shape: tuple[int, ...]) -> list[int]:  # fmt: skip
     """The model (transformers' class `cls`) at `path` sharded by FSDP2 (every decoder and encoder layer, then the root) on a
     mesh of `mesh_shape` (`(2, 2)`: as accelerate shards for `dp_replicate_size=2,
-    dp_shard_size=2`), saved untrained on every rank."""
+    dp_shard_size=2`), saved untrained on every rank. Returns how many tensors each file this rank
+    wrote through transformers' writer held (transformers 4.x writes on every rank, main or not)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -734,13 +735,17 @@ def _fully_sharded_save_worker(rank: int, world_size: int, cls: str, path: str, 
 
     fsdp_offload_cfg.patch(loader_config("loader_off"))
     import transformers
+    from transformers import modeling_utils
 
     model = getattr(transformers, cls).from_pretrained(path)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard")[-len(mesh_shape):])
     for module in model.modules():
         if type(module).__name__.endswith(("DecoderLayer", "EncoderLayer")):
             fully_shard(module, mesh=mesh)
+    write, written = modeling_utils.safe_save_file, []
+    modeling_utils.safe_save_file = lambda tensors, *a, **k: written.append(len(tensors)) or write(tensors, *a, **k)
     fully_shard(model, mesh=mesh).save_pretrained(out)
+    return written
 
 
 def _saved_as_loaded(path: str, out: str) -> None:
@@ -760,7 +765,8 @@ def test_a_vision_language_model_saves_what_it_loaded(tmp_path: Any, model: str,
     from fsdp_offload_cfg.testing import models
 
     path = getattr(models, f"save_{model}")(str(tmp_path / model))
-    run_workers(_fully_sharded_save_worker, 2, cls, path, str(tmp_path / "out"), (2,), timeout=180)
+    written = run_workers(_fully_sharded_save_worker, 2, cls, path, str(tmp_path / "out"), (2,), timeout=180)
+    assert not any(written[1]), written  # a weight rank 1 wrote would race rank 0's in the same file
     _saved_as_loaded(path, str(tmp_path / "out"))
 
 
@@ -771,7 +777,9 @@ def test_a_model_sharded_on_a_2d_mesh_saves_what_it_loaded(tmp_path: Any) -> Non
     from fsdp_offload_cfg.testing.models import save_llama
 
     path = save_llama(str(tmp_path / "llama"))
-    run_workers(_fully_sharded_save_worker, 4, "LlamaForCausalLM", path, str(tmp_path / "out"), (2, 2), timeout=180)
+    written = run_workers(_fully_sharded_save_worker, 4, "LlamaForCausalLM", path, str(tmp_path / "out"), (2, 2),
+                          timeout=180)  # fmt: skip
+    assert not any(n for rank in written[1:] for n in rank), written
     _saved_as_loaded(path, str(tmp_path / "out"))
 
 
