@@ -247,7 +247,7 @@ def gathered_state_dict(model: torch.nn.Module, **peft_selection: Any) -> dict[s
     """What `save_pretrained` writes from (a collective: every rank calls it): on rank 0's host, a
     PEFT model's adapters (`gathered_peft_state_dict`), any other model whole, as
     `accelerator.get_state_dict` gives it under FSDP2; elsewhere the empty dict the gather leaves,
-    but for a PEFT model stand-ins of every entry (`_stand_in`). PEFT's `save_pretrained` picks its
+    but for a PEFT model stand-ins of every entry (`_stand_ins`). PEFT's `save_pretrained` picks its
     entries on every rank, writing only on the main one, and a `modules_to_save` or
     trainable-tokens wrapper raised KeyError on a rank whose dict lacked its entries.
     transformers 4.x writes its files on every rank, main or not: stand-ins there would be
@@ -259,8 +259,7 @@ def gathered_state_dict(model: torch.nn.Module, **peft_selection: Any) -> dict[s
         written = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0 or not _is_peft_model(model):
         return written
-    shards = get_model_state_dict(model, options=StateDictOptions())  # named as when gathered
-    return {name: _stand_in(value) for name, value in shards.items()}
+    return _stand_ins(get_model_state_dict(model, options=StateDictOptions()))  # this rank's shards, cheap
 
 
 def _is_peft_model(model: torch.nn.Module) -> bool:
@@ -281,10 +280,10 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     Why: PEFT picks its adapters out of a whole state dict, so accelerate's recipe gathered the
     frozen base as well, on rank 0's host, only for PEFT to drop it. Which entries PEFT writes is
     asked of PEFT itself (`get_peft_model_state_dict`, with the save's own arguments) over
-    stand-ins of the entries (`_stand_in`), which costs nothing; those it picks are then
-    gathered, in the state dict's order, the same on every rank (a collective each). A PEFT type whose saved values are
-    computed rather than picked (prompt learning, AdaLoRA's rank pattern) gathers the whole model,
-    as before."""
+    stand-ins of the entries (`_stand_ins`), which costs nothing; those it picks are then
+    gathered, in the state dict's order, the same on every rank (a collective each). A PEFT type
+    whose saved values are computed rather than picked (prompt learning, AdaLoRA's rank pattern)
+    gathers the whole model, as before."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not _is_peft_model(model) or not sharded_by_fully_shard(model):
@@ -292,7 +291,7 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     from peft.utils import get_peft_model_state_dict
 
     shards = get_model_state_dict(model, options=StateDictOptions())  # this rank's shards, named as when gathered
-    stand_ins = {name: _stand_in(value) for name, value in shards.items()}
+    stand_ins = _stand_ins(shards)
     name_of = {id(value): name for name, value in stand_ins.items()}
     picked: set[str] | None = set()
     for adapter in selected_adapters or list(model.peft_config):
@@ -314,17 +313,17 @@ def gathered_peft_state_dict(model: torch.nn.Module, selected_adapters: list[str
     return gathered if dist.get_rank() == 0 else {}
 
 
-def _stand_in(value: Any) -> Any:
-    """A tensor of `value`'s whole shape and dtype backed by one zero, for asking PEFT what it
-    writes without gathering: PEFT 0.22 gathers every sharded entry it picks itself (each
-    `DTensor` through `full_tensor()`, a collective), so handing it the shards made the question
-    a gather, of different entries where ranks chose apart, and its answers new tensors that no
-    longer named an entry. A plain tensor is left to PEFT as it is; zeros, not meta or this rank's
-    shard, so that a PEFT type that computes from the values (an index, a top-k) runs the same on
-    every rank and on the whole shape."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return torch.zeros((), dtype=value.dtype).expand(value.shape)
+def _stand_ins(shards: dict[str, Any]) -> dict[str, Any]:
+    """A rank's shards (`get_model_state_dict`, named as when gathered), each tensor made a plain
+    one of its whole shape and dtype backed by a single zero, for PEFT to pick from without
+    gathering: PEFT 0.22 gathers every sharded entry it picks itself (each `DTensor` through
+    `full_tensor()`, a collective), so handing it the shards made the question a gather, of
+    different entries where ranks chose apart, and its answers new tensors that no longer named
+    an entry. A plain tensor it leaves as it is. Zeros, not meta or this rank's shard, so that a
+    PEFT type that computes from the values (an index, a top-k) runs the same on every rank and on
+    the whole shape."""
+    return {name: torch.zeros((), dtype=value.dtype).expand(value.shape) if isinstance(value, torch.Tensor) else value
+            for name, value in shards.items()}  # fmt: skip
 
 
 def _every_rank_or_raise(what: str, how: str) -> None:
