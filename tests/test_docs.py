@@ -56,3 +56,49 @@ def test_the_readmes_estimate_output_is_what_the_cli_prints(capsys, monkeypatch)
         return ["|".join(line.split("|")[:5]) for line in table.splitlines()]  # setting, saved, device, host
 
     assert activation_rows(output[:output.index("\n```")]) == activation_rows(printed)
+
+
+def _package_string_literals() -> list[str]:
+    """Every string literal of the package, implicit concatenations joined as Python joins them, an
+    f-string's replacement fields as `…`, whitespace runs as one space."""
+    import ast
+
+    def text(node: ast.AST) -> str:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return "".join(text(v) if isinstance(v, ast.Constant) else "…" for v in node.values)  # an f-string
+
+    literals = []
+    for path in sorted((ROOT / "fsdp_offload_cfg").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                literals.append(" ".join(text(node).split()))
+    return literals
+
+
+def test_the_troubleshooting_pages_messages_are_the_packages_own_words():
+    """docs/troubleshooting.md is found by searching for a message: each `>` line there must still
+    be what the package says, or the page sends users nowhere. The words between two `…` (where a
+    name or a number goes) must stand in one of the package's strings as written."""
+    page = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    quoted = [line[2:] for line in page.splitlines() if line.startswith("> ")]
+    assert len(quoted) >= 15, quoted
+    literals = _package_string_literals()
+    missing = [(line, part) for line in quoted for part in (p.strip() for p in line.split("…"))
+               if len(part) >= 8 and not any(part in literal for literal in literals)]
+    assert not missing, missing
+
+
+def test_the_troubleshooting_pages_references_name_sections_that_exist():
+    """Its "see `docs/x.md`, "Section"" pointers must lead somewhere: a heading of that page, or a
+    paragraph opening in bold, that holds the words."""
+    page = " ".join((ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8").split())
+    references = re.findall(r'`docs/([a-z]+\.md)`, "([^"]+)"', page)
+    assert len(references) >= 6, references
+    dangling = []
+    for name, section in references:
+        lines = (ROOT / "docs" / name).read_text(encoding="utf-8").splitlines()
+        openings = [line for line in lines if line.startswith("#") or line.startswith("**")]
+        if not any(section in line for line in openings):
+            dangling.append((name, section))
+    assert not dangling, dangling
