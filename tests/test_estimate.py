@@ -25,6 +25,7 @@ from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import model_class, read_model
 from fsdp_offload_cfg.estimate.plan import layer_runs
 from fsdp_offload_cfg.estimate.states import shard_numel
+from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.testing.dist import run_workers
 from fsdp_offload_cfg.testing.models import build_all, save_llama, save_llava_anyres
 from fsdp_offload_cfg.testing.real_runs import (
@@ -411,6 +412,27 @@ def test_offload_figures_match_offload_stats(models: dict[str, str], name: str):
     # the device figure adds backward's temporaries to the saves the offload leaves there
     plain_peak = report["activations"]["settings"]["plain"]["device_peak_bytes"]
     assert saves.device_peak_bytes < per_rank["activations_on_device_bytes"] <= plain_peak
+
+
+@pytest.mark.parametrize("name", ["llama", LLAVA])
+def test_what_max_pinned_bytes_leaves_on_the_device_is_what_a_capped_run_leaves(models: dict[str, str], name: str):
+    """Under a pool cap (the examples set 16 GiB) the saves past it stay on the device. The
+    estimate's replay of the cap against a real capped run's own count of what its pool refused
+    (`pool_full_bytes`, each storage once), with the cap at half of what the run would pin: the
+    same bytes stay, the same fill the pool, and the report says the cap binds."""
+    uncapped = estimate(models[name])["per_rank"]["pinned_host_bytes"]
+    cap = uncapped // 2
+    report = estimate_memory(config(activation_cpu_offload={"enabled": True, "mode": "async", "max_pinned_bytes": cap}),
+                             models[name], seq_len=SEQ, batch_size=BATCH, device="cpu")
+    model, batch = real_model(models[name], torch.bfloat16, BATCH, SEQ)
+    stats = offload_counters(model, batch, report["model"]["layer_classes"], ActivationOffloadConfig(max_pinned_bytes=cap))
+    offload = report["activations"]["settings"]["offload"]
+    assert stats["pool_full_bytes"] > 0 and close(offload["capped_bytes"], stats["pool_full_bytes"]), (offload, stats)
+    assert stats["pinned_pool_bytes"] <= cap and close(offload["host_bytes"], stats["pinned_pool_bytes"]), (offload, stats)
+    said = [a for a in report["assumptions"] if a.startswith("max_pinned_bytes")]
+    assert len(said) == 1 and f"({show_size(cap)} per rank)" in said[0] and \
+        f"offload {show_size(offload['capped_bytes'])}" in said[0], said
+    assert not any(a.startswith("max_pinned_bytes") for a in estimate(models[name])["assumptions"])
 
 
 def test_gpu_target_counts_fused_attention_linear_in_sequence_length(models: dict[str, str]):

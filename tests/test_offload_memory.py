@@ -76,6 +76,51 @@ def test_pool_cap_falls_back_to_keeping_on_device() -> None:
         handle.remove()
 
 
+@pytest.mark.parametrize("cap", [0, 64 * 1024])
+def test_a_cap_that_leaves_saves_on_the_device_is_said_when_it_first_happens_and_at_the_end(cap: int) -> None:
+    """`max_pinned_bytes` (the example configs set 16 GiB) keeps the saves past it on the device,
+    as without the offload. It said so nowhere: the closing line read as a full offload, and a run
+    that ran out of device memory because of it never reached that line. Now the handler says it
+    the first time, naming the layer and the cap, once however many steps hit it; the closing line
+    counts what stayed: each storage once a step, as the kept bytes the device holds."""
+    import logging
+
+    from fsdp_offload_cfg.offload.stats import describe_moved
+    from fsdp_offload_cfg.testing.logs import MessageLog
+
+    model = tiny_llama(3)
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="sync", max_pinned_bytes=cap))
+    with MessageLog("fsdp_offload_cfg.offload", logging.WARNING) as said:
+        for seed in range(2):
+            llama_step(model, batch(seed=seed))
+    s = offload_stats()
+    assert s["kept_tensors"]["pool_full"] > 0 and s["pool_full_bytes"] > 0
+    assert len(said) == 1, said
+    cap_shown = "0 B" if cap == 0 else "64.0 KiB"
+    # the first layer alone saves more than 64 KiB here
+    assert f"reached its cap, max_pinned_bytes {cap_shown}, in the forward of layer 1 of 3" in said[0], said
+    assert "Raise max_pinned_bytes" in said[0], said
+    level, line = describe_moved(s)
+    assert level == logging.WARNING and "stayed on the device past the pinned pool's cap (max_pinned_bytes)" in line
+    assert ("moved nothing" in line) is (cap == 0), line
+    handle.remove()
+
+
+def test_an_uncapped_pool_says_nothing_about_a_cap() -> None:
+    import logging
+
+    from fsdp_offload_cfg.offload.stats import describe_moved
+    from fsdp_offload_cfg.testing.logs import MessageLog
+
+    model = tiny_llama(3)
+    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="sync"))
+    with MessageLog("fsdp_offload_cfg.offload", logging.WARNING) as said:
+        llama_step(model, batch())
+    assert said == [] and offload_stats()["pool_full_bytes"] == 0
+    assert describe_moved(offload_stats())[0] == logging.INFO
+    handle.remove()
+
+
 def test_pool_reuses_blocks_and_evicts_idle_ones_under_the_cap() -> None:
     pool = HostPool(pinned=False, max_bytes=4096)
     a = pool.acquire(1000)

@@ -51,6 +51,8 @@ class Residency:
     # recompute in backward holds that and its kept input more); no gradient exists then, unless
     # accumulating
     forward_moments: tuple[int, ...] = ()
+    # of the kept saves, those the offload would have moved but for `max_pinned_bytes`
+    capped_bytes: int = 0
 
 
 def checkpointed_storages(profile: ActivationProfile, checkpointed: Collection[int] | None = None) -> list[SavedStorage]:
@@ -83,7 +85,7 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
     kept = [0] * (n_groups + 1)
     offloaded = [0] * (n_groups + 1)
     on_device: list[set[int]] = [set() for _ in range(n_groups + 1)]  # keys of the kept saves, by group
-    pool = 0
+    pool = capped = 0
     if offloaded_groups is None:
         offloaded_groups = () if offload is None else range(n_groups if offload.offload_last_group else n_groups - 1)
     on = set(offloaded_groups)
@@ -97,6 +99,7 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
         else:
             kept[s.group] += s.nbytes
             on_device[s.group].add(s.key)
+            capped += s.nbytes if offloadable else 0
     window = 1 + (offload.prefetch_groups if offload is not None and async_reload else 0)
     recompute = recompute or [0] * n_groups
     forward = _forward_moments(kept, offloaded, on_device, recompute, forward_peak, entry,
@@ -110,7 +113,7 @@ def residency(storages: list[SavedStorage], n_groups: int, offload: ActivationOf
         moments.append((sum(kept[: i + 1]) + reloaded + max(recompute[i] + extra[i], recompute_peak[i]),
                         n_groups - 1 - i))
     peak = max([now for now, _ in moments] + forward)
-    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, tuple(moments), tuple(forward))
+    return Residency(sum(kept) + sum(offloaded), sum(kept), peak, pool, tuple(moments), tuple(forward), capped)
 
 
 def _forward_moments(kept: list[int], offloaded: list[int], on_device: list[set[int]], recompute: list[int],

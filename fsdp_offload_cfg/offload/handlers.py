@@ -29,10 +29,14 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fsdp_offload_cfg._logging import get_logger
+from fsdp_offload_cfg._sizes import show_size
 from fsdp_offload_cfg.offload.collisions import refuse_other_offloader
 from fsdp_offload_cfg.offload.filter import ParamStorages, keep_reason
 from fsdp_offload_cfg.offload.pool import HostBlock, HostPool
 from fsdp_offload_cfg.offload.stats import COUNTS, KEPT, RESIDENT
+
+logger = get_logger("fsdp_offload_cfg.offload")
 
 # kept tensors that are activations on the compute device (counted as resident)
 _RESIDENT_REASONS = frozenset({"small", "non_float", "last_group", "outside_groups", "pool_full", "planned_kept"})
@@ -189,6 +193,9 @@ class OffloadHandler:
         # the offload wraps was replaced or gone around, so nothing of that layer moves); set by
         # `api`, which can say by what, for as long as the handler lives
         self.on_layer_outside_pass: Callable[[nn.Module], None] | None = None
+        # whether this handler said that the pool's cap left saves on the device: once, at the
+        # first, since a run that then runs out of device memory never reaches the closing line
+        self._said_pool_full = False
         # the saved-tensor hooks as autograd gets them, kept from dynamo. Autograd calls them from
         # C++, and under a torch.nn module compiled in place (accelerate's regional compilation
         # compiles embed_tokens and lm_head so) dynamo skips the module's own frames, as torch's,
@@ -259,7 +266,9 @@ class OffloadHandler:
                       else "last_group" if frame.index < self.n_groups else "outside_groups")
         entry = self._entry_for(t, p) if reason is None else None
         if entry is None:
-            reason = reason or "pool_full"
+            if reason is None:
+                reason = "pool_full"
+                self._past_the_cap(t, p)
             KEPT[reason] += 1
             return _KeptHandle(t.detach(), self._count_kept(t, p) if reason in _RESIDENT_REASONS else None, frame)
         entry.handles += 1
@@ -284,6 +293,23 @@ class OffloadHandler:
             entry.device_buf = None
             RESIDENT.sub(entry.nbytes)
         return out
+
+    def _past_the_cap(self, t: torch.Tensor, p: _Pass) -> None:
+        """A save the pool's cap (`max_pinned_bytes`) leaves on the device: its storage counted
+        once a pass (`pool_full_bytes`), and said when it first happens, with the layer and the cap:
+        the user turned the offload on for that memory, and `estimate` counts the cap the same way."""
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in p.kept:
+            COUNTS["pool_full_bytes"] += storage.nbytes()
+        if self._said_pool_full:
+            return
+        self._said_pool_full = True
+        logger.warning(
+            "activation offload: the pinned host pool reached its cap, max_pinned_bytes %s, in the forward of layer "
+            "%d of %d: saves past it stay on the device, as without the offload (the run's closing line says how "
+            "much). Raise max_pinned_bytes where the host has room (each rank pins a pool of its own), or set "
+            "activation_memory_budget, whose plan counts the cap; `fsdp-offload-cfg estimate` shows both",
+            show_size(self.pool.max_bytes or 0), p.current.index + 1, self.n_groups)
 
     # ---- storage bookkeeping ----
     def _count_kept(self, t: torch.Tensor, p: _Pass) -> _Kept:

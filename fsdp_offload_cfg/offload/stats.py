@@ -68,6 +68,7 @@ def offload_stats() -> dict[str, Any]:
         "pinned_pool_bytes": POOL.current,
         "pinned_pool_peak_bytes": POOL.peak,
         "kept_tensors": dict(KEPT),
+        "pool_full_bytes": COUNTS["pool_full_bytes"],  # kept on the device by max_pinned_bytes (each storage once a pass)
     }
 
 
@@ -75,21 +76,28 @@ def describe_moved(stats: dict[str, Any]) -> tuple[int, str] | None:
     """The end-of-run line about what the offload did (a logging level and the message), or None
     when it never ran. Moving nothing while it was on is worth a warning: the user turned it on for
     memory it is not saving (seen under ms-swift, whose default gradient checkpointing leaves the
-    layers nothing to move). Layers it was never to move (the last one, those an
-    activation_memory_budget plan keeps or only checkpoints) are no such surprise: a plan that
-    offloads no layer runs it without a word beyond the plan's own line."""
+    layers nothing to move). So is a pool cap (`max_pinned_bytes`) that left saves on the device:
+    the examples set one, and a run that then runs short of device memory should say why. Layers it
+    was never to move (the last one, those an activation_memory_budget plan keeps or only
+    checkpoints) are no such surprise: a plan that offloads no layer runs it without a word beyond
+    the plan's own line."""
     import logging
 
     from fsdp_offload_cfg._logging import counted
     from fsdp_offload_cfg._sizes import show_size
 
+    past_cap = stats["kept_tensors"].get("pool_full", 0)
+    cap = (f"{show_size(stats['pool_full_bytes'])} ({counted(past_cap, 'tensor')}) stayed on the device past the "
+           "pinned pool's cap (max_pinned_bytes)")
     if stats["offloaded_bytes"]:
-        return logging.INFO, (
-            f"activation offload moved {show_size(stats['offloaded_bytes'])} to the host "
-            f"({counted(stats['offloaded_tensors'], 'tensor')}) and {show_size(stats['reloaded_bytes'])} back; pinned host "
-            f"pool peaked at {show_size(stats['pinned_pool_peak_bytes'])}")
+        moved = (f"activation offload moved {show_size(stats['offloaded_bytes'])} to the host "
+                 f"({counted(stats['offloaded_tensors'], 'tensor')}) and {show_size(stats['reloaded_bytes'])} back; "
+                 f"pinned host pool peaked at {show_size(stats['pinned_pool_peak_bytes'])}")
+        return (logging.WARNING, f"{moved}; {cap}") if past_cap else (logging.INFO, moved)
     if not stats["groups_to_offload_entered"]:
         return None
+    if past_cap:
+        return logging.WARNING, f"activation offload moved nothing: {cap}, which lets nothing in"
     kept = ", ".join(f"{reason} {n}" for reason, n in sorted(stats["kept_tensors"].items())) or "none saved"
     return logging.WARNING, (
         f"activation offload was on for {stats['groups_entered']} layer forwards but moved nothing (tensors kept: "

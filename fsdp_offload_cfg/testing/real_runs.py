@@ -9,6 +9,7 @@ hooks, the offload's own counters, rank 0's local storages after `fully_shard` a
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 from collections.abc import Iterable
 from typing import Any
@@ -164,13 +165,16 @@ def checkpoint_every_group(model: nn.Module, layers: list[str]) -> None:
         setattr(model.get_submodule(parent), child, checkpoint_wrapper(group))
 
 
-def offload_counters(model: nn.Module, batch: dict[str, Any], layers: list[str]) -> dict[str, Any]:
-    """`offload_stats()` after one forward and backward with the async handler (CPU proxy); the
+def offload_counters(model: nn.Module, batch: dict[str, Any], layers: list[str],
+                     offload: ActivationOffloadConfig | None = None) -> dict[str, Any]:
+    """`offload_stats()` after one forward and backward with the async handler (CPU proxy;
+    `offload`'s other knobs, if given); the
     pinned pool's bytes are this run's own (the gauge counts every live pool in the process, and an
     earlier test may leave one alive: the figure then depended on which tests ran before); the
     resident peak starts from a settled process (`settle_offload_stats`)."""
     before = offload_stats()["pinned_pool_bytes"]
-    handle = enable_activation_offload(model, ActivationOffloadConfig(enabled=True, mode="async"), layer_classes=layers)
+    offload = dataclasses.replace(offload or ActivationOffloadConfig(), enabled=True, mode="async")
+    handle = enable_activation_offload(model, offload, layer_classes=layers)
     try:
         settle_offload_stats()
         model(**batch).loss.backward()
