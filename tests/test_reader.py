@@ -65,6 +65,23 @@ def test_a_tag_yaml_cannot_construct_is_exit_2(tmp_path: Path, capsys: pytest.Ca
     assert code == 2 and lines[0].startswith(f"{bad}: cannot read or parse the file"), lines
 
 
+@pytest.mark.parametrize(("text", "said"), [
+    ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_version: 1\n",
+     "duplicate key 'fsdp_version'; keep one (line 4, column 3)"),
+    ("distributed_type: FSDP\nfsdp_config:\n\tfsdp_version: 2\n",
+     "while scanning for the next token: found character '\\t' that cannot start any token (line 3, column 1)"),
+    ("fsdp_config:\n  fsdp_version: 2\n   load_strategy: auto\n", "mapping values are not allowed here (line 3, column 17)"),
+])
+def test_a_yaml_slip_is_said_by_line_and_column_of_the_file(text: str, said: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]):
+    """The parser's own text named the parsed string (`in "<unicode string>"`) rather than the
+    file, and its quote of the line with a caret under it came out run together on one line."""
+    bad = tmp_path / "fsdp2.yaml"
+    bad.write_text(text)
+    code, lines = _validate(bad, capsys)
+    assert code == 2 and lines == [f"{bad}: cannot read or parse the file: {said}"], lines
+
+
 @pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 100, 5000])
 @pytest.mark.parametrize("style", ["flow", "block"])
 def test_deep_nesting_is_refused_before_the_parser_recurses(depth: int, style: str, tmp_path: Path,

@@ -173,4 +173,11 @@ def _where_relative(path: str, exc: BaseException) -> str:
 
 
 def _reason(exc: BaseException) -> str:
+    """One line saying what is wrong. A YAML error says where by line and column of the user's
+    file: its own text names the parsed string (`in "<unicode string>"`) and quotes the line with
+    a caret under it, which a one-line message turns into noise."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        what = ": ".join(" ".join(part.split()) for part in (exc.context, exc.problem) if part)
+        mark = exc.problem_mark or exc.context_mark
+        return what + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else "")
     return " ".join(str(exc).split()) or type(exc).__name__
