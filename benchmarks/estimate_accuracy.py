@@ -17,6 +17,8 @@ For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two se
                   `offload_stats()` peak resident bytes and pool bytes against the estimate's
                   replay of the saves alone (the counters see saved tensors, not backward's
                   working set, which `activations_on_device_bytes` adds) and `pinned_host_bytes`;
+                  and under a pool cap (`max_pinned_bytes` at half that pool) what the run's pool
+                  refused and kept on the device (`pool_full_bytes`) against `capped_bytes`;
   params/grads/optimizer
                   2 gloo ranks, `fully_shard` per layer and root with bf16 mixed precision over
                   fp32 weights, one AdamW step: rank 0's local storages of parameters, gradients
@@ -76,8 +78,10 @@ def estimate(model_dir: str, seq_len: int, **fsdp: object) -> dict:
 # ------------------------------------------------------------------------------ real runs
 
 
-def measured_activations(model_dir: str, seq_len: int, layers: list[str]) -> dict[str, int]:
-    """Saved bytes plain and checkpointed, and the offload's counters, on the real model (bf16)."""
+def measured_activations(model_dir: str, seq_len: int, layers: list[str], cap: int) -> dict[str, int]:
+    """Saved bytes plain and checkpointed, and the offload's counters, uncapped and with the pool
+    capped at `cap` bytes, on the real model (bf16)."""
+    from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
     from fsdp_offload_cfg.testing.real_runs import (
         cache_bytes,
         checkpoint_every_group,
@@ -89,9 +93,11 @@ def measured_activations(model_dir: str, seq_len: int, layers: list[str]) -> dic
     model, batch = real_model(model_dir, torch.bfloat16, BATCH, seq_len)
     plain = saved_bytes(model, batch)
     stats = offload_counters(model, batch, layers)
+    capped = offload_counters(model, batch, layers, ActivationOffloadConfig(max_pinned_bytes=cap))
     checkpoint_every_group(model, layers)
     return {"activations": plain, "checkpointed": saved_bytes(model, batch) + cache_bytes(model, batch),
-            "offload_on_device": stats["peak_resident_bytes"], "pool": stats["pinned_pool_bytes"]}
+            "offload_on_device": stats["peak_resident_bytes"], "pool": stats["pinned_pool_bytes"],
+            "past_the_cap": capped["pool_full_bytes"]}
 
 
 def measured_states(model_dir: str, layers: list[str]) -> dict[str, int]:
@@ -121,8 +127,11 @@ def model_rows(name: str, model_dir: str, seq_lens: list[int]) -> list[str]:
     for seq in seq_lens:
         report = estimate(model_dir, seq)
         layers = report["model"]["layer_classes"]
-        real = measured_activations(model_dir, seq, layers)
         per, acts = report["per_rank"], report["activations"]["settings"]
+        cap = per["pinned_host_bytes"] // 2
+        capped = estimate(model_dir, seq, activation_cpu_offload={"enabled": True, "mode": "async",
+                                                                  "max_pinned_bytes": cap})
+        real = measured_activations(model_dir, seq, layers, cap)
         saves = estimated_saves_only(model_dir, report, bench_config().activation_cpu_offload)["offload"]
         rows += [
             row(name, seq, "activations_bytes", per["activations_bytes"], real["activations"], 0.10),
@@ -130,6 +139,8 @@ def model_rows(name: str, model_dir: str, seq_lens: list[int]) -> list[str]:
             row(name, seq, "on the device, saves only (offload)", saves.device_peak_bytes,
                 real["offload_on_device"], 0.10),
             row(name, seq, "pinned_host_bytes", per["pinned_host_bytes"], real["pool"], 0.10),
+            row(name, seq, "capped_bytes (offload, pool capped at half)",
+                capped["activations"]["settings"]["offload"]["capped_bytes"], real["past_the_cap"], 0.10),
         ]
     states = measured_states(model_dir, layers)
     for figure in ("params", "grads", "optimizer"):

@@ -537,8 +537,7 @@ def _head_advice(profile: ActivationProfile, by_setting: dict[str, Residency], t
 def _cap_said(cap: int | None, by_setting: dict[str, Residency]) -> list[str]:
     """A line when `max_pinned_bytes` keeps saves on the device that the offload would move:
     the examples set a cap, and an offload row that saves less than expected reads as the
-    offload's failing otherwise (a Llama-3-8B at 8192 tokens under the examples' 16 GiB: 31.5 of
-    its 53.2 GiB of saves stay). Per setting that offloads, what stays past the cap."""
+    offload's failing otherwise. Per setting that offloads, what stays past the cap."""
     capped = {name: r.capped_bytes for name, r in by_setting.items() if r.capped_bytes}
     if not capped:
         return []
