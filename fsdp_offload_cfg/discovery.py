@@ -16,6 +16,8 @@ the file was found. A log line names an override only where the user typed the f
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,16 +358,39 @@ def discover_config(
         return env_cfg, "accelerate's FSDP_* environment variables"
     cfg = load_config({}, overrides or None) if overrides else FSDPOffloadConfig(source="<none found>")
     return cfg, ("no config found yet (nothing to patch for FSDP until TrainingArguments(fsdp=..., fsdp_config=...) "
-                 "brings one)" + _how_a_launch_names_a_file(environ if environ is not None else os.environ))
+                 "brings one)" + _how_a_launch_names_a_file(environ if environ is not None else os.environ, launch))
 
 
-def _how_a_launch_names_a_file(environ: Mapping[str, str]) -> str:
-    """torchrun reads no config file, so a script whose FSDP settings are only in one gets none of
-    them: stock `Accelerator()` then runs plain DDP on GPUs, and on a machine without one every
-    process alone. The one line the user gets says how the file reaches the ranks."""
+def _how_a_launch_names_a_file(environ: Mapping[str, str], launch: AccelerateLaunch | None) -> str:
+    """How a config file would have reached this process, said where none did; the one line the
+    user gets at `patch()`. Three starts name none:
+    - a launcher of accelerate's (`accelerate launch`, `trl VERB`) given no file, with no default
+      file written by `accelerate config`: it runs its defaults, no FSDP;
+    - torchrun, which reads no config file: stock `Accelerator()` then runs plain DDP on GPUs, and
+      on a machine without one every process alone;
+    - plain `python train.py`: one process, no FSDP (accelerate reads a file only in its launch).
+    """
+    if launch is not None:
+        return ("; the launcher that started this process named no accelerate config file and found no default "
+                "one: name it, `accelerate launch --config_file fsdp2.yaml ...` (`trl VERB --accelerate_config "
+                "fsdp2.yaml ...`)")
     world_size = environ.get("WORLD_SIZE", "")
-    if not world_size.isdigit() or int(world_size) < 2:
+    if world_size.isdigit() and int(world_size) >= 2:
+        return (f"; this is one of {world_size} launched processes: a config file reaches every rank as "
+                f"${ENV_CONFIG_PATH}=PATH on the launch command, or as patch(PATH)")
+    if "WORLD_SIZE" in environ or "LOCAL_RANK" in environ:  # a launcher's single worker
         return ""
-    return (f"; this is one of {world_size} launched processes: a config file reaches every rank as "
-            f"${ENV_CONFIG_PATH}=PATH on the launch command, or as patch(PATH)")
+    return ("; this process was started without a launcher (one process, no FSDP): to train with a config "
+            "file's fsdp_config, start it as `accelerate launch --config_file fsdp2.yaml "
+            f"{this_script_command()}`")
+
+
+def this_script_command() -> str:
+    """This process's script and arguments as typed (`examples/train.py --lr 1e-4`), for a command
+    to copy; `train.py` where there is no script file (`python -c`, a notebook kernel's launcher is
+    one, but its arguments are the kernel's)."""
+    script = sys.argv[0] if sys.argv else ""
+    if not os.path.isfile(script) or "ipykernel" in os.path.basename(script):
+        return "train.py"
+    return shlex.join(sys.argv)
 

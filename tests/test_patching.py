@@ -415,11 +415,39 @@ def test_no_config_under_a_launch_of_several_processes_says_how_to_name_the_file
     """`torchrun --nproc_per_node 2 train.py` with the file forgotten: stock `Accelerator()` on a
     machine without a GPU ran each rank as a job of its own, and the example crashed on a
     checkpoint another rank was still writing; the one line said only "no config found yet"."""
-    environ = {"WORLD_SIZE": world_size} if world_size else {}
+    environ = {"WORLD_SIZE": world_size, "LOCAL_RANK": "0"} if world_size else {}
     cfg, source = discover_config(None, {}, environ=environ, launch=None)
     assert source.startswith("no config found yet") and not integrations.fsdp_requested(cfg)
     hint = "this is one of 2 launched processes: a config file reaches every rank as $FSDP_OFFLOAD_CFG=PATH"
     assert (hint in source) is (world_size == "2"), source
+
+
+def test_no_config_in_a_process_no_launcher_started_says_how_to_launch_it(monkeypatch: Any, tmp_path: Path):
+    """Plain `python train.py` with the file forgotten runs one process without FSDP, and the
+    one line said only "no config found yet": now it gives the launch command, with the script
+    as typed. A launcher's single worker (torchrun --nproc_per_node 1) gets no such line."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    monkeypatch.setattr("sys.argv", [str(script), "--lr", "1e-4"])
+    cfg, source = discover_config(None, {}, environ={}, launch=None)
+    assert source.startswith("no config found yet") and not integrations.fsdp_requested(cfg)
+    assert source.endswith("; this process was started without a launcher (one process, no FSDP): to train with a "
+                           "config file's fsdp_config, start it as `accelerate launch --config_file fsdp2.yaml "
+                           f"{script} --lr 1e-4`"), source
+    _, worker = discover_config(None, {}, environ={"WORLD_SIZE": "1", "LOCAL_RANK": "0"}, launch=None)
+    assert "launcher" not in worker and "accelerate launch" not in worker, worker
+
+
+def test_no_config_under_an_accelerate_launch_without_a_file_says_to_name_one():
+    """`accelerate launch train.py` with no --config_file and no default file written by
+    `accelerate config` runs accelerate's defaults (no FSDP); the line said only "no config
+    found yet"."""
+    launch = AccelerateLaunch(None, frozenset())
+    cfg, source = discover_config(None, {}, environ={"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, launch=launch)
+    assert source.startswith("no config found yet") and not integrations.fsdp_requested(cfg)
+    assert "named no accelerate config file and found no default one: name it, `accelerate launch " \
+           "--config_file fsdp2.yaml ...`" in source, source
+    assert "one of 2 launched processes" not in source, source
 
 
 # ---- precedence: patch() keywords > launch command line > file, wherever the file was named ----
@@ -678,14 +706,14 @@ def test_the_command_to_copy_names_a_script_where_the_process_has_none(kernel: b
     """`python -c` has no script, and a notebook kernel's launcher (a file that exists) takes the
     kernel's arguments: neither is what `accelerate launch` should run, so the command names
     `train.py` for the user's script."""
-    from fsdp_offload_cfg.integrations.accelerate import _this_script
+    from fsdp_offload_cfg.discovery import this_script_command
 
     argv = ["-c"]
     if kernel:
         argv = [str(tmp_path / "ipykernel_launcher.py"), "-f", "kernel.json"]
         Path(argv[0]).write_text("")
     monkeypatch.setattr("sys.argv", argv)
-    assert _this_script() == "train.py"
+    assert this_script_command() == "train.py"
 
 
 def test_trainer_config_errors_name_the_training_arguments(single_process: dict, tmp_path: Any):

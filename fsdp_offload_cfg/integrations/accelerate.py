@@ -10,7 +10,6 @@ import inspect
 import os
 import re
 import shlex
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +21,7 @@ from fsdp_offload_cfg._logging import is_rank0
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.compat.ignored_modules import ignored_modules_sharded_anyway
 from fsdp_offload_cfg.config import FSDPOffloadConfig
+from fsdp_offload_cfg.discovery import this_script_command
 from fsdp_offload_cfg.integrations.common import (
     built_by_loader,
     cpu_fsdp_needed,
@@ -290,22 +290,12 @@ def _say_fsdp_is_not_running(accelerator: Any, cfg: FSDPOffloadConfig) -> None:
     if not LaunchContext.from_environ().distributed:
         file = f"--config_file {shlex.quote(cfg.source)} " if os.path.isfile(cfg.source) else ""
         started = (f": this process was started without a launcher, and accelerate reads a config file only in "
-                   f"`accelerate launch`; start it as `accelerate launch {file}{_this_script()}` (--num_processes 1 "
+                   f"`accelerate launch`; start it as `accelerate launch {file}{this_script_command()}` (--num_processes 1 "
                    "for one process), or under torchrun")
     logger.warning("%s asks for FSDP%d, but the Accelerator preparing the model runs without it (distributed_type "
                    "%s, %d process%s), so nothing of its fsdp_config applies: no sharding, meta loading, activation "
                    "offload or budget%s", cfg.source, cfg.version, accelerator.distributed_type.value,
                    accelerator.num_processes, "" if accelerator.num_processes == 1 else "es", started)
-
-
-def _this_script() -> str:
-    """This process's script and arguments as typed (`examples/train.py --lr 1e-4`), for a command
-    to copy; `train.py` where there is no script file (`python -c`, a notebook kernel's launcher is
-    one, but its arguments are the kernel's)."""
-    script = sys.argv[0] if sys.argv else ""
-    if not os.path.isfile(script) or "ipykernel" in os.path.basename(script):
-        return "train.py"
-    return shlex.join(sys.argv)
 
 
 def _model_alone(accelerator: Any, args: tuple[Any, ...]) -> bool:
