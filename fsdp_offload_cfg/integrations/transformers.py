@@ -42,7 +42,9 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
         if kwargs.get("tp_plan") is not None:
             return _tensor_parallel_read(original, cls, *args, **kwargs)
         from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
+        from fsdp_offload_cfg.loading.quantized import refuse_quantized
 
+        refuse_quantized(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
         ensure_process_group()
         load = {"sharded": sharded_from_pretrained, "broadcast": rank0_from_pretrained}.get(
             cfg.load_strategy, auto_from_pretrained)

@@ -62,6 +62,7 @@ from fsdp_offload_cfg.loading.guard import guard_until_prepared
 from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT, transformers_fsdp_gate_off
 from fsdp_offload_cfg.loading.mailbox import Rank0Mailbox
 from fsdp_offload_cfg.loading.pairing import LoadCall, load_call
+from fsdp_offload_cfg.loading.quantized import refusal
 from fsdp_offload_cfg.loading.spec import ModelSpec, describe, mismatch, rebuild_on_meta
 from fsdp_offload_cfg.ranks import attempt, describe_error, distributed_ready, remember_failed_step
 
@@ -338,8 +339,8 @@ def _continue_rng(built: _Rank0Built, before: torch.Tensor) -> None:
 
 def _summarize(result: Any, rng_before: torch.Tensor) -> _Rank0Built:
     model, loading_info = result if isinstance(result, tuple) else (result, None)
-    if getattr(model, "hf_quantizer", None) is not None:
-        raise NotImplementedError("quantized models are not supported by the rank-0 meta loader; turn it off")
+    if getattr(model, "hf_quantizer", None) is not None:  # not seen before the load (`quantized.py`)
+        raise NotImplementedError(refusal(type(model).__name__, f"quantizer {type(model.hf_quantizer).__name__}"))
     return _Rank0Built(
         config=model.config,
         spec=describe(model),

@@ -1,0 +1,84 @@
+"""A quantized model under meta loading: refused before any rank reads, with the fix.
+
+The loader builds each rank's model on `meta` and fills its shards at prepare from the
+checkpoint's tensors. A quantized model's weights are not the checkpoint's tensors: transformers
+makes them while it loads (bitsandbytes' 4-bit `Params4bit` with its quant state, torchao's
+tensor subclasses, a GPTQ or FP8 layer's packed weights and scales), so no rank can build them
+on meta and fill them later. Before this check, rank 0 loaded the whole model, quantizing every
+layer (minutes for a 70B), and only then refused with "turn it off", naming no key.
+
+Every rank decides from its own arguments and the checkpoint's config.json, the same on every
+rank, so all refuse alike, before any collective and before any weight is read. Where the
+config cannot be read here, the load itself goes on and `refusal` is said after rank 0's load
+(`meta._summarize`), as before but in these words.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from fsdp_offload_cfg import registry
+
+# `from_pretrained` keywords that say where config.json is, passed on to read it as the load would
+_CONFIG_LOOKUP = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+
+
+def refuse_quantized(source: Any, kwargs: Mapping[str, Any]) -> None:
+    """Raise `NotImplementedError` where `from_pretrained(source, **kwargs)` loads a quantized model."""
+    how = quantization_of(source, kwargs)
+    if how is not None:
+        raise NotImplementedError(refusal(source, how))
+
+
+def quantization_of(source: Any, kwargs: Mapping[str, Any]) -> str | None:
+    """How the call quantizes, in words (`quantization_config=BitsAndBytesConfig (bitsandbytes)`,
+    `the model config's quantization_config (fp8)`); None where it does not, or where config.json
+    cannot be read here (the load then reads it and says so itself)."""
+    given = kwargs.get("quantization_config")
+    if given is not None:
+        named = "" if isinstance(given, Mapping) else f"={type(given).__name__}"
+        return f"quantization_config{named} ({_method(given)})"
+    config = kwargs.get("config")
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        stored = getattr(config, "quantization_config", None)
+    else:
+        stored = _stored_quantization(config if config is not None else source, kwargs)
+    return None if stored is None else f"the model config's quantization_config ({_method(stored)})"
+
+
+def refusal(source: Any, how: str) -> str:
+    """The message: what cannot be done, why, and the setting that runs the model as without the
+    plugin, in the file the config came from."""
+    session = registry.active()
+    where = ""
+    if session is not None:
+        file = session.config.source
+        where = f" in {file}" if os.path.isfile(file) else f" (the config came from {session.source})"
+    return (f"{source} loads quantized ({how}), which meta loading cannot build: each rank's model is built on meta "
+            "and its shards filled at prepare from the checkpoint's tensors, while a quantized model's weights are "
+            f"made by transformers as it loads. For this run set fsdp_cpu_ram_efficient_loading: false{where}: every "
+            "rank then loads the model as transformers does, and accelerate's prepare shards it as without the plugin.")
+
+
+def _method(quantization: Any) -> str:
+    """The quantization's method (`bitsandbytes`, `fp8`, `gptq`), from a config object or its dict."""
+    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else \
+        getattr(quantization, "quant_method", None)
+    return str(getattr(method, "value", method) or "method not named")
+
+
+def _stored_quantization(source: Any, kwargs: Mapping[str, Any]) -> Any:
+    """config.json's `quantization_config` (a pre-quantized checkpoint quantizes without being
+    asked), read as the load will read it; None where it has none or cannot be read."""
+    if source is None:
+        return None
+    from transformers import PretrainedConfig
+
+    lookup = {key: kwargs[key] for key in _CONFIG_LOOKUP if key in kwargs}
+    try:
+        config, _ = PretrainedConfig.get_config_dict(source, **lookup)
+    except Exception:  # noqa: BLE001 - not found, offline, not a model: the load says it in its own words
+        return None
+    return config.get("quantization_config")
