@@ -7,6 +7,7 @@ behaviour would change (restored storage identity, exact strides, counters, grad
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import types
 import warnings
@@ -25,6 +26,7 @@ from fsdp_offload_cfg.offload import enable_activation_offload, get_offload_hand
 from fsdp_offload_cfg.offload.filter import keep_reason
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+from fsdp_offload_cfg.testing.logs import MessageLog
 from fsdp_offload_cfg.testing.offload_models import (
     Block,
     Net,
@@ -43,16 +45,23 @@ OUTSIDE = "ran a training forward outside the offload"
 
 
 @pytest.fixture(autouse=True)
-def _fresh() -> Iterator[None]:
+def _fresh() -> Iterator[MessageLog]:
     """Fresh counters; and no test here, however it runs the model (checkpointed, compiled, under
     no_grad, recomputing), meets the warning about a layer run outside the offload: every forward
-    of these tests is the model's own. Tests that expect it catch it themselves."""
+    of these tests is the model's own. Tests that expect it take it out of this log
+    (`_outside_said`)."""
     Probe.sink.clear()
     settle_offload_stats()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    assert not [w for w in caught if OUTSIDE in str(w.message)]
+    with MessageLog("fsdp_offload_cfg.offload", logging.WARNING) as said:
+        yield said
+    assert not [line for line in said if OUTSIDE in line]
+
+
+def _outside_said(log: MessageLog) -> list[str]:
+    """The warnings about a layer run outside the offload, taken out of `_fresh`'s log."""
+    said = [line for line in log if OUTSIDE in line]
+    log[:] = [line for line in log if OUTSIDE not in line]
+    return said
 
 
 def _run_net(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -476,7 +485,8 @@ def _forward_of_the_class(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 @pytest.mark.parametrize("how", ["forward_replaced", "submodule_called"])
-def test_a_layer_run_outside_the_offload_is_said_once_and_names_what_replaced_the_forward(how: str) -> None:
+def test_a_layer_run_outside_the_offload_is_said_once_and_names_what_replaced_the_forward(
+        how: str, _fresh: MessageLog) -> None:
     """The offload wraps the model's forward; a forward put on the model afterwards, or a trainer
     calling the decoder directly, runs every layer outside it, and nothing moves. Before, nothing
     said so (found under TRL's distillation, whose redirection swapped the forward): the run looked
@@ -488,16 +498,14 @@ def test_a_layer_run_outside_the_offload_is_said_once_and_names_what_replaced_th
     enable_activation_offload(model, ON)
     if how == "forward_replaced":
         model.forward = types.MethodType(_forward_of_the_class, model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            if how == "forward_replaced":
-                llama_step(model, ids)
-                llama_step(ref, ids)
-            else:
-                model.model(input_ids=ids).last_hidden_state.sum().backward()
-                ref.model(input_ids=ids).last_hidden_state.sum().backward()
-    said = [str(w.message) for w in caught if OUTSIDE in str(w.message)]
+    for _ in range(2):
+        if how == "forward_replaced":
+            llama_step(model, ids)
+            llama_step(ref, ids)
+        else:
+            model.model(input_ids=ids).last_hidden_state.sum().backward()
+            ref.model(input_ids=ids).last_hidden_state.sum().backward()
+    said = _outside_said(_fresh)  # the package's log, with its rank: a Python warning named none
     assert len(said) == 1, said
     assert said[0].startswith("activation offload: LlamaDecoderLayer of LlamaForCausalLM ran"), said[0]
     if how == "forward_replaced":
@@ -509,7 +517,7 @@ def test_a_layer_run_outside_the_offload_is_said_once_and_names_what_replaced_th
 
 
 def test_the_layer_outside_the_offload_is_named_as_its_user_knows_it_under_fsdp2_and_checkpointing(
-        tmp_path: Any) -> None:
+        tmp_path: Any, _fresh: MessageLog) -> None:
     """Under FSDP2 (one gloo rank here) with checkpoint-wrapped layers, as accelerate prepares
     them, and a forward put on the model afterwards, the classes are FSDP2's `FSDP<class>` subclasses and the wrapper: the warning names the
     model's own classes (it read "FSDPCheckpointWrapper of FSDPLlamaForCausalLM")."""
@@ -526,12 +534,10 @@ def test_the_layer_outside_the_offload_is_named_as_its_user_knows_it_under_fsdp2
         fully_shard(model, mesh=mesh)
         enable_activation_offload(model, ON)
         model.forward = types.MethodType(_forward_of_the_class, model)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            llama_step(model, batch())
+        llama_step(model, batch())
     finally:
         dist.destroy_process_group()
-    said = [str(w.message) for w in caught if OUTSIDE in str(w.message)]
+    said = _outside_said(_fresh)
     assert len(said) == 1 and said[0].startswith("activation offload: LlamaDecoderLayer of LlamaForCausalLM ran"), said
 
 

@@ -216,13 +216,14 @@ def test_a_rank_passing_inputs_embeds_runs_the_tower_before_its_forward() -> Non
 def _embeds_offload_worker(rank: int, world_size: int) -> dict[str, Any]:
     """As `_embeds_worker`, with the activation offload on the VLM (its root) and the tower a group of
     it: the stand-in runs in the forward's pre-hook, before the forward the offload wraps."""
-    import warnings
+    import logging
 
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_offload_cfg import vision_sync
     from fsdp_offload_cfg.offload import enable_activation_offload, offload_stats
     from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
+    from fsdp_offload_cfg.testing.logs import MessageLog
 
     torch.manual_seed(0)
     model = _TinyVLMWithFeatures()
@@ -233,12 +234,11 @@ def _embeds_offload_worker(rank: int, world_size: int) -> dict[str, Any]:
                                                                       offload_last_group=True), groups=[model.vision])
     embeds = torch.nn.Embedding(10, 8)
     pixels = {"pixel_values": torch.ones(1, 4)} if rank == 0 else {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with MessageLog("fsdp_offload_cfg.offload", logging.WARNING) as said:
         model(inputs_embeds=embeds(torch.tensor([[1, 2, 3]])), **pixels).backward()
     handle.remove()
     vision_sync.remove(model)
-    return {"offloaded": offload_stats()["offloaded_bytes"], "warnings": [str(w.message) for w in caught]}
+    return {"offloaded": offload_stats()["offloaded_bytes"], "warnings": list(said)}
 
 
 def test_a_rank_passing_inputs_embeds_runs_the_stand_in_tower_inside_the_offload() -> None:

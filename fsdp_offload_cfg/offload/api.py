@@ -18,11 +18,14 @@ import torch
 from torch import nn
 
 from fsdp_offload_cfg import model_state
+from fsdp_offload_cfg._logging import get_logger
 from fsdp_offload_cfg._signatures import qualified_name
 from fsdp_offload_cfg.offload.groups import GroupHooks, LayerClasses, find_units, lift_to_boundaries, own_class
 from fsdp_offload_cfg.offload.handlers import AsyncHandler, OffloadHandler
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.offload.pool import HostPool
+
+logger = get_logger("fsdp_offload_cfg.offload")
 
 
 class OffloadHandle:
@@ -78,8 +81,10 @@ class OffloadHandle:
     def _layer_outside_pass(self, layer: nn.Module) -> None:
         """A layer recorded a forward for backward outside the forward installed here: nothing of it
         moves, and the run would look offloaded while it is not (TRL's distillation trainers swap
-        the model's forward so, until `trl-forward-redirection`). Said once, with the culprit where
-        it can be named: a forward put on the model since the offload wrapped it."""
+        the model's forward so, until `trl-forward-redirection`). Said once per model on each rank,
+        as the package's other run-time lines are (its rank named; a Python warning named none, and
+        `-W error` would have ended the run), with the culprit where it can be named: a forward put
+        on the model since the offload wrapped it."""
         if self._said_outside_pass:
             return
         self._said_outside_pass = True
@@ -92,12 +97,10 @@ class OffloadHandle:
             how = ("the layers were called without the forward the offload installed (a trainer calling a submodule "
                    "such as model.model(...) directly, or swapping the model's forward for the length of a call)")
             fix = "Call the model itself"
-        warnings.warn(
-            f"activation offload: {own_class(layer).__name__} of {own_class(self.model).__name__} ran a training forward "
-            f"outside the offload: {how}. Its activations stay on the device. {fix}; where a framework does this, "
-            "please report it to fsdp_offload_cfg.",
-            stacklevel=2,
-        )
+        logger.warning(
+            "activation offload: %s of %s ran a training forward outside the offload: %s. Its activations stay on the "
+            "device. %s; where a framework does this, please report it to fsdp_offload_cfg.",
+            own_class(layer).__name__, own_class(self.model).__name__, how, fix)
 
     def remove(self) -> None:
         """Unhook the groups, restore the root's forward, free the idle pool (idempotent)."""
