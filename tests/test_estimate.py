@@ -24,6 +24,7 @@ from fsdp_offload_cfg.estimate import EstimateError, Lora, estimate_memory
 from fsdp_offload_cfg.estimate.loading import STRATEGIES, LoadingInputs, peak
 from fsdp_offload_cfg.estimate.model import model_class, read_model
 from fsdp_offload_cfg.estimate.plan import layer_runs
+from fsdp_offload_cfg.estimate.report import format_table
 from fsdp_offload_cfg.estimate.states import shard_numel
 from fsdp_offload_cfg.offload.options import ActivationOffloadConfig
 from fsdp_offload_cfg.testing.dist import run_workers
@@ -37,6 +38,7 @@ from fsdp_offload_cfg.testing.real_runs import (
     estimated_saves_only,
     gathered_in_the_step,
     offload_counters,
+    pinned_pool_under_fsdp2,
     real_model,
     saved_bytes,
     states_after_accelerate_step,
@@ -385,6 +387,26 @@ def test_a_config_without_cache_is_estimated_like_the_run(models: dict[str, str]
     assert masking_utils.find_packed_sequence_indices is check  # answered for the probe only
     measured = saved_bytes(*real_model(path, torch.bfloat16, BATCH, SEQ))
     assert close(report["per_rank"]["activations_bytes"], measured), (report["per_rank"], measured)
+
+
+def test_a_machines_host_memory_is_what_its_ranks_pin_together(models: dict[str, str]):
+    """Each rank pins a pool of its own for the whole run: a host runs out of memory for all of
+    them together, which the figures per rank left to the reader to multiply. Against 2 real gloo
+    ranks under FSDP2, each with its own pool: the machine's figure is what they pinned together;
+    on two machines, each holds one rank's."""
+    report = estimate(models["llama"], num_processes=2)
+    pools = run_workers(pinned_pool_under_fsdp2, 2, models["llama"], report["model"]["layer_classes"], BATCH, SEQ)
+    machine = report["per_machine"]
+    assert machine["ranks"] == 2 and all(pool > 0 for pool in pools), (machine, pools)
+    assert close(machine["host_bytes"], sum(pools)), (machine, pools)
+    loading = report["loading"]
+    assert machine["loading_host_peak_bytes"] == loading["rank0_host_peak_bytes"] + loading["other_host_peak_bytes"]
+    table = format_table(report)
+    assert "| host memory, the machine's 2 ranks together | bytes |" in table, table
+    assert f"| training (every rank's host memory for training) | {show_size(sum(pools))} |" in table, table
+    apart = estimate(models["llama"], num_processes=2, machines=2)
+    assert apart["per_machine"]["ranks"] == 1 and apart["per_machine"]["host_bytes"] == report["per_rank"]["host_bytes"]
+    assert "ranks together" not in format_table(apart)
 
 
 @pytest.mark.parametrize("name", ["llama", LLAVA])

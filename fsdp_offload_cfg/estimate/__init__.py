@@ -57,7 +57,8 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
     `parallelism_config` section (default: the config's); under hybrid sharding each rank holds a
     slice of 1 / `dp_shard_size`, not 1 / ranks, and that is what the figures per rank count.
     `lora`: LoRA adapters trained over the frozen model (`estimate/adapters.py`). `machines`: the
-    machines the ranks run on (accelerate's `num_machines`), over which FSDP1's HYBRID_SHARD copies.
+    machines the ranks run on (accelerate's `num_machines`), over which FSDP1's HYBRID_SHARD copies
+    and whose host memory `per_machine` adds up.
     `reference`: a frozen copy of the model sharded beside it (TRL's reference model).
     `reward_model`: the path of a reward model (or several) held whole on every rank (TRL's GRPO
     and RLOO); `teacher_model`: a distillation teacher's, held so too (TRL's `DistillationTrainer`),
@@ -105,7 +106,7 @@ def estimate_memory(config: FSDPOffloadConfig, model: str, *, seq_len: int, batc
                         reward_models=reward_models,
                         teacher=(teacher_model, teacher_dtype) if teacher_model is not None else None,
                         companions_sharded=companions_sharded, loss_head=loss_head,
-                        completion_tokens=completion_tokens, colocated_share=colocated_share)
+                        completion_tokens=completion_tokens, colocated_share=colocated_share, machines=machines)
 
 
 def _check_head(loss_head: str, completion_tokens: int | None, teacher_model: str | None) -> None:

@@ -57,7 +57,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                  accumulating: bool = False, lora: Lora | None = None, reference: bool = False,
                  reward_models: tuple[str, ...] = (), teacher: tuple[str, str | None] | None = None,
                  companions_sharded: bool = False, loss_head: str = "cross_entropy",
-                 completion_tokens: int | None = None, colocated_share: float | None = None) -> dict[str, Any]:
+                 completion_tokens: int | None = None, colocated_share: float | None = None,
+                 machines: int = 1) -> dict[str, Any]:
     """The report `estimate_memory` returns. `activation_budget` is the one to plan (the command
     line's, else the config's: `the_run_plans_it`, and the plan is then the run's setting); under
     `auto`, `device_memory` is the size `inputs.auto_device_bytes` resolved. `lora`: adapters
@@ -67,7 +68,8 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
     dtype (None: its checkpoint's), whole on every rank likewise; `companions_sharded`: both
     sharded beside the model instead (ms-swift's); `loss_head`, `completion_tokens`: what the
     loss goes through and the positions it scores (`estimate_memory`, `heads.py`);
-    `colocated_share`: the device's fraction a colocated engine holds, taken in `auto`'s room."""
+    `colocated_share`: the device's fraction a colocated engine holds, taken in `auto`'s room;
+    `machines`: the machines the ranks run on (`per_machine`)."""
     source = read_model(model_path)
     dtypes = resolve_dtypes(config, source.config, dtype)
     model = build_on_meta(source, dtypes.compute, dtypes.load)
@@ -142,7 +144,21 @@ def build_report(config: FSDPOffloadConfig, model_path: str, *, ranks: int, repl
                                       "colocated_bytes": colocated}  # of taken: vLLM's, colocated
     if device_memory:
         report["device_fit"] = _device_fit(report["device_by_setting"], device_memory)
+    report["per_machine"] = _per_machine(report, machines)
     return report
+
+
+def _per_machine(report: dict[str, Any], machines: int) -> dict[str, Any]:
+    """Rank 0's machine: its ranks' host memory together. A host runs out of memory for all the
+    ranks it runs, each with a pinned pool of its own that lives the whole run (8 ranks of a
+    16 GiB pool pin 128 GiB), which the figures per rank leave to the reader to multiply. The
+    ranks split as evenly as the launcher splits them; each counted as rank 0 (its shards the
+    largest: an upper bound where they are uneven)."""
+    ranks = -(-report["ranks"] // max(machines, 1))
+    loading = report["loading"]
+    return {"machines": machines, "ranks": ranks, "host_bytes": ranks * report["per_rank"]["host_bytes"],
+            "loading_host_peak_bytes": loading["rank0_host_peak_bytes"]
+            + (ranks - 1) * loading["other_host_peak_bytes"]}
 
 
 def _device_fit(by_setting: dict[str, dict[str, int]], device_bytes: int) -> dict[str, Any]:
@@ -610,8 +626,18 @@ def format_table(report: dict[str, Any]) -> str:
     for name, p in loading["by_strategy"].items():
         mark = " (this config)" if name == loading["strategy"] else ""
         lines.append(f"| {name}{mark} | {show_size(p['rank0_host_peak_bytes'])} | {show_size(p['other_host_peak_bytes'])} |")
+    lines += _machine_table(report["per_machine"], loading["strategy"])
     lines += ["", "Assumptions:"] + [f"- {a}" for a in report["assumptions"]]
     return "\n".join(lines)
+
+
+def _machine_table(machine: dict[str, Any], strategy: str) -> list[str]:
+    if machine["ranks"] < 2:
+        return []
+    whose = "rank 0's machine: its" if machine["machines"] > 1 else "the machine's"
+    return ["", f"| host memory, {whose} {machine['ranks']} ranks together | bytes |", "|---|---|",
+            f"| training (every rank's host memory for training) | {show_size(machine['host_bytes'])} |",
+            f"| loading, {strategy} (every rank's peak, added) | {show_size(machine['loading_host_peak_bytes'])} |"]
 
 
 def _fits(setting: dict[str, Any]) -> str:

@@ -184,6 +184,19 @@ def offload_counters(model: nn.Module, batch: dict[str, Any], layers: list[str],
         handle.remove()
 
 
+def pinned_pool_under_fsdp2(rank: int, world: int, path: str, layers: list[str], batch_size: int,
+                            seq_len: int) -> int:
+    """On each gloo rank: the model sharded by `fully_shard` per layer and root, one forward and
+    backward with the offload on; this rank's pinned pool, as `offload_counters` counts it."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, batch = real_model(path, torch.bfloat16, batch_size, seq_len)
+    for group in offload_groups(model, layers):
+        fully_shard(group)
+    fully_shard(model)
+    return offload_counters(model, batch, layers)["pinned_pool_bytes"]
+
+
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Each local storage once: several local tensors may view one allocation."""
     storages = [getattr(t, "_local_tensor", t).untyped_storage() for t in tensors]
