@@ -87,7 +87,13 @@ def test_how_a_load_quantizes_is_read_from_the_call_and_from_the_checkpoint(tmp_
     plain = save_llama(str(tmp_path / "llama"))
     assert quantization_of(plain, {}) is None
     assert quantization_of(str(tmp_path / "missing"), {}) is None
-    assert quantization_of(plain, {"quantization_config": {"quant_method": "fp8"}}) == "quantization_config (fp8)"
+    assert quantization_of(plain, {"quantization_config": {"quant_method": "torchao"}}) == "quantization_config (torchao)"
+    # a method that may load its weights plain is left to the load: asked to (gpt-oss from its MXFP4
+    # checkpoint with dequantize=True), or by transformers where the kernels are missing
+    assert quantization_of(plain, {"quantization_config": {"quant_method": "mxfp4", "dequantize": True}}) is None
+    assert quantization_of(plain, {"quantization_config": {"quant_method": "mxfp4"}}) is None
+    assert quantization_of(plain, {"quantization_config": {"quant_method": "compressed-tensors"}}) is None
+    assert quantization_of(plain, {"quantization_config": {"quant_method": "not-a-method"}}) is None
     config = AutoConfig.from_pretrained(plain)
     assert quantization_of(plain, {"config": config}) is None
     config.quantization_config = BNB_4BIT

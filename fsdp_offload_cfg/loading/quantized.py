@@ -8,9 +8,13 @@ on meta and fill them later. Before this check, rank 0 loaded the whole model, q
 layer (minutes for a 70B), and only then refused with "turn it off", naming no key.
 
 Every rank decides from its own arguments and the checkpoint's config.json, the same on every
-rank, so all refuse alike, before any collective and before any weight is read. Where the
-config cannot be read here, the load itself goes on and `refusal` is said after rank 0's load
-(`meta._summarize`), as before but in these words.
+rank, so all refuse alike, before any collective and before any weight is read. Only methods that
+always keep their weights quantized are refused so: a method whose config has a switch that
+loads the weights plain (FP8's and MXFP4's `dequantize`, which transformers also turns on where
+the kernels are missing; compressed-tensors' `run_compressed`) may give a plain model, which the
+loader loads as any other (gpt-oss fine-tuned from its MXFP4 checkpoint with `dequantize=True`).
+Where a load still comes out quantized, or config.json cannot be read here, `refusal` is said
+after rank 0's load (`meta._summarize`), as before but in these words.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from typing import Any
 
 from fsdp_offload_cfg import registry
 
+# the quantization configs' switches that load the weights plain: `dequantize` (FP8, MXFP4, GGUF),
+# compressed-tensors' `run_compressed` (false: decompressed on load)
+_PLAIN_SWITCHES = ("dequantize", "run_compressed")
 # `from_pretrained` keywords that say where config.json is, passed on to read it as the load would
 _CONFIG_LOOKUP = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
@@ -39,13 +46,15 @@ def quantization_of(source: Any, kwargs: Mapping[str, Any]) -> str | None:
     given = kwargs.get("quantization_config")
     if given is not None:
         named = "" if isinstance(given, Mapping) else f"={type(given).__name__}"
-        return f"quantization_config{named} ({_method(given)})"
+        return f"quantization_config{named} ({_method(given)})" if _stays_quantized(given) else None
     config = kwargs.get("config")
     if config is not None and not isinstance(config, (str, os.PathLike)):
         stored = getattr(config, "quantization_config", None)
     else:
         stored = _stored_quantization(config if config is not None else source, kwargs)
-    return None if stored is None else f"the model config's quantization_config ({_method(stored)})"
+    if stored is None or not _stays_quantized(stored):
+        return None
+    return f"the model config's quantization_config ({_method(stored)})"
 
 
 def refusal(source: Any, how: str) -> str:
@@ -64,9 +73,30 @@ def refusal(source: Any, how: str) -> str:
 
 def _method(quantization: Any) -> str:
     """The quantization's method (`bitsandbytes`, `fp8`, `gptq`), from a config object or its dict."""
-    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else \
-        getattr(quantization, "quant_method", None)
+    method = _field(quantization, "quant_method")
     return str(getattr(method, "value", method) or "method not named")
+
+
+def _stays_quantized(quantization: Any) -> bool:
+    """The method always keeps its weights quantized: its config class (transformers' own, by
+    `quant_method`) has no switch that loads them plain, and none is on. A method transformers
+    does not know is left to the load, which says so."""
+    import inspect
+
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    if _field(quantization, "dequantize"):
+        return False
+    method = _method(quantization)
+    config_class = AUTO_QUANTIZATION_CONFIG_MAPPING.get(method) or \
+        AUTO_QUANTIZATION_CONFIG_MAPPING.get(f"{method}_4bit")  # bitsandbytes' two keys, by their bits
+    if config_class is None:
+        return False
+    return not set(_PLAIN_SWITCHES) & set(inspect.signature(config_class.__init__).parameters)
+
+
+def _field(quantization: Any, name: str) -> Any:
+    return quantization.get(name) if isinstance(quantization, Mapping) else getattr(quantization, name, None)
 
 
 def _stored_quantization(source: Any, kwargs: Mapping[str, Any]) -> Any:
