@@ -11,8 +11,9 @@ Every rank decides from its own arguments and the checkpoint's config.json, the 
 rank, so all refuse alike, before any collective and before any weight is read. Only methods that
 always keep their weights quantized are refused so: a method whose config has a switch that
 loads the weights plain (FP8's and MXFP4's `dequantize`, which transformers also turns on where
-the kernels are missing; compressed-tensors' `run_compressed`) may give a plain model, which the
-loader loads as any other (gpt-oss fine-tuned from its MXFP4 checkpoint with `dequantize=True`).
+the kernels are missing; compressed-tensors' `run_compressed`) may give a plain model (gpt-oss's
+MXFP4 checkpoint loaded with `dequantize=True`), which goes on as any load that cannot be read
+slice by slice: rank 0 loads it whole and sends it, as before this check.
 Where a load still comes out quantized, or config.json cannot be read here, `refusal` is said
 after rank 0's load (`meta._summarize`), as before but in these words.
 """
@@ -41,8 +42,9 @@ def refuse_quantized(source: Any, kwargs: Mapping[str, Any]) -> None:
 
 def quantization_of(source: Any, kwargs: Mapping[str, Any]) -> str | None:
     """How the call quantizes, in words (`quantization_config=BitsAndBytesConfig (bitsandbytes)`,
-    `the model config's quantization_config (fp8)`); None where it does not, or where config.json
-    cannot be read here (the load then reads it and says so itself)."""
+    `the model config's quantization_config (gptq)`); None where it does not, where its method may
+    load the weights plain (`_stays_quantized`), or where config.json cannot be read here (the load
+    then reads it and says so itself)."""
     given = kwargs.get("quantization_config")
     if given is not None:
         named = "" if isinstance(given, Mapping) else f"={type(given).__name__}"
