@@ -16,8 +16,6 @@ the file was found. A log line names an override only where the user typed the f
 from __future__ import annotations
 
 import os
-import shlex
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 import psutil
 
 from fsdp_offload_cfg import registry
+from fsdp_offload_cfg._script import this_script_command
 from fsdp_offload_cfg.config import (
     ENV_VARS,
     FSDP1_ONLY_ENV_KEYS,
@@ -383,14 +382,4 @@ def _how_a_launch_names_a_file(environ: Mapping[str, str], launch: AccelerateLau
     return ("; this process was started without a launcher (one process, no FSDP): to train with a config "
             "file's fsdp_config, start it as `accelerate launch --config_file fsdp2.yaml "
             f"{this_script_command()}`")
-
-
-def this_script_command() -> str:
-    """This process's script and arguments as typed (`examples/train.py --lr 1e-4`), for a command
-    to copy; `train.py` where there is no script file (`python -c`, a notebook kernel's launcher is
-    one, but its arguments are the kernel's)."""
-    script = sys.argv[0] if sys.argv else ""
-    if not os.path.isfile(script) or "ipykernel" in os.path.basename(script):
-        return "train.py"
-    return shlex.join(sys.argv)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_offload_cfg"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("_sizes", "_logging", "_lazy", "_signatures", "safetensors_index", "safetensors_writer", "model_state"),
+    ("_sizes", "_logging", "_lazy", "_signatures", "_script", "safetensors_index", "safetensors_writer", "model_state"),
     ("config", "ranks", "offload.options"),  # the offload's options are a leaf the config reads
     ("compat", "layer_classes"),  # layer_classes: what transformers 4 and 5 declare as layers, read one way
     ("offload",),

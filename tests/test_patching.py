@@ -706,7 +706,7 @@ def test_the_command_to_copy_names_a_script_where_the_process_has_none(kernel: b
     """`python -c` has no script, and a notebook kernel's launcher (a file that exists) takes the
     kernel's arguments: neither is what `accelerate launch` should run, so the command names
     `train.py` for the user's script."""
-    from fsdp_offload_cfg.discovery import this_script_command
+    from fsdp_offload_cfg._script import this_script_command
 
     argv = ["-c"]
     if kernel:

@@ -18,10 +18,10 @@ import torch
 
 from fsdp_offload_cfg import registry, training_cache, vision_sync
 from fsdp_offload_cfg._logging import is_rank0
+from fsdp_offload_cfg._script import this_script_command
 from fsdp_offload_cfg.budget import enable_budget, wrap_layers
 from fsdp_offload_cfg.compat.ignored_modules import ignored_modules_sharded_anyway
 from fsdp_offload_cfg.config import FSDPOffloadConfig
-from fsdp_offload_cfg.discovery import this_script_command
 from fsdp_offload_cfg.integrations.common import (
     built_by_loader,
     cpu_fsdp_needed,

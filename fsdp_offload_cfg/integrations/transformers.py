@@ -44,7 +44,7 @@ def build_from_pretrained(original: Callable[..., Any], cfg: FSDPOffloadConfig) 
         from fsdp_offload_cfg.loading import auto_from_pretrained, rank0_from_pretrained, sharded_from_pretrained
         from fsdp_offload_cfg.loading.quantized import refuse_quantized
 
-        refuse_quantized(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+        refuse_quantized(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs, cfg.source)
         ensure_process_group()
         load = {"sharded": sharded_from_pretrained, "broadcast": rank0_from_pretrained}.get(
             cfg.load_strategy, auto_from_pretrained)

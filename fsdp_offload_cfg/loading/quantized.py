@@ -24,8 +24,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_offload_cfg import registry
-
 # the quantization configs' switches that load the weights plain: `dequantize` (FP8, MXFP4, GGUF),
 # compressed-tensors' `run_compressed` (false: decompressed on load)
 _PLAIN_SWITCHES = ("dequantize", "run_compressed")
@@ -33,11 +31,12 @@ _PLAIN_SWITCHES = ("dequantize", "run_compressed")
 _CONFIG_LOOKUP = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
 
-def refuse_quantized(source: Any, kwargs: Mapping[str, Any]) -> None:
-    """Raise `NotImplementedError` where `from_pretrained(source, **kwargs)` loads a quantized model."""
+def refuse_quantized(source: Any, kwargs: Mapping[str, Any], config_source: str) -> None:
+    """Raise `NotImplementedError` where `from_pretrained(source, **kwargs)` loads a quantized
+    model; `config_source`: where the config came from (the file, as a rule), for the fix."""
     how = quantization_of(source, kwargs)
     if how is not None:
-        raise NotImplementedError(refusal(source, how))
+        raise NotImplementedError(refusal(source, how, config_source))
 
 
 def quantization_of(source: Any, kwargs: Mapping[str, Any]) -> str | None:
@@ -59,14 +58,12 @@ def quantization_of(source: Any, kwargs: Mapping[str, Any]) -> str | None:
     return f"the model config's quantization_config ({_method(stored)})"
 
 
-def refusal(source: Any, how: str) -> str:
+def refusal(source: Any, how: str, config_source: str | None = None) -> str:
     """The message: what cannot be done, why, and the setting that runs the model as without the
-    plugin, in the file the config came from."""
-    session = registry.active()
+    plugin, in the file the config came from (`config_source`, where the caller knows it)."""
     where = ""
-    if session is not None:
-        file = session.config.source
-        where = f" in {file}" if os.path.isfile(file) else f" (the config came from {session.source})"
+    if config_source:
+        where = f" in {config_source}" if os.path.isfile(config_source) else f" (the config came from {config_source})"
     return (f"{source} loads quantized ({how}), which meta loading cannot build: each rank's model is built on meta "
             "and its shards filled at prepare from the checkpoint's tensors, while a quantized model's weights are "
             f"made by transformers as it loads. For this run set fsdp_cpu_ram_efficient_loading: false{where}: every "
