@@ -32,10 +32,15 @@ def _worker(rank: int, world_size: int, plain: str, prequantized: str, config_fi
 
     import fsdp_offload_cfg
 
+    def never_prepared() -> None:  # a teacher's shape: loaded whole where the run never prepares it
+        with fsdp_offload_cfg.local_loading():
+            AutoModelForCausalLM.from_pretrained(prequantized)
+
     calls = {
         "prequantized": lambda: AutoModelForCausalLM.from_pretrained(prequantized),
         # as a dict: transformers 4.57's BitsAndBytesConfig wants bitsandbytes installed to be made
         "quantization_config": lambda: AutoModelForCausalLM.from_pretrained(plain, quantization_config=BNB_4BIT),
+        "local_loading": never_prepared,
     }
     out = {}
     for mode in MODES:
@@ -72,7 +77,10 @@ def test_a_quantized_load_is_refused_on_every_rank_before_it_starts_naming_the_k
                 assert said.startswith(f"NotImplementedError: {plain if case != 'prequantized' else prequantized} "
                                        f"loads quantized ({method}), which meta loading cannot build"), (rank, mode, said)
                 fix = f"set fsdp_cpu_ram_efficient_loading: false in {tmp_path / f'fsdp2_{mode}.yaml'}: every rank"
-                assert fix in said, (rank, mode, said)
+                assert fix in said and "`with fsdp_offload_cfg.local_loading():`" in said, (rank, mode, said)
+        for mode in MODES:  # inside local_loading() the load is transformers' own, meta loading on or off
+            said = out[f"{mode}/local_loading"]
+            assert "bitsandbytes" in said and "meta loading" not in said, (rank, mode, said)
 
 
 def test_how_a_load_quantizes_is_read_from_the_call_and_from_the_checkpoint(tmp_path: Path):

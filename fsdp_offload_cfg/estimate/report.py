@@ -632,6 +632,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def _machine_table(machine: dict[str, Any], strategy: str) -> list[str]:
+    """`per_machine` as a table, where a machine runs two ranks or more (one: the rows per rank)."""
     if machine["ranks"] < 2:
         return []
     whose = "rank 0's machine: its" if machine["machines"] > 1 else "the machine's"

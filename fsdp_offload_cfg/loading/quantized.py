@@ -20,9 +20,12 @@ after rank 0's load (`meta._summarize`), as before but in these words.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from fsdp_offload_cfg.loading.local import LOCAL_LOADING_HINT
 
 # the quantization configs' switches that load the weights plain: `dequantize` (FP8, MXFP4, GGUF),
 # compressed-tensors' `run_compressed` (false: decompressed on load)
@@ -60,14 +63,17 @@ def quantization_of(source: Any, kwargs: Mapping[str, Any]) -> str | None:
 
 def refusal(source: Any, how: str, config_source: str | None = None) -> str:
     """The message: what cannot be done, why, and the setting that runs the model as without the
-    plugin, in the file the config came from (`config_source`, where the caller knows it)."""
+    plugin, in the file the config came from (`config_source`, where the caller knows it); and for
+    a quantized model the run never prepares (a 4-bit teacher), the block that loads it whole
+    without turning meta loading off for the model it trains."""
     where = ""
     if config_source:
         where = f" in {config_source}" if os.path.isfile(config_source) else f" (the config came from {config_source})"
     return (f"{source} loads quantized ({how}), which meta loading cannot build: each rank's model is built on meta "
             "and its shards filled at prepare from the checkpoint's tensors, while a quantized model's weights are "
             f"made by transformers as it loads. For this run set fsdp_cpu_ram_efficient_loading: false{where}: every "
-            "rank then loads the model as transformers does, and accelerate's prepare shards it as without the plugin.")
+            "rank then loads the model as transformers does, and accelerate's prepare shards it as without the plugin. "
+            + LOCAL_LOADING_HINT)
 
 
 def _method(quantization: Any) -> str:
@@ -80,8 +86,6 @@ def _stays_quantized(quantization: Any) -> bool:
     """The method always keeps its weights quantized: its config class (transformers' own, by
     `quant_method`) has no switch that loads them plain, and none is on. A method transformers
     does not know is left to the load, which says so."""
-    import inspect
-
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
     if _field(quantization, "dequantize"):
