@@ -19,6 +19,7 @@ For Llama, Qwen2 (tied), DeepseekV3 (MoE, MLA) and Llava (CLIP tower), at two se
                   working set, which `activations_on_device_bytes` adds) and `pinned_host_bytes`;
                   and under a pool cap (`max_pinned_bytes` at half that pool) what the run's pool
                   refused and kept on the device (`pool_full_bytes`) against `capped_bytes`;
+                  and the pools of 2 gloo ranks under FSDP2, added, against `per_machine.host_bytes`;
   params/grads/optimizer
                   2 gloo ranks, `fully_shard` per layer and root with bf16 mixed precision over
                   fp32 weights, one AdamW step: rank 0's local storages of parameters, gradients
@@ -100,6 +101,15 @@ def measured_activations(model_dir: str, seq_len: int, layers: list[str], cap: i
             "past_the_cap": capped["pool_full_bytes"]}
 
 
+def measured_machine_pools(model_dir: str, layers: list[str], seq_len: int) -> int:
+    """The pinned pools of `RANKS` gloo ranks under FSDP2 (one forward and backward each), added:
+    what one machine's ranks pin together."""
+    from fsdp_offload_cfg.testing.dist import run_workers
+    from fsdp_offload_cfg.testing.real_runs import pinned_pool_under_fsdp2
+
+    return sum(run_workers(pinned_pool_under_fsdp2, RANKS, model_dir, layers, BATCH, seq_len, timeout=300))
+
+
 def measured_states(model_dir: str, layers: list[str]) -> dict[str, int]:
     from fsdp_offload_cfg.testing.dist import run_workers
     from fsdp_offload_cfg.testing.real_runs import states_after_one_step
@@ -141,6 +151,8 @@ def model_rows(name: str, model_dir: str, seq_lens: list[int]) -> list[str]:
             row(name, seq, "pinned_host_bytes", per["pinned_host_bytes"], real["pool"], 0.10),
             row(name, seq, "capped_bytes (offload, pool capped at half)",
                 capped["activations"]["settings"]["offload"]["capped_bytes"], real["past_the_cap"], 0.10),
+            row(name, seq, f"per_machine host_bytes ({RANKS} ranks)", report["per_machine"]["host_bytes"],
+                measured_machine_pools(model_dir, layers, seq), 0.10),
         ]
     states = measured_states(model_dir, layers)
     for figure in ("params", "grads", "optimizer"):

@@ -186,14 +186,18 @@ def offload_counters(model: nn.Module, batch: dict[str, Any], layers: list[str],
 
 def pinned_pool_under_fsdp2(rank: int, world: int, path: str, layers: list[str], batch_size: int,
                             seq_len: int) -> int:
-    """On each gloo rank: the model sharded by `fully_shard` per layer and root, one forward and
-    backward with the offload on; this rank's pinned pool, as `offload_counters` counts it."""
-    from torch.distributed.fsdp import fully_shard
+    """On each gloo rank: the model sharded by `fully_shard` per layer and root, with the groups a
+    prepare gives it (`fsdp2_groups`: a float32 MoE router gate in a bf16 layer gets its own), one
+    forward and backward with the offload on; this rank's pinned pool, as `offload_counters` counts it."""
+    import torch.distributed.fsdp as fsdp
+
+    from fsdp_offload_cfg.shard_groups import fsdp2_groups
 
     model, batch = real_model(path, torch.bfloat16, batch_size, seq_len)
-    for group in offload_groups(model, layers):
-        fully_shard(group)
-    fully_shard(model)
+    with fsdp2_groups(model):  # swaps `fsdp.fully_shard` while it lasts
+        for group in offload_groups(model, layers):
+            fsdp.fully_shard(group)
+        fsdp.fully_shard(model)
     return offload_counters(model, batch, layers)["pinned_pool_bytes"]
 
 
